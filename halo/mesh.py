@@ -1,0 +1,296 @@
+"""Process groups for domain parallelism: a ``DomainMesh`` over torch's ``DeviceMesh``.
+
+The world is laid out as a mesh ``(dp, *domain_axes)`` in row-major order: the domain axes vary fastest, so the
+ranks of one domain group are a contiguous block and data-parallel groups are strided::
+
+    world 8, one domain axis of 2        mesh [[0, 1], [2, 3], [4, 5], [6, 7]]   axes ("dp", "domain")
+        domain groups  [0,1] [2,3] [4,5] [6,7]        dp groups  [0,2,4,6] [1,3,5,7]
+
+    world 8, domain axes (2, 2)          mesh [[[0,1],[2,3]], [[4,5],[6,7]]]      axes ("dp", "domain_h", "domain_w")
+        domain_h groups [0,2] [1,3] [4,6] [5,7]   domain_w groups [0,1] [2,3] ...   domain groups [0..3] [4..7]
+
+Each domain axis shards one tensor dim (``shard_dims``, latitude ``-2`` first) and may be ``periodic``
+(longitude), which makes the first and last rank of that axis neighbours. ``DomainParallelManager`` is the
+NCAR CREDIT API on top of a one-axis mesh; the module-level default is a convenience with an explicit reset,
+never the only way in: every function that communicates also takes a ``group`` or mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "DomainMesh",
+    "DomainParallelManager",
+    "initialize_domain_parallel",
+    "get_domain_parallel_manager",
+    "destroy_domain_parallel",
+    "mesh_layout",
+    "resolve_group",
+]
+
+
+def mesh_layout(world_size: int, domain_shape: Sequence[int]) -> np.ndarray:
+    """The rank layout ``(dp, *domain_shape)`` of a world, without touching torch.distributed.
+
+    Raises ``ValueError`` (with the numbers) if a size is not positive or the domain does not divide the world.
+    """
+    domain_shape = tuple(int(s) for s in domain_shape)
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if not domain_shape or any(s <= 0 for s in domain_shape):
+        raise ValueError(f"domain sizes must be positive, got {domain_shape}")
+    domain_size = math.prod(domain_shape)
+    if world_size % domain_size:
+        raise ValueError(
+            f"world_size ({world_size}) must be divisible by the domain-parallel size "
+            f"{' x '.join(map(str, domain_shape))} = {domain_size}"
+        )
+    return np.arange(world_size).reshape(world_size // domain_size, *domain_shape)
+
+
+class DomainMesh:
+    """A ``(dp, *domain_axes)`` mesh of process groups for one process in an initialised world.
+
+    Args:
+        domain_shape: ranks along each domain axis, e.g. ``(4,)`` (latitude) or ``(2, 4)`` (latitude x longitude).
+        shard_dims: the tensor dim each domain axis shards; default ``(-2,)`` / ``(-2, -1)``.
+        periodic: per domain axis, whether the first and last ranks are neighbours (longitude).
+        axis_names: names of the domain axes in the ``DeviceMesh``; default ``("domain",)`` or
+            ``("domain_h", "domain_w")``. The data-parallel axis is always ``"dp"``.
+        world_size: expected world size; checked against the initialised process group.
+        device_type: ``DeviceMesh`` device type; default ``"cuda"`` for nccl, else ``"cpu"``.
+
+    Every rank of the world must construct the mesh (group creation is collective), in the same order.
+    """
+
+    def __init__(
+        self,
+        domain_shape: Sequence[int] | int,
+        *,
+        shard_dims: Sequence[int] | None = None,
+        periodic: Sequence[bool] | bool = False,
+        axis_names: Sequence[str] | None = None,
+        world_size: int | None = None,
+        device_type: str | None = None,
+    ) -> None:
+        if isinstance(domain_shape, int):
+            domain_shape = (domain_shape,)
+        self.domain_shape = tuple(int(s) for s in domain_shape)
+        n_axes = len(self.domain_shape)
+        if n_axes not in (1, 2):
+            raise ValueError(f"a domain mesh has 1 or 2 domain axes, got {n_axes}: {self.domain_shape}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call torch.distributed.init_process_group() first "
+                "(torchrun sets the environment), or use halo.testing.run_on_ranks for local CPU ranks"
+            )
+        actual = dist.get_world_size()
+        if world_size is not None and world_size != actual:
+            raise ValueError(
+                f"world_size={world_size} differs from the initialised process group's world size {actual}"
+            )
+        self.world_size = actual
+        layout = mesh_layout(actual, self.domain_shape)
+        self.shard_dims = tuple(shard_dims) if shard_dims is not None else (-2, -1)[:n_axes]
+        if isinstance(periodic, bool):
+            periodic = (periodic,) * n_axes
+        self.periodic = tuple(bool(p) for p in periodic)
+        self.axis_names = tuple(axis_names) if axis_names is not None else (
+            ("domain",) if n_axes == 1 else ("domain_h", "domain_w"))
+        for name, got in (("shard_dims", self.shard_dims), ("periodic", self.periodic),
+                          ("axis_names", self.axis_names)):
+            if len(got) != n_axes:
+                raise ValueError(f"{name} needs one entry per domain axis ({n_axes}), got {got}")
+        if len(set(self.shard_dims)) != n_axes:
+            raise ValueError(f"shard_dims must be distinct, got {self.shard_dims}")
+        if "dp" in self.axis_names or len(set(self.axis_names)) != n_axes:
+            raise ValueError(f"axis_names must be distinct and not 'dp', got {self.axis_names}")
+
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.layout = layout
+        self.device_mesh = DeviceMesh(device_type, layout, mesh_dim_names=("dp", *self.axis_names))
+        self.rank = dist.get_rank()
+        self.coords = tuple(int(c) for c in np.argwhere(layout == self.rank)[0])
+
+        # One group spanning all domain axes (reductions over the whole domain). With one axis it is the
+        # DeviceMesh's own group; with two, create the flattened blocks here, every rank every block in order.
+        if n_axes == 1:
+            self._domain_group = self.device_mesh.get_group(self.axis_names[0])
+        else:
+            self._domain_group = None
+            for block in layout.reshape(layout.shape[0], -1):
+                group = dist.new_group([int(r) for r in block])
+                if self.rank in block:
+                    self._domain_group = group
+
+    # -- groups -------------------------------------------------------------------------------------------
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The data-parallel group (same shard, different samples): hand it to DDP / FSDP2."""
+        return self.device_mesh.get_group("dp")
+
+    @property
+    def domain_group(self) -> dist.ProcessGroup:
+        """All ranks that share one sample (every domain axis): reductions over the whole field."""
+        return self._domain_group
+
+    def axis_group(self, axis: int | str = 0) -> dist.ProcessGroup:
+        """The group along one domain axis, ranks in shard order: halo exchange along that axis."""
+        return self.device_mesh.get_group(self.axis_names[self._axis(axis)])
+
+    def axis_ranks(self, axis: int | str = 0) -> list[int]:
+        """Global ranks of this rank's group along ``axis``, in shard order."""
+        index = list(self.coords)
+        index[1 + self._axis(axis)] = slice(None)
+        return [int(r) for r in self.layout[tuple(index)]]
+
+    # -- positions ----------------------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.coords[0]
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.shape[0]
+
+    def axis_rank(self, axis: int | str = 0) -> int:
+        return self.coords[1 + self._axis(axis)]
+
+    def axis_size(self, axis: int | str = 0) -> int:
+        return self.domain_shape[self._axis(axis)]
+
+    @property
+    def domain_rank(self) -> int:
+        """Position in the flattened domain group (row-major over the domain axes)."""
+        return int(np.ravel_multi_index(self.coords[1:], self.domain_shape))
+
+    @property
+    def domain_size(self) -> int:
+        return math.prod(self.domain_shape)
+
+    def neighbors(self, axis: int | str = 0) -> tuple[int | None, int | None]:
+        """``(prev, next)`` global ranks along ``axis``; ``None`` at a non-periodic edge."""
+        a = self._axis(axis)
+        ranks = self.axis_ranks(a)
+        i, n = self.coords[1 + a], len(ranks)
+        if self.periodic[a]:
+            return ranks[(i - 1) % n], ranks[(i + 1) % n]
+        return (ranks[i - 1] if i > 0 else None), (ranks[i + 1] if i < n - 1 else None)
+
+    def _axis(self, axis: int | str) -> int:
+        if isinstance(axis, str):
+            if axis not in self.axis_names:
+                raise ValueError(f"unknown domain axis {axis!r}; this mesh has {self.axis_names}")
+            return self.axis_names.index(axis)
+        if not -len(self.domain_shape) <= axis < len(self.domain_shape):
+            raise ValueError(f"domain axis {axis} out of range for {len(self.domain_shape)} axes")
+        return axis % len(self.domain_shape)
+
+    def __repr__(self) -> str:
+        return (f"DomainMesh(world={self.world_size}, dp={self.dp_size}, domain={self.domain_shape}, "
+                f"rank={self.rank}, coords={self.coords}, shard_dims={self.shard_dims}, periodic={self.periodic})")
+
+
+class DomainParallelManager:
+    """NCAR CREDIT's manager: a ``(data_parallel, domain_parallel)`` mesh with one domain axis.
+
+    Domain groups are contiguous blocks of ``domain_parallel_size`` ranks; data-parallel groups are strided.
+    ``device_mesh`` has axes ``("dp", "domain")``; ``mesh`` is the underlying :class:`DomainMesh`.
+    """
+
+    def __init__(self, world_size: int, domain_parallel_size: int, shard_dim: int = -2) -> None:
+        mesh_layout(world_size, (domain_parallel_size,))  # validates the numbers before any collective
+        self.mesh = DomainMesh((domain_parallel_size,), shard_dims=(shard_dim,), world_size=world_size)
+        self.world_size = world_size
+        self.domain_parallel_size = domain_parallel_size
+        self.data_parallel_size = world_size // domain_parallel_size
+        self.shard_dim = shard_dim
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self.mesh.device_mesh
+
+    @property
+    def domain_group(self) -> dist.ProcessGroup:
+        """Process group for halo exchange and domain reductions."""
+        return self.mesh.domain_group
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        """Process group for gradient averaging across samples."""
+        return self.mesh.dp_group
+
+    @property
+    def domain_rank(self) -> int:
+        return self.mesh.axis_rank(0)
+
+    @property
+    def domain_world_size(self) -> int:
+        return self.domain_parallel_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.data_parallel_size
+
+    @property
+    def is_first_domain_rank(self) -> bool:
+        """True on the northern edge of the domain."""
+        return self.domain_rank == 0
+
+    @property
+    def is_last_domain_rank(self) -> bool:
+        """True on the southern edge of the domain."""
+        return self.domain_rank == self.domain_parallel_size - 1
+
+    def neighbor_ranks(self) -> tuple[int | None, int | None]:
+        """``(prev_rank, next_rank)`` as global ranks, ``None`` where there is no neighbour."""
+        return self.mesh.neighbors(0)
+
+    def __repr__(self) -> str:
+        return (f"DomainParallelManager(world_size={self.world_size}, domain_parallel_size="
+                f"{self.domain_parallel_size}, shard_dim={self.shard_dim}, rank={self.mesh.rank})")
+
+
+_DEFAULT: DomainParallelManager | None = None
+
+
+def initialize_domain_parallel(world_size: int, domain_parallel_size: int,
+                               shard_dim: int = -2) -> DomainParallelManager:
+    """Create a :class:`DomainParallelManager` and make it the default used when no group is passed."""
+    global _DEFAULT
+    _DEFAULT = DomainParallelManager(world_size, domain_parallel_size, shard_dim)
+    return _DEFAULT
+
+
+def get_domain_parallel_manager() -> DomainParallelManager | None:
+    """The default manager, or ``None`` if none is initialised."""
+    return _DEFAULT
+
+
+def destroy_domain_parallel() -> None:
+    """Forget the default manager (its process groups stay valid for anyone holding them)."""
+    global _DEFAULT
+    _DEFAULT = None
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``group``, or the default manager's domain group; a clear error if there is neither."""
+    if group is not None:
+        return group
+    if _DEFAULT is None:
+        raise RuntimeError(
+            "no process group given and no domain-parallel manager initialised: pass group=..., or call "
+            "halo.initialize_domain_parallel(world_size, domain_parallel_size) on every rank first"
+        )
+    return _DEFAULT.domain_group

@@ -1,0 +1,164 @@
+"""Run a function on N local ranks (gloo on CPU by default): the test harness, also useful to users.
+
+``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes from a forkserver that has torch and
+halo preloaded (a rank starts in a fraction of a second; ``spawn`` costs seconds per rank and plain ``fork``
+after a threaded torch op can deadlock), initialises a process group in each, runs ``fn(rank, world_size,
+*args)`` and returns the per-rank results in rank order. It is bounded in time: a rank that raises makes the
+call raise with that rank's traceback, and a run that outlives ``timeout`` is killed and reported, naming the
+ranks that had not finished. A hang is a failure, never a stuck test run.
+
+Test pattern: let ``fn`` compute and *return* what it measured; assert in the parent, where all ranks'
+results are seen together (so every rank reaches the same verdict and none waits alone on a failed peer).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any
+
+__all__ = ["run_on_ranks", "RankError", "RankTimeout"]
+
+_CTX: Any = None
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message carries its rank and traceback."""
+
+
+class RankTimeout(TimeoutError):
+    """The ranks did not all finish in time."""
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "halo"])
+    return _CTX
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, store_path: str,
+            backend: str, pg_timeout: float, threads: int, conn: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(threads)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = dist.FileStore(store_path, world_size)
+        device_id = None
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device_id = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout), device_id=device_id)
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            from . import mesh
+            mesh.destroy_domain_parallel()
+        conn.send(("ok", result))
+        # Leave the group without a barrier: a peer that failed must not make this rank wait.
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        except Exception:  # noqa: BLE001 - the parent will report the missing result
+            pass
+    finally:
+        conn.close()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                 timeout: float = 120.0, pg_timeout: float | None = None, threads: int = 1) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return results in rank order.
+
+    Args:
+        fn: a picklable (module-level) function.
+        timeout: seconds for the whole run; past it every rank is killed and ``RankTimeout`` raised.
+        pg_timeout: the process group's own timeout for collectives and point-to-point ops (default: the run
+            timeout), so a rank whose peer died raises instead of waiting.
+        threads: torch intra-op threads per rank (1: ranks share the cores fairly).
+
+    Raises:
+        RankError: a rank raised (the lowest failing rank's traceback is in the message).
+        RankTimeout: not all ranks finished within ``timeout``.
+    """
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="halo_ranks_") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs, conns = [], []
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, name=f"halo-rank-{rank}",
+                            args=(fn, rank, world_size, args, store_path, backend,
+                                  pg_timeout or timeout, threads, child_conn))
+            p.start()
+            child_conn.close()
+            procs.append(p)
+            conns.append(parent_conn)
+        results: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        pending = {c: r for r, c in enumerate(conns)}
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                sentinels = {procs[r].sentinel: r for r in pending.values()}
+                ready = wait(list(pending) + list(sentinels), timeout=left)
+                for obj in ready:
+                    if obj in pending:
+                        r = pending.pop(obj)
+                        try:
+                            results[r] = obj.recv()
+                        except EOFError:
+                            results[r] = ("error", f"rank {r} exited without a result "
+                                                   f"(exit code {procs[r].exitcode})")
+                    elif obj in sentinels:
+                        r = sentinels[obj]
+                        conn = conns[r]
+                        if conn in pending and not conn.poll(0.5):
+                            pending.pop(conn)
+                            procs[r].join(1)
+                            results[r] = ("error", f"rank {r} died without a result "
+                                                   f"(exit code {procs[r].exitcode})")
+                if any(s == "error" for s, _ in results.values()):
+                    # Give the others a moment to report their own errors, then stop waiting.
+                    grace = time.monotonic() + 5.0
+                    while pending and time.monotonic() < grace:
+                        for obj in wait(list(pending), timeout=max(0.0, grace - time.monotonic())):
+                            r = pending.pop(obj)
+                            try:
+                                results[r] = obj.recv()
+                            except EOFError:
+                                results[r] = ("error", f"rank {r} exited without a result")
+                    break
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(5)
+            for c in conns:
+                c.close()
+
+    errors = sorted((r, payload) for r, (status, payload) in results.items() if status == "error")
+    if errors:
+        r, payload = errors[0]
+        others = [e[0] for e in errors[1:]]
+        extra = f" (ranks {others} failed too)" if others else ""
+        raise RankError(f"rank {r} of {world_size} failed{extra}:\n{payload}")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
+    return [results[r][1] for r in range(world_size)]
