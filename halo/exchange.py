@@ -342,12 +342,17 @@ def _halo_pair(halo: int | Sequence[int], op: str) -> tuple[int, int]:
 
 def make_exchanger(x: torch.Tensor, dim: int, group: Any | None, boundary: str,
                    needs: Sequence[tuple[int, int]] | None = None,
-                   halo: tuple[int, int] | None = None, op: str = "halo_exchange") -> Exchanger:
-    """Plan an exchange for ``x``: either per-rank ``needs`` (global virtual rows) or a uniform ``halo``."""
+                   halo: tuple[int, int] | None = None, op: str = "halo_exchange",
+                   sizes: Sequence[int] | None = None) -> Exchanger:
+    """Plan an exchange for ``x``: either per-rank ``needs`` (global virtual rows) or a uniform ``halo``.
+
+    ``sizes``: every rank's extent along ``dim`` if the caller already has them from :func:`shard_sizes`
+    (layers do: they need them to compute ``needs``), so shapes are not gathered twice.
+    """
     boundary = check_boundary(boundary)
     info = group_info(group)
     ndim = x.dim()
-    sizes = shard_sizes(x, dim, info.group, op=op)
+    sizes = tuple(sizes) if sizes is not None else shard_sizes(x, dim, info.group, op=op)
     dim = dim % ndim
     total = sum(sizes)
     if boundary in POLE_MODES:
