@@ -1,0 +1,168 @@
+"""Swap a model's layers for their domain-parallel forms in place, keep the checkpoint, and swap back.
+
+``convert_to_domain_parallel(model)`` walks the module tree and replaces every layer whose receptive field
+crosses latitude rows (convolutions, pooling, upsampling, norms with spatial statistics) by the ``halo``
+layer that computes the same numbers on an H-shard. The replacements adopt the original parameters and
+buffers, so ``state_dict`` keys and tensors are unchanged: a checkpoint moves freely between sharded and
+unsharded runs (invariant 6). ``revert_domain_parallel(model)`` puts the torch modules back.
+
+Layers that act on each grid point (1x1 stride-1 convs, activations, dropout, a Linear over channels-last
+features when W is not sharded) pass through untouched. A layer that needs the whole sharded dim and has no
+domain-parallel form (attention over all tokens, adaptive pooling, flatten, ...) raises instead of silently
+computing something else; so does any leaf module this converter does not know — declare it with
+``custom_converters={MyLayer: None}`` (pointwise, keep it) or ``{MyLayer: fn}`` (``fn(module, ctx)`` returns
+the replacement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..mesh import DomainParallelManager, get_domain_parallel_manager
+
+__all__ = ["ConvertContext", "convert_to_domain_parallel", "revert_domain_parallel"]
+
+
+@dataclass(frozen=True)
+class ConvertContext:
+    """What a converter needs: the domain group, the data-parallel group, the latitude boundary override."""
+
+    group: Any
+    dp_group: Any
+    boundary: str | None
+
+
+def _is_pointwise_conv(m: nn.Module) -> bool:
+    kh = m.kernel_size[-2] if len(m.kernel_size) >= 2 else 1
+    sh = m.stride[-2] if len(m.stride) >= 2 else 1
+    pad = m.padding if isinstance(m.padding, str) else m.padding[-2]
+    return kh == 1 and sh == 1 and pad in (0, "valid", "same")
+
+
+def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None]:
+    from . import conv, norm, pool, upsample
+
+    def c2d(m, ctx):
+        return m if _is_pointwise_conv(m) else conv.HaloConv2d(m, group=ctx.group, boundary=ctx.boundary)
+
+    def c3d(m, ctx):
+        return m if _is_pointwise_conv(m) else conv.HaloConv3d(m, group=ctx.group, boundary=ctx.boundary)
+
+    def layer_norm(m, ctx):
+        if len(m.normalized_shape) == 1:  # over W (or features) only: pointwise in latitude
+            return m
+        return norm.DomainLayerNorm(m, group=ctx.group)
+
+    return {
+        nn.Conv2d: c2d,
+        nn.Conv3d: c3d,
+        nn.ConvTranspose2d: lambda m, ctx: conv.HaloConvTranspose2d(m, group=ctx.group),
+        nn.MaxPool2d: lambda m, ctx: pool.HaloMaxPool2d(m, group=ctx.group),
+        nn.AvgPool2d: lambda m, ctx: pool.HaloAvgPool2d(m, group=ctx.group),
+        nn.Upsample: lambda m, ctx: upsample.HaloUpsample(m, group=ctx.group),
+        nn.GroupNorm: lambda m, ctx: norm.DomainGroupNorm(m, group=ctx.group),
+        nn.BatchNorm2d: lambda m, ctx: norm.DomainBatchNorm2d(m, group=ctx.group, dp_group=ctx.dp_group),
+        nn.InstanceNorm2d: lambda m, ctx: norm.DomainInstanceNorm2d(m, group=ctx.group),
+        nn.LayerNorm: layer_norm,
+    }
+
+
+#: Leaf modules that act on each grid point independently: kept as they are.
+POINTWISE = (
+    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.SELU, nn.CELU,
+    nn.PReLU, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign,
+    nn.Tanhshrink, nn.Threshold, nn.Dropout, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Linear,
+    nn.Bilinear, nn.Embedding,
+)
+
+#: Leaf modules that need the whole sharded dim and have no domain-parallel form here.
+GLOBAL = (
+    nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.Transformer,
+    nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d,
+    nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Unfold, nn.Fold,
+    nn.PixelShuffle, nn.PixelUnshuffle, nn.Softmax2d, nn.LocalResponseNorm, nn.ConvTranspose1d,
+    nn.ConvTranspose3d, nn.Conv1d, nn.MaxPool1d, nn.AvgPool1d, nn.MaxPool3d, nn.AvgPool3d,
+    nn.BatchNorm1d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm3d, nn.SyncBatchNorm,
+)
+
+_ORIGINAL = "_halo_original"
+
+
+def convert_to_domain_parallel(
+    model: nn.Module,
+    manager: DomainParallelManager | None = None,
+    custom_converters: dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None] | None = None,
+    *,
+    boundary: str | None = None,
+) -> nn.Module:
+    """Replace, in place, every layer of ``model`` that crosses latitude rows by its domain-parallel form.
+
+    Args:
+        model: any module tree; it is changed in place and returned.
+        manager: whose groups to use; default the initialised manager (a clear error if there is none).
+        custom_converters: ``{LayerType: fn(module, ctx) -> replacement}`` (checked before the built-ins, so
+            it can also override them), or ``{LayerType: None}`` to declare a layer pointwise in latitude.
+        boundary: what fills the latitude edges of converted convolutions, e.g. ``"pole"`` for a global
+            lat-lon grid; default: each conv's own ``padding_mode``.
+
+    Raises:
+        ValueError: the manager shards something other than latitude (dim -2), or a layer has no
+            domain-parallel form (naming the layer's path and type).
+    """
+    manager = manager if manager is not None else get_domain_parallel_manager()
+    if manager is None:
+        raise RuntimeError("convert_to_domain_parallel needs a manager: call "
+                           "halo.initialize_domain_parallel(world_size, domain_parallel_size) first or pass one")
+    if manager.shard_dim not in (-2,):
+        raise ValueError(f"the domain-parallel layers shard latitude (shard_dim=-2); the manager has "
+                         f"shard_dim={manager.shard_dim}")
+    dp_group = manager.data_parallel_group if manager.data_parallel_size > 1 else None
+    ctx = ConvertContext(manager.domain_group, dp_group, boundary)
+    custom = dict(custom_converters or {})
+    builtin = _builtin_converters()
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for name, child in list(parent.named_children()):
+            path = f"{prefix}{name}"
+            if hasattr(child, _ORIGINAL):  # already converted
+                continue
+            kind = type(child)
+            if kind in custom:
+                fn = custom[kind]
+                replacement = child if fn is None else fn(child, ctx)
+            elif kind in builtin:
+                replacement = builtin[kind](child, ctx)
+            elif isinstance(child, GLOBAL):
+                raise ValueError(
+                    f"{path} ({kind.__name__}) needs the whole sharded latitude dim and has no domain-parallel "
+                    f"form; gather before it (halo.gather) or declare a converter in custom_converters")
+            elif isinstance(child, POINTWISE):
+                continue
+            elif next(child.children(), None) is not None:
+                visit(child, path + ".")  # a container or a composite block: convert inside it
+                continue
+            else:
+                raise ValueError(
+                    f"{path} ({kind.__name__}) is not known to act pointwise in latitude; if it does, pass "
+                    f"custom_converters={{{kind.__name__}: None}}, else provide a converter for it")
+            if replacement is not child:
+                object.__setattr__(replacement, _ORIGINAL, child)
+                setattr(parent, name, replacement)
+
+    visit(model, "")
+    return model
+
+
+def revert_domain_parallel(model: nn.Module) -> nn.Module:
+    """Undo :func:`convert_to_domain_parallel` in place; parameters and buffers carry over to the originals."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            original = getattr(child, _ORIGINAL, None)
+            if original is not None:
+                original.load_state_dict(child.state_dict())
+                setattr(parent, name, original)
+    return model
