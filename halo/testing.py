@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -64,12 +65,14 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, sto
         finally:
             from . import mesh
             mesh.destroy_domain_parallel()
-        conn.send(("ok", result))
+        # Plain pickle, not the multiprocessing pickler: tensors travel by value, not as shared-memory handles
+        # that die with this process before the parent reads them.
+        conn.send_bytes(pickle.dumps(("ok", result)))
         # Leave the group without a barrier: a peer that failed must not make this rank wait.
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
         except Exception:  # noqa: BLE001 - the parent will report the missing result
             pass
     finally:
@@ -120,7 +123,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: s
                     if obj in pending:
                         r = pending.pop(obj)
                         try:
-                            results[r] = obj.recv()
+                            results[r] = pickle.loads(obj.recv_bytes())
                         except EOFError:
                             results[r] = ("error", f"rank {r} exited without a result "
                                                    f"(exit code {procs[r].exitcode})")
@@ -139,7 +142,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: s
                         for obj in wait(list(pending), timeout=max(0.0, grace - time.monotonic())):
                             r = pending.pop(obj)
                             try:
-                                results[r] = obj.recv()
+                                results[r] = pickle.loads(obj.recv_bytes())
                             except EOFError:
                                 results[r] = ("error", f"rank {r} exited without a result")
                     break

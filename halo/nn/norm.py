@@ -1,0 +1,338 @@
+"""Domain-parallel normalisation: statistics over the whole field (and batch), exact forward and backward.
+
+Input ``(B, C, H_local, W)``, sharded along latitude (dim -2) over the domain group. Each layer subclasses its
+torch twin and adopts the original's parameters and buffers (the same tensor objects, like
+``SyncBatchNorm.convert_sync_batchnorm``), so ``state_dict`` keys and tensors are those of the original
+(invariant 6) and ``isinstance(m, nn.BatchNorm2d)`` still holds::
+
+    layer                   statistics over                    per               communicates in
+    DomainGroupNorm         C/G, H, W (whole domain)           sample, group     training and eval
+    DomainBatchNorm2d       B, H, W  (+ batch over dp group)   channel           training (eval: running stats)
+    DomainInstanceNorm2d    H, W                               sample, channel   unless eval + running stats
+    DomainLayerNorm         normalized_shape, e.g. (C, H, W)   leading dims      training and eval
+
+Statistics: each rank computes its local ``(mean, M2)`` with ``torch.var_mean`` (torch's accurate kernel), the
+ranks' pairs are gathered with one :func:`halo.reduce.all_reduce` of a zero-padded ``(P, 2, ...)`` stack (adding
+zeros is exact, so this is an all-gather with the plain all-reduce adjoint), and every rank combines them in
+rank order (Chan et al.)::
+
+    N = sum_r n_r      mean = sum_r n_r mean_r / N      M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2
+
+Why not one all-reduce of ``sum x`` and ``sum x^2``: ``E[x^2] - E[x]^2`` cancels catastrophically when the mean is
+large against the spread (temperature in K, geopotential), losing about ``2 log2(|mean| / std)`` bits, which
+in fp32 is visible. The combine has no cancellation, costs one collective of ``P`` times a few numbers per
+statistic, and leaves bitwise-identical statistics on every rank. Gradients need no hand-written backward:
+autograd runs through ``var_mean``, the combine and the all-reduce's exact adjoint. Counts ``n_r`` are exact
+integers from :func:`halo.exchange.shard_sizes`, which also checks that B, C, W, dtype agree across ranks
+(one small all-gather per new shape; none under ``halo.static_shapes``), so a mismatch raises on every rank.
+
+In float64 a sharded layer matches the unsharded one to ~1e-15 relative: only the order of the sums differs.
+bf16/fp16 inputs: statistics and normalisation in fp32, output in the input dtype (invariant 5).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..exchange import GroupInfo, group_info, shard_sizes
+from ..mesh import get_domain_parallel_manager
+from ..reduce import accumulation_dtype, all_reduce
+
+__all__ = ["DomainGroupNorm", "DomainBatchNorm2d", "DomainInstanceNorm2d", "DomainLayerNorm", "domain_var_mean"]
+
+
+# -- statistics ------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=256)
+def _counts(counts: tuple[int, ...], device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    """The per-rank counts as a tensor on the statistics' device, made once (no host copy per step)."""
+    return torch.tensor(counts, dtype=dtype, device=device).view(-1, *[1] * ndim)
+
+
+def _combine(mean: torch.Tensor, var: torch.Tensor, counts: tuple[int, ...], info: GroupInfo):
+    """Gather every rank's ``(mean, n * var)`` and combine them (Chan); returns ``(mean, var, N)``."""
+    local = torch.stack([mean, var * counts[info.index]])
+    pieces = [local if r == info.index else torch.zeros_like(local) for r in range(info.size)]
+    stats = all_reduce(torch.stack(pieces), group=info.group)  # (P, 2, ...): an all-gather (zeros add exactly)
+    total = sum(counts)
+    n = _counts(counts, mean.device, mean.dtype, mean.dim())
+    means = stats[:, 0]
+    mean_all = (n * means).sum(0) / total
+    m2 = stats[:, 1].sum(0) + (n * (means - mean_all).square()).sum(0)
+    return mean_all, m2 / total, total
+
+
+def domain_var_mean(x: torch.Tensor, dims: tuple[int, ...], group: Any | None = None, *,
+                    sizes: tuple[int, ...] | None = None, dp_group: Any | None = None,
+                    op: str = "domain_var_mean") -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Biased variance and mean of ``x`` over ``dims`` (kept, size 1) across the whole domain, and the count.
+
+    ``dims`` must include the sharded dim -2 (as ``x.dim() - 2``); with ``dp_group`` also dim 0 (the batch is
+    then pooled over the data-parallel group too). Statistics are in fp32 for half inputs, identical on every
+    rank, and differentiable with exact gradients.
+    """
+    nd = x.dim()
+    h = nd - 2
+    dims = tuple(sorted(d % nd for d in dims))
+    if h not in dims or (dp_group is not None and 0 not in dims):
+        raise ValueError(f"{op}: dims {dims} must include the sharded dim {h} (and 0 with dp_group)")
+    info = group_info(group)
+    acc = accumulation_dtype(x.dtype)
+    var, mean = torch.var_mean(x.to(acc), dim=dims, correction=0, keepdim=True)
+    per_row = math.prod(x.shape[d] for d in dims if d != h)
+    count = per_row * x.shape[h]
+    if info.size > 1:
+        sizes = sizes if sizes is not None else shard_sizes(x, -2, info.group, op=op)
+        mean, var, count = _combine(mean, var, tuple(per_row * s for s in sizes), info)
+    dp = group_info(dp_group) if dp_group is not None else None
+    if dp is not None and dp.size > 1:
+        batches = shard_sizes(x, 0, dp.group, op=op)
+        per_sample = count // x.shape[0]
+        mean, var, count = _combine(mean, var, tuple(per_sample * b for b in batches), dp)
+    return var, mean, count
+
+
+def _normalize(x: torch.Tensor, var: torch.Tensor, mean: torch.Tensor, eps: float) -> torch.Tensor:
+    return (x.to(mean.dtype) - mean) * torch.rsqrt(var + eps)
+
+
+def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+            shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``y * weight + bias`` in ``y``'s (accumulation) dtype; ``shape``: how to view them (else broadcast)."""
+    if weight is not None:
+        weight = weight.to(y.dtype)
+        y = y * (weight.view(shape) if shape else weight)
+    if bias is not None:
+        bias = bias.to(y.dtype)
+        y = y + (bias.view(shape) if shape else bias)
+    return y
+
+
+def _sizes(x: torch.Tensor, info: GroupInfo, op: str) -> tuple[int, ...] | None:
+    """Every rank's H extent, agreed on before any rank checks shapes locally (invariant 4)."""
+    if x.dim() < 2:
+        raise ValueError(f"{op}: expected (..., H_local, W), got shape {tuple(x.shape)}")
+    return shard_sizes(x, -2, info.group, op=op) if info.size > 1 else None
+
+
+def _update_running(module: nn.Module, mean: torch.Tensor, var: torch.Tensor, count: int, factor: float) -> None:
+    """``running = (1 - f) running + f stat`` with the unbiased variance of the global count (as torch)."""
+    with torch.no_grad():
+        unbiased = var.detach() * (count / (count - 1))
+        rm, rv = module.running_mean, module.running_var
+        rm.copy_(factor * mean.detach().reshape(rm.shape).to(rm.dtype) + (1 - factor) * rm)
+        rv.copy_(factor * unbiased.reshape(rv.shape).to(rv.dtype) + (1 - factor) * rv)
+
+
+# -- adopting a torch module -----------------------------------------------------------------------------------
+
+class _GroupRef:
+    """Holds a process group; shared, not copied, by ``copy.deepcopy`` (an EMA copy of a model keeps working)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Any | None) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> _GroupRef:
+        return self
+
+
+def _adopt(self: nn.Module, base: type, args: tuple, kwargs: dict) -> None:
+    """Become ``args[0]`` (an instance of ``base``), sharing its parameters and buffers; or build ``base(*args)``."""
+    if args and isinstance(args[0], base):
+        if len(args) > 1 or kwargs:
+            raise TypeError(f"{type(self).__name__}({base.__name__} module) takes no other arguments than group= "
+                            f"(got {len(args) - 1} more positional and {sorted(kwargs)})")
+        src = args[0]
+    else:
+        src = base(*args, **kwargs)
+    # Every attribute of the source; containers copied (new dicts, same tensors) so the two stay separate.
+    self.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in src.__dict__.items()})
+
+
+class _DomainNorm:
+    """Mixin: the group (resolved at call time, so a manager created after conversion is used)."""
+
+    _group_ref: _GroupRef
+
+    @property
+    def group(self) -> Any | None:
+        return self._group_ref.group
+
+    def _info(self) -> GroupInfo:
+        return group_info(self._group_ref.group)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", domain-parallel"
+
+
+def _check_4d(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"{name}: expected a 4-d (B, C, H_local, W) input, got shape {tuple(x.shape)}")
+
+
+# -- the layers ------------------------------------------------------------------------------------------------
+
+class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
+    """``nn.GroupNorm`` over the whole domain: ``DomainGroupNorm(gn, group=...)`` or built like ``nn.GroupNorm``.
+
+    Input ``(B, C, *spatial)`` with latitude at dim -2 (at least 4-d); statistics per (sample, group).
+    """
+
+    def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
+        _adopt(self, nn.GroupNorm, args, kwargs)
+        self._group_ref = _GroupRef(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        info = self._info()
+        sizes = _sizes(x, info, "DomainGroupNorm")
+        if x.dim() < 4:
+            raise ValueError(f"DomainGroupNorm: expected (B, C, ..., H_local, W), got shape {tuple(x.shape)}")
+        if x.shape[1] != self.num_channels:
+            raise ValueError(f"DomainGroupNorm: expected {self.num_channels} channels, got shape {tuple(x.shape)}")
+        b, c = x.shape[:2]
+        xg = x.reshape(b, self.num_groups, c // self.num_groups, *x.shape[2:])
+        var, mean, _ = domain_var_mean(xg, tuple(range(2, xg.dim())), info.group, sizes=sizes,
+                                       op="DomainGroupNorm")
+        y = _normalize(xg, var, mean, self.eps).reshape(x.shape)
+        y = _affine(y, self.weight, self.bias, (1, c) + (1,) * (x.dim() - 2))
+        return y.to(x.dtype)
+
+
+class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` with training statistics over the batch and the whole domain, and by default over
+    the data-parallel group too (``SyncBatchNorm``), so that dp x domain training equals unsharded training on
+    the full batch; the running statistics are updated exactly as the unsharded layer's (unbiased variance of
+    the global count, ``momentum``, ``momentum=None`` for the cumulative average, ``num_batches_tracked``).
+    Eval mode with running statistics is elementwise: no communication.
+
+    Args:
+        group: the domain group (default: the initialised manager's).
+        dp_group: pool the batch over this group too.
+        sync_dp: ``None`` (default): pool over ``dp_group`` if given, else over the initialised manager's
+            data-parallel group when it has more than one rank; ``False``: per domain group only (batches of
+            different dp ranks are then normalised separately); ``True``: require a dp group.
+        Batches may differ in size across the dp group (each rank's count is used).
+    """
+
+    def __init__(self, *args: Any, group: Any | None = None, dp_group: Any | None = None,
+                 sync_dp: bool | None = None, **kwargs: Any) -> None:
+        _adopt(self, nn.BatchNorm2d, args, kwargs)
+        self._group_ref = _GroupRef(group)
+        self._dp_ref = _GroupRef(dp_group)
+        self.sync_dp = sync_dp
+
+    def _dp_group(self) -> Any | None:
+        if self.sync_dp is False:
+            return None
+        if self._dp_ref.group is not None:
+            return self._dp_ref.group
+        manager = get_domain_parallel_manager()
+        if manager is not None and manager.data_parallel_size > 1:
+            return manager.data_parallel_group
+        if self.sync_dp:
+            raise RuntimeError("DomainBatchNorm2d(sync_dp=True) needs dp_group= or an initialised manager with "
+                               "more than one data-parallel rank")
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_4d(x, "DomainBatchNorm2d")
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        if not batch_stats:  # elementwise with the running statistics: exactly torch's kernel, no communication
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        info = self._info()
+        sizes = _sizes(x, info, "DomainBatchNorm2d")
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"DomainBatchNorm2d: expected {self.num_features} channels, got shape {tuple(x.shape)}")
+        var, mean, count = domain_var_mean(x, (0, 2, 3), info.group, sizes=sizes, dp_group=self._dp_group(),
+                                           op="DomainBatchNorm2d")
+        if count <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got {count} over the whole "
+                             f"domain (input shape {tuple(x.shape)})")
+        if self.training and self.track_running_stats:
+            _update_running(self, mean, var, count, factor)
+        y = _normalize(x, var, mean, self.eps)
+        return _affine(y, self.weight, self.bias, (1, -1, 1, 1)).to(x.dtype)
+
+
+class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
+    """``nn.InstanceNorm2d`` with statistics per (sample, channel) over the whole domain; ``affine`` and/or
+    ``track_running_stats`` as torch (running statistics: the batch mean of the per-instance mean and unbiased
+    variance; ``momentum=None`` leaves them unchanged, as torch). Input ``(B, C, H_local, W)`` or ``(C, H_local, W)``.
+    """
+
+    def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
+        _adopt(self, nn.InstanceNorm2d, args, kwargs)
+        self._group_ref = _GroupRef(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() not in (3, 4):
+            raise ValueError(f"DomainInstanceNorm2d: expected (B, C, H_local, W) or (C, H_local, W), "
+                             f"got shape {tuple(x.shape)}")
+        if x.dim() == 3:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        batch_stats = self.training or not self.track_running_stats
+        info = self._info()
+        sizes = _sizes(x, info, "DomainInstanceNorm2d") if batch_stats else None
+        if (self.affine or self.track_running_stats) and x.shape[1] != self.num_features:
+            raise ValueError(f"DomainInstanceNorm2d: expected {self.num_features} channels, got shape "
+                             f"{tuple(x.shape)}")
+        if not batch_stats:  # elementwise with the running statistics: no communication
+            return F.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
+                                   self.eps)
+        var, mean, count = domain_var_mean(x, (2, 3), info.group, sizes=sizes, op="DomainInstanceNorm2d")
+        if count <= 1:
+            raise ValueError(f"Expected more than 1 spatial element when training, got {count} over the whole "
+                             f"domain (input shape {tuple(x.shape)})")
+        if self.training and self.track_running_stats:
+            factor = self.momentum if self.momentum is not None else 0.0
+            _update_running(self, mean.mean(0), var.mean(0), count, factor)
+        y = _normalize(x, var, mean, self.eps)
+        return _affine(y, self.weight, self.bias, (1, -1, 1, 1)).to(x.dtype)
+
+
+class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
+    """``nn.LayerNorm`` whose ``normalized_shape`` covers H and W, e.g. ``(C, H, W)`` of the *global* field.
+
+    The elementwise ``weight`` / ``bias`` keep their full global shape; each rank uses its H-slice (offsets from
+    every rank's extent), so its gradient lands only in its slice and :func:`halo.reduce.sync_domain_gradients`'
+    sum assembles the full gradient. With ``normalized_shape`` of one dim (W or features) the layer is pointwise
+    in latitude and runs ``F.layer_norm`` locally.
+    """
+
+    def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
+        _adopt(self, nn.LayerNorm, args, kwargs)
+        self._group_ref = _GroupRef(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = len(self.normalized_shape)
+        if k < 2:
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        info = self._info()
+        shape = tuple(self.normalized_shape)
+        sizes = _sizes(x, info, "DomainLayerNorm") or (x.shape[-2],)
+        if x.dim() < k:
+            raise ValueError(f"DomainLayerNorm: input of shape {tuple(x.shape)} has fewer dims than "
+                             f"normalized_shape {shape}")
+        got = tuple(x.shape[-k:-2]) + (sum(sizes), x.shape[-1])
+        if got != shape:
+            raise ValueError(f"DomainLayerNorm: normalized_shape {shape} (global) but the input's last {k} dims "
+                             f"are {got} with H summed over the {info.size} ranks {list(sizes)}")
+        var, mean, _ = domain_var_mean(x, tuple(range(-k, 0)), info.group, sizes=sizes, op="DomainLayerNorm")
+        y = _normalize(x, var, mean, self.eps)
+        start, rows = sum(sizes[:info.index]), sizes[info.index]
+        weight = self.weight.narrow(-2, start, rows) if self.weight is not None else None
+        bias = self.bias.narrow(-2, start, rows) if self.bias is not None else None
+        return _affine(y, weight, bias).to(x.dtype)

@@ -1,0 +1,469 @@
+"""Domain reductions, latitude-weighted losses and gradient sync: autograd-aware, exact, fp32 accumulation.
+
+Two kinds of reduction, two adjoints (invariant 3). The dot-product tests in ``tests/test_reduce.py`` measure
+a value with the inner product of its kind: *per-rank* ``<S, y> = sum_r <S_r, y_r>``, *replicated*
+``<S, y> = mean_r <S_r, y_r>`` (the copies are one value), *sharded* ``<x, y> = sum_r <x_r, y_r>``::
+
+    op                      output (every rank)            kind         backward on rank r (the exact adjoint)
+    all_reduce(x, "sum")    S = sum_q x_q                  per-rank     sum_q g_q
+    all_reduce(x, "mean")   S / P                          per-rank     sum_q g_q / P
+    all_reduce(x, "max")    max_q x_q (elementwise)        per-rank     [x_r == max] / (#ties) * sum_q g_q
+    domain_sum(x)           sum of the global field        replicated   mean_q g_q
+    domain_mean(x)          that / N (global count)        replicated   mean_q g_q / N
+    latitude_weighted_*     domain_mean(w(lat) * ...)      replicated   the same, times w(lat)
+
+``all_reduce`` is the primitive used *inside* layers (norm statistics): every rank uses the result in its own
+downstream computation, so the gradients arriving on the ranks differ and all of them flow back (plain adjoint).
+``domain_*`` and the latitude-weighted losses return one value *replicated* on every rank of the domain group
+and count it once: the training objective is the global loss, held P times. Their backward is the adjoint
+under the inner product that counts replicated copies once, i.e. the mean over ranks of the incoming
+gradients (one all-reduce of a few numbers), which is the incoming gradient itself when, as usual, every rank
+calls ``loss.backward()`` on the same loss. With that, each rank's parameter gradient is its own part of the
+global gradient, and
+
+    loss = latitude_weighted_mse(pred, target); loss.backward(); sync_domain_gradients(model)
+
+(sum over the domain group, mean over the data-parallel group) gives exactly the unsharded gradient of the
+mean loss over the full batch. A term that is *not* a domain reduction (a weight penalty computed on every
+rank) is summed P times by the sync: divide it by the domain size, or add its gradient after the sync.
+
+Precision (invariant 5): bf16/fp16 values are summed in fp32 (float64 for cross-rank sums of a few numbers);
+``domain_*`` and the losses return fp32 for half inputs, the input dtype otherwise; ``all_reduce`` returns the
+input dtype. Collectives must be called by every rank of the group in the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .exchange import GroupInfo, group_info, shard_sizes
+from .mesh import DomainParallelManager, get_domain_parallel_manager
+from .partition import local_range
+
+__all__ = [
+    "accumulation_dtype",
+    "all_reduce",
+    "domain_sum",
+    "domain_mean",
+    "grid_latitudes",
+    "latitude_weights",
+    "local_latitude_weights",
+    "latitude_weighted_mean",
+    "latitude_weighted_mse",
+    "sync_domain_gradients",
+    "grad_norm",
+    "clip_grad_norm_",
+]
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16/fp16 (invariant 5), the dtype itself otherwise."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+# -- all_reduce: the plain-adjoint primitive -------------------------------------------------------------------
+
+class _AllReduceFn(torch.autograd.Function):
+    """Forward: sum/mean/max/min over ranks. Backward: the transposed Jacobian, ``sum_q g_q`` (scaled by
+    ``1/P`` for mean, routed to the maxima — split evenly over ties, as ``torch.amax`` — for max/min)."""
+
+    @staticmethod
+    def forward(ctx, x, op, info):
+        acc = accumulation_dtype(x.dtype)
+        buf = x.detach().to(acc, copy=True)
+        reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM)
+        dist.all_reduce(buf, op=reduce_op, group=info.group)
+        if op == "mean":
+            buf.div_(info.size)
+        if op in ("max", "min") and ctx.needs_input_grad[0]:
+            ctx.save_for_backward(x.detach().to(acc) == buf)
+        ctx.op, ctx.info, ctx.acc = op, info, acc
+        return buf.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        info = ctx.info
+        buf = grad.to(ctx.acc, copy=True)
+        dist.all_reduce(buf, group=info.group)
+        if ctx.op == "mean":
+            buf.div_(info.size)
+        elif ctx.op in ("max", "min"):
+            (hit,) = ctx.saved_tensors
+            ties = hit.to(ctx.acc)
+            dist.all_reduce(ties, group=info.group)
+            buf = torch.where(hit, buf / ties, torch.zeros_like(buf))
+        return buf.to(grad.dtype), None, None
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum", group: Any | None = None) -> torch.Tensor:
+    """All-reduce ``x`` over ``group`` (default: the manager's domain group), out of place, autograd-aware.
+
+    Backward is the plain adjoint (every rank's gradient flows back to every rank): use this inside layers,
+    where each rank uses the result differently. For a loss, use :func:`domain_sum` / :func:`domain_mean`.
+    bf16/fp16 are reduced in fp32 and returned in their own dtype. With one rank, returns ``x`` itself.
+    """
+    if op not in REDUCE_OPS:
+        raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
+    info = group_info(group)
+    if info.size == 1:
+        return x
+    return _AllReduceFn.apply(x, op, info)
+
+
+# -- replicated reductions (a loss counted once) ---------------------------------------------------------------
+
+class _ReplicatedSumFn(torch.autograd.Function):
+    """Forward: ``sum_r s_r`` (divided by ``sum_r n_r`` when counts are given), on every rank.
+    Backward: ``mean_q g_q`` (divided by the same count): the adjoint when replicated copies count once."""
+
+    @staticmethod
+    def forward(ctx, local, count, info):
+        buf = local.detach().reshape(-1).to(torch.float64, copy=True)
+        if count is not None:
+            buf = torch.cat([buf, buf.new_tensor([float(count)])])
+        dist.all_reduce(buf, group=info.group)
+        total = None
+        if count is not None:
+            buf, total = buf[:-1] / buf[-1], buf[-1]
+        ctx.info, ctx.total, ctx.shape, ctx.dtype = info, total, local.shape, local.dtype
+        return buf.to(local.dtype).view(local.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        buf = grad.reshape(-1).to(torch.float64, copy=True)
+        dist.all_reduce(buf, group=ctx.info.group)
+        buf.div_(ctx.info.size)
+        if ctx.total is not None:
+            buf.div_(ctx.total)
+        return buf.to(ctx.dtype).view(ctx.shape), None, None
+
+
+def _dims(x: torch.Tensor, dim: int | Sequence[int] | None, op: str) -> tuple[int, ...]:
+    if dim is None:  # everything: any shape, the shards need not even agree
+        return tuple(range(x.dim()))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    for d in dims:
+        if not -x.dim() <= d < x.dim():
+            raise ValueError(f"{op}: dim {d} is out of range for a {x.dim()}-d tensor of shape {tuple(x.shape)}")
+    dims = tuple(sorted({d % x.dim() for d in dims}))
+    if x.dim() < 2 or x.dim() - 2 not in dims:  # kept rows would mix different rows of the ranks
+        raise ValueError(f"{op}: dim={dim} must include the sharded latitude dim -2 (a domain reduction); "
+                         f"got a {x.dim()}-d tensor")
+    return dims
+
+
+def _reduce(x: torch.Tensor, dim, keepdim: bool, group: Any | None, mean: bool, op: str,
+            validated: bool = False) -> torch.Tensor:
+    info = group_info(group)
+    if dim is not None and info.size > 1 and not validated:
+        shard_sizes(x, -2, info.group, op=op)  # kept dims must agree on every rank, else all raise
+    dims = _dims(x, dim, op)
+    acc = accumulation_dtype(x.dtype)
+    local = x.sum(dim=dims, keepdim=keepdim, dtype=acc)
+    count = math.prod(x.shape[d] for d in dims)
+    if info.size == 1:
+        return local / count if mean else local
+    return _ReplicatedSumFn.apply(local, count if mean else None, info)
+
+
+def domain_sum(x: torch.Tensor, group: Any | None = None, *, dim: int | Sequence[int] | None = None,
+               keepdim: bool = False) -> torch.Tensor:
+    """Sum of the global field whose shard is ``x``, replicated on every rank of ``group`` (counted once).
+
+    ``dim``: reduce only these dims (they must include the sharded dim -2; the others, kept, must agree on every
+    rank and are checked): e.g. ``dim=(0, 2, 3)`` gives per-channel sums. Default: everything, a scalar.
+    """
+    return _reduce(x, dim, keepdim, group, False, "domain_sum")
+
+
+def domain_mean(x: torch.Tensor, group: Any | None = None, *, dim: int | Sequence[int] | None = None,
+                keepdim: bool = False) -> torch.Tensor:
+    """Mean of the global field: local sum, all-reduce, divided by the *global* element count (uneven shards
+    weigh by their size). Replicated on every rank, counted once in backward. ``dim`` as in :func:`domain_sum`."""
+    return _reduce(x, dim, keepdim, group, True, "domain_mean")
+
+
+# -- latitude weights ------------------------------------------------------------------------------------------
+
+LAT_METHODS = ("cos", "area")
+
+
+def _weights_of(lat: torch.Tensor, method: str) -> torch.Tensor:
+    """Mean-1 weights (float64) of rows at latitudes ``lat`` (degrees)."""
+    if method == "cos":
+        w = torch.cos(torch.deg2rad(lat)).clamp_min(0)
+    else:  # cell area: |sin(upper) - sin(lower)| between midpoints, outer bounds half a spacing out (<= 90)
+        if lat.numel() < 2:
+            raise ValueError(f"area weights need at least 2 latitudes, got {lat.numel()}")
+        mid = (lat[1:] + lat[:-1]) / 2
+        first = (lat[0] + (lat[0] - lat[1]) / 2).clamp(-90, 90)
+        last = (lat[-1] + (lat[-1] - lat[-2]) / 2).clamp(-90, 90)
+        bounds = torch.deg2rad(torch.cat([first.view(1), mid, last.view(1)]))
+        w = (torch.sin(bounds[1:]) - torch.sin(bounds[:-1])).abs()
+    if not w.sum() > 0:
+        raise ValueError(f"latitude weights sum to zero for {lat.numel()} rows from {lat[0]:g} to {lat[-1]:g}")
+    return w / w.mean()
+
+
+@functools.lru_cache(maxsize=64)
+def _grid_weights(n_lat: int, lat_range: tuple[float, float], poles_included: bool | None, method: str,
+                  device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Cached (never mutate): the weights of a generated grid on ``device`` (no host copy per step)."""
+    lat = grid_latitudes(n_lat, lat_range=lat_range, poles_included=poles_included)
+    return _weights_of(lat, method).to(device=device, dtype=dtype)
+
+
+def grid_latitudes(n_lat: int, *, lat_range: tuple[float, float] = (90.0, -90.0),
+                   poles_included: bool | None = None) -> torch.Tensor:
+    """Latitudes (degrees, float64) of ``n_lat`` equally spaced rows spanning ``lat_range``.
+
+    ``poles_included=True``: rows on both ends of the range (721 rows: 90, 89.75, ..., -90). ``False``:
+    cell-centred rows half a spacing inside (720 rows: 89.875, ..., -89.875). ``None`` (default): ``True``
+    for odd ``n_lat`` (721, 181, 121: grids with both poles), ``False`` for even (720, 64, 32: cell-centred).
+    Exactly antisymmetric for a symmetric range (integer row offsets, divided once).
+    """
+    if n_lat <= 0:
+        raise ValueError(f"n_lat must be positive, got {n_lat}")
+    if poles_included is None:
+        poles_included = bool(n_lat % 2)
+    a, b = (float(v) for v in lat_range)
+    i = torch.arange(n_lat, dtype=torch.float64)
+    if poles_included:
+        if n_lat == 1:
+            raise ValueError("a grid with both ends of lat_range on it needs at least 2 rows")
+        return a + (i * (b - a)) / (n_lat - 1)
+    return a + ((2 * i + 1) * (b - a)) / (2 * n_lat)
+
+
+def latitude_weights(n_lat: int | None = None, *, latitudes: Sequence[float] | torch.Tensor | None = None,
+                     lat_range: tuple[float, float] = (90.0, -90.0), poles_included: bool | None = None,
+                     method: str = "cos", dtype: torch.dtype = torch.float64,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """Per-row latitude weights of the global grid, normalised to mean 1 over the rows (WeatherBench).
+
+    Either ``n_lat`` equally spaced rows (``lat_range``, ``poles_included``: see :func:`grid_latitudes`; the
+    default takes odd ``n_lat`` to include both poles, even ``n_lat`` to be cell-centred) or explicit
+    ``latitudes`` in degrees (then ``lat_range``/``poles_included`` are unused). ``method="cos"``: ``cos(lat)``
+    (WeatherBench 1; 0 on a pole row); ``"area"``: the cell area between midpoints (WeatherBench 2; a pole row
+    gets its polar cap). Returns a fresh tensor.
+    """
+    if method not in LAT_METHODS:
+        raise ValueError(f"unknown latitude weight method {method!r}; expected one of {', '.join(LAT_METHODS)}")
+    if latitudes is not None:
+        lat = torch.as_tensor(latitudes, dtype=torch.float64).flatten().cpu()
+        if n_lat is not None and lat.numel() != n_lat:
+            raise ValueError(f"n_lat={n_lat} but {lat.numel()} latitudes were given")
+        return _weights_of(lat, method).to(device=device, dtype=dtype)
+    if n_lat is None:
+        raise ValueError("latitude_weights needs n_lat or latitudes")
+    lat_range = (float(lat_range[0]), float(lat_range[1]))
+    w = _grid_weights(int(n_lat), lat_range, poles_included, method, torch.device("cpu"), torch.float64)
+    return w.to(device=device, dtype=dtype, copy=True)
+
+
+def local_latitude_weights(n_lat: int, group: Any | None = None, **kwargs: Any) -> torch.Tensor:
+    """This rank's rows of :func:`latitude_weights` under the balanced split of ``n_lat`` over ``group``."""
+    info = group_info(group)
+    if n_lat < info.size:
+        raise ValueError(f"{n_lat} latitude rows cannot be split over {info.size} ranks (a rank would get none)")
+    start, stop = local_range(n_lat, info.size, info.index)
+    return latitude_weights(n_lat, **kwargs)[start:stop]
+
+
+def latitude_weighted_mean(x: torch.Tensor, group: Any | None = None, *, dim: int | Sequence[int] | None = None,
+                           keepdim: bool = False, weights: torch.Tensor | None = None,
+                           **weight_kwargs: Any) -> torch.Tensor:
+    """Mean over the global field of ``w(lat) * x``, replicated on every rank (counted once in backward).
+
+    ``x``: ``(..., H_local, W)`` sharded along -2; the rank's rows follow from every rank's extent (one small
+    all-gather, agreed on by all ranks, cached under ``halo.static_shapes``). ``weights``: the global per-row
+    weights (length H); default :func:`latitude_weights` of the global H with ``weight_kwargs``
+    (``poles_included``, ``lat_range``, ``latitudes``, ``method``). ``dim`` as in :func:`domain_sum`.
+    """
+    info = group_info(group)
+    if x.dim() < 2:
+        raise ValueError(f"latitude_weighted_mean: x must be (..., H, W), got shape {tuple(x.shape)}")
+    sizes = shard_sizes(x, -2, info.group, op="latitude_weighted_mean")
+    n_lat, start = sum(sizes), sum(sizes[:info.index])
+    acc = accumulation_dtype(x.dtype)
+    if weights is not None:
+        if weight_kwargs:
+            raise TypeError(f"pass either weights or {sorted(weight_kwargs)}, not both")
+        weights = torch.as_tensor(weights)
+    elif set(weight_kwargs) <= {"lat_range", "poles_included", "method"}:  # a generated grid: cached on device
+        lat_range = tuple(float(v) for v in weight_kwargs.get("lat_range", (90.0, -90.0)))
+        method = weight_kwargs.get("method", "cos")
+        if method not in LAT_METHODS:
+            raise ValueError(f"unknown latitude weight method {method!r}; expected one of {', '.join(LAT_METHODS)}")
+        weights = _grid_weights(n_lat, lat_range, weight_kwargs.get("poles_included"), method, x.device, acc)
+    else:
+        weights = latitude_weights(n_lat, **weight_kwargs)
+    if weights.dim() != 1 or weights.numel() != n_lat:
+        raise ValueError(f"weights must be one per global latitude row ({n_lat}), got shape {tuple(weights.shape)}")
+    w = weights.narrow(0, start, sizes[info.index]).to(device=x.device, dtype=acc).unsqueeze(-1)
+    return _reduce(x.to(acc) * w, dim, keepdim, info.group, True, "latitude_weighted_mean", validated=True)
+
+
+def latitude_weighted_mse(pred: torch.Tensor, target: torch.Tensor, group: Any | None = None,
+                          **kwargs: Any) -> torch.Tensor:
+    """WeatherBench-style loss: mean over all dims of ``w(lat) * (pred - target)**2`` over the global field
+    (``dim``/``weights``/grid options as in :func:`latitude_weighted_mean`). fp32 for half inputs."""
+    if pred.shape != target.shape:
+        raise ValueError(f"latitude_weighted_mse: pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
+    acc = accumulation_dtype(torch.promote_types(pred.dtype, target.dtype))
+    err = (pred.to(acc) - target.to(acc)).square()
+    return latitude_weighted_mean(err, group, **kwargs)
+
+
+# -- gradients ------------------------------------------------------------------------------------------------
+
+def _params(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(parameters, nn.Module):
+        parameters = parameters.parameters()
+    elif isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    seen, out = set(), []
+    for p in parameters:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _live(group: Any | None) -> GroupInfo | None:
+    if group is None:
+        return None
+    info = group_info(group)
+    return info if info.size > 1 else None
+
+
+def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: DomainParallelManager | None = None,
+                          *, domain_group: Any | None = None, dp_group: Any | None = None,
+                          bucket_mb: float = 128.0) -> None:
+    """Sum parameter gradients over the domain group, then average them over the data-parallel group.
+
+    After a replicated loss's ``backward()`` each rank holds its own part of the gradient (its rows of the
+    field; a :class:`~halo.nn.norm.DomainLayerNorm` weight only its H-slice); the sum is the global gradient
+    and the dp mean that of the mean loss over the full batch. Afterwards gradients are identical on every
+    rank of both groups.
+
+    Groups: ``domain_group`` / ``dp_group`` if given (either may be ``None``: skipped), else ``manager``'s (default
+    the initialised manager); without a manager and without torch.distributed this is a no-op. With DDP or
+    FSDP2 averaging over the dp axis, pass ``domain_group=manager.domain_group`` alone (sum and mean commute).
+
+    Parameters that require grad but have none on some ranks (used only on the edge ranks) are agreed on by one
+    small all-reduce per group: ranks without a gradient contribute zeros and receive the sum; a parameter with
+    no gradient anywhere stays ``None``. Gradients go in flat buckets of at most ``bucket_mb`` MB per
+    (device, dtype), one all-reduce per bucket and group; bf16/fp16 gradients are bucketed in fp32.
+    """
+    if domain_group is None and dp_group is None:
+        manager = manager if manager is not None else get_domain_parallel_manager()
+        if manager is None:
+            if dist.is_available() and dist.is_initialized():
+                raise RuntimeError("sync_domain_gradients: pass manager=, domain_group= or dp_group=, or call "
+                                   "halo.initialize_domain_parallel(world_size, domain_parallel_size) first")
+            return
+        domain_group, dp_group = manager.domain_group, manager.data_parallel_group
+    elif manager is not None:
+        raise ValueError("sync_domain_gradients: pass either manager or domain_group/dp_group, not both")
+    infos = [(info, op) for info, op in ((_live(domain_group), "sum"), (_live(dp_group), "mean")) if info]
+    params = [p for p in _params(model) if p.requires_grad]
+    if not infos or not params:
+        return
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise TypeError("sync_domain_gradients: sparse gradients are not supported")
+
+    # Agree on which parameters have a gradient somewhere (MAX over both groups).
+    have = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=params[0].device)
+    for info, _ in infos:
+        dist.all_reduce(have, op=dist.ReduceOp.MAX, group=info.group)
+    live = [p for p, h in zip(params, have.tolist(), strict=True) if h]
+    for p in live:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+    filled: dict[tuple, int] = {}
+    cap = max(1, int(bucket_mb * 2 ** 20))
+    for p in live:  # same order and sizes on every rank, so the buckets match
+        g = p.grad
+        key = (g.device, accumulation_dtype(g.dtype))
+        lists = buckets.setdefault(key, [[]])
+        nbytes = g.numel() * key[1].itemsize
+        if lists[-1] and filled[key] + nbytes > cap:
+            lists.append([])
+            filled[key] = 0
+        lists[-1].append(g)
+        filled[key] = filled.get(key, 0) + nbytes
+    for (_, acc), lists in buckets.items():
+        for grads in lists:
+            flat = torch.cat([g.reshape(-1).to(acc) for g in grads])
+            for info, op in infos:
+                dist.all_reduce(flat, group=info.group)
+                if op == "mean":
+                    flat.div_(info.size)
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(piece.view_as(g))
+
+
+def grad_norm(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0, *,
+              verify_group: Any | None = None) -> torch.Tensor:
+    """The ``norm_type`` norm of all gradients together, each gradient counted once; fp32 for half grads.
+
+    Call it *after* :func:`sync_domain_gradients`: gradients are then replicated on every rank of the domain
+    group, so the local norm is the global one, with no communication, identical on every rank. Before the
+    sync each rank holds only its part of the gradient, whose norm is not that of the sum (there is no cheap
+    correct answer: sync first). ``verify_group``: check with one scalar all-reduce that every rank of that
+    group got the same norm, and raise ``RuntimeError`` on all of them otherwise (a debugging aid).
+    """
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
+    grads = [p.grad for p in _params(parameters) if p.grad is not None]
+    if not grads:
+        total = torch.zeros((), dtype=torch.float32)
+    else:
+        out_dtype = functools.reduce(torch.promote_types, (accumulation_dtype(g.dtype) for g in grads))
+        device = grads[0].device
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=accumulation_dtype(g.dtype)).to(device, out_dtype)
+                 for g in grads]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if verify_group is not None:
+        info = group_info(verify_group)
+        if info.size > 1:
+            spread = torch.stack([total, -total]).to(torch.float64)
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=info.group)
+            hi, lo = spread[0].item(), -spread[1].item()
+            if hi != lo:
+                raise RuntimeError(f"grad_norm: the ranks disagree on the gradient norm (from {lo:.6g} to {hi:.6g}); "
+                                   f"call sync_domain_gradients first")
+    return total
+
+
+def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False, *,
+                    verify_group: Any | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with :func:`grad_norm` (each gradient once, fp32 for half grads).
+
+    Call after :func:`sync_domain_gradients`; every rank then scales identically. Returns the total norm.
+    """
+    params = [p for p in _params(parameters) if p.grad is not None]
+    total = grad_norm(params, norm_type, verify_group=verify_group)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
+                           f"set error_if_nonfinite=False to clip anyway")
+    coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    return total
