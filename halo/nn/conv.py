@@ -1,0 +1,411 @@
+"""Convolutions on an H-shard that compute exactly what the unsharded layer computes, forward and backward.
+
+=========================  ==========================  =====================================================
+layer                      input (local shard)         H rows this rank needs (global "virtual" rows)
+=========================  ==========================  =====================================================
+``HaloConv2d``             ``(B, C, H_r, W)``          ``[o0*s - p_top, (o1-1)*s - p_top + d*(k-1) + 1)``
+``HaloConv3d``             ``(B, C, D, H_r, W)``       same on H; D and W are local
+``HaloConvTranspose2d``    ``(B, C, H_r, W)``          ``i`` with ``i*s - p + j*d in [o0, o1)`` for a ``j < k``
+=========================  ==========================  =====================================================
+
+``[o0, o1)`` is this rank's part of the balanced split of the *output* extent ``M``, so every activation is the
+balanced split of its own global extent and layers chain (a stride-2 conv feeds the next layer without a
+re-split; ``gather`` always works). The needed rows follow from the geometry alone — no halo-width heuristic —
+so a halo may be asymmetric, reach past a neighbour into further ranks, or be negative (trimmed). Rows
+beyond the domain are filled by the exchange's boundary mode: the conv's ``padding_mode`` by default
+(``zeros`` is exactly conv zero padding), or ``boundary=`` (e.g. ``"pole"`` for latitude on a global grid).
+The unsharded axes (W, and D for 3-d) are padded locally as the wrapped conv would.
+
+Gradients: the input gradient is exact (the exchange's backward is its adjoint); weight and bias gradients on
+each rank are the contribution of its output rows, so their *sum over the domain group* is the unsharded
+gradient (each output row is computed by exactly one rank). Sum them as for any domain-parallel parameter.
+
+Two ways to run the local conv (see DESIGN.md):
+  * pad-then-conv: exchange into one extended tensor, conv with zero H padding. Every configuration.
+  * compute-then-patch (``overlap=True``): stride 1, symmetric H padding ``p = d*(k-1)/2``, ``padding_mode``
+    zeros. Post the two halo exchanges, run the conv on the shard itself with zero H padding while they are in
+    flight, then recompute the ``p`` top and bottom output rows from small strips and write them over the
+    output. No copy of the shard; communication hidden behind the interior conv.
+
+Which is the default (``overlap=None`` -> ``OVERLAP_DEFAULT``) was measured with benchmarks/conv_overlap.py
+(2 gloo ranks, shard (1, 64, 181, 360) fp32, 3x3, forward + backward, loaded 2-core CPU; median of the
+per-round time ratio to a plain conv of the same local shape): pad-then-conv 1.15x, compute-then-patch
+1.33x. On CPU the halo messages (2 x 92 KB) cost far less than a pass over the shard, so there is nothing to
+hide, while compute-then-patch's backward makes more full-size passes than it saves (the in-place patch
+clones the output gradient, each trimmed strip exchange's adjoint allocates a zero gradient of the shard,
+and autograd adds three input-gradient branches). Pad-then-conv is the default; re-measure on a GPU
+(NCCL, where communication is worth hiding) before changing it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ..exchange import HaloHandle, exchange, group_info, make_exchanger, shard_sizes
+from ..partition import check_boundary, split_offsets, split_sizes
+
+__all__ = [
+    "HaloConv2d",
+    "HaloConv3d",
+    "HaloConvTranspose2d",
+    "conv_row_plan",
+    "conv_transpose_row_plan",
+]
+
+_MODE_BOUNDARY = {"zeros": "zeros", "circular": "circular", "reflect": "reflect", "replicate": "replicate"}
+
+#: Default of ``overlap=None``: pad-then-conv, chosen by benchmarks/conv_overlap.py (module docstring).
+OVERLAP_DEFAULT = False
+
+
+# -- pure row arithmetic (no process group: every rank computes the same plan for the whole group) ----------
+
+def _check_out_sizes(out_sizes: Sequence[int], m: int, n: int, what: str, op: str) -> None:
+    empty = [r for r, s in enumerate(out_sizes) if s == 0]
+    if empty:
+        raise ValueError(f"{op}: the output has {m} rows along H ({what}, from {n} input rows) but the domain "
+                         f"group has {len(out_sizes)} ranks; ranks {empty} would get no rows. Use at most {m} "
+                         f"ranks for this layer, or a larger field")
+
+
+def conv_row_plan(sizes: Sequence[int], kernel: int, stride: int, dilation: int, pad: tuple[int, int],
+                  op: str = "conv") -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """Output shard sizes and every rank's needed input rows for a conv along the sharded dim.
+
+    ``sizes``: every rank's input rows (group order); ``pad``: ``(before, after)`` padding. Returns the
+    balanced split of ``M = (N + before + after - d(k-1) - 1) // s + 1`` and, per rank, the virtual input rows
+    ``(lo, hi)`` its output rows ``[o0, o1)`` read: ``[o0*s - before, (o1-1)*s - before + d(k-1) + 1)``.
+    """
+    n, span = sum(sizes), dilation * (kernel - 1)
+    m = (n + pad[0] + pad[1] - span - 1) // stride + 1
+    if m < 1:
+        raise ValueError(f"{op}: {n} input rows along H with padding {pad} are fewer than the dilated kernel "
+                         f"({span + 1} rows: kernel {kernel}, dilation {dilation})")
+    out_sizes = tuple(split_sizes(m, len(sizes)))
+    _check_out_sizes(out_sizes, m, n, f"kernel {kernel}, stride {stride}, dilation {dilation}, padding {pad}", op)
+    offs = split_offsets(m, len(sizes))
+    needs = tuple((offs[r] * stride - pad[0], (offs[r + 1] - 1) * stride - pad[0] + span + 1)
+                  for r in range(len(sizes)))
+    return out_sizes, needs
+
+
+def conv_transpose_row_plan(sizes: Sequence[int], kernel: int, stride: int, dilation: int, padding: int,
+                            output_padding: int, op: str = "conv_transpose"
+                            ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """Output shard sizes and needed input rows for a transposed conv along the sharded dim.
+
+    Input row ``i`` adds into output rows ``i*s - p + j*d`` (``0 <= j < k``), so output rows ``[o0, o1)`` read
+    ``i`` in ``[ceil((o0 + p - d(k-1)) / s), floor((o1 - 1 + p) / s)]`` (rows outside ``[0, N)`` are zeros).
+    An empty range (rows only reached by ``output_padding`` or between strided taps) is widened to one row,
+    whose contributions land outside ``[o0, o1)``, so that every rank still takes part in the exchange.
+    """
+    n, span = sum(sizes), dilation * (kernel - 1)
+    m = (n - 1) * stride - 2 * padding + span + output_padding + 1
+    if m < 1:
+        raise ValueError(f"{op}: the output would have {m} rows along H (input {n}, kernel {kernel}, stride "
+                         f"{stride}, padding {padding}, dilation {dilation}, output_padding {output_padding})")
+    out_sizes = tuple(split_sizes(m, len(sizes)))
+    _check_out_sizes(out_sizes, m, n, f"kernel {kernel}, stride {stride}, dilation {dilation}, padding "
+                     f"{padding}, output_padding {output_padding}", op)
+    offs = split_offsets(m, len(sizes))
+
+    def reaches(i: int, o0: int, o1: int) -> bool:  # some tap j < k lands in [o0, o1)
+        first = max(0, -((i * stride - padding - o0) // dilation))  # ceil((o0 - i*s + p) / d)
+        return first < kernel and i * stride - padding + first * dilation < o1
+
+    needs = []
+    for r in range(len(sizes)):
+        o0, o1 = offs[r], offs[r + 1]
+        lo = -((span - o0 - padding) // stride)  # ceil((o0 + p - span) / s)
+        hi = (o1 - 1 + padding) // stride + 1
+        # With d > 1 the end rows of that range may fall between the taps: drop them (a few at most).
+        while lo < hi and not reaches(lo, o0, o1):
+            lo += 1
+        while hi > lo and not reaches(hi - 1, o0, o1):
+            hi -= 1
+        needs.append((lo, max(hi, lo + 1)))
+    return out_sizes, tuple(needs)
+
+
+def _pads(conv: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
+    """``(before, after)`` padding per spatial dim; ``'same'`` as torch: ``d(k-1)//2`` before, the rest after."""
+    if conv.padding == "valid":
+        return [(0, 0)] * len(conv.kernel_size)
+    if conv.padding == "same":
+        out = []
+        for k, d in zip(conv.kernel_size, conv.dilation, strict=True):
+            total = d * (k - 1)
+            out.append((total // 2, total - total // 2))
+        return out
+    return [(p, p) for p in conv.padding]
+
+
+def _crop_rows(y: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """Rows ``[t0, t1)`` of ``y`` along dim -2, zeros where that range leaves ``[0, len)``.
+
+    Always slices ``y`` (possibly to zero rows), so the result stays in ``y``'s autograd graph: every rank must
+    run the exchange's backward, whose adjoint messages its peers wait for.
+    """
+    length = y.shape[-2]
+    a, b = min(max(t0, 0), length), min(max(t1, 0), length)
+    b = max(a, b)
+    before, after = max(0, min(t1, 0) - t0), max(0, t1 - max(t0, length))
+    part = y.narrow(-2, a, b - a)
+    return F.pad(part, (0, 0, before, after)) if before or after else part
+
+
+# -- wrapping an existing module ----------------------------------------------------------------------------
+
+def _adopt(self: nn.Module, conv: nn.Module, base: type, name: str) -> None:
+    """Make ``self`` a copy of ``conv``'s module state that shares its Parameters (same objects).
+
+    Copying the instance dictionary (shallowly, each container on its own) keeps parameter and buffer names,
+    so ``state_dict`` keys stay identical after ``model.layer = HaloConv2d(model.layer)``, and keeps hooks.
+    """
+    if not isinstance(conv, base):
+        raise TypeError(f"{name} wraps a torch.nn.{base.__name__}, got {type(conv).__name__}")
+    if type(conv).forward is not base.forward and not isinstance(conv, _HaloConvMixin):
+        raise TypeError(f"{name}: {type(conv).__name__} overrides forward(); only the standard "
+                        f"nn.{base.__name__} computation can be made halo-aware")
+    if parametrize.is_parametrized(conv):
+        raise TypeError(f"{name}: the conv is parametrized; wrap the plain conv, then register the "
+                        f"parametrization on the {name}")
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in conv.parameters(recurse=False)):
+        raise ValueError(f"{name}: the lazy conv is not initialised yet; run it once (or build a {base.__name__})")
+    nn.Module.__init__(self)
+    for key, value in conv.__dict__.items():
+        self.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
+
+
+class _HaloConvMixin:
+    """Shared construction, configuration and (deep)copy behaviour of the halo conv layers."""
+
+    _base: type[nn.modules.conv._ConvNd]
+    _spatial: int
+
+    def __init__(self, conv: Any, *args: Any, group: Any | None = None, boundary: str | None = None,
+                 overlap: bool | None = None, **kwargs: Any) -> None:
+        name = type(self).__name__
+        if isinstance(conv, nn.Module):
+            if args or kwargs:
+                raise TypeError(f"{name}(conv, ...) takes only group=, boundary=, overlap= besides the module; "
+                                f"got extra arguments {args} {sorted(kwargs)}")
+            _adopt(self, conv, self._base, name)
+        else:
+            super().__init__(conv, *args, **kwargs)  # built like the nn layer: fresh parameters
+        if boundary is not None:
+            boundary = check_boundary(boundary)
+        self.group, self.boundary, self.overlap = group, boundary, overlap
+
+    @property
+    def h_boundary(self) -> str:
+        """What fills H rows beyond the domain: ``boundary`` if given, else the conv's ``padding_mode``."""
+        return self.boundary or _MODE_BOUNDARY[self.padding_mode]
+
+    def to_conv(self) -> nn.Module:
+        """The plain layer (same Parameters, no halo): the reverse of wrapping, e.g. for unsharded inference."""
+        plain = self._base.__new__(self._base)
+        nn.Module.__init__(plain)
+        for key, value in self.__dict__.items():
+            if key not in ("group", "boundary", "overlap"):
+                plain.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
+        return plain
+
+    def extra_repr(self) -> str:
+        extra = f", boundary={self.boundary!r}" if self.boundary else ""
+        extra += f", overlap={self.overlap}" if self.overlap is not None else ""
+        return super().extra_repr() + extra
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        """Deep copies (EMA models) share the process group: it cannot be copied and names the same ranks."""
+        if self.group is not None:
+            memo.setdefault(id(self.group), self.group)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
+    def _prepare(self, x: torch.Tensor) -> tuple[Any, tuple[int, ...] | None]:
+        """Group info and every rank's H extent (``None`` with one rank).
+
+        The sizes are gathered *before* any shape check: ``shard_sizes`` makes all ranks agree on every dim but
+        H (or all raise), so the checks after it fail identically on every rank and none waits alone.
+        """
+        info = group_info(self.group)
+        if info.size > 1:
+            if x.dim() < 2:
+                raise ValueError(f"{type(self).__name__}: expected a ({self._shape_names()}) shard, got shape "
+                                 f"{tuple(x.shape)}")
+            sizes = shard_sizes(x, -2, info.group, op=type(self).__name__)
+        else:
+            sizes = None
+        self._check_input(x)
+        return info, sizes
+
+    def _shape_names(self) -> str:
+        return "B, C, D, H, W" if self._spatial == 3 else "B, C, H, W"
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        name, nd = type(self).__name__, self._spatial
+        if x.dim() not in (nd + 1, nd + 2):
+            raise ValueError(f"{name}: expected a {nd + 2}-d ({self._shape_names()}) or unbatched {nd + 1}-d "
+                             f"input sharded on H (dim -2), got {x.dim()}-d shape {tuple(x.shape)}")
+        if x.shape[-nd - 1] != self.in_channels:
+            raise ValueError(f"{name}: expected {self.in_channels} input channels (dim {-nd - 1}), got "
+                             f"{x.shape[-nd - 1]} in shape {tuple(x.shape)}")
+
+
+class _HaloConvNd(_HaloConvMixin):
+    """Forward of HaloConv2d / HaloConv3d: H (dim -2) exchanged, the other spatial dims padded locally."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        info, sizes = self._prepare(x)
+        boundary = self.h_boundary
+        if sizes is None and boundary == _MODE_BOUNDARY[self.padding_mode]:
+            return self._base.forward(self, x)  # one rank: exactly the plain layer
+        unbatched = x.dim() == self._spatial + 1
+        if unbatched:
+            x = x.unsqueeze(0)
+        if sizes is None:
+            sizes = (x.shape[-2],)
+        name, h = type(self).__name__, self._spatial - 2
+        pads = _pads(self)
+        k, s, d = self.kernel_size[h], self.stride[h], self.dilation[h]
+        _, needs = conv_row_plan(sizes, k, s, d, pads[h], op=name)
+        if self._use_overlap(sizes, pads):
+            y = self._forward_overlap(x, info, sizes, pads, boundary)
+        else:
+            ex = make_exchanger(x, -2, info.group, boundary, needs=needs, op=name, sizes=sizes)
+            y = self._local_conv(exchange(x, ex), pads)
+        return y.squeeze(0) if unbatched else y
+
+    def _conv(self, x: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
+        fn = F.conv3d if self._spatial == 3 else F.conv2d
+        return fn(x, self.weight, self.bias, self.stride, tuple(padding), self.dilation, self.groups)
+
+    def _local_conv(self, ext: torch.Tensor, pads: list[tuple[int, int]]) -> torch.Tensor:
+        """Conv of the H-extended shard: no H padding; the other dims padded as the wrapped conv does."""
+        h = self._spatial - 2
+        other = [p for i, p in enumerate(pads) if i != h]
+        if self.padding_mode == "zeros" and all(a == b for a, b in other):
+            return self._conv(ext, [0 if i == h else p[0] for i, p in enumerate(pads)])
+        flat: list[int] = []
+        for i in reversed(range(self._spatial)):  # F.pad lists the last dim first
+            flat += [0, 0] if i == h else list(pads[i])
+        mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+        return self._conv(F.pad(ext, flat, mode=mode), [0] * self._spatial)
+
+    def _use_overlap(self, sizes: Sequence[int], pads: list[tuple[int, int]]) -> bool:
+        """Compute-then-patch applies: stride 1 in H, output rows == input rows (symmetric ``d(k-1)/2``
+        padding), zero padding elsewhere done by the conv itself, and every shard holds both patches.
+        Decided from group-wide numbers only, so every rank takes the same path."""
+        overlap = OVERLAP_DEFAULT if self.overlap is None else self.overlap
+        h = self._spatial - 2
+        pt, pb = pads[h]
+        return bool(overlap) and len(sizes) > 1 and self.padding_mode == "zeros" and self.stride[h] == 1 \
+            and pt == pb > 0 and 2 * pt == self.dilation[h] * (self.kernel_size[h] - 1) \
+            and all(a == b for a, b in pads) and min(sizes) >= 2 * pt
+
+    def _forward_overlap(self, x: torch.Tensor, info: Any, sizes: Sequence[int], pads: list[tuple[int, int]],
+                         boundary: str) -> torch.Tensor:
+        """Conv the shard at once (zero H padding) while two strip exchanges are in flight, then patch.
+
+        Output row ``o`` reads rows ``[o - p, o + p]``; the top ``p`` output rows read the strip
+        ``[start - p, start + 2p)`` (halo + own edge rows), the bottom ``p`` rows ``[stop - 2p, stop + p)``.
+        Each strip is a trimmed exchange (needs narrower than the shard), so no copy of the shard is made.
+        """
+        name, h = type(self).__name__, self._spatial - 2
+        p = pads[h][0]
+        offs = [0]
+        for n in sizes:
+            offs.append(offs[-1] + n)
+        top = tuple((offs[r] - p, offs[r] + 2 * p) for r in range(len(sizes)))
+        bottom = tuple((offs[r + 1] - 2 * p, offs[r + 1] + p) for r in range(len(sizes)))
+        handles = [HaloHandle(x, make_exchanger(x, -2, info.group, boundary, needs=needs, op=name, sizes=sizes))
+                   for needs in (top, bottom)]
+        padding = [a for a, _ in pads]
+        strip_padding = [0 if i == h else a for i, a in enumerate(padding)]
+        y = self._conv(x, padding)
+        n = x.shape[-2]
+        y.narrow(-2, 0, p).copy_(self._conv(handles[0].wait(), strip_padding))
+        y.narrow(-2, n - p, p).copy_(self._conv(handles[1].wait(), strip_padding))
+        return y
+
+
+class HaloConv2d(_HaloConvNd, nn.Conv2d):
+    """``nn.Conv2d`` on an H-shard ``(B, C, H_r, W)``; equals the unsharded conv, forward and backward.
+
+    ``HaloConv2d(conv)`` shares ``conv``'s Parameters (state_dict keys unchanged); ``HaloConv2d(3, 8, 3,
+    padding=1, ...)`` builds a fresh one with ``nn.Conv2d``'s arguments. Keywords: ``group`` (the domain group;
+    default the manager's), ``boundary`` (fills H beyond the domain; default from ``padding_mode``),
+    ``overlap`` (compute-then-patch where it applies; ``None``: the measured default ``OVERLAP_DEFAULT``).
+    Output: ``(B, C_out, M_r, W_out)``, ``M_r`` this rank's part of the balanced split of the output rows.
+    """
+
+    _base, _spatial = nn.Conv2d, 2
+
+
+class HaloConv3d(_HaloConvNd, nn.Conv3d):
+    """``nn.Conv3d`` on ``(B, C, D, H_r, W)`` sharded on H (dim -2); D and W are local. As :class:`HaloConv2d`."""
+
+    _base, _spatial = nn.Conv3d, 3
+
+
+class HaloConvTranspose2d(_HaloConvMixin, nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` on an H-shard; equals the unsharded layer, forward and backward.
+
+    Runs ``conv_transpose2d`` on the rows that reach this rank's output rows, with no H padding, and crops
+    (zero-extending where only ``output_padding`` or bias reaches). ``output_size`` in ``forward`` is the
+    *global* output size. ``padding_mode`` must be ``zeros`` (torch's rule), so ``boundary`` may only be
+    ``None`` or ``"zeros"``: rows outside the input are zeros by definition of the transposed conv.
+    """
+
+    _base, _spatial = nn.ConvTranspose2d, 2
+
+    def __init__(self, conv: Any, *args: Any, group: Any | None = None, boundary: str | None = None,
+                 **kwargs: Any) -> None:
+        if "overlap" in kwargs:
+            raise TypeError("HaloConvTranspose2d has no overlap option (it always exchanges, then convolves)")
+        if boundary not in (None, "zeros"):
+            raise ValueError(f"HaloConvTranspose2d: boundary must be None or 'zeros' (a transposed conv reads "
+                             f"no rows outside its input), got {boundary!r}")
+        super().__init__(conv, *args, group=group, boundary=boundary, **kwargs)
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            raise ValueError(f"HaloConvTranspose2d: only padding_mode 'zeros' is supported (as "
+                             f"nn.ConvTranspose2d), got {self.padding_mode!r}")
+        info, sizes = self._prepare(x)
+        if sizes is None:
+            return nn.ConvTranspose2d.forward(self, x, output_size)
+        unbatched = x.dim() == 3
+        if unbatched:
+            x = x.unsqueeze(0)
+        n = sum(sizes)
+        global_x = torch.empty((*x.shape[:-2], n, x.shape[-1]), device="meta")
+        op_h, op_w = self._output_padding(global_x, output_size, self.stride, self.padding, self.kernel_size,
+                                          2, self.dilation)
+        (k, _), (s, sw), (d, dw), (p, pw) = self.kernel_size, self.stride, self.dilation, self.padding
+        out_sizes, needs = conv_transpose_row_plan(sizes, k, s, d, p, op_h, op="HaloConvTranspose2d")
+        ex = make_exchanger(x, -2, info.group, "zeros", needs=needs, op="HaloConvTranspose2d", sizes=sizes)
+        ext = exchange(x, ex)
+        # Local output row t is global row lo*s - p + t; this rank's rows are [o0, o1).
+        o0 = sum(out_sizes[:info.index])
+        t0 = o0 + p - needs[info.index][0] * s
+        t1 = t0 + out_sizes[info.index]
+        length = (ext.shape[-2] - 1) * s + d * (k - 1) + 1
+        fused = t0 >= 0 and t1 <= length  # else bias must also land on the zero-extended rows
+        y = F.conv_transpose2d(ext, self.weight, self.bias if fused else None, (s, sw), (0, pw), (0, op_w),
+                               self.groups, (d, dw))
+        y = _crop_rows(y, t0, t1)
+        if not fused and self.bias is not None:
+            y = y + self.bias.view(-1, 1, 1)
+        return y.squeeze(0) if unbatched else y
