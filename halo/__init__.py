@@ -1,5 +1,16 @@
-"""halo: exact spatial (domain) parallelism for weather and climate models in PyTorch."""
+"""halo: exact spatial (domain) parallelism for weather and climate models in PyTorch.
 
+``import halo`` gives the process-group manager, the halo exchange and the shard/gather ops; layers live in
+``halo.nn``, losses and gradient sync in ``halo.reduce``, the ColossalAI initializers in ``halo.groups``.
+"""
+
+from .exchange import (
+    halo_exchange,
+    halo_exchange_2d,
+    halo_exchange_async,
+    set_validation,
+    static_shapes,
+)
 from .mesh import (
     DomainMesh,
     DomainParallelManager,
@@ -7,6 +18,7 @@ from .mesh import (
     get_domain_parallel_manager,
     initialize_domain_parallel,
 )
+from .shard import gather, gather_2d, scatter, scatter_2d, shard, shard_2d
 
 __version__ = "0.1.0"
 
@@ -14,6 +26,17 @@ __all__ = [
     "DomainMesh",
     "DomainParallelManager",
     "destroy_domain_parallel",
+    "gather",
+    "gather_2d",
     "get_domain_parallel_manager",
+    "halo_exchange",
+    "halo_exchange_2d",
+    "halo_exchange_async",
     "initialize_domain_parallel",
+    "scatter",
+    "scatter_2d",
+    "set_validation",
+    "shard",
+    "shard_2d",
+    "static_shapes",
 ]

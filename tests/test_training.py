@@ -116,7 +116,7 @@ def _convert_rules(rank, world):
     revert_domain_parallel(model)
     reverted_types = [type(mod) for mod in model.modules()]
     errors = {}
-    for name, bad in (("attention", nn.MultiheadAttention(4, 2)), ("adaptive", nn.AdaptiveAvgPool2d(1)),
+    for name, bad in (("attention", nn.MultiheadAttention(4, 2)), ("flatten", nn.Flatten()),
                       ("unknown", _Mystery())):
         try:
             convert_to_domain_parallel(nn.Sequential(nn.Conv2d(1, 1, 3), bad), m)
@@ -143,7 +143,7 @@ def test_convert_keeps_state_and_refuses_global_layers():
         assert conv["inc.2"] == "SiLU"
         assert r["same_state"] and r["reverted"]
         assert "1 (MultiheadAttention) needs the whole sharded latitude dim" in r["errors"]["attention"]
-        assert "1 (AdaptiveAvgPool2d) needs the whole sharded latitude dim" in r["errors"]["adaptive"]
+        assert "1 (Flatten) needs the whole sharded latitude dim" in r["errors"]["flatten"]
         assert "1 (_Mystery) is not known to act pointwise" in r["errors"]["unknown"]
         assert r["declared"] == "_Mystery"
 

@@ -1,0 +1,25 @@
+"""Domain-parallel layers: each equals its torch twin on the full field, forward and backward."""
+
+from .conv import HaloConv2d, HaloConv3d, HaloConvTranspose2d
+from .convert import convert_to_domain_parallel, revert_domain_parallel
+from .norm import DomainBatchNorm2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
+from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d, HaloAvgPool2d, HaloMaxPool2d
+from .upsample import HaloUpsample, halo_interpolate
+
+__all__ = [
+    "DomainBatchNorm2d",
+    "DomainGroupNorm",
+    "DomainInstanceNorm2d",
+    "DomainLayerNorm",
+    "HaloAdaptiveAvgPool2d",
+    "HaloAdaptiveMaxPool2d",
+    "HaloAvgPool2d",
+    "HaloConv2d",
+    "HaloConv3d",
+    "HaloConvTranspose2d",
+    "HaloMaxPool2d",
+    "HaloUpsample",
+    "convert_to_domain_parallel",
+    "halo_interpolate",
+    "revert_domain_parallel",
+]

@@ -8,7 +8,7 @@ unsharded runs (invariant 6). ``revert_domain_parallel(model)`` puts the torch m
 
 Layers that act on each grid point (1x1 stride-1 convs, activations, dropout, a Linear over channels-last
 features when W is not sharded) pass through untouched. A layer that needs the whole sharded dim and has no
-domain-parallel form (attention over all tokens, adaptive pooling, flatten, ...) raises instead of silently
+domain-parallel form (attention over all tokens, flatten, pixel shuffle, ...) raises instead of silently
 computing something else; so does any leaf module this converter does not know — declare it with
 ``custom_converters={MyLayer: None}`` (pointwise, keep it) or ``{MyLayer: fn}`` (``fn(module, ctx)`` returns
 the replacement).
@@ -63,6 +63,8 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         nn.ConvTranspose2d: lambda m, ctx: conv.HaloConvTranspose2d(m, group=ctx.group),
         nn.MaxPool2d: lambda m, ctx: pool.HaloMaxPool2d(m, group=ctx.group),
         nn.AvgPool2d: lambda m, ctx: pool.HaloAvgPool2d(m, group=ctx.group),
+        nn.AdaptiveAvgPool2d: lambda m, ctx: pool.HaloAdaptiveAvgPool2d(m, group=ctx.group),
+        nn.AdaptiveMaxPool2d: lambda m, ctx: pool.HaloAdaptiveMaxPool2d(m, group=ctx.group),
         nn.Upsample: lambda m, ctx: upsample.HaloUpsample(m, group=ctx.group),
         nn.GroupNorm: lambda m, ctx: norm.DomainGroupNorm(m, group=ctx.group),
         nn.BatchNorm2d: lambda m, ctx: norm.DomainBatchNorm2d(m, group=ctx.group, dp_group=ctx.dp_group),
@@ -82,7 +84,7 @@ POINTWISE = (
 #: Leaf modules that need the whole sharded dim and have no domain-parallel form here.
 GLOBAL = (
     nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.Transformer,
-    nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d,
     nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Unfold, nn.Fold,
     nn.PixelShuffle, nn.PixelUnshuffle, nn.Softmax2d, nn.LocalResponseNorm, nn.ConvTranspose1d,
     nn.ConvTranspose3d, nn.Conv1d, nn.MaxPool1d, nn.AvgPool1d, nn.MaxPool3d, nn.AvgPool3d,

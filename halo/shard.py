@@ -1,0 +1,363 @@
+"""Shard, scatter and gather a field along one tensor dim (or H and W of a 2-D mesh), autograd-aware.
+
+Shards are the balanced split (``torch.tensor_split``; 721 rows over 4 ranks: 181, 180, 180, 180) in group
+order; ``gather`` concatenates whatever extents the ranks hold. Uneven sizes travel padded to the largest shard
+(gloo refuses uneven all-gathers), in dim-major buffers (rows along ``dim`` outermost: every message is one
+contiguous slice of one buffer, which gloo requires).
+
+Three kinds of value, and the inner product each is measured with (the dot-product tests use these)::
+
+    sharded      rank r holds x_r                       <x, y> = sum_r <x_r, y_r>
+    on one rank  only rank s holds X                    <X, Y> = <X_s, Y_s>
+    replicated   every rank holds the same X            <X, Y> = mean_r <X_r, Y_r>   (counted once)
+
+"Counted once" is the convention of ``halo.reduce``: a loss computed identically on every rank from a gathered
+field is one loss, with the gradient one device would give. Under it the four ops are two adjoint pairs::
+
+    op                 input        output       backward (the exact adjoint)
+    shard(x)           replicated   sharded      all-gather of the slice gradients (replicated result)
+    gather(x)          sharded      replicated   own slice of the mean over ranks of the incoming gradients
+    scatter(x, src)    on src       sharded      gather of the slice gradients onto src
+    gather(x, dst)     sharded      on dst       scatter of dst's gradient
+
+The mean in ``gather``'s backward projects gradients that differ across ranks onto the replicated space (a
+per-rank different loss of a replicated field is averaged); when they agree it is the plain slice. So the
+gradient of a replicated value is whole on every rank, not a per-rank part: ``shard(gather(x))`` is the
+identity forward and backward, but a parameter used only in replicated computation (before ``shard``, after
+``gather``) already holds its whole gradient on every rank and must not be summed again over the domain group
+(``halo.reduce.sync_domain_gradients`` sums).
+
+Like every collective, these must be called by every rank of the group in the same order, with the same
+``dim``/``src``/``dst``, the same grad mode and the same ``requires_grad``; and backward must run through
+the result on every rank (the backward is a collective too). Layers: primitives (no autograd) ->
+``_XxxFn`` -> public functions, which validate.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .exchange import _DEVICES, _DTYPES, _MAX_NDIM, GroupInfo, group_info, shard_sizes
+from .mesh import DomainMesh, get_domain_parallel_manager
+from .partition import split_sizes
+
+__all__ = ["shard", "scatter", "gather", "shard_2d", "scatter_2d", "gather_2d"]
+
+
+# -- primitives (no autograd): x is a tensor with extent sizes[index] along dim on each rank --------------------
+
+def _rest(x: torch.Tensor, dim: int) -> list[int]:
+    return [s for i, s in enumerate(x.shape) if i != dim]
+
+
+def _empty_like(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with extent 0 along ``dim``: what ranks without a result get."""
+    return x.new_empty([0 if i == dim else s for i, s in enumerate(x.shape)])
+
+
+def _pack(pieces: list[torch.Tensor], dim: int, rows: int) -> torch.Tensor:
+    """Each piece moved dim-major into ``rows`` rows (zero-padded) of one fresh contiguous buffer."""
+    buf = pieces[0].new_empty((len(pieces) * rows, *_rest(pieces[0], dim)))
+    for k, p in enumerate(pieces):
+        n = p.shape[dim]
+        buf[k * rows:k * rows + n].copy_(p.movedim(dim, 0))
+        buf[k * rows + n:(k + 1) * rows].zero_()
+    return buf
+
+
+def _chunks(buf: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    rows = buf.shape[0] // parts
+    return [buf[k * rows:(k + 1) * rows] for k in range(parts)]
+
+
+def _unpack(buf: torch.Tensor, sizes: tuple[int, ...], dim: int, rows: int) -> torch.Tensor:
+    """Inverse of ``_pack``: the pieces (their first ``sizes[k]`` rows) concatenated along ``dim``."""
+    shape = list(buf.shape[1:])
+    shape.insert(dim, sum(sizes))
+    out = buf.new_empty(shape)
+    at = 0
+    for k, n in enumerate(sizes):
+        out.narrow(dim, at, n).copy_(buf[k * rows:k * rows + n].movedim(0, dim))
+        at += n
+    return out
+
+
+def _silent(x: torch.Tensor, sizes: tuple[int, ...], dim: int) -> bool:
+    """Nothing to send (every rank computes the same answer: sizes and other dims are agreed)."""
+    return max(sizes) == 0 or math.prod(_rest(x, dim)) == 0
+
+
+def _slice(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> torch.Tensor:
+    return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone(memory_format=torch.contiguous_format)
+
+
+def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: GroupInfo) -> torch.Tensor:
+    """Every rank's piece, concatenated along ``dim`` in group order, on every rank."""
+    if info.size == 1:
+        return x.clone()
+    rows = max(sizes)
+    recv = x.new_empty((info.size * rows, *_rest(x, dim)))
+    if not _silent(x, sizes, dim):
+        dist.all_gather(_chunks(recv, info.size), _pack([x], dim, rows), group=info.group)
+    return _unpack(recv, sizes, dim, rows)
+
+
+def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: GroupInfo, dst: int) -> torch.Tensor:
+    """The concatenation on group rank ``dst``; elsewhere an empty tensor (extent 0 along ``dim``)."""
+    if info.size == 1:
+        return x.clone()
+    rows, here = max(sizes), info.index == dst
+    recv = x.new_empty((info.size * rows, *_rest(x, dim))) if here else None
+    if not _silent(x, sizes, dim):
+        dist.gather(_pack([x], dim, rows), _chunks(recv, info.size) if here else None,
+                    group=info.group, group_dst=dst)
+    return _unpack(recv, sizes, dim, rows) if here else _empty_like(x, dim)
+
+
+def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info: GroupInfo, src: int,
+                  like: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``x`` (held on group rank ``src`` only); ``like``: an empty tensor of the
+    right dtype/device/ndim whose other dims are those of ``x``."""
+    if info.size == 1:
+        return x.clone()
+    rows = max(sizes)
+    recv = like.new_empty((rows, *_rest(like, dim)))
+    if not _silent(like, sizes, dim):
+        send = None
+        if info.index == src:
+            send = _chunks(_pack(list(x.split(list(sizes), dim)), dim, rows), info.size)
+        dist.scatter(recv, send, group=info.group, group_src=src)
+    return recv[:sizes[info.index]].movedim(0, dim).contiguous()
+
+
+def _reduce_scatter_mean(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: GroupInfo) -> torch.Tensor:
+    """This rank's piece of the mean over ranks of the full tensors ``x``."""
+    if info.size == 1:
+        return x.clone()
+    rows = max(sizes)
+    recv = x.new_zeros((rows, *_rest(x, dim)))
+    if not _silent(x, sizes, dim):
+        send = _pack(list(x.split(list(sizes), dim)), dim, rows)
+        dist.reduce_scatter(recv, _chunks(send, info.size), op=dist.ReduceOp.SUM, group=info.group)
+        recv.div_(info.size)
+    return recv[:sizes[info.index]].movedim(0, dim).contiguous()
+
+
+# -- autograd: each forward beside its adjoint ------------------------------------------------------------------
+
+class _ShardFn(torch.autograd.Function):
+    """Forward: keep this rank's slice of the replicated ``x``. Backward: all-gather of the slice gradients."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, dim, info):
+        ctx.args = sizes, dim, info
+        return _slice(x, sizes, dim, info.index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, *ctx.args), None, None, None
+
+
+class _GatherFn(torch.autograd.Function):
+    """Forward: all-gather (replicated result). Backward: own slice of the mean of the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, dim, info):
+        ctx.args = sizes, dim, info
+        return _all_gather(x, sizes, dim, info)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_mean(grad, *ctx.args), None, None, None
+
+
+class _ScatterFn(torch.autograd.Function):
+    """Forward: src's tensor split over the ranks. Backward: gather of the slice gradients onto src.
+
+    ``anchor``: on ranks other than src an empty leaf that requires grad when src's input does, so that those
+    ranks' results are in the graph and their backward joins the gather.
+    """
+
+    @staticmethod
+    def forward(ctx, x, anchor, like, sizes, dim, info, src):
+        ctx.args = sizes, dim, info, src
+        return _scatter_from(x, sizes, dim, info, src, like)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes, dim, info, src = ctx.args
+        full = _gather_to(grad, sizes, dim, info, src)
+        return (full if info.index == src else None), None, None, None, None, None, None
+
+
+class _GatherToFn(torch.autograd.Function):
+    """Forward: gather onto dst (others: empty). Backward: scatter of dst's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, dim, info, dst):
+        ctx.args = sizes, dim, info, dst
+        ctx.like = _empty_like(x, dim)
+        return _gather_to(x, sizes, dim, info, dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes, dim, info, dst = ctx.args
+        return _scatter_from(grad if info.index == dst else None, sizes, dim, info, dst, ctx.like), *[None] * 4
+
+
+# -- public API ---------------------------------------------------------------------------------------------
+
+def _check_rank(value: Any, info: GroupInfo, op: str, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < info.size:
+        raise ValueError(f"{op}: {name}={value!r} is not a rank of the group: expected an int in "
+                         f"[0, {info.size}) (a position in the group, not a global rank)")
+    return value
+
+
+def shard(x: torch.Tensor, dim: int = -2, *, group: Any | None = None) -> torch.Tensor:
+    """This rank's slice of ``x``, which every rank of ``group`` holds whole (the balanced split, group order).
+
+    ``x`` is replicated: the same tensor on every rank, counted once (extents are checked, values are not).
+    Backward: the full gradient on every rank is the concatenation of all ranks' slice gradients (all-gather).
+    """
+    info = group_info(group)
+    sizes = shard_sizes(x, dim, info.group, op="shard", allow_empty=True)
+    if len(set(sizes)) != 1:
+        raise ValueError(f"shard: x must be the same whole tensor on every rank of the group, but its extents "
+                         f"along dim {dim % x.dim()} differ: {list(sizes)} (group ranks 0..{info.size - 1}); "
+                         f"use scatter() when only one rank holds it")
+    return _ShardFn.apply(x, tuple(split_sizes(sizes[0], info.size)), dim % x.dim(), info)
+
+
+def gather(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, dst: int | None = None) -> torch.Tensor:
+    """Concatenate the ranks' shards along ``dim`` in group order (any extents, the other dims equal).
+
+    ``dst=None``: the whole tensor on every rank (replicated, counted once); backward gives each rank its slice
+    of the mean of the ranks' incoming gradients (its slice, when they agree). ``dst=s`` (a position in the
+    group): the whole tensor on group rank ``s``; every other rank gets an empty tensor (extent 0 along
+    ``dim``) which is still part of the graph: its backward receives that rank's slice of ``s``'s gradient, so
+    those ranks must backpropagate through it too (e.g. add ``out.sum()``, which is 0, to their loss).
+    """
+    info = group_info(group)
+    if dst is not None:
+        _check_rank(dst, info, "gather", "dst")
+    sizes = shard_sizes(x, dim, info.group, op="gather", allow_empty=True)
+    if dst is None:
+        return _GatherFn.apply(x, sizes, dim % x.dim(), info)
+    return _GatherToFn.apply(x, sizes, dim % x.dim(), info, dst)
+
+
+def _broadcast_meta(x: Any, info: GroupInfo, src: int) -> list[int]:
+    """src's ``[status, ndim, *shape (padded), dtype, device, requires_grad]`` on every rank."""
+    meta = [0] * (_MAX_NDIM + 5)
+    if info.index == src:
+        if not isinstance(x, torch.Tensor):
+            meta[0] = 1
+        elif x.dim() > _MAX_NDIM:
+            meta[0], meta[1] = 2, x.dim()
+        elif x.dtype not in _DTYPES:
+            meta[0] = 3
+        else:
+            meta[1:2 + x.dim()] = [x.dim(), *x.shape]
+            meta[-3] = _DTYPES.index(x.dtype)
+            meta[-2] = _DEVICES.index(x.device.type) if x.device.type in _DEVICES else len(_DEVICES)
+            meta[-1] = int(x.requires_grad and torch.is_grad_enabled())
+    if info.size > 1:
+        nccl = dist.get_backend(info.group) == "nccl"
+        t = torch.tensor(meta, dtype=torch.int64, device="cuda" if nccl else "cpu")
+        dist.broadcast(t, group=info.group, group_src=src)
+        meta = t.tolist()
+    return meta
+
+
+def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any | None = None) -> torch.Tensor:
+    """Split the tensor held by group rank ``src`` over the ranks (balanced split); return this rank's slice.
+
+    Other ranks pass ``None`` (anything they pass is ignored): shape, dtype, device type and whether it
+    requires grad are broadcast from ``src``. Results live on the current CUDA device for a CUDA tensor, else on
+    the CPU. Backward: the slice gradients are gathered onto ``src`` (``x.grad`` there); other ranks have no
+    input to give a gradient to, but must run backward through their slice.
+    """
+    info = group_info(group)
+    _check_rank(src, info, "scatter", "src")
+    meta = _broadcast_meta(x, info, src)
+    who = f"group rank {src} (src, global {info.ranks[src]})"
+    if meta[0] == 1:
+        raise ValueError(f"scatter: {who} must pass a tensor (the other ranks may pass None)")
+    if meta[0] == 2:
+        raise ValueError(f"scatter: at most {_MAX_NDIM} dims are supported, {who} has {meta[1]}")
+    if meta[0] == 3:
+        raise ValueError(f"scatter: {who} has a dtype outside {[str(d) for d in _DTYPES]}")
+    ndim, shape = meta[1], meta[2:2 + meta[1]]
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"scatter: dim {dim} is out of range for the {ndim}-d tensor of shape {tuple(shape)} "
+                         f"on {who}")
+    dim %= ndim
+    device_type = _DEVICES[meta[-2]] if meta[-2] < len(_DEVICES) else None
+    if info.index == src:
+        device = x.device
+    elif device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(device_type or "cpu")
+    like = torch.empty([0 if i == dim else s for i, s in enumerate(shape)], dtype=_DTYPES[meta[-3]], device=device)
+    anchor = None
+    if meta[-1] and info.index != src:
+        anchor = torch.empty(0, requires_grad=True)
+    sizes = tuple(split_sizes(shape[dim], info.size))
+    return _ScatterFn.apply(x if info.index == src else None, anchor, like, sizes, dim, info, src)
+
+
+# -- 2-D meshes: H over mesh axis 0, W over axis 1 --------------------------------------------------------------
+
+def _mesh_2d(mesh: DomainMesh | None, op: str) -> DomainMesh:
+    if mesh is None:
+        manager = get_domain_parallel_manager()
+        if manager is None:
+            raise RuntimeError(f"{op} needs mesh=DomainMesh((ph, pw)) or an initialised manager")
+        mesh = manager.mesh
+    if len(mesh.domain_shape) != 2:
+        raise ValueError(f"{op} needs a mesh with two domain axes, got {mesh.domain_shape}")
+    return mesh
+
+
+def _mesh_rank(mesh: DomainMesh, rank: int, op: str, name: str) -> tuple[int, int]:
+    """A position in the domain group (row-major over (h, w), as ``mesh.domain_rank``) -> (h, w)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < mesh.domain_size:
+        raise ValueError(f"{op}: {name}={rank!r} is not a domain rank: expected an int in [0, {mesh.domain_size}) "
+                         f"(row-major over the {mesh.domain_shape[0]} x {mesh.domain_shape[1]} mesh)")
+    return divmod(rank, mesh.domain_shape[1])
+
+
+def shard_2d(x: torch.Tensor, *, mesh: DomainMesh | None = None) -> torch.Tensor:
+    """This rank's block of the replicated ``x``: H over mesh axis 0, W over axis 1 (``mesh.shard_dims``)."""
+    mesh = _mesh_2d(mesh, "shard_2d")
+    x = shard(x, mesh.shard_dims[0], group=mesh.axis_group(0))
+    return shard(x, mesh.shard_dims[1], group=mesh.axis_group(1))
+
+
+def scatter_2d(x: torch.Tensor | None, *, src: int = 0, mesh: DomainMesh | None = None) -> torch.Tensor:
+    """Split the tensor held by domain rank ``src`` into the ranks' blocks (H over axis 0, W over axis 1)."""
+    mesh = _mesh_2d(mesh, "scatter_2d")
+    src_h, src_w = _mesh_rank(mesh, src, "scatter_2d", "src")
+    if mesh.axis_rank(1) == src_w:  # only src's column holds anything to split along H
+        x = scatter(x, mesh.shard_dims[0], src=src_h, group=mesh.axis_group(0))
+    return scatter(x, mesh.shard_dims[1], src=src_w, group=mesh.axis_group(1))
+
+
+def gather_2d(x: torch.Tensor, *, mesh: DomainMesh | None = None, dst: int | None = None) -> torch.Tensor:
+    """Assemble the ranks' blocks: on every rank (``dst=None``), or on domain rank ``dst`` (others: empty)."""
+    mesh = _mesh_2d(mesh, "gather_2d")
+    dim_h, dim_w = mesh.shard_dims
+    if dst is None:
+        x = gather(x, dim_w, group=mesh.axis_group(1))
+        return gather(x, dim_h, group=mesh.axis_group(0))
+    dst_h, dst_w = _mesh_rank(mesh, dst, "gather_2d", "dst")
+    x = gather(x, dim_w, group=mesh.axis_group(1), dst=dst_w)
+    if mesh.axis_rank(1) != dst_w:  # rows of this column end on dst's column; nothing more to assemble here
+        return x
+    return gather(x, dim_h, group=mesh.axis_group(0), dst=dst_h)
