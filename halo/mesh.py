@@ -294,3 +294,33 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
             "halo.initialize_domain_parallel(world_size, domain_parallel_size) on every rank first"
         )
     return _DEFAULT.domain_group
+
+
+class GroupRef:
+    """A process group held by a module: shared, not copied, by ``copy.deepcopy`` (an EMA copy of a model keeps
+    working: a group cannot be copied and names the same ranks anyway), and pickled as ``None`` — the default
+    group — so ``torch.save(model)`` works and a loaded model uses the manager initialised where it is loaded."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> GroupRef:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (GroupRef, (None,))
+
+
+def group_attribute(doc: str = "The domain group (``None``: the initialised manager's).") -> property:
+    """A module attribute ``group`` stored in a :class:`GroupRef` (see there for why)."""
+
+    def get(self: object) -> dist.ProcessGroup | None:
+        ref = self.__dict__.get("_group_ref")
+        return None if ref is None else ref.group
+
+    def set_(self: object, value: dist.ProcessGroup | None) -> None:
+        self.__dict__["_group_ref"] = GroupRef(value)
+
+    return property(get, set_, doc=doc)

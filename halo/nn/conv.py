@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..exchange import HaloHandle, exchange, group_info, make_exchanger, shard_sizes
+from ..mesh import group_attribute
 from ..partition import check_boundary, split_offsets, split_sizes
 
 __all__ = [
@@ -187,6 +188,8 @@ def _adopt(self: nn.Module, conv: nn.Module, base: type, name: str) -> None:
 class _HaloConvMixin:
     """Shared construction, configuration and (deep)copy behaviour of the halo conv layers."""
 
+    group = group_attribute()
+
     _base: type[nn.modules.conv._ConvNd]
     _spatial: int
 
@@ -214,7 +217,7 @@ class _HaloConvMixin:
         plain = self._base.__new__(self._base)
         nn.Module.__init__(plain)
         for key, value in self.__dict__.items():
-            if key not in ("group", "boundary", "overlap"):
+            if key not in ("_group_ref", "boundary", "overlap"):
                 plain.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
         return plain
 
@@ -222,16 +225,6 @@ class _HaloConvMixin:
         extra = f", boundary={self.boundary!r}" if self.boundary else ""
         extra += f", overlap={self.overlap}" if self.overlap is not None else ""
         return super().extra_repr() + extra
-
-    def __deepcopy__(self, memo: dict) -> nn.Module:
-        """Deep copies (EMA models) share the process group: it cannot be copied and names the same ranks."""
-        if self.group is not None:
-            memo.setdefault(id(self.group), self.group)
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            new.__dict__[key] = copy.deepcopy(value, memo)
-        return new
 
     def _prepare(self, x: torch.Tensor) -> tuple[Any, tuple[int, ...] | None]:
         """Group info and every rank's H extent (``None`` with one rank).

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..exchange import GroupInfo, group_info, shard_sizes
-from ..mesh import get_domain_parallel_manager
+from ..mesh import GroupRef, get_domain_parallel_manager
 from ..reduce import accumulation_dtype, all_reduce
 
 __all__ = ["DomainGroupNorm", "DomainBatchNorm2d", "DomainInstanceNorm2d", "DomainLayerNorm", "domain_var_mean"]
@@ -133,18 +133,6 @@ def _update_running(module: nn.Module, mean: torch.Tensor, var: torch.Tensor, co
 
 # -- adopting a torch module -----------------------------------------------------------------------------------
 
-class _GroupRef:
-    """Holds a process group; shared, not copied, by ``copy.deepcopy`` (an EMA copy of a model keeps working)."""
-
-    __slots__ = ("group",)
-
-    def __init__(self, group: Any | None) -> None:
-        self.group = group
-
-    def __deepcopy__(self, memo: dict) -> _GroupRef:
-        return self
-
-
 def _adopt(self: nn.Module, base: type, args: tuple, kwargs: dict) -> None:
     """Become ``args[0]`` (an instance of ``base``), sharing its parameters and buffers; or build ``base(*args)``."""
     if args and isinstance(args[0], base):
@@ -161,7 +149,7 @@ def _adopt(self: nn.Module, base: type, args: tuple, kwargs: dict) -> None:
 class _DomainNorm:
     """Mixin: the group (resolved at call time, so a manager created after conversion is used)."""
 
-    _group_ref: _GroupRef
+    _group_ref: GroupRef
 
     @property
     def group(self) -> Any | None:
@@ -189,7 +177,7 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
 
     def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.GroupNorm, args, kwargs)
-        self._group_ref = _GroupRef(group)
+        self._group_ref = GroupRef(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         info = self._info()
@@ -226,8 +214,8 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
     def __init__(self, *args: Any, group: Any | None = None, dp_group: Any | None = None,
                  sync_dp: bool | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.BatchNorm2d, args, kwargs)
-        self._group_ref = _GroupRef(group)
-        self._dp_ref = _GroupRef(dp_group)
+        self._group_ref = GroupRef(group)
+        self._dp_ref = GroupRef(dp_group)
         self.sync_dp = sync_dp
 
     def _dp_group(self) -> Any | None:
@@ -275,7 +263,7 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
 
     def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.InstanceNorm2d, args, kwargs)
-        self._group_ref = _GroupRef(group)
+        self._group_ref = GroupRef(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() not in (3, 4):
@@ -314,7 +302,7 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
 
     def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.LayerNorm, args, kwargs)
-        self._group_ref = _GroupRef(group)
+        self._group_ref = GroupRef(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = len(self.normalized_shape)

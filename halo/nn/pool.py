@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn.modules.utils import _pair
 
 from ..exchange import exchange, group_info, make_exchanger, shard_sizes
+from ..mesh import group_attribute
 from ..partition import split_offsets
 
 __all__ = [
@@ -128,6 +129,8 @@ class HaloMaxPool2d(nn.MaxPool2d):
     flat indices ``h*W + w``, as the unsharded op returns).
     """
 
+    group = group_attribute()
+
     def __init__(self, pool: nn.MaxPool2d, *, group: Any | None = None) -> None:
         if not isinstance(pool, nn.MaxPool2d):
             raise TypeError(f"HaloMaxPool2d wraps an nn.MaxPool2d, got {type(pool).__name__}"
@@ -165,6 +168,8 @@ class HaloAvgPool2d(nn.AvgPool2d):
     Every argument torch accepts is supported (padding, ceil_mode, count_include_pad, divisor_override): the
     local op is torch's with the same arguments, so the divisors are torch's own. Forward bitwise equal.
     """
+
+    group = group_attribute()
 
     def __init__(self, pool: nn.AvgPool2d, *, group: Any | None = None) -> None:
         if not isinstance(pool, nn.AvgPool2d):
@@ -249,6 +254,8 @@ class HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     ranks: it raises; reduce over the domain group instead (``halo.reduce``).
     """
 
+    group = group_attribute()
+
     def __init__(self, pool: nn.AdaptiveAvgPool2d, *, group: Any | None = None) -> None:
         if not isinstance(pool, nn.AdaptiveAvgPool2d):
             raise TypeError(f"HaloAdaptiveAvgPool2d wraps an nn.AdaptiveAvgPool2d, got {type(pool).__name__}")
@@ -261,6 +268,8 @@ class HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
 
 class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
     """``nn.AdaptiveMaxPool2d`` on an H-sharded field; indices (``return_indices``) are global flat ``h*W + w``."""
+
+    group = group_attribute()
 
     def __init__(self, pool: nn.AdaptiveMaxPool2d, *, group: Any | None = None) -> None:
         if not isinstance(pool, nn.AdaptiveMaxPool2d):

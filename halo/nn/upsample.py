@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..exchange import exchange, group_info, make_exchanger, shard_sizes
+from ..mesh import group_attribute
 from ..partition import split_offsets
 from .pool import _adaptive, check_output_rows
 
@@ -311,6 +312,8 @@ def _bilinear_power_of_two(fetch, offs, index, k, n, w_out, scale_h, scale_w, gl
 
 class HaloUpsample(nn.Upsample):
     """``nn.Upsample`` on an H-sharded field (same arguments and ``repr``; no state): see :func:`halo_interpolate`."""
+
+    group = group_attribute()
 
     def __init__(self, up: nn.Upsample, *, group: Any | None = None) -> None:
         if not isinstance(up, nn.Upsample):
