@@ -2,10 +2,10 @@
 
 Layers (primitive -> autograd.Function -> public function)::
 
-    shard_sizes(x, dim, group)      all ranks' extents along dim, checked once per new shape (a collective)
+    shard_sizes(x, dim, group)      all ranks' extents along dim, agreed on by one small all-gather
     Exchanger                       one plan on one rank: start (pack + post isend/irecv), finish, adjoint
     _ExchangeFn                     autograd: forward = finish(start(x)), backward = Exchanger.adjoint
-    halo_exchange / _async / _2d    validation, group resolution, halo -> per-rank need ranges
+    halo_exchange / _async / _2d    group resolution, agreed validation, halo -> per-rank need ranges
 
 Forward on rank r::   ext = [ before halo | x[interior] | after halo ]     (along dim)
 Adjoint::             grad_x = grad_ext[interior] + (halo gradients sent back by the ranks that received
@@ -14,15 +14,33 @@ Adjoint::             grad_x = grad_ext[interior] + (halo gradients sent back by
 Messages are dim-major buffers (``kernels.pack``): rows along ``dim`` outermost, so every message and every
 received piece is a contiguous slice. Peers are addressed by their index in the group (``group_peer``),
 never by assuming the group starts at global rank 0.
+
+Faults (invariant 4, "no rank waits alone"):
+
+* Arguments are checked *after* one all-gather of every rank's metadata (shape, dtype, device, dim, halo,
+  boundary, whether a gradient is needed), by a pure function of the gathered table, so an argument that is
+  wrong on one rank only makes every rank raise the same error before any point-to-point message is posted.
+  Inside :func:`static_shapes` the gather happens on the first run only (the signature is then compared
+  locally).
+* Every wait (the gather, the forward messages, the backward messages) is bounded: by
+  :func:`set_timeout` where set, else by the process group's timeout. A peer that died, stalls, or called a
+  different collective makes this rank raise :class:`HaloCommError` naming the peers, not wait forever.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import math
+import operator
+import re
+import time
 import weakref
+import zlib
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,16 +48,19 @@ import torch.distributed as dist
 
 from . import kernels
 from .mesh import DomainMesh, get_domain_parallel_manager, resolve_group
-from .partition import POLE_MODES, RankPlan, check_boundary, plan_exchange
+from .partition import BOUNDARIES, POLE_MODES, RankPlan, check_boundary, plan_exchange
 
 __all__ = [
+    "HaloCommError",
     "HaloHandle",
     "Exchanger",
     "exchange",
+    "get_timeout",
     "halo_exchange",
     "halo_exchange_2d",
     "halo_exchange_async",
     "clear_shape_cache",
+    "set_timeout",
     "set_validation",
     "shard_sizes",
     "static_shapes",
@@ -53,8 +74,9 @@ def set_validation(mode: str) -> None:
     """How often ranks cross-check shapes inside :func:`static_shapes`: ``"first"`` (default) or ``"always"``.
 
     Outside ``static_shapes`` every exchange that has to learn its peers' extents does one small all-gather
-    (which also checks that B, C, W, dtype and device agree). Inside it, ``"first"`` does that only the first
-    time each position of the call sequence is met; ``"always"`` keeps gathering (a debugging aid).
+    (which also checks that B, C, W, dtype, device, halo and boundary agree). Inside it, ``"first"`` does that
+    only the first time each position of the call sequence is met; ``"always"`` keeps gathering (a debugging
+    aid).
     """
     global _validation
     if mode not in VALIDATION_MODES:
@@ -63,7 +85,7 @@ def set_validation(mode: str) -> None:
 
 
 _epochs: list[list] = []  # stack of [tag, position in the call sequence]
-_static_cache: dict[tuple, tuple[tuple, tuple[int, ...]]] = {}
+_static_cache: dict[tuple, tuple[Any, Any]] = {}
 
 
 @contextlib.contextmanager
@@ -75,8 +97,10 @@ def static_shapes(tag: Hashable = "default") -> Iterator[None]:
     Why a promise and not a cache keyed on the local shape: when a global extent changes, some ranks' shards
     can keep their shape (45 rows over 2 ranks is 23 + 22, 44 is 22 + 22), so a per-rank cache would make
     one rank skip the check its peers run, and the group would hang. Keyed on the position in a call sequence
-    that every rank walks identically, all ranks hit or miss together. A rank that sees its own shape change
-    under a used tag raises an error naming the tag; use a new tag per resolution.
+    that every rank walks identically, all ranks hit or miss together. A rank that sees its own arguments
+    change under a used tag raises an error naming the tag; use a new tag per resolution. (Its peers then
+    find no partner for their messages and raise :class:`HaloCommError` when the timeout runs out.) Enter it
+    once per step, not around a whole training loop: each call position is remembered.
     """
     _epochs.append([tag, 0])
     try:
@@ -88,6 +112,85 @@ def static_shapes(tag: Hashable = "default") -> Iterator[None]:
 def clear_shape_cache() -> None:
     """Forget everything learned under :func:`static_shapes` (call on every rank)."""
     _static_cache.clear()
+
+
+# -- timeouts ------------------------------------------------------------------------------------------------
+
+_timeout: float | None = None
+# Buffers of messages given up on: a late peer may still write into them, so they are never freed (bounded).
+_abandoned: collections.deque = collections.deque(maxlen=64)
+
+
+class HaloCommError(RuntimeError):
+    """A message of an exchange (or of its shape agreement) failed or timed out: a peer died, stalls, or
+    called a different collective. The process group is not usable afterwards; tear it down."""
+
+
+def set_timeout(seconds: float | timedelta | None) -> float | None:
+    """Bound every wait of halo's exchanges to ``seconds``; ``None`` (default): the process group's timeout.
+
+    Applies to the shape all-gather and to the forward and backward messages, per exchange (all messages of
+    one exchange share the deadline). Past it this rank raises :class:`HaloCommError` naming this rank, the
+    peers still pending and the time waited. Per process: call it on every rank. Returns the previous value.
+    On NCCL a set timeout makes each wait block the CPU until the messages arrive (``Work.wait(timeout)``);
+    ``None`` keeps the stream-ordered wait and leaves timeouts to the NCCL watchdog.
+    """
+    global _timeout
+    if isinstance(seconds, timedelta):
+        seconds = seconds.total_seconds()
+    if seconds is not None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise ValueError(f"timeout must be a positive, finite number of seconds or None, got {seconds!r}")
+        seconds = float(seconds)
+    previous, _timeout = _timeout, seconds
+    return previous
+
+
+def get_timeout() -> float | None:
+    """The timeout set by :func:`set_timeout` (``None``: the process group's)."""
+    return _timeout
+
+
+def _wait(works: Sequence[Any], labels: Sequence[str], info: GroupInfo, what: str, posted: float,
+          keep: Any) -> None:
+    """Wait for ``works`` under one deadline; turn a failure or timeout into :class:`HaloCommError`.
+
+    ``labels[i]``: who work ``i`` talks to ("recv from global rank 3"). ``keep``: the buffers, parked in
+    ``_abandoned`` on failure so that a late write from a peer cannot land in freed memory.
+    """
+    limit = _timeout
+    began = time.monotonic()
+    for i, work in enumerate(works):
+        exc: BaseException | None = None
+        try:
+            if limit is None:
+                done = work.wait()
+            else:
+                left = limit - (time.monotonic() - began)
+                done = work.wait(timeout=timedelta(seconds=max(left, 1e-3)))
+        except Exception as e:  # noqa: BLE001 - every backend error becomes one clear error
+            exc, done = e, False
+        if done is False:
+            _abandoned.append(keep)
+            raise _comm_error(labels, i, info, what, began, posted, limit, exc) from exc
+
+
+def _comm_error(labels: Sequence[str], i: int, info: GroupInfo, what: str, began: float, posted: float,
+                limit: float | None, exc: BaseException | None) -> HaloCommError:
+    now = time.monotonic()
+    waited = now - began
+    cause = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else "no completion"
+    cause = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", cause)  # gloo's source location
+    timed_out = (limit is not None and waited >= limit - 1e-3) or "timed out" in cause.lower()
+    others = [label for label in dict.fromkeys(labels[i + 1:]) if label != labels[i]]
+    also = f" (not yet confirmed either: {', '.join(others)})" if others else ""
+    bound = f"halo.exchange.set_timeout({limit:g})" if limit is not None else "the process group's timeout"
+    return HaloCommError(
+        f"{what}: rank {info.ranks[info.index]} (group rank {info.index} of {info.size}) "
+        f"{'timed out' if timed_out else 'failed'} after {waited:.2f} s (posted {now - posted:.2f} s ago; "
+        f"bound: {bound}) waiting on {labels[i]}{also}. The peer may have died, be stuck, or have called a "
+        f"different collective or exchange (another shape, op or call order); this process group is unusable "
+        f"now. Backend: {cause}")
 
 
 # -- group bookkeeping ---------------------------------------------------------------------------------------
@@ -111,45 +214,315 @@ def group_info(group: Any | None) -> GroupInfo:
     info = _group_infos.get(group)
     if info is None:
         ranks = tuple(dist.get_process_group_ranks(group))
-        info = GroupInfo(group, len(ranks), ranks.index(dist.get_rank()), ranks)
+        me = dist.get_rank()
+        if me not in ranks:
+            raise ValueError(f"rank {me} is not a member of the group it exchanges over (global ranks "
+                             f"{list(ranks)}); pass each rank its own domain group")
+        info = GroupInfo(group, len(ranks), ranks.index(me), ranks)
         _group_infos[group] = info
     return info
 
+
+# -- agreement: every rank's arguments, gathered, then checked by one pure function ---------------------------
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 _DEVICES = ["cpu", "cuda", "xpu", "mps", "meta"]
 _MAX_NDIM = 8
 
+_MAGIC = 0x48414C4F  # "HALO": a peer in a different all-gather of the same size is caught, not misread
+_TEXT = 3  # int64 words per text field (24 bytes): a dtype, a device type, a boundary name, a bad halo
+_NO_HALO, _HALO, _BAD_HALO, _NEEDS = 0, 1, 2, 3  # what a spec carries in its halo slot
+_SPEC_WORDS = 5 + 2 * _TEXT  # dim, kind, before, after, text, has boundary, boundary
+_MAX_SPECS = 2
+_META_WORDS = 4 + _MAX_NDIM + 2 * _TEXT + _MAX_SPECS * _SPEC_WORDS
+_BIG = 1 << 62  # halos are clamped to this, so any int fits the int64 table
+_SIZES_ONLY = object()  # no boundary: the call only learns extents (shard_sizes)
 
-def _describe(meta: list[int], dim: int) -> str:
-    ndim = meta[0]
-    dims = [str(meta[2 + i]) if i != dim else f"[{meta[2 + i]}]" for i in range(ndim)]
-    dtype = _DTYPES[meta[10]] if 0 <= meta[10] < len(_DTYPES) else "other dtype"
-    device = _DEVICES[meta[11]] if 0 <= meta[11] < len(_DEVICES) else "other device"
-    return f"shape ({', '.join(dims)}) {dtype} on {device}"
+
+def _encode_text(s: str) -> list[int]:
+    b = s.encode("utf-8", "replace")
+    if len(b) > 8 * _TEXT:
+        b = b[:8 * _TEXT - 3] + b"..."
+    b = b.ljust(8 * _TEXT, b"\0")
+    return [int.from_bytes(b[i:i + 8], "little", signed=True) for i in range(0, 8 * _TEXT, 8)]
 
 
-def shard_sizes(x: torch.Tensor, dim: int, group: Any | None = None, *, op: str = "halo_exchange",
-                allow_empty: bool = False) -> tuple[int, ...]:
-    """Every rank's extent of ``x`` along ``dim``, in group order; checks that the ranks agree.
+def _decode_text(words: Sequence[int]) -> str:
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words).rstrip(b"\0").decode(
+        "utf-8", "replace")
 
-    All other dims, the dtype and the device type must be equal across the group; otherwise every rank
-    raises the same ``ValueError`` naming the ranks and shapes. Costs one small all-gather per new local shape
-    (or per call with ``set_validation("always")``).
+
+@dataclass(frozen=True)
+class _Spec:
+    """One exchange's arguments as one rank passed them (unvalidated)."""
+
+    dim: int
+    kind: int = _NO_HALO  # _NO_HALO (sizes only), _HALO (before, after), _BAD_HALO (text), _NEEDS (crc, len)
+    before: int = 0
+    after: int = 0
+    text: str = ""  # repr of a malformed halo
+    boundary: str | None = None  # as passed; None: sizes only
+
+    @staticmethod
+    def of(dim: Any, halo: Any = None, boundary: Any = _SIZES_ONLY, needs: Any = None) -> _Spec:
+        """Record the arguments as passed; nothing raises here (problems are judged after the gather)."""
+        try:
+            dim = operator.index(dim)
+        except TypeError:
+            dim = _BIG  # reported as out of range
+        b = None if boundary is _SIZES_ONLY else boundary if isinstance(boundary, str) else repr(boundary)
+        if needs is not None:
+            key = repr(tuple(tuple(int(v) for v in n) for n in needs)).encode()
+            return _Spec(dim, _NEEDS, zlib.crc32(key), len(needs), boundary=b)
+        if halo is None:
+            return _Spec(dim, boundary=b)
+        items = tuple(halo) if isinstance(halo, (tuple, list)) else (halo, halo)
+        try:
+            if len(items) != 2:
+                raise TypeError
+            before, after = (max(-_BIG, min(_BIG, operator.index(h))) for h in items)
+        except TypeError:
+            return _Spec(dim, _BAD_HALO, text=repr(halo), boundary=b)
+        return _Spec(dim, _HALO, before, after, boundary=b)
+
+    def encode(self) -> list[int]:
+        return [max(-_BIG, min(_BIG, self.dim)), self.kind, self.before, self.after,
+                *_encode_text(self.text), int(self.boundary is not None), *_encode_text(self.boundary or "")]
+
+    @staticmethod
+    def decode(w: Sequence[int]) -> _Spec:
+        return _Spec(w[0], w[1], w[2], w[3], _decode_text(w[4:4 + _TEXT]),
+                     _decode_text(w[5 + _TEXT:5 + 2 * _TEXT]) if w[4 + _TEXT] else None)
+
+    def halo_str(self) -> str:
+        if self.kind == _HALO:
+            return f"({self.before}, {self.after})"
+        if self.kind == _BAD_HALO:
+            return self.text
+        return "per-rank needs" if self.kind == _NEEDS else "none (shapes only)"
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """What one rank brings to an exchange: its tensor's layout and its arguments, one spec per exchange."""
+
+    ndim: int
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    grad: int  # 1 / 0: the exchange records a backward (every rank must agree); -1: not checked
+    specs: tuple[_Spec, ...]
+    magic: int = _MAGIC
+
+    @staticmethod
+    def of(x: torch.Tensor, specs: Sequence[_Spec], grad: int) -> _Meta:
+        return _Meta(x.dim(), tuple(x.shape), str(x.dtype).removeprefix("torch."), x.device.type, grad,
+                     tuple(specs))
+
+    def encode(self) -> list[int]:
+        shape = list(self.shape[:_MAX_NDIM]) + [-1] * (_MAX_NDIM - min(self.ndim, _MAX_NDIM))
+        words = [self.magic, self.ndim, self.grad, len(self.specs), *shape, *_encode_text(self.dtype),
+                 *_encode_text(self.device)]
+        for s in self.specs:
+            words += s.encode()
+        return words + [0] * (_META_WORDS - len(words))
+
+    @staticmethod
+    def decode(w: Sequence[int]) -> _Meta:
+        ndim, n_specs = w[1], w[3]
+        shape = tuple(w[4:4 + min(max(ndim, 0), _MAX_NDIM)])
+        at = 4 + _MAX_NDIM
+        dtype, device = _decode_text(w[at:at + _TEXT]), _decode_text(w[at + _TEXT:at + 2 * _TEXT])
+        at += 2 * _TEXT
+        specs = tuple(_Spec.decode(w[at + k * _SPEC_WORDS:at + (k + 1) * _SPEC_WORDS])
+                      for k in range(min(max(n_specs, 0), _MAX_SPECS)))
+        return _Meta(ndim, shape, dtype, device, w[2], specs, w[0])
+
+    def describe(self, sharded: Sequence[int] = ()) -> str:
+        dims = [f"[{s}]" if i in sharded else str(s) for i, s in enumerate(self.shape)]
+        return f"shape ({', '.join(dims)}{',' if len(dims) == 1 else ''}) {self.dtype} on {self.device}"
+
+
+def _canonical(boundary: str | None) -> str | None:
+    return None if boundary is None else check_boundary(boundary)
+
+
+def _needs_grad(x: torch.Tensor) -> int:
+    return int(torch.is_grad_enabled() and x.requires_grad)
+
+
+_comm_devices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _gather(meta: _Meta, info: GroupInfo, op: str) -> list[list[int]]:
+    """Every rank's encoded ``meta`` in group order: one all-gather of a small int64 table, under the timeout."""
+    device = _comm_devices.get(info.group)
+    if device is None:
+        nccl = dist.get_backend(info.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        _comm_devices[info.group] = device
+    local = _encoded_tensor(meta, device)
+    table = torch.empty((info.size, _META_WORDS), dtype=torch.int64, device=device)
+    posted = time.monotonic()
+    work = dist.all_gather(list(table.unbind(0)), local, group=info.group, async_op=True)
+    others = [g for g in info.ranks if g != info.ranks[info.index]]
+    _wait([work], [f"the shape all-gather with global ranks {others}"], info, op, posted,
+          (local, table))
+    return table.tolist()
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded(meta: _Meta) -> tuple[int, ...]:
+    return tuple(meta.encode())
+
+
+@functools.lru_cache(maxsize=64)
+def _encoded_tensor(meta: _Meta, device: torch.device) -> torch.Tensor:
+    """The all-gather's input, built once per signature (never written: the gather only reads it)."""
+    return torch.tensor(_encoded(meta), dtype=torch.int64, device=device)
+
+
+def _rank(info: GroupInfo, r: int) -> str:
+    return f"group rank {r} (global {info.ranks[r]})"
+
+
+def _first_bad(metas: Sequence[_Meta], info: GroupInfo, op: str, problem) -> None:
+    """Raise ``problem(meta)`` for the lowest rank where it is not None, naming the other ranks too."""
+    bad = [(r, msg) for r, m in enumerate(metas) if (msg := problem(m)) is not None]
+    if not bad:
+        return
+    r, msg = bad[0]
+    if len(bad) == len(metas) > 1:
+        where = "on every rank"
+    else:
+        others = [q for q, _ in bad[1:]]
+        where = f"on {_rank(info, r)}" + (f" (and group ranks {others})" if others else "")
+    raise ValueError(f"{op}: {where}, {msg}")
+
+
+def _ndim_problem(m: _Meta, max_nd: float) -> str | None:
+    if not 1 <= m.ndim <= max_nd:
+        return f"expected a tensor with 1 to {_MAX_NDIM} dims, got {m.ndim} dims"
+    return None
+
+
+def _spec_problem(m: _Meta, k: int) -> str | None:
+    """What is wrong with rank-local argument set ``k`` of ``m`` on its own (None: nothing)."""
+    s = m.specs[k]
+    if not -m.ndim <= s.dim < m.ndim:
+        got = s.dim if s.dim != _BIG else "(not an int)"
+        return (f"dim {got} is out of range for a {m.ndim}-d tensor of {m.describe()}; expected "
+                f"{-m.ndim} <= dim <= {m.ndim - 1}")
+    if s.kind == _BAD_HALO:
+        return f"halo must be an int or a (before, after) pair of ints, got {s.text}"
+    if s.kind == _HALO and min(s.before, s.after) < 0:
+        return f"halo must be non-negative, got {s.halo_str()}"
+    if s.boundary is not None and s.boundary not in BOUNDARIES:
+        return f"unknown boundary {s.boundary!r}; expected one of {', '.join(BOUNDARIES)}"
+    return None
+
+
+def _local_problem(m: _Meta, max_nd: float) -> str | None:
+    return _ndim_problem(m, max_nd) or next(
+        (p for k in range(len(m.specs)) if (p := _spec_problem(m, k)) is not None), None)
+
+
+def _check(metas: Sequence[_Meta], info: GroupInfo, op: str) -> list[int]:
+    """Check every rank's arguments on their own and against group rank 0's; return the sharded dims.
+
+    A pure function of the gathered table, so every rank raises the same error (or none). Extents along the
+    sharded dims are left to :func:`_extents`.
     """
-    info = group_info(group)
-    ndim = x.dim()
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"{op}: dim {dim} is out of range for a {ndim}-d tensor of shape {tuple(x.shape)}")
-    dim = dim % ndim
+    n = len(metas)
+    for r, m in enumerate(metas):
+        if m.magic != _MAGIC or len(m.specs) != len(metas[info.index].specs):
+            raise RuntimeError(f"{op}: {_rank(info, r)} answered the shape all-gather from a different call "
+                               f"(another collective or halo op); every rank must make the same sequence of "
+                               f"exchanges")
+    max_nd = _MAX_NDIM if n > 1 else math.inf
+    _first_bad(metas, info, op, lambda m: _ndim_problem(m, max_nd))
+    for k in range(len(metas[0].specs)):
+        _first_bad(metas, info, op, lambda m, k=k: _spec_problem(m, k))
+
+    ref = metas[0]
+    dims = [s.dim % ref.ndim for s in ref.specs]
+
+    def disagree(what: str, a: str, r: int, b: str, hint: str) -> ValueError:
+        return ValueError(f"{op}: the ranks of the group disagree on {what}: {_rank(info, 0)} has {a}, "
+                          f"{_rank(info, r)} has {b}; {hint}")
+
+    for r, m in enumerate(metas):
+        if m.ndim != ref.ndim:
+            raise disagree("the number of dims", f"{ref.ndim} ({ref.describe()})", r, f"{m.ndim} ({m.describe()})",
+                           "every rank must pass a shard of the same tensor")
+        for k, (s, s0) in enumerate(zip(m.specs, ref.specs, strict=True)):
+            if s.dim % m.ndim != dims[k]:
+                raise disagree("the sharded dim", f"dim={s0.dim}", r, f"dim={s.dim}", "pass the same dim on every rank")
+            if (s.kind, s.before, s.after, s.text) != (s0.kind, s0.before, s0.after, s0.text):
+                what = "the rows each rank needs" if _NEEDS in (s.kind, s0.kind) else "the halo"
+                raise disagree(what, s0.halo_str(), r, s.halo_str(), f"pass the same {what[4:]} on every rank")
+            if _canonical(s.boundary) != _canonical(s0.boundary):
+                raise disagree("the boundary", repr(s0.boundary), r, repr(s.boundary),
+                               "pass the same boundary on every rank")
+        if (m.dtype, m.device) != (ref.dtype, ref.device):
+            raise disagree("the dtype or device", ref.describe(dims), r, m.describe(dims),
+                           "every rank must pass the same dtype on the same device type")
+        if m.grad != ref.grad:
+            yes, no = "an input that requires grad", "one that does not (or grad mode off)"
+            raise disagree("whether the exchange records a backward", yes if ref.grad else no, r,
+                           yes if m.grad else no, "the backward exchange would wait forever for the ranks "
+                           "without one: make x.requires_grad and torch.is_grad_enabled() the same everywhere")
+        if any(m.shape[i] != ref.shape[i] for i in range(ref.ndim) if i not in dims):
+            only = f"dim {dims[0]}" if len(dims) == 1 else f"dims {dims}"
+            raise disagree("the shape", ref.describe(dims), r, m.describe(dims),
+                           f"only the extent along the sharded {only} may differ")
+    return dims
+
+
+def _extents(shapes: Sequence[tuple[int, ...]], dims: Sequence[int], like: _Meta, info: GroupInfo, op: str,
+             coords: Sequence[tuple[int, ...]] | None, allow_empty: bool) -> tuple[tuple[int, ...], ...]:
+    """The extents of the ranks in this rank's line along each axis ``k`` (``coords[r][k]``: rank ``r``'s
+    position on axis ``k``; default one axis in group order); checks lines agree and no shard is empty."""
+    n = len(shapes)
+    coords = coords if coords is not None else [(r,) for r in range(n)]
+
+    def describe(r: int) -> str:
+        return _Meta(len(shapes[r]), shapes[r], like.dtype, like.device, 0, ()).describe(dims)
+
+    if len(dims) > 1:  # a dim sharded along axis k: ranks at the same position on axis k must agree on it
+        for k, d in enumerate(dims):
+            for r in range(n):
+                q = next(p for p, c in enumerate(coords) if c[k] == coords[r][k])
+                if shapes[r][d] != shapes[q][d]:
+                    raise ValueError(
+                        f"{op}: the ranks of the group disagree on the shape: {_rank(info, q)} has {describe(q)}, "
+                        f"{_rank(info, r)} has {describe(r)}; dim {d} is sharded along axis {k}, so ranks at the "
+                        f"same position on that axis must have the same extent")
+    out = []
+    me = coords[info.index]
+    for k, d in enumerate(dims):
+        line = sorted((c[k], r) for r, c in enumerate(coords)
+                      if all(c[j] == me[j] for j in range(len(me)) if j != k))
+        sizes = tuple(shapes[r][d] for _, r in line)
+        out.append(sizes)
+        empty = [r for r in range(n) if shapes[r][d] == 0]
+        if empty and not allow_empty:
+            total = sum(sizes)
+            raise ValueError(
+                f"{op}: group ranks {empty} (global {[info.ranks[r] for r in empty]}) hold no rows along dim "
+                f"{d} ({total} rows over {len(sizes)} ranks, sizes {list(sizes)}); expected at least 1 row per "
+                f"rank: use at most {max(1, total)} ranks for this dim")
+    return tuple(out)
+
+
+def _agree(x: torch.Tensor, info: GroupInfo, specs: Sequence[_Spec], op: str, *, grad: int = -1,
+           coords: Sequence[tuple[int, ...]] | None = None, allow_empty: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Gather every rank's metadata (or recall it under :func:`static_shapes`), validate, return the extents."""
+    meta = _Meta.of(x, specs, grad)
     if info.size == 1:
-        if x.shape[dim] == 0 and not allow_empty:
-            raise ValueError(f"{op}: the tensor has no rows along dim {dim} (shape {tuple(x.shape)})")
-        return (x.shape[dim],)
-    if ndim > _MAX_NDIM:
-        raise ValueError(f"{op}: at most {_MAX_NDIM} dims are supported, got {ndim}")
-    signature = (tuple(x.shape), x.dtype, x.device.type, dim)
+        dims = _check([meta], info, op)
+        return _extents([meta.shape], dims, meta, info, op, coords, allow_empty)
     key = None
     if _epochs:
         epoch = _epochs[-1]
@@ -157,38 +530,56 @@ def shard_sizes(x: torch.Tensor, dim: int, group: Any | None = None, *, op: str 
         epoch[1] += 1
         hit = _static_cache.get(key)
         if hit is not None and _validation == "first":
-            if hit[0] != signature:
+            if hit[0] != meta:
                 raise RuntimeError(
-                    f"{op}: under halo.static_shapes({epoch[0]!r}) call {epoch[1] - 1} met shape "
-                    f"{tuple(x.shape)} {x.dtype} (dim {dim}) where the first run met {hit[0][0]} {hit[0][1]} "
-                    f"(dim {hit[0][3]}); shapes must repeat under one tag: use a new tag per resolution")
+                    f"{op}: under halo.static_shapes({epoch[0]!r}) call {epoch[1] - 1} met {_summary(meta)} "
+                    f"where the first run met {_summary(hit[0])}; shapes and arguments must repeat under one "
+                    f"tag: use a new tag per resolution")
             return hit[1]
-    dtype_code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
-    device_code = _DEVICES.index(x.device.type) if x.device.type in _DEVICES else len(_DEVICES)
-    meta = [ndim, dim] + list(x.shape) + [0] * (_MAX_NDIM - ndim) + [dtype_code, device_code]
-    comm_device = x.device if dist.get_backend(info.group) == "nccl" else torch.device("cpu")
-    local = torch.tensor(meta, dtype=torch.int64, device=comm_device)
-    gathered = [torch.empty_like(local) for _ in range(info.size)]
-    dist.all_gather(gathered, local, group=info.group)
-    metas = [g.tolist() for g in gathered]
-    ref = metas[0]
-    for r, m in enumerate(metas):
-        same = m[0] == ref[0] and m[1] == ref[1] and m[10:] == ref[10:] and all(
-            m[2 + i] == ref[2 + i] for i in range(m[0]) if i != m[1])
-        if not same:
-            raise ValueError(
-                f"{op}: the ranks of the group disagree: group rank 0 (global {info.ranks[0]}) has "
-                f"{_describe(ref, ref[1])}, group rank {r} (global {info.ranks[r]}) has {_describe(m, m[1])}; "
-                f"only the extent along the sharded dim [{ref[1]}] may differ")
-    sizes = tuple(m[2 + dim] for m in metas)
-    if not allow_empty and min(sizes) == 0:
-        empty = [r for r, s in enumerate(sizes) if s == 0]
-        raise ValueError(
-            f"{op}: group ranks {empty} hold no rows along dim {dim} ({sum(sizes)} rows over {info.size} "
-            f"ranks, sizes {list(sizes)}); use at most {max(1, sum(sizes))} ranks for this dim")
+    rows = _gather(meta, info, op)
+    # Fast path: every row equals this rank's but for the sharded extents, and this rank's arguments are fine,
+    # so the full check could only pass. Every rank sees the same table, so all take the same path.
+    dims: list[int] | None = None
+    if _local_problem(meta, _MAX_NDIM) is None:
+        dims = [s.dim % meta.ndim for s in specs]
+        local = _encoded(meta)
+        for row in rows:
+            masked = list(row)
+            for d in dims:
+                masked[4 + d] = local[4 + d]
+            if tuple(masked) != local:
+                dims = None
+                break
+    if dims is not None:
+        shapes = [tuple(row[4:4 + meta.ndim]) for row in rows]
+    else:
+        metas = [_Meta.decode(row) for row in rows]
+        dims = _check(metas, info, op)
+        shapes = [m.shape for m in metas]
+    result = _extents(shapes, dims, meta, info, op, coords, allow_empty)
     if key is not None:
-        _static_cache[key] = (signature, sizes)
-    return sizes
+        _static_cache[key] = (meta, result)
+    return result
+
+
+def _summary(m: _Meta) -> str:
+    specs = "; ".join(f"dim {s.dim}, halo {s.halo_str()}, boundary {s.boundary!r}" for s in m.specs)
+    return f"{m.describe()} ({specs}{', needs grad' if m.grad == 1 else ''})"
+
+
+def shard_sizes(x: torch.Tensor, dim: int, group: Any | None = None, *, op: str = "halo_exchange",
+                allow_empty: bool = False, check_grad: bool = False) -> tuple[int, ...]:
+    """Every rank's extent of ``x`` along ``dim``, in group order; checks that the ranks agree.
+
+    ``dim`` and the number of dims, all other dims, the dtype and the device type must be equal across the
+    group; otherwise every rank raises the same ``ValueError`` naming the ranks and shapes (errors are found
+    from the gathered table, so an argument wrong on one rank only cannot make its peers wait). Costs one small
+    all-gather per call, or per call position under :func:`static_shapes` (``set_validation``).
+    ``check_grad``: also agree on whether ``x`` records a backward (``x.requires_grad`` under grad mode), as
+    an exchange of ``x`` that runs a backward on some ranks only would leave those waiting.
+    """
+    grad = _needs_grad(x) if check_grad else -1
+    return _agree(x, group_info(group), (_Spec.of(dim),), op, grad=grad, allow_empty=allow_empty)[0]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -199,10 +590,15 @@ def _plan(sizes: tuple[int, ...], needs: tuple[tuple[int, int], ...], boundary: 
 # -- the primitive -----------------------------------------------------------------------------------------
 
 class Exchanger:
-    """One rank's part of one exchange plan: pack, post, finish; and the adjoint. No autograd here."""
+    """One rank's part of one exchange plan: pack, post, finish; and the adjoint. No autograd here.
 
-    def __init__(self, plan: RankPlan, info: GroupInfo, dim: int, boundary: str) -> None:
-        self.plan, self.info, self.dim, self.boundary = plan, info, dim, boundary
+    Every wait is bounded (:func:`set_timeout`) and a failed or late message raises :class:`HaloCommError`
+    naming the peer; the buffers of a message given up on are kept alive (a late peer may still write).
+    """
+
+    def __init__(self, plan: RankPlan, info: GroupInfo, dim: int, boundary: str,
+                 op: str = "halo_exchange") -> None:
+        self.plan, self.info, self.dim, self.boundary, self.op = plan, info, dim, boundary, op
         # (peer, rows) of every message, both directions; the adjoint swaps them.
         self.send_counts = tuple((q, sum(n for _, n in runs)) for q, runs in plan.sends)
         self.recv_counts = plan.recvs
@@ -214,23 +610,26 @@ class Exchanger:
         rest = [s for i, s in enumerate(x.shape) if i != self.dim]
         send = kernels.pack(x, self.dim, p.send_ranges)
         recv = x.new_empty((p.recv_rows, *rest))
-        works = self._post(send, self.send_counts, recv, self.recv_counts)
-        return {"send": send, "recv": recv, "works": works}
+        works, labels = self._post(send, self.send_counts, recv, self.recv_counts)
+        return {"send": send, "recv": recv, "works": works, "labels": labels, "posted": time.monotonic()}
 
     def finish(self, x: torch.Tensor, pending: dict) -> torch.Tensor:
         """Wait for the messages and write ``[before | interior | after]`` in one pass."""
-        for w in pending["works"]:
-            w.wait()
+        _wait(pending["works"], pending["labels"], self.info, self.op, pending["posted"], pending)
+        pending["works"] = ()  # finished requests are not kept
         recv = pending["recv"]
         before = self._assemble(recv, self.plan.before, x)
         after = self._assemble(recv, self.plan.after, x)
         interior = x.narrow(self.dim, *self.plan.interior)
         return kernels.unpack(interior, before, after, self.dim)
 
-    def _post(self, send: torch.Tensor, send_list, recv: torch.Tensor, recv_list) -> list:
-        """Post messages (slices of ``send`` to send_list peers, into slices of ``recv``); self-copies inline."""
-        me = self.info.index
-        ops = []
+    def _post(self, send: torch.Tensor, send_list, recv: torch.Tensor, recv_list) -> tuple[list, list[str]]:
+        """Post messages (slices of ``send`` to send_list peers, into slices of ``recv``); self-copies inline.
+
+        Returns the requests and, per request, who it talks to (global ranks, for error messages).
+        """
+        me, ranks = self.info.index, self.info.ranks
+        ops, labels = [], []
         sends = _slices(send, [n for _, n in send_list])
         recvs = _slices(recv, [n for _, n in recv_list])
         own = None
@@ -239,12 +638,25 @@ class Exchanger:
                 own = buf
             elif buf.numel():
                 ops.append(dist.P2POp(dist.isend, buf, group=self.info.group, group_peer=peer))
+                labels.append(f"send to global rank {ranks[peer]}")
         for (peer, _), buf in zip(recv_list, recvs, strict=True):
             if peer == me:
                 buf.copy_(own)
             elif buf.numel():
                 ops.append(dist.P2POp(dist.irecv, buf, group=self.info.group, group_peer=peer))
-        return dist.batch_isend_irecv(ops) if ops else []
+                labels.append(f"recv from global rank {ranks[peer]}")
+        if not ops:
+            return [], []
+        posted = time.monotonic()
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as exc:  # noqa: BLE001 - a peer already gone can fail the post itself
+            _abandoned.append((send, recv))
+            raise _comm_error([" and ".join(labels)], 0, self.info, f"{self.op} (posting)", posted, posted, _timeout,
+                              exc) from exc
+        if len(works) != len(ops):  # coalesced (NCCL): one request for the whole batch
+            labels = [" and ".join(labels)] * len(works)
+        return works, labels
 
     def _assemble(self, recv: torch.Tensor, rows, x: torch.Tensor) -> torch.Tensor:
         """Halo rows (dim-major) from the receive buffer: a slice when they are in order, else a gather."""
@@ -278,14 +690,14 @@ class Exchanger:
                 self._assemble_adjoint(g, rows, grad_recv)
         grad_send = grad_ext.new_empty((sum(n for _, n in p.send_ranges), *rest))
         # Reverse traffic: what this rank received goes back to the sender and vice versa.
-        works = self._post(grad_recv, self.recv_counts, grad_send, self.send_counts)
+        posted = time.monotonic()
+        works, labels = self._post(grad_recv, self.recv_counts, grad_send, self.send_counts)
         interior = grad_ext.narrow(dim, nb, ni)
         if (i0, ni) != (0, x_shape[dim]):
             full = grad_ext.new_zeros(x_shape)
             full.narrow(dim, i0, ni).copy_(interior)
             interior = full
-        for w in works:
-            w.wait()
+        _wait(works, labels, self.info, f"{self.op} (backward)", posted, (grad_recv, grad_send, works))
         if not p.send_ranges:
             return interior
         return kernels.pack_adjoint(interior, dim, p.send_ranges, grad_send)
@@ -328,33 +740,37 @@ class _ExchangeFn(torch.autograd.Function):
 
 # -- public API ---------------------------------------------------------------------------------------------
 
-def _halo_pair(halo: int | Sequence[int], op: str) -> tuple[int, int]:
-    if isinstance(halo, int):
-        pair = (halo, halo)
-    else:
-        pair = tuple(halo)
-        if len(pair) != 2 or not all(isinstance(h, int) for h in pair):
-            raise ValueError(f"{op}: halo must be an int or a (before, after) pair of ints, got {halo!r}")
-    if min(pair) < 0:
-        raise ValueError(f"{op}: halo must be non-negative, got {pair}")
-    return pair
-
-
 def make_exchanger(x: torch.Tensor, dim: int, group: Any | None, boundary: str,
                    needs: Sequence[tuple[int, int]] | None = None,
-                   halo: tuple[int, int] | None = None, op: str = "halo_exchange",
+                   halo: int | Sequence[int] | None = None, op: str = "halo_exchange",
                    sizes: Sequence[int] | None = None) -> Exchanger:
     """Plan an exchange for ``x``: either per-rank ``needs`` (global virtual rows) or a uniform ``halo``.
 
-    ``sizes``: every rank's extent along ``dim`` if the caller already has them from :func:`shard_sizes`
-    (layers do: they need them to compute ``needs``), so shapes are not gathered twice.
+    Without ``sizes``, one all-gather (see :func:`static_shapes`) makes every rank agree on the shapes and on
+    ``dim``, ``halo`` / ``needs``, ``boundary`` and whether a backward is recorded, so a bad or mismatched
+    argument raises the same error on every rank. ``sizes``: every rank's extent along ``dim`` if the caller
+    already has them from :func:`shard_sizes` (layers do: they need them to compute ``needs``), so shapes are
+    not gathered twice; the caller then vouches that the other arguments are the same on every rank.
     """
-    boundary = check_boundary(boundary)
+    if needs is None and halo is None:
+        raise ValueError(f"{op}: pass halo=... or needs=... to plan an exchange")
     info = group_info(group)
+    if sizes is None:
+        spec = _Spec.of(dim, halo=halo if needs is None else None, boundary=boundary, needs=needs)
+        (sizes,) = _agree(x, info, (spec,), op, grad=_needs_grad(x))
+    else:
+        spec = _Spec.of(dim, halo=halo if needs is None else None, boundary=boundary)
+        problem = _local_problem(_Meta.of(x, (spec,), -1), math.inf)
+        if problem:
+            raise ValueError(f"{op}: on global rank {info.ranks[info.index]}, {problem}")
+        sizes = tuple(int(s) for s in sizes)
+        if len(sizes) != info.size:
+            raise ValueError(f"{op}: sizes has {len(sizes)} entries for a group of {info.size} ranks")
+    boundary = check_boundary(boundary)
     ndim = x.dim()
-    sizes = tuple(sizes) if sizes is not None else shard_sizes(x, dim, info.group, op=op)
     dim = dim % ndim
     total = sum(sizes)
+    # Everything below depends only on agreed values: it fails identically on every rank.
     if boundary in POLE_MODES:
         if dim == ndim - 1:
             raise ValueError(f"{op}: pole boundary exchanges latitude and rolls the last dim (longitude); "
@@ -363,16 +779,19 @@ def make_exchanger(x: torch.Tensor, dim: int, group: Any | None, boundary: str,
             raise ValueError(f"{op}: pole boundary needs an even number of longitudes to roll by W/2, "
                              f"got W={x.shape[-1]}")
     if needs is None:
-        before, after = halo
+        before, after = spec.before, spec.after
         if max(before, after) > total:
             raise ValueError(f"{op}: a halo of {max(before, after)} rows is wider than the whole domain "
-                             f"({total} rows along dim {dim} over {info.size} ranks)")
+                             f"({total} rows along dim {dim} over {info.size} ranks); expected at most {total}")
         offs = [0]
         for s in sizes:
             offs.append(offs[-1] + s)
         needs = tuple((offs[r] - before, offs[r + 1] + after) for r in range(info.size))
-    plan = _plan(sizes, tuple(tuple(n) for n in needs), boundary)
-    return Exchanger(plan.ranks[info.index], info, dim, boundary)
+    try:
+        plan = _plan(sizes, tuple((int(lo), int(hi)) for lo, hi in needs), boundary)
+    except ValueError as exc:
+        raise ValueError(f"{op}: {exc}") from None
+    return Exchanger(plan.ranks[info.index], info, dim, boundary, op)
 
 
 def exchange(x: torch.Tensor, exchanger: Exchanger) -> torch.Tensor:
@@ -393,10 +812,11 @@ def halo_exchange(x: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *, 
             ``circular`` (= ``periodic``), ``pole`` / ``pole_centered`` (across the pole, rolled by W/2).
 
     With one rank this is ``F.pad`` (and the pole construction). Backward is the exact adjoint: halo gradients
-    return to the rank owning those rows and are added there.
+    return to the rank owning those rows and are added there. Arguments are validated after one all-gather,
+    so a wrong argument on any rank raises the same error on every rank; waits are bounded
+    (:func:`set_timeout`).
     """
-    pair = _halo_pair(halo, "halo_exchange")
-    return exchange(x, make_exchanger(x, dim, group, boundary, halo=pair))
+    return exchange(x, make_exchanger(x, dim, group, boundary, halo=halo))
 
 
 class HaloHandle:
@@ -417,8 +837,21 @@ class HaloHandle:
 def halo_exchange_async(x: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *,
                         group: Any | None = None, boundary: str = "zeros") -> HaloHandle:
     """Start :func:`halo_exchange` now and return a handle; compute on ``x`` meanwhile, then ``wait()``."""
-    pair = _halo_pair(halo, "halo_exchange_async")
-    return HaloHandle(x, make_exchanger(x, dim, group, boundary, halo=pair, op="halo_exchange_async"))
+    return HaloHandle(x, make_exchanger(x, dim, group, boundary, halo=halo, op="halo_exchange_async"))
+
+
+_mesh_coords_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mesh_coords(mesh: DomainMesh, info: GroupInfo) -> list[tuple[int, int]]:
+    """``(h, w)`` of every member of the mesh's domain group, in group order."""
+    coords = _mesh_coords_cache.get(mesh)
+    if coords is None:
+        where = {g: (h, w) for block in mesh.layout.tolist() for h, row in enumerate(block)
+                 for w, g in enumerate(row)}
+        coords = [where[g] for g in info.ranks]
+        _mesh_coords_cache[mesh] = coords
+    return coords
 
 
 def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int | Sequence[int], *,
@@ -427,20 +860,29 @@ def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int |
     """Exchange along H over the mesh's first domain axis, then along W over the second, so corners are right.
 
     ``boundary_w`` defaults to ``circular`` when the mesh's W axis is periodic, else ``zeros``. Pole
-    boundaries need the whole longitude circle on each rank, so they are refused when W is sharded.
+    boundaries need the whole longitude circle on each rank, so they are refused when W is sharded. Both
+    exchanges are validated by one all-gather over the whole domain group, so every rank of the domain
+    raises the same error.
     """
+    op = "halo_exchange_2d"
     if mesh is None:
         manager = get_domain_parallel_manager()
         if manager is None:
-            raise RuntimeError("halo_exchange_2d needs mesh=DomainMesh((ph, pw)) or an initialised manager")
+            raise RuntimeError(f"{op}: no mesh given and no domain-parallel manager initialised: pass "
+                               f"mesh=halo.DomainMesh((ph, pw)), built on every rank after "
+                               f"torch.distributed.init_process_group()")
         mesh = manager.mesh
     if len(mesh.domain_shape) != 2:
-        raise ValueError(f"halo_exchange_2d needs a mesh with two domain axes, got {mesh.domain_shape}")
-    if check_boundary(boundary_h) in POLE_MODES and mesh.domain_shape[1] > 1:
-        raise ValueError(f"pole boundary needs the full longitude circle on every rank, but W is sharded over "
-                         f"{mesh.domain_shape[1]} ranks; use a mesh with one W rank or another boundary")
+        raise ValueError(f"{op} needs a mesh with two domain axes, got {mesh.domain_shape}; build one with "
+                         f"halo.DomainMesh((ph, pw))")
     if boundary_w is None:
         boundary_w = "circular" if mesh.periodic[1] else "zeros"
     dim_h, dim_w = mesh.shard_dims
-    x = halo_exchange(x, halo_h, dim_h, group=mesh.axis_group(0), boundary=boundary_h)
-    return halo_exchange(x, halo_w, dim_w, group=mesh.axis_group(1), boundary=boundary_w)
+    info = group_info(mesh.domain_group)
+    specs = (_Spec.of(dim_h, halo_h, boundary_h), _Spec.of(dim_w, halo_w, boundary_w))
+    sizes_h, sizes_w = _agree(x, info, specs, op, grad=_needs_grad(x), coords=_mesh_coords(mesh, info))
+    if check_boundary(boundary_h) in POLE_MODES and mesh.domain_shape[1] > 1:
+        raise ValueError(f"{op}: pole boundary needs the full longitude circle on every rank, but W is sharded "
+                         f"over {mesh.domain_shape[1]} ranks; use a mesh with one W rank or another boundary")
+    x = exchange(x, make_exchanger(x, dim_h, mesh.axis_group(0), boundary_h, halo=halo_h, op=op, sizes=sizes_h))
+    return exchange(x, make_exchanger(x, dim_w, mesh.axis_group(1), boundary_w, halo=halo_w, op=op, sizes=sizes_w))
