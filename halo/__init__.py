@@ -4,6 +4,7 @@
 ``halo.nn``, losses and gradient sync in ``halo.reduce``, the ColossalAI initializers in ``halo.groups``.
 """
 
+from .agree import HaloCommError, set_timeout
 from .exchange import (
     halo_exchange,
     halo_exchange_2d,
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DomainMesh",
+    "HaloCommError",
     "DomainParallelManager",
     "destroy_domain_parallel",
     "gather",
@@ -35,6 +37,7 @@ __all__ = [
     "initialize_domain_parallel",
     "scatter",
     "scatter_2d",
+    "set_timeout",
     "set_validation",
     "shard",
     "shard_2d",

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .exchange import GroupInfo, group_info, shard_sizes
+from .agree import GroupInfo, group_info, shard_sizes
 from .mesh import DomainParallelManager, get_domain_parallel_manager
 from .partition import local_range
 

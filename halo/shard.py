@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .exchange import _DEVICES, _DTYPES, _MAX_NDIM, GroupInfo, group_info, shard_sizes
+from .agree import _DEVICES, _DTYPES, _MAX_NDIM, GroupInfo, group_info, shard_sizes
 from .mesh import DomainMesh, get_domain_parallel_manager
 from .partition import split_sizes
 

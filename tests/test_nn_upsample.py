@@ -154,7 +154,7 @@ def virtual_rank(full, parts, rank, module):
     offs = split_offsets(full.shape[-2], parts)
     fakes = {
         "group_info": lambda group: hx.GroupInfo(None, parts, rank, tuple(range(parts))),
-        "shard_sizes": lambda x, dim, group=None, op="", allow_empty=False: tuple(
+        "shard_sizes": lambda x, dim, group=None, op="", allow_empty=False, check_grad=False: tuple(
             offs[i + 1] - offs[i] for i in range(parts)),
         "make_exchanger": lambda x, dim, group, boundary, needs=None, op="", sizes=None: needs[rank],
         "exchange": lambda x, need: full.narrow(-2, need[0], need[1] - need[0]),

@@ -237,7 +237,8 @@ def _errors(rank, world):
 
 def test_errors_are_raised_on_every_rank():
     results = run_on_ranks(_errors, 3, timeout=240)
-    expected = ["shard: dim 4 is out of range", "gather: dim -5 is out of range", "dst=3 is not a rank of the group",
+    expected = ["shard: on every rank, dim 4 is out of range",
+                "gather: on every rank, dim -5 is out of range", "dst=3 is not a rank of the group",
                 "dst=-1 is not a rank", "src=3 is not a rank",
                 "dim 4 is out of range for the 4-d tensor of shape (2, 3, 7, 5) on group rank 1",
                 "group rank 0 (src, global 0) must pass a tensor", "extents along dim 2 differ: [7, 7, 8]",

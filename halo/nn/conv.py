@@ -237,7 +237,7 @@ class _HaloConvMixin:
             if x.dim() < 2:
                 raise ValueError(f"{type(self).__name__}: expected a ({self._shape_names()}) shard, got shape "
                                  f"{tuple(x.shape)}")
-            sizes = shard_sizes(x, -2, info.group, op=type(self).__name__)
+            sizes = shard_sizes(x, -2, info.group, op=type(self).__name__, check_grad=True)
         else:
             sizes = None
         self._check_input(x)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..exchange import GroupInfo, group_info, shard_sizes
+from ..agree import GroupInfo, group_info, shard_sizes
 from ..mesh import GroupRef, get_domain_parallel_manager
 from ..reduce import accumulation_dtype, all_reduce
 

@@ -145,7 +145,7 @@ class HaloMaxPool2d(nn.MaxPool2d):
             return super().forward(x)
         op = "HaloMaxPool2d"
         k, s, p, d = (_pair(a)[0] for a in (self.kernel_size, self.stride, self.padding, self.dilation))
-        sizes = shard_sizes(x, -2, info.group, op=op)
+        sizes = shard_sizes(x, -2, info.group, op=op, check_grad=True)
         n = sum(sizes)
         m = _global_rows(x, n, "max", (self.kernel_size, self.stride, self.padding, self.dilation,
                                        self.ceil_mode))[-2]
@@ -189,7 +189,7 @@ class HaloAvgPool2d(nn.AvgPool2d):
             return super().forward(x)
         op = "HaloAvgPool2d"
         k, s, p = (_pair(a)[0] for a in (self.kernel_size, self.stride, self.padding))
-        sizes = shard_sizes(x, -2, info.group, op=op)
+        sizes = shard_sizes(x, -2, info.group, op=op, check_grad=True)
         n = sum(sizes)
         m = _global_rows(x, n, "avg", (self.kernel_size, self.stride, self.padding, self.ceil_mode,
                                        self.count_include_pad, self.divisor_override))[-2]
@@ -210,7 +210,7 @@ def _adaptive(x: torch.Tensor, output_size, group: Any | None, op: str, is_max: 
     if info.size == 1:
         return fn(x, output_size, return_indices) if is_max else fn(x, output_size)
     if sizes is None:
-        sizes = shard_sizes(x, -2, info.group, op=op)
+        sizes = shard_sizes(x, -2, info.group, op=op, check_grad=True)
     n = sum(sizes)
     m, w_out = _global_rows(x, n, "adaptive_max" if is_max else "adaptive_avg", (output_size,))[-2:]
     check_output_rows(op, m, n, info.size, f", output_size {output_size}")

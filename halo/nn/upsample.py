@@ -234,7 +234,7 @@ def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = 
     if antialias:
         raise NotImplementedError(f"{op}: antialias=True is not implemented (its windows widen with the "
                                   f"downsampling factor); use antialias=False")
-    sizes = shard_sizes(x, -2, info.group, op=op)
+    sizes = shard_sizes(x, -2, info.group, op=op, check_grad=True)
     n = sum(sizes)
     m, w_out = _output_size(n, x.shape[-1], size, scale_factor, mode, align_corners, recompute_scale_factor, op)
     check_output_rows(op, m, n, info.size, f", mode {mode!r}, size {size}, scale_factor {scale_factor}")
