@@ -114,6 +114,8 @@ def _unpack_kernel(out_ptr, mid_ptr, x_ptr, lo_ptr, hi_ptr, PA,
             d = j3
         else:
             d = j4
+        # As a full tile even where d is a scalar (DA < 3): masks stay int1 blocks on every Triton version.
+        d = d + 0 * (j3 + j4)
         is_lo = d < L  # halo row d < L is lo's row d; else hi's row d - L (HS) and out's row d + n (OG)
         b_v = tl.load(lo_ptr + (j0 * l0 + j1 * l1 + j2 * l2 + j3 * l3 + j4 * l4), mask=b_tile & is_lo)
         b_v = tl.where(is_lo, b_v, tl.load(hi_ptr + (j0 * h0 + j1 * h1 + j2 * h2 + j3 * h3 + j4 * h4 + HS),
@@ -146,6 +148,7 @@ def _pack_adjoint_kernel(out_ptr, g_ptr, b_ptr, S0, S1, S2, S3, S4, o0, o1, o2, 
         d = i3
     else:
         d = i4
+    d = d + 0 * (i3 + i4)  # a full tile even where d is a scalar: masks stay int1 blocks on every Triton
     acc = tl.load(g_ptr + (i0 * g0 + i1 * g1 + i2 * g2 + i3 * g3 + i4 * g4), mask=tile)
     if F64:
         acc = acc.to(tl.float64)
