@@ -1,0 +1,144 @@
+"""Strong scaling of the ``halo demo`` model: one training step (forward, loss, backward, gradient sync) on a
+fixed global field split over 1, 2, ... N ranks.
+
+``plain`` is the unsharded torch model on one rank (the demo's reference: convs pad across the poles by hand),
+``halo P=1`` the converted model on one rank (the library's overhead without communication), ``halo P=n`` the
+converted model on ``n`` ranks. ``speedup`` = plain / time; ``efficiency`` = speedup / n. Each iteration's time
+is the max over ranks, the table gives medians; exchanges run inside ``static_shapes``.
+
+On CPU each rank is one process with one thread, so on a 2-core machine P = 2 can reach at most 2x and P > 2
+oversubscribes the cores (the time then says more about the scheduler than the library). Under torchrun every
+domain size ``n`` that divides the world is timed with all ranks busy (``world / n`` independent domain groups).
+
+    python benchmarks/scaling.py [--quick] [--nproc 4] [--grid 721x1440] [--hidden 8]
+    torchrun --nproc_per_node=8 benchmarks/scaling.py --backend nccl
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from halo.bench import append_csv, median, plot_panels, print_table, rank_entry, run_meta, time_iterations
+
+__all__ = ["main", "run"]
+
+
+def scaling_rank(rank: int, world: int, cfg: dict) -> list[dict]:
+    """Time the demo step for every domain size in ``cfg['domain_sizes']`` (default: the whole world)."""
+    import torch.distributed as dist
+
+    from halo import initialize_domain_parallel
+    from halo.cli import rank_device
+    from halo.demo import DemoNet, latitudes, make_field, pole_boundary, reference_model, weighted_mse
+    from halo.exchange import static_shapes
+    from halo.nn.convert import convert_to_domain_parallel
+    from halo.reduce import latitude_weighted_mse, sync_domain_gradients
+    from halo.shard import shard
+
+    device, dtype = rank_device(cfg["backend"]), getattr(torch, cfg["dtype"])
+    h, w = cfg["grid"]
+    field = make_field(h, w, cfg["channels"], 0).to(device, dtype)
+    target = field.roll(max(1, w // 72), dims=-1)
+    torch.manual_seed(0)
+    net = DemoNet(cfg["channels"], cfg["hidden"], (h, w)).to(device, dtype)
+    meta = run_meta(cfg["backend"], world, device)
+    rows = []
+    for p in cfg["domain_sizes"] or [world]:
+        manager = initialize_domain_parallel(world, p)
+        model = convert_to_domain_parallel(copy.deepcopy(net), manager, boundary=pole_boundary(h))
+        x, y = (shard(t, dim=-2, group=manager.domain_group) for t in (field, target))
+
+        def step(model=model, x=x, y=y, manager=manager, tag=("scaling", p)) -> None:
+            model.zero_grad(set_to_none=True)
+            with static_shapes(tag):
+                latitude_weighted_mse(model(x), y).backward()
+            sync_domain_gradients(model, manager)
+
+        fns = {f"halo P={p}": step}
+        if p == 1:
+            ref, lat = reference_model(net, pole_boundary(h)), latitudes(h).to(device)
+
+            def plain(ref=ref, lat=lat) -> None:
+                ref.zero_grad(set_to_none=True)
+                weighted_mse(ref(field), target, lat).backward()
+
+            fns = {"plain": plain, **fns}
+        times = time_iterations(fns, cfg["reps"], dist.group.WORLD, device, warmup=1)
+        for name, ts in times.items():
+            rows.append(dict(meta, grid=f"{h}x{w}", channels=cfg["channels"], hidden=cfg["hidden"],
+                             dtype=cfg["dtype"], domain=p, impl=name, time_s=f"{median(ts):.4f}", reps=cfg["reps"]))
+    return rows if rank == 0 else []
+
+
+def run(opts: dict, *, grid: tuple[int, int] | None = None, hidden: int = 8, channels: int = 4,
+        reps: int | None = None, nprocs: Sequence[int] | None = None) -> int:
+    """Time 1..N ranks (separate CPU launches; one torchrun launch on GPUs); print, append CSV, plot."""
+    from halo.cli import is_printer, launch, under_torchrun
+
+    gpu, quick = opts["backend"] == "nccl", opts["quick"]
+    grid = grid or ((91, 180) if quick else (721, 1440))
+    cfg = {"backend": opts["backend"], "grid": grid, "hidden": hidden, "channels": channels,
+           "dtype": "float32", "reps": reps or (2 if quick else (10 if gpu else 5)), "domain_sizes": None}
+    rows: list[dict] = []
+    if under_torchrun():
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+        cfg["domain_sizes"] = [n for n in (nprocs or range(1, world + 1)) if world % n == 0]
+        results = launch(rank_entry, world, "scaling", "scaling_rank", cfg, backend=opts["backend"],
+                         timeout=opts["timeout"])
+        rows = results[0] if results else []
+    else:
+        for n in nprocs or range(1, opts["nproc"] + 1):
+            print(f"scaling: {n} rank(s), grid {grid[0]}x{grid[1]} ...", flush=True)
+            rows += launch(rank_entry, n, "scaling", "scaling_rank", cfg, backend=opts["backend"],
+                           timeout=opts["timeout"])[0]
+    if not is_printer():
+        return 0
+    plain = next(float(r["time_s"]) for r in rows if r["impl"] == "plain")
+    for r in rows:
+        speedup = plain / float(r["time_s"])
+        r["speedup"], r["efficiency"] = f"{speedup:.2f}", f"{speedup / int(r['domain']):.2f}"
+    print_table(rows, ["grid", "hidden", "world", "domain", "impl", "time_s", "speedup", "efficiency", "load1"])
+    append_csv(Path(opts["out"]) / "scaling.csv", rows)
+    halo_rows = [r for r in rows if r["impl"] != "plain"]
+    cores = 10**9 if gpu else (os.cpu_count() or 1)  # one thread per CPU rank: at most `cores` can run at once
+    plot_panels(Path(opts["out"]) / "scaling.png", [
+        {"title": "speedup over plain torch on 1 rank", "xlabel": "ranks", "ylabel": "speedup",
+         "series": {"halo": [(int(r["domain"]), float(r["speedup"])) for r in halo_rows],
+                    f"ideal ({'cores' if not gpu else 'devices'})":
+                        [(int(r["domain"]), float(min(int(r["domain"]), cores))) for r in halo_rows]}},
+        {"title": "time per step (max over ranks, median); dashed: plain, 1 rank", "xlabel": "ranks",
+         "ylabel": "s", "series": {"halo": [(int(r["domain"]), float(r["time_s"])) for r in halo_rows]},
+         "hline": plain}],
+        f"demo model {grid[0]}x{grid[1]}, hidden {hidden}, on {rows[0]['device']}, {rows[0]['backend']}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from halo.cli import default_backend
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--nproc", type=int, default=2, help="largest CPU world (1..N are timed)")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser.add_argument("--grid", default=None, help="HxW, default 721x1440 (--quick: 91x180)")
+    parser.add_argument("--hidden", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    a = parser.parse_args(argv)
+    opts = {"quick": a.quick, "nproc": a.nproc, "backend": a.backend or default_backend(), "out": a.out,
+            "timeout": a.timeout}
+    grid = tuple(int(v) for v in a.grid.lower().split("x")) if a.grid else None
+    return run(opts, grid=grid, hidden=a.hidden, reps=a.reps)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""``halo bench``: run the benchmarks in ``benchmarks/``, plus the helpers they share.
+
+=======================  ===============================  ===============================================
+``--only`` name          script                           compares, in one run
+=======================  ===============================  ===============================================
+``bandwidth``            ``benchmarks/halo_bandwidth.py``  halo_exchange vs raw send/recv of packed buffers
+                                                          (the wire), naive slice + cat, a shard copy
+``conv``                 ``benchmarks/conv_overhead.py``   HaloConv2d fwd + bwd vs nn.Conv2d, same local shape
+``scaling``              ``benchmarks/scaling.py``         the demo model's step on 1..N ranks
+``pack``                 ``benchmarks/pack_kernels.py``    pack/unpack kernels vs torch reference vs copy
+=======================  ===============================  ===============================================
+
+Timing rule for distributed steps (DESIGN.md, "Performance model"): every iteration starts after a barrier,
+each rank times it, and the iteration's time is the **max over ranks** (the step is done when the slowest rank
+is); reports give the median over iterations. A single rank's time of a step that waits on a peer is noise.
+
+The scripts are files of the repository, not of the installed package: ``halo bench`` finds them next to the
+``halo`` package folder (an editable install or a checkout). Ranks load them by path (:func:`rank_entry`),
+so their rank functions need not be importable by module name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.util
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["BENCHMARKS", "append_csv", "gather_times", "load_benchmark", "median", "plot_panels", "print_table",
+           "rank_entry", "run_bench", "run_meta", "time_iterations"]
+
+BENCHMARKS = {"bandwidth": "halo_bandwidth", "conv": "conv_overhead", "scaling": "scaling", "pack": "pack_kernels"}
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def gather_times(times: Sequence[float], group: Any = None) -> list[float]:
+    """Per-iteration max over the ranks of ``group`` of the local ``times`` (same count on every rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(times)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor(list(times), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.cpu().tolist()
+
+
+def time_iterations(fns: dict[str, Callable[[], Any]], iters: int, group: Any = None, device: Any = None,
+                    warmup: int = 2) -> dict[str, list[float]]:
+    """Interleaved timing: each iteration runs every ``fn`` once, each after a barrier; returns, per name,
+    the per-iteration max over ranks (seconds). Interleaving keeps slow drift (other load) out of ratios."""
+    import torch.distributed as dist
+
+    cuda = device is not None and torch.device(device).type == "cuda"
+    local: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(warmup + iters):
+        for name, fn in fns.items():
+            if dist.is_initialized():
+                dist.barrier(group)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= warmup:
+                local[name].append(time.perf_counter() - t0)
+    return {name: gather_times(ts, group) for name, ts in local.items()}
+
+
+def run_meta(backend: str, world: int, device: Any = None) -> dict[str, Any]:
+    """What every CSV row carries: device, backend, world size, versions, date, host load."""
+    if device is not None and torch.device(device).type == "cuda":
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    triton = sys.modules.get("triton")
+    if triton is None:
+        try:
+            import triton
+        except ImportError:
+            triton = None
+    return {"device": name, "backend": backend, "world": world, "torch": torch.__version__,
+            "triton": getattr(triton, "__version__", "none"), "threads": torch.get_num_threads(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "load1": f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""}
+
+
+def append_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """Append ``rows`` (a header when the file is new); a file whose header differs gets a sibling file."""
+    if not rows:
+        return path
+    fields = list(rows[0])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), None)
+        if header and header != fields:
+            path = path.with_name(f"{path.stem}_v{abs(hash(tuple(fields))) % 10**6}{path.suffix}")
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    print(f"csv: {path} (+{len(rows)} rows)")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
+    """A fixed-width table of ``columns`` of ``rows`` on stdout."""
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def plot_panels(path: Path, panels: list[dict[str, Any]], title: str) -> Path | None:
+    """Line plots side by side. A panel: ``title, xlabel, ylabel, series {label: [(x, y), ...]}``, optional
+    ``logx``/``logy`` and ``hline`` (a reference level). Returns None (and says so) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot")
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        for label, pts in panel["series"].items():
+            if pts:
+                xs, ys = zip(*sorted(pts), strict=True)
+                ax.plot(xs, ys, marker="o", ms=3, label=label)
+        if panel.get("hline") is not None:
+            ax.axhline(panel["hline"], color="k", lw=0.8, ls="--")
+        ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"],
+               xscale="log" if panel.get("logx") else "linear", yscale="log" if panel.get("logy") else "linear")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"plot: {path}")
+    return path
+
+
+def benchmarks_dir() -> Path:
+    """The repository's ``benchmarks/`` folder (beside the ``halo`` package folder)."""
+    return Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` by path (once per process)."""
+    key = f"_halo_benchmarks_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    path = benchmarks_dir() / f"{name}.py"
+    if not path.exists():
+        raise FileNotFoundError(f"benchmark script {path} not found: `halo bench` runs from a checkout or an "
+                                f"editable install of the repository (pip install -e .)")
+    spec = importlib.util.spec_from_file_location(key, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def rank_entry(rank: int, world: int, name: str, fn_name: str, *args: Any) -> Any:
+    """A picklable rank function: ``benchmarks/<name>.py``'s ``fn_name(rank, world, *args)``."""
+    return getattr(load_benchmark(name), fn_name)(rank, world, *args)
+
+
+def default_out() -> Path:
+    bench = benchmarks_dir()
+    return bench / "out" if bench.exists() else Path("benchmarks_out")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the selected benchmarks in order; non-zero if one of them failed (the others still run)."""
+    from .cli import is_printer, under_torchrun
+
+    out = Path(args.out) if args.out else default_out()
+    opts = {"quick": args.quick, "nproc": args.nproc, "out": out, "backend": args.backend,
+            "timeout": args.timeout}
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise SystemExit(f"halo bench: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
+    status = 0
+    for name in names:
+        if is_printer():
+            print(f"\n=== {name}: benchmarks/{BENCHMARKS[name]}.py ===", flush=True)
+        t0 = time.perf_counter()
+        try:
+            if name == "pack":
+                if is_printer():  # a single-process benchmark: rank 0 only under torchrun
+                    rc = load_benchmark("pack_kernels").main((["--quick"] if args.quick else [])
+                                                             + ["--out", str(out)])
+                else:
+                    rc = 0
+            else:
+                rc = load_benchmark(BENCHMARKS[name]).run(opts)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the other benchmarks
+            print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
+            rc = 1
+        status |= int(bool(rc))
+        if is_printer():
+            print(f"--- {name}: {'ok' if not rc else 'FAILED'} in {time.perf_counter() - t0:.1f} s", flush=True)
+    if under_torchrun():
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+    return status
