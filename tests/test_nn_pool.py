@@ -9,13 +9,13 @@ A one-process sweep (the exchange replaced by slicing the full field) covers man
 forward; the multi-rank runs cover the wiring, the backward and the explicit group.
 """
 
-import contextlib
 import itertools
 import os
 
 import pytest
 import torch
 import torch.nn as nn
+from _virtual import virtual_rank
 
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks
@@ -161,29 +161,6 @@ def test_too_few_output_rows_is_an_error_on_every_rank():
 
 
 # -- one process: the exchange replaced by slices of the full field (forward only, many configurations) ----
-
-@contextlib.contextmanager
-def virtual_rank(full, parts, rank, module):
-    """Make ``module`` see ``parts`` ranks, this being ``rank``; its exchanges slice ``full``."""
-    import halo.exchange as hx
-
-    offs = split_offsets(full.shape[-2], parts)
-    fakes = {
-        "group_info": lambda group: hx.GroupInfo(None, parts, rank, tuple(range(parts))),
-        "shard_sizes": lambda x, dim, group=None, op="", allow_empty=False, check_grad=False: tuple(
-            offs[i + 1] - offs[i] for i in range(parts)),
-        "make_exchanger": lambda x, dim, group, boundary, needs=None, op="", sizes=None: needs[rank],
-        "exchange": lambda x, need: full.narrow(-2, need[0], need[1] - need[0]),
-    }
-    saved = {name: getattr(module, name) for name in fakes}
-    for name, fake in fakes.items():
-        setattr(module, name, fake)
-    try:
-        yield full.narrow(-2, offs[rank], offs[rank + 1] - offs[rank])
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
-
 
 def virtual_run(layer, full, parts, module):
     outs = []
