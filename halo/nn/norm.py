@@ -26,6 +26,12 @@ autograd runs through ``var_mean``, the combine and the all-reduce's exact adjoi
 integers from :func:`halo.exchange.shard_sizes`, which also checks that B, C, W, dtype agree across ranks
 (one small all-gather per new shape; none under ``halo.static_shapes``), so a mismatch raises on every rank.
 
+GroupNorm and InstanceNorm (statistics per (sample, group), so the local reduction is over contiguous rows)
+take a fused path instead, :class:`_DomainGroupNormFn`: the same Chan combine with one all-reduce forward and
+one backward, but local statistics from torch's GroupNorm kernel and a hand-written exact backward, no autograd
+graph through the statistics (about 13x less CPU time than the generic path at (1, 32, 181, 360)). With one
+rank DomainGroupNorm is ``F.group_norm`` itself (bitwise).
+
 In float64 a sharded layer matches the unsharded one to ~1e-15 relative: only the order of the sums differs.
 bf16/fp16 inputs: statistics and normalisation in fp32, output in the input dtype (invariant 5).
 """
@@ -38,8 +44,10 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..agree import GroupInfo, group_info, shard_sizes
 from ..mesh import GroupRef, get_domain_parallel_manager
@@ -131,6 +139,102 @@ def _update_running(module: nn.Module, mean: torch.Tensor, var: torch.Tensor, co
         rv.copy_(factor * unbiased.reshape(rv.shape).to(rv.dtype) + (1 - factor) * rv)
 
 
+# -- the fused per-(sample, group) normalisation (GroupNorm, InstanceNorm) ------------------------------------
+
+class _DomainGroupNormFn(torch.autograd.Function):
+    """``y = (x - mean) * rstd * w + b`` with ``(mean, var)`` per (sample, group) over the *whole domain*.
+
+    Forward: local ``(mean, 1/std)`` per (sample, group) from ``aten.native_group_norm`` with ``eps=0`` (torch's
+    GroupNorm kernel: one read of ``x``, Welford/cascade moments in the accumulation dtype, so no cancellation
+    against a large mean; ~15x faster on CPU than ``torch.var_mean`` over the same rows; its normalised output
+    is discarded), ``var = rstd**-2`` in float64 (exact to the kernel's rounding; a constant row gives
+    ``1/inf**2 = 0``), Chan's combine of every rank's ``(mean, n var)`` in float64 after ONE all-reduce of a
+    zero-padded ``(P, 2, B, G)`` stack (an all-gather; no ``E[x^2] - E[x]^2`` cancellation, which for
+    mean/std = 2500 in fp32 loses every bit), then ``y = (x - m') * a + k`` as one subtraction and one ``addcmul``,
+    where ``m'`` is the global mean rounded to the compute dtype and ``k = b + (m' - mean) a`` carries the rounding
+    back in float64. Centring on ``m'`` before the product keeps large means (temperature in K) from cancelling
+    in ``x a + k`` (torch's own kernel form): the products are of the size of the spread, not of the mean.
+
+    Backward (the exact adjoint, by hand): per (sample, channel) local ``sum g`` and ``sum g (x - m')`` (the
+    same centring, so no cancellation against the mean), ONE all-reduce of the per-(sample, group)
+    ``(sum g w, sum g w xhat)``, then ``grad_x = g a + (x - m') p + q`` in two ``addcmul``. ``grad_w``,
+    ``grad_b`` are this rank's parts (``sync_domain_gradients`` sums them over the domain, as for every layer).
+    Also returns ``(mean, var)`` (float64, ``(B, G)``, not differentiable) for running statistics.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, eps, count, info):
+        b, c = x.shape[:2]
+        cg = c // groups
+        acc = accumulation_dtype(x.dtype)
+        xa = x.to(acc).contiguous()  # native_group_norm wants contiguous rows
+        hw = xa[0, 0].numel()
+        _, mean, rstd_l = torch.ops.aten.native_group_norm(xa, None, None, b, c, hw, groups, 0.0)
+        mean, var = mean.view(b, groups).double(), rstd_l.view(b, groups).double().pow(-2)  # 1/inf^2 = 0
+        if info.size > 1:
+            n_r = xa[0, :cg].numel()
+            pieces = torch.zeros(info.size, 2, b, groups, dtype=torch.float64, device=x.device)
+            pieces[info.index, 0] = mean
+            pieces[info.index, 1] = var * n_r
+            dist.all_reduce(pieces, group=info.group)  # every rank's (mean, M2): an all-gather (zeros add exactly)
+            n = _counts(count, x.device, torch.float64, 2)
+            total = float(sum(count))
+            mean = (n * pieces[:, 0]).sum(0) / total
+            var = (pieces[:, 1].sum(0) + (n * (pieces[:, 0] - mean).square()).sum(0)) / total
+        rstd = torch.rsqrt(var + eps)
+        w = weight.double() if weight is not None else None
+        mean_c, rstd_c = mean.repeat_interleave(cg, dim=1), rstd.repeat_interleave(cg, dim=1)  # (B, C)
+        a = rstd_c * w if w is not None else rstd_c
+        m_acc = mean_c.to(acc)
+        delta = m_acc.double() - mean_c  # the rounding of the mean to the compute dtype
+        k = delta * a + (bias.double() if bias is not None else 0.0)
+        view = (b, c) + (1,) * (x.dim() - 2)
+        y = (xa - m_acc.view(view)).mul_(a.to(acc).view(view)).add_(k.to(acc).view(view))
+        ctx.save_for_backward(x, weight)
+        ctx.stats = (m_acc, delta, rstd_c, a)
+        ctx.groups, ctx.info, ctx.total = groups, info, float(sum(count))
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.mark_non_differentiable(mean, var)
+        return y.to(x.dtype), mean, var
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy, _gmean, _gvar):
+        x, weight = ctx.saved_tensors
+        m_acc, delta, rstd_c, a = ctx.stats
+        b, c = x.shape[:2]
+        groups, info = ctx.groups, ctx.info
+        acc = accumulation_dtype(x.dtype)
+        view = (b, c) + (1,) * (x.dim() - 2)
+        ga = gy.to(acc)
+        xc = x.to(acc) - m_acc.view(view)
+        sg = ga.sum(tuple(range(2, x.dim()))).double()                  # (B, C) local sum g
+        sgc = torch.einsum("bc...,bc...->bc", ga, xc).double() + delta * sg  # local sum g (x - mean)
+        w = weight.double() if weight is not None else None
+        sgw, sgcw = (sg * w, sgc * w) if w is not None else (sg, sgc)
+        ab = torch.stack([sgw, sgcw * rstd_c]).view(2, b, groups, c // groups).sum(-1)  # (2, B, G)
+        if info.size > 1:
+            dist.all_reduce(ab, group=info.group)
+        ab = ab.repeat_interleave(c // groups, dim=2) / ctx.total  # (2, B, C): mean g w, mean g w xhat
+        p = -rstd_c * rstd_c * ab[1]                                    # grad_x = g a + (x - m') p + q
+        q = -rstd_c * ab[0] + delta * p
+        gx = xc.mul_(p.to(acc).view(view)).add_(q.to(acc).view(view)).addcmul_(ga, a.to(acc).view(view))  # in place
+        gw = gb = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            gw = (sgc * rstd_c).sum(0).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            gb = sg.sum(0).to(ctx.bias_dtype)
+        return gx.to(x.dtype), gw, gb, None, None, None, None
+
+
+def _group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                eps: float, sizes: tuple[int, ...] | None, info: GroupInfo):
+    """The fused domain GroupNorm: ``(y, mean, var)``, statistics float64 ``(B, groups)``."""
+    per_row = x[0, :x.shape[1] // groups].numel() // x.shape[-2]
+    count = tuple(per_row * s for s in (sizes or (x.shape[-2],)))
+    return _DomainGroupNormFn.apply(x, weight, bias, groups, eps, count, info)
+
+
 # -- adopting a torch module -----------------------------------------------------------------------------------
 
 def _adopt(self: nn.Module, base: type, args: tuple, kwargs: dict) -> None:
@@ -186,13 +290,9 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
             raise ValueError(f"DomainGroupNorm: expected (B, C, ..., H_local, W), got shape {tuple(x.shape)}")
         if x.shape[1] != self.num_channels:
             raise ValueError(f"DomainGroupNorm: expected {self.num_channels} channels, got shape {tuple(x.shape)}")
-        b, c = x.shape[:2]
-        xg = x.reshape(b, self.num_groups, c // self.num_groups, *x.shape[2:])
-        var, mean, _ = domain_var_mean(xg, tuple(range(2, xg.dim())), info.group, sizes=sizes,
-                                       op="DomainGroupNorm")
-        y = _normalize(xg, var, mean, self.eps).reshape(x.shape)
-        y = _affine(y, self.weight, self.bias, (1, c) + (1,) * (x.dim() - 2))
-        return y.to(x.dtype)
+        if info.size == 1:  # the whole domain is local: torch's kernel, bitwise
+            return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+        return _group_norm(x, self.num_groups, self.weight, self.bias, self.eps, sizes, info)[0]
 
 
 class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
@@ -280,15 +380,15 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
         if not batch_stats:  # elementwise with the running statistics: no communication
             return F.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
                                    self.eps)
-        var, mean, count = domain_var_mean(x, (2, 3), info.group, sizes=sizes, op="DomainInstanceNorm2d")
+        count = x.shape[-1] * sum(sizes or (x.shape[-2],))
         if count <= 1:
             raise ValueError(f"Expected more than 1 spatial element when training, got {count} over the whole "
                              f"domain (input shape {tuple(x.shape)})")
+        y, mean, var = _group_norm(x, x.shape[1], self.weight, self.bias, self.eps, sizes, info)
         if self.training and self.track_running_stats:
             factor = self.momentum if self.momentum is not None else 0.0
             _update_running(self, mean.mean(0), var.mean(0), count, factor)
-        y = _normalize(x, var, mean, self.eps)
-        return _affine(y, self.weight, self.bias, (1, -1, 1, 1)).to(x.dtype)
+        return y
 
 
 class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
