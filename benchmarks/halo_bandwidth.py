@@ -12,7 +12,7 @@ wire          ``batch_isend_irecv`` of already-packed contiguous buffers of the 
 exchange      ``halo_exchange(x, width)`` inside ``static_shapes`` (no shape all-gather after the first)
 checked       ``halo_exchange(x, width)`` outside ``static_shapes``: + one small all-gather of shapes
 naive         slice rows, ``.contiguous()``, isend/irecv, ``torch.cat([north, x, south])``
-inplace       prototype of an in-place exchange: pack, wire, copy halos into a preallocated extended buffer
+inplace       halo.exchange.halo_exchange_: fills the halo rows of an extended buffer the caller owns
 copy          ``x.clone()``: one copy of the shard into a fresh buffer, what any out-of-place exchange adds
 ============  ====================================================================================
 
@@ -55,8 +55,7 @@ def _shape(msg_bytes: int, width: int, dtype: torch.dtype, rows: int) -> tuple[i
 def _impls(x: torch.Tensor, width: int, group: Any, tag: Any, channels_last: bool) -> dict[str, Callable[[], Any]]:
     import torch.distributed as dist
 
-    from halo import kernels
-    from halo.exchange import group_info, halo_exchange, static_shapes
+    from halo.exchange import group_info, halo_exchange, halo_exchange_, static_shapes
 
     info = group_info(group)
     me, n = info.index, x.shape[-2]
@@ -86,16 +85,9 @@ def _impls(x: torch.Tensor, width: int, group: Any, tag: Any, channels_last: boo
     ext = torch.zeros((*x.shape[:2], n + 2 * width, x.shape[3]), device=x.device, dtype=x.dtype)
     ext = ext.contiguous(memory_format=torch.channels_last) if channels_last else ext
     ext.narrow(-2, width, n).copy_(x)  # the caller's data already lives in the extended buffer
-    ranges = [(0, width), (n - width, width)]
-    packed = kernels.pack(x, -2, ranges)
-    dst = {me - 1: ext.narrow(-2, 0, width), me + 1: ext.narrow(-2, n + width, width)}
 
     def inplace() -> torch.Tensor:
-        kernels.pack(x, -2, ranges, out=packed)
-        post({q: packed[:width] if q == me - 1 else packed[width:] for q in peers}, recvs)
-        for q in peers:
-            dst[q].copy_(recvs[q].movedim(0, -2))
-        return ext
+        return halo_exchange_(ext, width, -2, group=group)
 
     return {"wire": lambda: post(sends, recvs), "exchange": exchange,
             "checked": lambda: halo_exchange(x, width, -2, group=group), "naive": naive, "inplace": inplace,

@@ -7,6 +7,7 @@
 from .agree import HaloCommError, set_timeout
 from .exchange import (
     halo_exchange,
+    halo_exchange_,
     halo_exchange_2d,
     halo_exchange_async,
     set_validation,
@@ -32,6 +33,7 @@ __all__ = [
     "gather_2d",
     "get_domain_parallel_manager",
     "halo_exchange",
+    "halo_exchange_",
     "halo_exchange_2d",
     "halo_exchange_async",
     "initialize_domain_parallel",

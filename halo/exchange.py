@@ -62,6 +62,7 @@ __all__ = [
     "exchange",
     "get_timeout",
     "halo_exchange",
+    "halo_exchange_",
     "halo_exchange_2d",
     "halo_exchange_async",
     "clear_shape_cache",
@@ -102,15 +103,16 @@ class Exchanger:
         works, labels = self._post(send, self.send_counts, recv, self.recv_counts)
         return {"send": send, "recv": recv, "works": works, "labels": labels, "posted": time.monotonic()}
 
-    def finish(self, x: torch.Tensor, pending: dict) -> torch.Tensor:
-        """Wait for the messages and write ``[before | interior | after]`` in one pass."""
+    def finish(self, x: torch.Tensor, pending: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Wait for the messages and write ``[before | interior | after]`` in one pass (into ``out`` if given;
+        if ``x`` is ``out``'s middle already, only the halo rows are written)."""
         _wait(pending["works"], pending["labels"], self.info, self.op, pending["posted"], pending)
         pending["works"] = ()  # finished requests are not kept
         recv = pending["recv"]
         before = self._assemble(recv, self.plan.before, x)
         after = self._assemble(recv, self.plan.after, x)
         interior = x.narrow(self.dim, *self.plan.interior)
-        return kernels.unpack(interior, before, after, self.dim)
+        return kernels.unpack(interior, before, after, self.dim, out)
 
     def _post(self, send: torch.Tensor, send_list, recv: torch.Tensor, recv_list) -> tuple[list, list[str]]:
         """Post messages (slices of ``send`` to send_list peers, into slices of ``recv``); self-copies inline.
@@ -306,6 +308,34 @@ def halo_exchange(x: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *, 
     (:func:`set_timeout`).
     """
     return exchange(x, make_exchanger(x, dim, group, boundary, halo=halo))
+
+
+def halo_exchange_(ext: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *, group: Any | None = None,
+                   boundary: str = "zeros") -> torch.Tensor:
+    """In place: fill the halo rows of an extended buffer whose middle rows hold this rank's shard.
+
+    ``ext`` has ``before + n + after`` rows along ``dim``, the shard in rows ``[before, before + n)``; the
+    ``before`` first and ``after`` last rows are overwritten with the neighbours' rows (or the boundary fill)
+    and ``ext`` is returned. No copy of the shard is made, so the wire is this form's floor (the out-of-place
+    :func:`halo_exchange` also pays one copy of the shard). Not differentiable: for inference and rollouts,
+    or a layer that owns its buffer; use :func:`halo_exchange` under autograd.
+    """
+    # Form the shard view locally where the arguments allow; otherwise hand the agreement something it will
+    # refuse on every rank (a malformed halo or dim is named by it; a buffer thinner than its halo shows up as a
+    # rank with no rows), so that no rank raises alone.
+    x = ext
+    pair = (halo, halo) if isinstance(halo, int) else tuple(halo) if isinstance(halo, (tuple, list)) else None
+    if pair is not None and len(pair) == 2 and all(isinstance(h, int) and h >= 0 for h in pair) \
+            and -ext.dim() <= dim < ext.dim():
+        n = ext.shape[dim] - pair[0] - pair[1]
+        x = ext.narrow(dim, pair[0], n) if n >= 0 else ext.narrow(dim, 0, 0)
+    exchanger = make_exchanger(x, dim, group, boundary, halo=halo, op="halo_exchange_")
+    if torch.is_grad_enabled() and ext.requires_grad:  # after the agreement: the same verdict on every rank
+        raise RuntimeError("halo_exchange_ writes in place and is not differentiable; use halo_exchange (which "
+                           "returns a new tensor) under autograd, or call this under torch.no_grad()")
+    with torch.no_grad():
+        exchanger.finish(x, exchanger.start(x), out=ext)
+    return ext
 
 
 class HaloHandle:

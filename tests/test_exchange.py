@@ -143,3 +143,39 @@ def test_exchange_low_precision_is_bitwise(world):
 def test_exchange_single_rank_is_padding():
     cases = [((1, 2, 9, 6), -2, h, b, torch.float64, 3) for b in BOUNDARY_MODES for h in (1, (2, 3))]
     _check(_run(1, cases), 1, cases)
+
+
+def _in_place_cases(rank, world, cases):
+    import halo
+    from halo.exchange import halo_exchange_
+
+    halo.initialize_domain_parallel(world, world)
+    out = []
+    for shape, dim, (b, a), boundary, dtype, layout in cases:
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dtype)
+        offs = split_offsets(shape[dim], world)
+        n_r = offs[rank + 1] - offs[rank]
+        ext_shape = list(shape)
+        ext_shape[dim] = n_r + b + a
+        ext = torch.full(ext_shape, float("nan"), dtype=dtype).contiguous(memory_format=layout)
+        ext.narrow(dim, b, n_r).copy_(full.narrow(dim, offs[rank], n_r))
+        ptr = ext.data_ptr()
+        got = halo_exchange_(ext, (b, a), dim, boundary=boundary)
+        want = padded_reference(full, b, a, dim, boundary).narrow(dim, offs[rank], n_r + b + a)
+        out.append(got is ext and ext.data_ptr() == ptr and torch.equal(ext, want))
+    try:
+        halo_exchange_(torch.zeros(1, 1, 5, 4, requires_grad=True), 1)
+    except RuntimeError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_in_place_exchange_fills_only_the_halo_rows():
+    cases = [((1, 2, 37, 6), -2, (1, 2), b, torch.float64, torch.contiguous_format)
+             for b in ("zeros", "reflect", "circular", "pole")]
+    cases += [((2, 3, 37, 8), -2, (2, 2), "zeros", torch.bfloat16, torch.channels_last),
+              ((2, 3, 9, 23), -1, (3, 1), "circular", torch.float32, torch.contiguous_format)]
+    results = run_on_ranks(_in_place_cases, 3, cases, timeout=120)
+    for r in results:
+        assert r[:-1] == [True] * len(cases), r
+        assert "halo_exchange_ writes in place and is not differentiable" in r[-1]
