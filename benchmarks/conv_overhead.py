@@ -20,7 +20,6 @@ iteration's time is the max over ranks; the table gives medians.
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +27,16 @@ from typing import Any
 
 import torch
 
-from halo.bench import append_csv, median, plot_panels, print_table, rank_entry, run_meta, time_iterations
+from halo.bench import (
+    append_csv,
+    benchmark_parser,
+    median,
+    plot_panels,
+    print_table,
+    rank_entry,
+    run_meta,
+    time_iterations,
+)
 
 __all__ = ["main", "run"]
 
@@ -123,11 +131,7 @@ def run(opts: dict, *, grid: tuple[int, int] | None = None, channels: Sequence[i
 def main(argv: Sequence[str] | None = None) -> int:
     from halo.cli import default_backend
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--grid", default=None, help="HxW of the global activation, e.g. 721x1440")
     parser.add_argument("--channels", default=None, help="e.g. 32,64")
     parser.add_argument("--reps", type=int, default=None)

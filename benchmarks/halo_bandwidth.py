@@ -27,14 +27,22 @@ tables give medians. GB/s counts the bytes an interior rank receives (2 messages
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from halo.bench import append_csv, median, plot_panels, print_table, rank_entry, run_meta, time_iterations
+from halo.bench import (
+    append_csv,
+    benchmark_parser,
+    median,
+    plot_panels,
+    print_table,
+    rank_entry,
+    run_meta,
+    time_iterations,
+)
 
 __all__ = ["main", "run"]
 
@@ -220,11 +228,7 @@ def _size(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     from halo.cli import default_backend
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--sizes", default=None, help="message sizes, e.g. 1K,64K,1M,16M")
     parser.add_argument("--rows", type=int, default=4, help="shard rows (default 4: halo-dominated)")
     parser.add_argument("--width", type=int, default=1, help="halo rows per side")

@@ -36,7 +36,6 @@ step's output and gradient, per rank: equal digests across runs are run-to-run b
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import time
@@ -46,7 +45,17 @@ from typing import Any
 
 import torch
 
-from halo.bench import append_csv, gather_times, median, plot_panels, print_table, rank_entry, run_meta, time_iterations
+from halo.bench import (
+    append_csv,
+    benchmark_parser,
+    gather_times,
+    median,
+    plot_panels,
+    print_table,
+    rank_entry,
+    run_meta,
+    time_iterations,
+)
 
 __all__ = ["main", "run"]
 
@@ -290,11 +299,7 @@ def run(opts: dict, *, steps: int | None = None, conv_steps: int | None = None, 
 def main(argv: Sequence[str] | None = None) -> int:
     from halo.cli import default_backend
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1,000 exchange and 100 conv steps")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--steps", type=int, default=None, help="exchange steps (default 10000)")
     parser.add_argument("--conv-steps", type=int, default=None, help="HaloConv2d steps (default 1000; 0: none)")
     parser.add_argument("--reps", type=int, default=None, help="validation timing repetitions")

@@ -26,7 +26,6 @@ correctness tool, not a performance path, and is not timed. Results: a table on 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import statistics
 import sys
@@ -172,15 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"{op:<13}{layout:<14}{size:>6}{width:>3}  {impl:<10}{sec * 1e6:>10.1f}"
                               f"{gbs:>9.1f}{gbs / copy_gbs:>9.2f}")
                 del x
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path = args.out / "pack_kernels.csv"
-    new = not csv_path.exists()
-    with csv_path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-    print(f"csv: {csv_path} (+{len(rows)} rows)")
+    from halo.bench import append_csv
+
+    append_csv(args.out / "pack_kernels.csv", [{k: row[k] for k in FIELDS} for row in rows])
     _plot(rows, args.out / "pack_kernels.png")
     return 0
 

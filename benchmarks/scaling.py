@@ -16,7 +16,6 @@ domain size ``n`` that divides the world is timed with all ranks busy (``world /
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 from collections.abc import Sequence
@@ -24,7 +23,16 @@ from pathlib import Path
 
 import torch
 
-from halo.bench import append_csv, median, plot_panels, print_table, rank_entry, run_meta, time_iterations
+from halo.bench import (
+    append_csv,
+    benchmark_parser,
+    median,
+    plot_panels,
+    print_table,
+    rank_entry,
+    run_meta,
+    time_iterations,
+)
 
 __all__ = ["main", "run"]
 
@@ -124,11 +132,7 @@ def run(opts: dict, *, grid: tuple[int, int] | None = None, hidden: int = 8, cha
 def main(argv: Sequence[str] | None = None) -> int:
     from halo.cli import default_backend
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--nproc", type=int, default=2, help="largest CPU world (1..N are timed)")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser = benchmark_parser(__doc__, nproc_help="largest CPU world (1..N are timed)")
     parser.add_argument("--grid", default=None, help="HxW, default 721x1440 (--quick: 91x180)")
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--reps", type=int, default=None)

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BENCHMARKS", "append_csv", "gather_times", "load_benchmark", "median", "plot_panels", "print_table",
-           "rank_entry", "run_bench", "run_meta", "time_iterations"]
+__all__ = ["BENCHMARKS", "append_csv", "benchmark_parser", "gather_times", "load_benchmark", "median", "plot_panels",
+           "print_table", "rank_entry", "run_bench", "run_meta", "time_iterations"]
 
 BENCHMARKS = {"bandwidth": "halo_bandwidth", "conv": "conv_overhead", "scaling": "scaling", "pack": "pack_kernels"}
 
@@ -191,6 +191,16 @@ def rank_entry(rank: int, world: int, name: str, fn_name: str, *args: Any) -> An
 def default_out() -> Path:
     bench = benchmarks_dir()
     return bench / "out" if bench.exists() else Path("benchmarks_out")
+
+
+def benchmark_parser(doc: str | None, nproc_help: str | None = None) -> argparse.ArgumentParser:
+    """The options every benchmark script shares: ``--quick``, ``--nproc``, ``--backend``, ``--out``."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--nproc", type=int, default=2, help=nproc_help)
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    parser.add_argument("--out", type=Path, default=default_out())
+    return parser
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from _helpers import portable
 from torch import nn
 
 from halo.nn.norm import DomainBatchNorm2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
@@ -24,19 +25,6 @@ DOMAIN = {nn.GroupNorm: DomainGroupNorm, nn.BatchNorm2d: DomainBatchNorm2d,
           nn.InstanceNorm2d: DomainInstanceNorm2d, nn.LayerNorm: DomainLayerNorm}
 W = 5
 BF16_TOL = 2 ** -8 + 1e-4
-
-
-def portable(obj):
-    """Tensors as numpy arrays (a tensor returned from a rank travels as a shared-memory handle that dies with
-    the rank process); numpy arrays are pickled by value."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu()
-        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-    if isinstance(obj, dict):
-        return {k: portable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(portable(v) for v in obj)
-    return obj
 
 
 def _err(a, b):

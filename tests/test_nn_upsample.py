@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _virtual import virtual_rank
+from _helpers import virtual_rank
 
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from _helpers import portable
 from torch import nn
 
 from halo.partition import local_range
@@ -32,19 +33,6 @@ H, W = 721, 8
 def _field(seed, shape=(2, 3, H, W), offset=0.5):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen, dtype=torch.float64) + offset
-
-
-def portable(obj):
-    """Tensors as numpy arrays: a tensor sent back from a rank travels as a shared-memory handle that dies with
-    the rank process (ConnectionResetError in the parent); numpy arrays are pickled by value."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu()
-        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-    if isinstance(obj, dict):
-        return {k: portable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(portable(v) for v in obj)
-    return obj
 
 
 def _t(a):

@@ -2,6 +2,8 @@
 
 import contextlib
 
+import torch
+
 from halo.partition import split_offsets
 
 
@@ -26,3 +28,16 @@ def virtual_rank(full, parts, rank, module):
     finally:
         for name, fn in saved.items():
             setattr(module, name, fn)
+
+
+def portable(obj):
+    """Tensors as numpy arrays (bf16 as float32), recursively: results a rank returns, in a form the tests
+    compare with numpy."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(portable(v) for v in obj)
+    return obj
