@@ -4,15 +4,15 @@
 ``halo.nn``, losses and gradient sync in ``halo.reduce``, the ColossalAI initializers in ``halo.groups``.
 """
 
-from .agree import HaloCommError, set_timeout
+from .comm import HaloCommError, get_timeout, set_timeout
 from .exchange import (
     halo_exchange,
     halo_exchange_,
     halo_exchange_2d,
     halo_exchange_async,
-    set_validation,
     static_shapes,
 )
+from .plans import set_validation
 from .mesh import (
     DomainMesh,
     DomainParallelManager,
@@ -32,6 +32,7 @@ __all__ = [
     "gather",
     "gather_2d",
     "get_domain_parallel_manager",
+    "get_timeout",
     "halo_exchange",
     "halo_exchange_",
     "halo_exchange_2d",

@@ -1,11 +1,12 @@
 """Halo exchange: extend a shard by rows of its neighbours, with the exact adjoint as its backward.
 
-Layers (primitive -> autograd.Function -> public function)::
+Layers (primitive -> autograd.Function / custom op -> public function)::
 
-    shard_sizes(x, dim, group)      all ranks' extents along dim, agreed on by one small all-gather
-    Exchanger                       one plan on one rank: start (pack + post isend/irecv), finish, adjoint
-    _ExchangeFn                     autograd: forward = finish(start(x)), backward = Exchanger.adjoint
-    halo_exchange / _async / _2d    group resolution, agreed validation, halo -> per-rank need ranges
+    Exchanger                   one plan on one rank: start (pack + post isend/irecv), finish, adjoint. Made once
+                                per plan and cached; its message buffers and extended outputs are reused
+    _ExchangeFn                 eager autograd: forward = finish(start(x)), backward = Exchanger.adjoint
+    halo::exchange (custom op)  the same under torch.compile: opaque to dynamo, extended shape from the plan
+    halo_exchange / _ / _async / _2d    group resolution, agreed validation (halo.plans), halo -> needs
 
 Forward on rank r::   ext = [ before halo | x[interior] | after halo ]     (along dim)
 Adjoint::             grad_x = grad_ext[interior] + (halo gradients sent back by the ranks that received
@@ -15,103 +16,184 @@ Messages are dim-major buffers (``kernels.pack``): rows along ``dim`` outermost,
 received piece is a contiguous slice. Peers are addressed by their index in the group (``group_peer``),
 never by assuming the group starts at global rank 0.
 
-Faults: every argument is agreed on by all ranks before any message, and every wait is bounded
-(``halo.agree``, whose names are re-exported here).
+Costs of a steady call: no metadata collective (``halo.plans``), no tensor built from Python data (index maps
+are made once per plan and device), no fresh buffer when the last one is free (reused when nothing else holds
+it), one copy of the shard into the extended output (its floor), and, in a layer's backward, no copy of the
+gradient at all (the halo rows' gradients are added into the interior of the incoming gradient in place).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
-import math
 import time
-import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import kernels
-from .agree import (
-    GroupInfo,
-    HaloCommError,
-    _abandoned,
-    _agree,
-    _comm_error,
-    _local_problem,
-    _Meta,
-    _needs_grad,
-    _Spec,
-    _timeout,
-    _wait,
-    clear_shape_cache,
-    get_timeout,
-    group_info,
-    set_timeout,
-    set_validation,
-    shard_sizes,
-    static_shapes,
-)
+from .comm import CommGroup, HaloCommError, comm_error, comm_group, get_timeout, keep_alive, set_timeout, wait_all
 from .mesh import DomainMesh, get_domain_parallel_manager
 from .partition import POLE_MODES, RankPlan, check_boundary, plan_exchange
+from .plans import carry, device_tensor, resolve, set_validation
 
 __all__ = [
+    "Exchanger",
     "HaloCommError",
     "HaloHandle",
-    "Exchanger",
     "exchange",
+    "exchanger_id",
     "get_timeout",
     "halo_exchange",
     "halo_exchange_",
     "halo_exchange_2d",
     "halo_exchange_async",
-    "clear_shape_cache",
     "set_timeout",
     "set_validation",
-    "shard_sizes",
     "static_shapes",
 ]
 
-@functools.lru_cache(maxsize=1024)
-def _plan(sizes: tuple[int, ...], needs: tuple[tuple[int, int], ...], boundary: str):
-    return plan_exchange(sizes, needs, boundary)
+
+# -- reusable buffers ----------------------------------------------------------------------------------------
+
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
-# -- the primitive -----------------------------------------------------------------------------------------
+def _free(t: torch.Tensor) -> bool:
+    """Nothing but the pool holds ``t`` or a view or alias of it (autograd's saved tensors included)."""
+    if _STORAGE_USE_COUNT is None:
+        return False
+    storage = t.untyped_storage()
+    return _STORAGE_USE_COUNT(storage._cdata) <= 2  # the pool's tensor and ``storage`` itself
+
+
+class BufferPool:
+    """Buffers by (shape, dtype, device, memory format), handed out again once nothing else holds them.
+
+    ``get`` hands out an alias (``detach``: a tensor of its own on the same storage), so every holder of a buffer,
+    the caller's variables included, counts on the storage; a buffer that an autograd graph saved, a caller kept,
+    or a message still uses is *not* free, and reuse can never overwrite a live tensor. Without torch's use-count
+    API every call allocates.
+    """
+
+    def __init__(self, per_key: int = 4) -> None:
+        self.per_key = per_key
+        self._pools: dict[tuple, list[torch.Tensor]] = {}
+
+    def get(self, shape: Sequence[int], like: torch.Tensor, fmt: torch.memory_format = torch.contiguous_format
+            ) -> torch.Tensor:
+        key = (tuple(shape), like.dtype, like.device, fmt)
+        pool = self._pools.setdefault(key, [])
+        for buf in pool:
+            if _free(buf):
+                return buf.detach()
+        buf = torch.empty(key[0], dtype=like.dtype, device=like.device, memory_format=fmt)
+        if len(pool) < self.per_key:
+            pool.append(buf)
+        return buf.detach()
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    if not x.is_contiguous():
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+            return torch.channels_last
+        if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+            return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+# -- assembling the halo rows from the receive buffer -------------------------------------------------------------
+
+class _Side(NamedTuple):
+    """How the halo rows on one side come out of the receive buffer ``R``.
+
+    ``rows[j]``: the row of ``R`` halo row ``j`` copies (-1: zero); ``rolled``: halo rows taken across a pole (rolled
+    by half the longitudes). ``start >= 0``: the rows are ``R[start:start + n]`` as they are (no copy).
+    """
+
+    rows: tuple[int, ...]
+    rolled: tuple[int, ...]
+    start: int
+
+    @staticmethod
+    def of(halo: Sequence[tuple[int, bool]]) -> _Side:
+        rows = tuple(i for i, _ in halo)
+        rolled = tuple(k for k, (_, r) in enumerate(halo) if r)
+        n = len(rows)
+        plain = n > 0 and rows[0] >= 0 and rows == tuple(range(rows[0], rows[0] + n)) and not rolled
+        return _Side(rows, rolled, rows[0] if plain else -1)
+
+    def layers(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        """The adjoint's scatter as rounds of ``(halo rows, R rows)`` with distinct R rows within a round, in halo
+        row order: adding round by round is deterministic (no two additions race for one row)."""
+        rounds: list[tuple[list[int], list[int]]] = []
+        seen: collections.Counter = collections.Counter()
+        for j, i in enumerate(self.rows):
+            if i < 0:
+                continue
+            k = seen[i]
+            seen[i] += 1
+            if k == len(rounds):
+                rounds.append(([], []))
+            rounds[k][0].append(j)
+            rounds[k][1].append(i)
+        return tuple((tuple(a), tuple(b)) for a, b in rounds)
+
+
+def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return device_tensor(tuple(values), torch.int64, device)
+
 
 class Exchanger:
     """One rank's part of one exchange plan: pack, post, finish; and the adjoint. No autograd here.
 
-    Every wait is bounded (:func:`set_timeout`) and a failed or late message raises :class:`HaloCommError`
-    naming the peer; the buffers of a message given up on are kept alive (a late peer may still write).
+    Made once per plan (:func:`exchanger_id`); holds the message counts, the assembly of the halo rows, and pools
+    of reusable buffers. Every wait is bounded (:func:`halo.set_timeout`) and a failed or late message raises
+    :class:`HaloCommError` naming the peer; the buffers of a message given up on are kept alive.
     """
 
-    def __init__(self, plan: RankPlan, info: GroupInfo, dim: int, boundary: str,
-                 op: str = "halo_exchange") -> None:
-        self.plan, self.info, self.dim, self.boundary, self.op = plan, info, dim, boundary, op
+    def __init__(self, plan: RankPlan, cg: CommGroup, dim: int, boundary: str, op: str = "halo_exchange") -> None:
+        self.plan, self.cg, self.dim, self.boundary, self.op = plan, cg, dim, boundary, op
         # (peer, rows) of every message, both directions; the adjoint swaps them.
         self.send_counts = tuple((q, sum(n for _, n in runs)) for q, runs in plan.sends)
         self.recv_counts = plan.recvs
+        self.send_ranges = plan.send_ranges
+        self.send_rows = sum(n for _, n in self.send_ranges)
+        self.recv_rows = plan.recv_rows
+        self.sides = (_Side.of(plan.before), _Side.of(plan.after))
+        self.rounds = tuple(side.layers() for side in self.sides)
+        self.pool = BufferPool()
+
+    def ext_rows(self) -> int:
+        return len(self.plan.before) + self.plan.interior[1] + len(self.plan.after)
 
     # forward ------------------------------------------------------------------------------------------
     def start(self, x: torch.Tensor) -> dict:
         """Pack every outgoing message in one pass and post all sends and receives; do not wait."""
-        p = self.plan
         rest = [s for i, s in enumerate(x.shape) if i != self.dim]
-        send = kernels.pack(x, self.dim, p.send_ranges)
-        recv = x.new_empty((p.recv_rows, *rest))
+        send = self.pool.get((self.send_rows, *rest), x)
+        kernels.pack(x, self.dim, self.send_ranges, out=send)
+        recv = self.pool.get((self.recv_rows, *rest), x)
         works, labels = self._post(send, self.send_counts, recv, self.recv_counts)
         return {"send": send, "recv": recv, "works": works, "labels": labels, "posted": time.monotonic()}
 
-    def finish(self, x: torch.Tensor, pending: dict, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Wait for the messages and write ``[before | interior | after]`` in one pass (into ``out`` if given;
-        if ``x`` is ``out``'s middle already, only the halo rows are written)."""
-        _wait(pending["works"], pending["labels"], self.info, self.op, pending["posted"], pending)
+    def finish(self, x: torch.Tensor, pending: dict, out: torch.Tensor | None = None, *,
+               reuse: bool = False) -> torch.Tensor:
+        """Wait for the messages and write ``[before | interior | after]`` in one pass: into ``out`` if given (if
+        ``x`` is ``out``'s middle already, only the halo rows are written), else into a reused buffer (``reuse``)
+        or a fresh one."""
+        wait_all(pending["works"], pending["labels"], self.cg, self.op, pending["posted"], pending)
         pending["works"] = ()  # finished requests are not kept
         recv = pending["recv"]
-        before = self._assemble(recv, self.plan.before, x)
-        after = self._assemble(recv, self.plan.after, x)
+        before = self._assemble(recv, 0)
+        after = self._assemble(recv, 1)
         interior = x.narrow(self.dim, *self.plan.interior)
+        if out is None and reuse:
+            shape = list(x.shape)
+            shape[self.dim] = self.ext_rows()
+            out = self.pool.get(shape, x, _memory_format(x))
         return kernels.unpack(interior, before, after, self.dim, out)
 
     def _post(self, send: torch.Tensor, send_list, recv: torch.Tensor, recv_list) -> tuple[list, list[str]]:
@@ -119,22 +201,26 @@ class Exchanger:
 
         Returns the requests and, per request, who it talks to (global ranks, for error messages).
         """
-        me, ranks = self.info.index, self.info.ranks
+        me, ranks = self.cg.index, self.cg.ranks
         ops, labels = [], []
-        sends = _slices(send, [n for _, n in send_list])
-        recvs = _slices(recv, [n for _, n in recv_list])
         own = None
-        for (peer, _), buf in zip(send_list, sends, strict=True):
+        at = 0
+        for peer, n in send_list:
+            buf = send[at:at + n]
+            at += n
             if peer == me:
                 own = buf
-            elif buf.numel():
-                ops.append(dist.P2POp(dist.isend, buf, group=self.info.group, group_peer=peer))
+            elif n:
+                ops.append(dist.P2POp(dist.isend, buf, group=self.cg.group, group_peer=peer))
                 labels.append(f"send to global rank {ranks[peer]}")
-        for (peer, _), buf in zip(recv_list, recvs, strict=True):
+        at = 0
+        for peer, n in recv_list:
+            buf = recv[at:at + n]
+            at += n
             if peer == me:
                 buf.copy_(own)
-            elif buf.numel():
-                ops.append(dist.P2POp(dist.irecv, buf, group=self.info.group, group_peer=peer))
+            elif n:
+                ops.append(dist.P2POp(dist.irecv, buf, group=self.cg.group, group_peer=peer))
                 labels.append(f"recv from global rank {ranks[peer]}")
         if not ops:
             return [], []
@@ -142,152 +228,253 @@ class Exchanger:
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as exc:  # noqa: BLE001 - a peer already gone can fail the post itself
-            _abandoned.append((send, recv))
-            raise _comm_error([" and ".join(labels)], 0, self.info, f"{self.op} (posting)", posted, posted, _timeout,
-                              exc) from exc
+            keep_alive((send, recv))
+            raise comm_error([" and ".join(labels)], 0, self.cg, f"{self.op} (posting)", posted, posted,
+                             exc) from exc
         if len(works) != len(ops):  # coalesced (NCCL): one request for the whole batch
             labels = [" and ".join(labels)] * len(works)
         return works, labels
 
-    def _assemble(self, recv: torch.Tensor, rows, x: torch.Tensor) -> torch.Tensor:
-        """Halo rows (dim-major) from the receive buffer: a slice when they are in order, else a gather."""
-        n = len(rows)
-        idx = [i for i, _ in rows]
-        rolled = [r for _, r in rows]
-        if n and idx[0] >= 0 and idx == list(range(idx[0], idx[0] + n)) and not any(rolled):
-            return recv[idx[0]:idx[0] + n]
-        if all(i < 0 for i in idx):
+    def _assemble(self, recv: torch.Tensor, k: int) -> torch.Tensor:
+        """Halo rows of side ``k`` (dim-major) from the receive buffer: a slice, or a gather by a cached map."""
+        side = self.sides[k]
+        n = len(side.rows)
+        if side.start >= 0:
+            return recv[side.start:side.start + n]
+        if all(i < 0 for i in side.rows):
             return recv.new_zeros((n, *recv.shape[1:]))
-        index = torch.tensor([max(i, 0) for i in idx], device=recv.device)
-        out = recv.index_select(0, index)
-        zero = [k for k, i in enumerate(idx) if i < 0]
+        out = recv.index_select(0, _index([max(i, 0) for i in side.rows], recv.device))
+        zero = [j for j, i in enumerate(side.rows) if i < 0]
         if zero:
-            out[zero] = 0
-        if any(rolled):
-            k = torch.tensor([k for k, r in enumerate(rolled) if r], device=recv.device)
-            out[k] = out[k].roll(out.shape[-1] // 2, dims=-1)
+            out.index_fill_(0, _index(zero, recv.device), 0)
+        if side.rolled:
+            rolled = _index(side.rolled, recv.device)
+            out.index_copy_(0, rolled, out.index_select(0, rolled).roll(out.shape[-1] // 2, dims=-1))
         return out
 
     # adjoint ------------------------------------------------------------------------------------------
-    def adjoint(self, grad_ext: torch.Tensor, x_shape: torch.Size) -> torch.Tensor:
-        """``grad_x``: the interior gradient plus the halo gradients sent back to the rows' owners."""
+    def adjoint(self, grad_ext: torch.Tensor, x_shape: Sequence[int], owned: bool = False) -> torch.Tensor:
+        """``grad_x``: the interior gradient plus the halo gradients sent back to the rows' owners.
+
+        ``owned``: ``grad_ext`` is this call's to overwrite (a layer's own conv made it): the halo gradients are then
+        added into its interior rows in place and a view of it is returned; no copy of the gradient is made.
+        """
         p, dim = self.plan, self.dim
         nb, (i0, ni) = len(p.before), p.interior
         rest = [s for i, s in enumerate(grad_ext.shape) if i != dim]
-        grad_recv = grad_ext.new_zeros((p.recv_rows, *rest))
-        for rows, start in ((p.before, 0), (p.after, nb + ni)):
-            if rows:
-                g = kernels.pack(grad_ext, dim, [(start, len(rows))])
-                self._assemble_adjoint(g, rows, grad_recv)
-        grad_send = grad_ext.new_empty((sum(n for _, n in p.send_ranges), *rest))
+        grad_recv = self._assemble_adjoint(grad_ext, rest)
+        grad_send = self.pool.get((self.send_rows, *rest), grad_ext)
         # Reverse traffic: what this rank received goes back to the sender and vice versa.
         posted = time.monotonic()
         works, labels = self._post(grad_recv, self.recv_counts, grad_send, self.send_counts)
         interior = grad_ext.narrow(dim, nb, ni)
-        if (i0, ni) != (0, x_shape[dim]):
-            full = grad_ext.new_zeros(x_shape)
+        if (i0, ni) != (0, x_shape[dim]):  # a trimmed exchange: the gradient covers only part of x
+            full = grad_ext.new_zeros(tuple(x_shape))
             full.narrow(dim, i0, ni).copy_(interior)
-            interior = full
-        _wait(works, labels, self.info, f"{self.op} (backward)", posted, (grad_recv, grad_send, works))
-        if not p.send_ranges:
+            interior, owned = full, True
+        wait_all(works, labels, self.cg, f"{self.op} (backward)", posted, (grad_recv, grad_send, works))
+        if not self.send_ranges:
             return interior
-        return kernels.pack_adjoint(interior, dim, p.send_ranges, grad_send)
+        if owned and torch._debug_has_internal_overlap(interior) == 0:
+            return kernels.pack_adjoint(interior, dim, self.send_ranges, grad_send, out=interior)
+        return kernels.pack_adjoint(interior, dim, self.send_ranges, grad_send)
 
-    @staticmethod
-    def _assemble_adjoint(g: torch.Tensor, rows, grad_recv: torch.Tensor) -> None:
-        idx = [i for i, _ in rows]
-        rolled = [r for _, r in rows]
-        if any(rolled):
-            k = torch.tensor([k for k, r in enumerate(rolled) if r], device=g.device)
-            g[k] = g[k].roll(-(g.shape[-1] // 2), dims=-1)
-        keep = [k for k, i in enumerate(idx) if i >= 0]
-        if keep:
-            grad_recv.index_add_(0, torch.tensor([idx[k] for k in keep], device=g.device),
-                                 g[keep] if len(keep) < len(idx) else g)
+    def _assemble_adjoint(self, grad_ext: torch.Tensor, rest: list[int]) -> torch.Tensor:
+        """The adjoint of the assembly: halo-row gradients summed onto the receive-buffer rows they were copied
+        from, in fp32 for half dtypes, deterministically (rounds of distinct rows; no atomic races)."""
+        p, dim = self.plan, self.dim
+        acc_dtype = torch.float32 if grad_ext.dtype in (torch.float16, torch.bfloat16) else grad_ext.dtype
+        acc = torch.zeros((self.recv_rows, *rest), dtype=acc_dtype, device=grad_ext.device)
+        nb, ni = len(p.before), p.interior[1]
+        for k, (side, start) in enumerate(zip(self.sides, (0, nb + ni), strict=True)):
+            n = len(side.rows)
+            if not n or all(i < 0 for i in side.rows):
+                continue
+            g = kernels.pack(grad_ext, dim, [(start, n)])
+            if side.rolled:
+                rolled = _index(side.rolled, g.device)
+                g.index_copy_(0, rolled, g.index_select(0, rolled).roll(-(g.shape[-1] // 2), dims=-1))
+            if side.start >= 0:
+                acc[side.start:side.start + n] += g
+                continue
+            for src, dst in self.rounds[k]:
+                acc.index_add_(0, _index(dst, g.device), g.index_select(0, _index(src, g.device)).to(acc_dtype))
+        return acc if acc_dtype == grad_ext.dtype else acc.to(grad_ext.dtype)
 
 
-def _slices(buf: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for n in counts:
-        out.append(buf[at:at + n])
-        at += n
-    return out
+# -- the registry: exchangers by plan, addressed by small ints (what a compiled graph holds) --------------------
 
+class _Spec(NamedTuple):
+    group: Any
+    dim: int
+    sizes: tuple[int, ...]
+    needs: tuple[tuple[int, int], ...]
+    boundary: str
+    op: str
+
+
+_SPEC_IDS: dict[_Spec, int] = {}
+_SPECS: list[_Spec] = []
+_LIVE: collections.OrderedDict = collections.OrderedDict()  # id -> Exchanger, most recent last
+_MAX_LIVE = 256
+
+
+def exchanger_id(cg: CommGroup, dim: int, sizes: Sequence[int], needs: Sequence[tuple[int, int]], boundary: str,
+                 op: str = "halo_exchange") -> int:
+    """The id of this rank's exchanger for a plan (made and cached on first use). ``sizes``: every rank's extent
+    along ``dim``; ``needs[r]``: the virtual rows rank ``r`` needs. Both must be agreed (the same on every rank)."""
+    spec = _Spec(cg.group, dim, tuple(int(s) for s in sizes), tuple((int(a), int(b)) for a, b in needs),
+                 check_boundary(boundary), op)
+    ex_id = _SPEC_IDS.get(spec)
+    if ex_id is None:
+        try:
+            _plan(spec.sizes, spec.needs, spec.boundary)
+        except ValueError as exc:
+            raise ValueError(f"{op}: {exc}") from None
+        ex_id = _SPEC_IDS[spec] = len(_SPECS)
+        _SPECS.append(spec)
+    return ex_id
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(sizes: tuple[int, ...], needs: tuple[tuple[int, int], ...], boundary: str):
+    return plan_exchange(sizes, needs, boundary)
+
+
+def get_exchanger(ex_id: int) -> Exchanger:
+    """The exchanger of id ``ex_id`` (rebuilt if it was evicted; its buffers go with it)."""
+    ex = _LIVE.get(ex_id)
+    if ex is None:
+        spec = _SPECS[ex_id]
+        cg = comm_group(spec.group)
+        ex = Exchanger(_plan(spec.sizes, spec.needs, spec.boundary).ranks[cg.index], cg, spec.dim, spec.boundary,
+                       spec.op)
+        _LIVE[ex_id] = ex
+        if len(_LIVE) > _MAX_LIVE:
+            _LIVE.popitem(last=False)
+    else:
+        _LIVE.move_to_end(ex_id)
+    return ex
+
+
+# -- autograd ------------------------------------------------------------------------------------------------
 
 class _ExchangeFn(torch.autograd.Function):
     """Forward: the extended shard. Backward: its exact adjoint (``Exchanger.adjoint``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, exchanger: Exchanger, pending: dict | None) -> torch.Tensor:
-        ctx.exchanger, ctx.x_shape = exchanger, x.shape
+    def forward(ctx, x: torch.Tensor, exchanger: Exchanger, pending: dict | None, owned: bool) -> torch.Tensor:
+        ctx.exchanger, ctx.x_shape, ctx.owned = exchanger, x.shape, owned
         if pending is None:
             pending = exchanger.start(x)
-        return exchanger.finish(x, pending)
+        return exchanger.finish(x, pending, reuse=True)
 
     @staticmethod
     def backward(ctx, grad_ext: torch.Tensor):
-        return ctx.exchanger.adjoint(grad_ext, ctx.x_shape), None, None
+        return ctx.exchanger.adjoint(grad_ext, ctx.x_shape, ctx.owned), None, None, None
 
 
-# -- public API ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("halo::exchange", mutates_args=())
+def _exchange_op(x: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+    ex = get_exchanger(ex_id)
+    return ex.finish(x, ex.start(x))
 
-def make_exchanger(x: torch.Tensor, dim: int, group: Any | None, boundary: str,
-                   needs: Sequence[tuple[int, int]] | None = None,
-                   halo: int | Sequence[int] | None = None, op: str = "halo_exchange",
-                   sizes: Sequence[int] | None = None) -> Exchanger:
-    """Plan an exchange for ``x``: either per-rank ``needs`` (global virtual rows) or a uniform ``halo``.
 
-    Without ``sizes``, one all-gather (see :func:`static_shapes`) makes every rank agree on the shapes and on
-    ``dim``, ``halo`` / ``needs``, ``boundary`` and whether a backward is recorded, so a bad or mismatched
-    argument raises the same error on every rank. ``sizes``: every rank's extent along ``dim`` if the caller
-    already has them from :func:`shard_sizes` (layers do: they need them to compute ``needs``), so shapes are
-    not gathered twice; the caller then vouches that the other arguments are the same on every rank.
+@_exchange_op.register_fake
+def _(x: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = rows
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("halo::exchange_adjoint", mutates_args=())
+def _exchange_adjoint_op(grad: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+    shape = list(grad.shape)
+    shape[dim] = rows
+    out = get_exchanger(ex_id).adjoint(grad.contiguous(), shape)
+    return out.clone() if out.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr() else out
+
+
+@_exchange_adjoint_op.register_fake
+def _(grad: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+    shape = list(grad.shape)
+    shape[dim] = rows
+    return grad.new_empty(shape)
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, ex_id, dim, _ = inputs
+    ctx.args = ex_id, dim, x.shape[dim]
+
+
+def _backward(ctx, grad: torch.Tensor):
+    return _exchange_adjoint_op(grad, *ctx.args), None, None, None
+
+
+_exchange_op.register_autograd(_backward, setup_context=_setup)
+
+
+def exchange(x: torch.Tensor, ex_id: int, rows: int, dim: int = -2, *, owned: bool = False) -> torch.Tensor:
+    """Run planned exchange ``ex_id`` with autograd; the result has ``rows`` rows along ``dim``.
+
+    ``owned``: the caller's own op consumes the result, so its gradient may be overwritten in place (layers).
+    Under ``torch.compile`` this is the ``halo::exchange`` custom op.
     """
-    if needs is None and halo is None:
-        raise ValueError(f"{op}: pass halo=... or needs=... to plan an exchange")
-    info = group_info(group)
-    if sizes is None:
-        spec = _Spec.of(dim, halo=halo if needs is None else None, boundary=boundary, needs=needs)
-        (sizes,) = _agree(x, info, (spec,), op, grad=_needs_grad(x))
-    else:
-        spec = _Spec.of(dim, halo=halo if needs is None else None, boundary=boundary)
-        problem = _local_problem(_Meta.of(x, (spec,), -1), math.inf)
-        if problem:
-            raise ValueError(f"{op}: on global rank {info.ranks[info.index]}, {problem}")
-        sizes = tuple(int(s) for s in sizes)
-        if len(sizes) != info.size:
-            raise ValueError(f"{op}: sizes has {len(sizes)} entries for a group of {info.size} ranks")
+    if torch.compiler.is_compiling():
+        return _exchange_op(x, ex_id, dim % x.dim(), rows)
+    return _ExchangeFn.apply(x, get_exchanger(ex_id), None, owned)
+
+
+# -- public API -------------------------------------------------------------------------------------------------
+
+class HaloPlan(NamedTuple):
+    """A uniform-halo exchange as planned for this rank: exchanger id and the extended extent."""
+
+    ex: int
+    dim: int
+    rows: int
+
+
+def _uniform_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int, halo: Any, boundary: str,
+                  ndim: int, width: int, op: str) -> HaloPlan:
+    """The plan of ``halo_exchange``: checks that depend on agreed values only, so they fail on every rank alike."""
+    (sizes,) = extents
     boundary = check_boundary(boundary)
-    ndim = x.dim()
     dim = dim % ndim
+    before, after = (halo, halo) if isinstance(halo, int) else halo
     total = sum(sizes)
-    # Everything below depends only on agreed values: it fails identically on every rank.
     if boundary in POLE_MODES:
         if dim == ndim - 1:
             raise ValueError(f"{op}: pole boundary exchanges latitude and rolls the last dim (longitude); "
                              f"it cannot exchange the last dim itself (dim={dim})")
-        if x.shape[-1] % 2:
+        if width % 2:
             raise ValueError(f"{op}: pole boundary needs an even number of longitudes to roll by W/2, "
-                             f"got W={x.shape[-1]}")
-    if needs is None:
-        before, after = spec.before, spec.after
-        if max(before, after) > total:
-            raise ValueError(f"{op}: a halo of {max(before, after)} rows is wider than the whole domain "
-                             f"({total} rows along dim {dim} over {info.size} ranks); expected at most {total}")
-        offs = [0]
-        for s in sizes:
-            offs.append(offs[-1] + s)
-        needs = tuple((offs[r] - before, offs[r + 1] + after) for r in range(info.size))
-    try:
-        plan = _plan(sizes, tuple((int(lo), int(hi)) for lo, hi in needs), boundary)
-    except ValueError as exc:
-        raise ValueError(f"{op}: {exc}") from None
-    return Exchanger(plan.ranks[info.index], info, dim, boundary, op)
+                             f"got W={width}")
+    if max(before, after) > total:
+        raise ValueError(f"{op}: a halo of {max(before, after)} rows is wider than the whole domain "
+                         f"({total} rows along dim {dim} over {cg.size} ranks); expected at most {total}")
+    offs = _offsets(sizes)
+    needs = tuple((offs[r] - before, offs[r + 1] + after) for r in range(cg.size))
+    ex_id = exchanger_id(cg, dim, sizes, needs, boundary, op)
+    return HaloPlan(ex_id, dim, needs[cg.index][1] - needs[cg.index][0])
 
 
-def exchange(x: torch.Tensor, exchanger: Exchanger) -> torch.Tensor:
-    """Run a planned exchange with autograd (used by the layers, which compute their own needs)."""
-    return _ExchangeFn.apply(x, exchanger, None)
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
+
+
+def _halo_arg(halo: Any) -> Any:
+    return tuple(halo) if isinstance(halo, list) else halo
+
+
+def _plan_uniform(x: torch.Tensor, halo: Any, dim: Any, group: Any, boundary: Any, op: str) -> HaloPlan:
+    halo = _halo_arg(halo)
+    width = x.shape[-1] if x.dim() else 0
+    return resolve(x, group, op, _uniform_plan, (dim, halo, boundary, x.dim(), width, op),
+                   spec=(dim, halo, boundary))
 
 
 def halo_exchange(x: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *, group: Any | None = None,
@@ -303,11 +490,14 @@ def halo_exchange(x: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *, 
             ``circular`` (= ``periodic``), ``pole`` / ``pole_centered`` (across the pole, rolled by W/2).
 
     With one rank this is ``F.pad`` (and the pole construction). Backward is the exact adjoint: halo gradients
-    return to the rank owning those rows and are added there. Arguments are validated after one all-gather,
-    so a wrong argument on any rank raises the same error on every rank; waits are bounded
-    (:func:`set_timeout`).
+    return to the rank owning those rows and are added there. The first call under an epoch (``halo.plans``)
+    agrees on every rank's arguments, so a wrong argument on any rank raises the same error on every rank; waits
+    are bounded (:func:`halo.set_timeout`).
     """
-    return exchange(x, make_exchanger(x, dim, group, boundary, halo=halo))
+    plan = _plan_uniform(x, halo, dim, group, boundary, "halo_exchange")
+    out = exchange(x, plan.ex, plan.rows, plan.dim)
+    carry(out, x)
+    return out
 
 
 def halo_exchange_(ext: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *, group: Any | None = None,
@@ -324,53 +514,64 @@ def halo_exchange_(ext: torch.Tensor, halo: int | Sequence[int], dim: int = -2, 
     # refuse on every rank (a malformed halo or dim is named by it; a buffer thinner than its halo shows up as a
     # rank with no rows), so that no rank raises alone.
     x = ext
-    pair = (halo, halo) if isinstance(halo, int) else tuple(halo) if isinstance(halo, (tuple, list)) else None
+    halo = _halo_arg(halo)
+    pair = (halo, halo) if isinstance(halo, int) else halo if isinstance(halo, tuple) else None
     if pair is not None and len(pair) == 2 and all(isinstance(h, int) and h >= 0 for h in pair) \
-            and -ext.dim() <= dim < ext.dim():
+            and isinstance(dim, int) and -ext.dim() <= dim < ext.dim():
         n = ext.shape[dim] - pair[0] - pair[1]
         x = ext.narrow(dim, pair[0], n) if n >= 0 else ext.narrow(dim, 0, 0)
-    exchanger = make_exchanger(x, dim, group, boundary, halo=halo, op="halo_exchange_")
+    plan = _plan_uniform(x, halo, dim, group, boundary, "halo_exchange_")
     if torch.is_grad_enabled() and ext.requires_grad:  # after the agreement: the same verdict on every rank
         raise RuntimeError("halo_exchange_ writes in place and is not differentiable; use halo_exchange (which "
                            "returns a new tensor) under autograd, or call this under torch.no_grad()")
+    ex = get_exchanger(plan.ex)
     with torch.no_grad():
-        exchanger.finish(x, exchanger.start(x), out=ext)
+        ex.finish(x, ex.start(x), out=ext)
     return ext
 
 
 class HaloHandle:
     """An exchange in flight: ``wait()`` returns the extended shard (differentiable w.r.t. ``x``)."""
 
-    def __init__(self, x: torch.Tensor, exchanger: Exchanger) -> None:
-        self._x, self._exchanger = x, exchanger
-        self._pending: dict | None = exchanger.start(x.detach())
+    def __init__(self, x: torch.Tensor, ex_id: int, owned: bool = False) -> None:
+        self._x, self._exchanger, self._owned = x, get_exchanger(ex_id), owned
+        self._pending: dict | None = self._exchanger.start(x.detach())
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            self._result = _ExchangeFn.apply(self._x, self._exchanger, self._pending)
+            self._result = _ExchangeFn.apply(self._x, self._exchanger, self._pending, self._owned)
             self._pending = None
+            carry(self._result, self._x)
         return self._result
 
 
 def halo_exchange_async(x: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *,
                         group: Any | None = None, boundary: str = "zeros") -> HaloHandle:
     """Start :func:`halo_exchange` now and return a handle; compute on ``x`` meanwhile, then ``wait()``."""
-    return HaloHandle(x, make_exchanger(x, dim, group, boundary, halo=halo, op="halo_exchange_async"))
+    plan = _plan_uniform(x, halo, dim, group, boundary, "halo_exchange_async")
+    return HaloHandle(x, plan.ex)
 
 
-_mesh_coords_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+@functools.lru_cache(maxsize=64)
+def _mesh_coords(shape: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """``(h, w)`` of every member of a 2-D mesh's domain group in group order (row-major over ``(h, w)``)."""
+    return tuple(divmod(i, shape[1]) for i in range(shape[0] * shape[1]))
 
 
-def _mesh_coords(mesh: DomainMesh, info: GroupInfo) -> list[tuple[int, int]]:
-    """``(h, w)`` of every member of the mesh's domain group, in group order."""
-    coords = _mesh_coords_cache.get(mesh)
-    if coords is None:
-        where = {g: (h, w) for block in mesh.layout.tolist() for h, row in enumerate(block)
-                 for w, g in enumerate(row)}
-        coords = [where[g] for g in info.ranks]
-        _mesh_coords_cache[mesh] = coords
-    return coords
+class _Plan2d(NamedTuple):
+    h: HaloPlan
+    w: HaloPlan
+
+
+def _plan_2d(cg: CommGroup, extents: tuple, groups: tuple, dims: tuple, halos: tuple, boundaries: tuple,
+             ndim: int, width: int, mesh_w: int, op: str) -> _Plan2d:
+    if check_boundary(boundaries[0]) in POLE_MODES and mesh_w > 1:
+        raise ValueError(f"{op}: pole boundary needs the full longitude circle on every rank, but W is sharded "
+                         f"over {mesh_w} ranks; use a mesh with one W rank or another boundary")
+    plans = [_uniform_plan(comm_group(g), (sizes,), d, h, b, ndim, width, op)
+             for g, sizes, d, h, b in zip(groups, extents, dims, halos, boundaries, strict=True)]
+    return _Plan2d(*plans)
 
 
 def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int | Sequence[int], *,
@@ -380,7 +581,7 @@ def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int |
 
     ``boundary_w`` defaults to ``circular`` when the mesh's W axis is periodic, else ``zeros``. Pole
     boundaries need the whole longitude circle on each rank, so they are refused when W is sharded. Both
-    exchanges are validated by one all-gather over the whole domain group, so every rank of the domain
+    exchanges are validated by one agreement over the whole domain group, so every rank of the domain
     raises the same error.
     """
     op = "halo_exchange_2d"
@@ -396,12 +597,29 @@ def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int |
                          f"halo.DomainMesh((ph, pw))")
     if boundary_w is None:
         boundary_w = "circular" if mesh.periodic[1] else "zeros"
-    dim_h, dim_w = mesh.shard_dims
-    info = group_info(mesh.domain_group)
-    specs = (_Spec.of(dim_h, halo_h, boundary_h), _Spec.of(dim_w, halo_w, boundary_w))
-    sizes_h, sizes_w = _agree(x, info, specs, op, grad=_needs_grad(x), coords=_mesh_coords(mesh, info))
-    if check_boundary(boundary_h) in POLE_MODES and mesh.domain_shape[1] > 1:
-        raise ValueError(f"{op}: pole boundary needs the full longitude circle on every rank, but W is sharded "
-                         f"over {mesh.domain_shape[1]} ranks; use a mesh with one W rank or another boundary")
-    x = exchange(x, make_exchanger(x, dim_h, mesh.axis_group(0), boundary_h, halo=halo_h, op=op, sizes=sizes_h))
-    return exchange(x, make_exchanger(x, dim_w, mesh.axis_group(1), boundary_w, halo=halo_w, op=op, sizes=sizes_w))
+    halo_h, halo_w = _halo_arg(halo_h), _halo_arg(halo_w)
+    coords = _mesh_coords(tuple(mesh.domain_shape))
+    dims = mesh.shard_dims
+    specs = ((dims[0], halo_h, boundary_h), (dims[1], halo_w, boundary_w))
+    extra = ((mesh.axis_group(0), mesh.axis_group(1)), dims, (halo_h, halo_w), (boundary_h, boundary_w), x.dim(),
+             x.shape[-1] if x.dim() else 0, mesh.domain_shape[1], op)
+    plan = resolve(x, mesh.domain_group, op, _plan_2d, extra, spec=specs, coords=coords)
+    x = exchange(x, plan.h.ex, plan.h.rows, plan.h.dim)
+    return exchange(x, plan.w.ex, plan.w.rows, plan.w.dim)
+
+
+# -- kept for old callers -----------------------------------------------------------------------------------------
+
+class static_shapes:  # noqa: N801 - the name of the context manager it replaces
+    """No longer needed, kept as a harmless no-op: every halo op learns its peers' extents once per epoch on its
+    own (``halo.plans``). ``with halo.static_shapes(tag):`` runs its body unchanged."""
+
+    def __init__(self, tag: Any = "default") -> None:
+        self.tag = tag
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+

@@ -117,7 +117,7 @@ class RankPlan:
 
     ``sends``: ``(peer, runs)`` with ``runs`` the ``(local_start, length)`` ranges to pack for that peer, in
     peer order; a peer may be this rank itself (rows it needs of its own, e.g. a reflection).
-    ``recvs``: ``(peer, rows)`` in peer order; message ``k`` lands in rows ``recv_offsets[k]`` of ``R``.
+    ``recvs``: ``(peer, rows)`` in peer order; the messages land one after another in ``R``.
     ``before`` / ``after``: per halo row, ``(index into R or -1 for zero, rolled)``.
     ``interior``: ``(local_start, length)`` of the owned rows kept in the extended tensor.
     """
@@ -134,21 +134,9 @@ class RankPlan:
         return sum(n for _, n in self.recvs)
 
     @property
-    def recv_offsets(self) -> tuple[int, ...]:
-        out, acc = [], 0
-        for _, n in self.recvs:
-            out.append(acc)
-            acc += n
-        return tuple(out)
-
-    @property
     def send_ranges(self) -> tuple[tuple[int, int], ...]:
         """All send runs in message order: one pack of these gives every message as a contiguous slice."""
         return tuple(run for _, runs in self.sends for run in runs)
-
-    @property
-    def extended_rows(self) -> int:
-        return len(self.before) + self.interior[1] + len(self.after)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ input dtype. Collectives must be called by every rank of the group in the same o
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -43,9 +44,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agree import GroupInfo, group_info, shard_sizes
+from .comm import CommGroup, all_gather_host, all_gather_object, comm_group
+from .comm import all_reduce as bounded_all_reduce
 from .mesh import DomainParallelManager, get_domain_parallel_manager
 from .partition import local_range
+from .plans import shard_sizes
 
 __all__ = [
     "accumulation_dtype",
@@ -82,7 +85,7 @@ class _AllReduceFn(torch.autograd.Function):
         acc = accumulation_dtype(x.dtype)
         buf = x.detach().to(acc, copy=True)
         reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM)
-        dist.all_reduce(buf, op=reduce_op, group=info.group)
+        bounded_all_reduce(buf, info, "all_reduce", reduce_op)
         if op == "mean":
             buf.div_(info.size)
         if op in ("max", "min") and ctx.needs_input_grad[0]:
@@ -94,13 +97,13 @@ class _AllReduceFn(torch.autograd.Function):
     def backward(ctx, grad):
         info = ctx.info
         buf = grad.to(ctx.acc, copy=True)
-        dist.all_reduce(buf, group=info.group)
+        bounded_all_reduce(buf, info, "all_reduce (backward)")
         if ctx.op == "mean":
             buf.div_(info.size)
         elif ctx.op in ("max", "min"):
             (hit,) = ctx.saved_tensors
             ties = hit.to(ctx.acc)
-            dist.all_reduce(ties, group=info.group)
+            bounded_all_reduce(ties, info, "all_reduce (backward)")
             buf = torch.where(hit, buf / ties, torch.zeros_like(buf))
         return buf.to(grad.dtype), None, None
 
@@ -114,7 +117,7 @@ def all_reduce(x: torch.Tensor, op: str = "sum", group: Any | None = None) -> to
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
-    info = group_info(group)
+    info = comm_group(group)
     if info.size == 1:
         return x
     return _AllReduceFn.apply(x, op, info)
@@ -128,20 +131,22 @@ class _ReplicatedSumFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, count, info):
-        buf = local.detach().reshape(-1).to(torch.float64, copy=True)
+        n = local.numel()
+        buf = torch.empty(n + (count is not None), dtype=torch.float64, device=local.device)
+        buf[:n].copy_(local.detach().reshape(-1))
         if count is not None:
-            buf = torch.cat([buf, buf.new_tensor([float(count)])])
-        dist.all_reduce(buf, group=info.group)
+            buf[n:].fill_(float(count))  # the count rides along in the same all-reduce (no host read)
+        bounded_all_reduce(buf, info, "domain reduction")
         total = None
         if count is not None:
-            buf, total = buf[:-1] / buf[-1], buf[-1]
+            buf, total = buf[:n] / buf[n], buf[n]
         ctx.info, ctx.total, ctx.shape, ctx.dtype = info, total, local.shape, local.dtype
         return buf.to(local.dtype).view(local.shape)
 
     @staticmethod
     def backward(ctx, grad):
         buf = grad.reshape(-1).to(torch.float64, copy=True)
-        dist.all_reduce(buf, group=ctx.info.group)
+        bounded_all_reduce(buf, ctx.info, "domain reduction (backward)")
         buf.div_(ctx.info.size)
         if ctx.total is not None:
             buf.div_(ctx.total)
@@ -164,7 +169,7 @@ def _dims(x: torch.Tensor, dim: int | Sequence[int] | None, op: str) -> tuple[in
 
 def _reduce(x: torch.Tensor, dim, keepdim: bool, group: Any | None, mean: bool, op: str,
             validated: bool = False) -> torch.Tensor:
-    info = group_info(group)
+    info = comm_group(group)
     if dim is not None and info.size > 1 and not validated:
         shard_sizes(x, -2, info.group, op=op)  # kept dims must agree on every rank, else all raise
     dims = _dims(x, dim, op)
@@ -273,7 +278,7 @@ def latitude_weights(n_lat: int | None = None, *, latitudes: Sequence[float] | t
 
 def local_latitude_weights(n_lat: int, group: Any | None = None, **kwargs: Any) -> torch.Tensor:
     """This rank's rows of :func:`latitude_weights` under the balanced split of ``n_lat`` over ``group``."""
-    info = group_info(group)
+    info = comm_group(group)
     if n_lat < info.size:
         raise ValueError(f"{n_lat} latitude rows cannot be split over {info.size} ranks (a rank would get none)")
     start, stop = local_range(n_lat, info.size, info.index)
@@ -285,17 +290,24 @@ def latitude_weighted_mean(x: torch.Tensor, group: Any | None = None, *, dim: in
                            **weight_kwargs: Any) -> torch.Tensor:
     """Mean over the global field of ``w(lat) * x``, replicated on every rank (counted once in backward).
 
-    ``x``: ``(..., H_local, W)`` sharded along -2; the rank's rows follow from every rank's extent (one small
-    all-gather, agreed on by all ranks, cached under ``halo.static_shapes``). ``weights``: the global per-row
-    weights (length H); default :func:`latitude_weights` of the global H with ``weight_kwargs``
-    (``poles_included``, ``lat_range``, ``latitudes``, ``method``). ``dim`` as in :func:`domain_sum`.
+    ``x``: ``(..., H_local, W)`` sharded along -2; the rank's rows follow from every rank's extent (agreed on by all
+    ranks once per epoch: ``halo.plans``). ``weights``: the global per-row weights (length H; a tensor on ``x``'s
+    device costs no copy per call); default :func:`latitude_weights` of the global H with ``weight_kwargs``
+    (``poles_included``, ``lat_range``, ``latitudes``, ``method``), made once per grid and device. ``dim`` as in
+    :func:`domain_sum`.
     """
-    info = group_info(group)
+    return _latitude_weighted(x, x, group, dim, keepdim, weights, weight_kwargs, "latitude_weighted_mean")
+
+
+def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None, dim: Any, keepdim: bool,
+                       weights: torch.Tensor | None, weight_kwargs: dict, op: str) -> torch.Tensor:
+    """The weighted mean of ``values``, whose rows are those of the shard ``x`` (its extents name the rows)."""
+    info = comm_group(group)
     if x.dim() < 2:
-        raise ValueError(f"latitude_weighted_mean: x must be (..., H, W), got shape {tuple(x.shape)}")
-    sizes = shard_sizes(x, -2, info.group, op="latitude_weighted_mean")
+        raise ValueError(f"{op}: x must be (..., H, W), got shape {tuple(x.shape)}")
+    sizes = shard_sizes(x, -2, info.group, op=op)
     n_lat, start = sum(sizes), sum(sizes[:info.index])
-    acc = accumulation_dtype(x.dtype)
+    acc = accumulation_dtype(values.dtype)
     if weights is not None:
         if weight_kwargs:
             raise TypeError(f"pass either weights or {sorted(weight_kwargs)}, not both")
@@ -305,13 +317,13 @@ def latitude_weighted_mean(x: torch.Tensor, group: Any | None = None, *, dim: in
         method = weight_kwargs.get("method", "cos")
         if method not in LAT_METHODS:
             raise ValueError(f"unknown latitude weight method {method!r}; expected one of {', '.join(LAT_METHODS)}")
-        weights = _grid_weights(n_lat, lat_range, weight_kwargs.get("poles_included"), method, x.device, acc)
+        weights = _grid_weights(n_lat, lat_range, weight_kwargs.get("poles_included"), method, values.device, acc)
     else:
         weights = latitude_weights(n_lat, **weight_kwargs)
     if weights.dim() != 1 or weights.numel() != n_lat:
         raise ValueError(f"weights must be one per global latitude row ({n_lat}), got shape {tuple(weights.shape)}")
-    w = weights.narrow(0, start, sizes[info.index]).to(device=x.device, dtype=acc).unsqueeze(-1)
-    return _reduce(x.to(acc) * w, dim, keepdim, info.group, True, "latitude_weighted_mean", validated=True)
+    w = weights.narrow(0, start, sizes[info.index]).to(device=values.device, dtype=acc).unsqueeze(-1)
+    return _reduce(values.to(acc) * w, dim, keepdim, info.group, True, op, validated=True)
 
 
 def latitude_weighted_mse(pred: torch.Tensor, target: torch.Tensor, group: Any | None = None,
@@ -322,7 +334,8 @@ def latitude_weighted_mse(pred: torch.Tensor, target: torch.Tensor, group: Any |
         raise ValueError(f"latitude_weighted_mse: pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
     acc = accumulation_dtype(torch.promote_types(pred.dtype, target.dtype))
     err = (pred.to(acc) - target.to(acc)).square()
-    return latitude_weighted_mean(err, group, **kwargs)
+    dim, keepdim, weights = kwargs.pop("dim", None), kwargs.pop("keepdim", False), kwargs.pop("weights", None)
+    return _latitude_weighted(pred, err, group, dim, keepdim, weights, kwargs, "latitude_weighted_mse")
 
 
 # -- gradients ------------------------------------------------------------------------------------------------
@@ -340,10 +353,10 @@ def _params(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor) -> li
     return out
 
 
-def _live(group: Any | None) -> GroupInfo | None:
+def _live(group: Any | None) -> CommGroup | None:
     if group is None:
         return None
-    info = group_info(group)
+    info = comm_group(group)
     return info if info.size > 1 else None
 
 
@@ -361,10 +374,13 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     the initialised manager); without a manager and without torch.distributed this is a no-op. With DDP or
     FSDP2 averaging over the dp axis, pass ``domain_group=manager.domain_group`` alone (sum and mean commute).
 
-    Parameters that require grad but have none on some ranks (used only on the edge ranks) are agreed on by one
-    small all-reduce per group: ranks without a gradient contribute zeros and receive the sum; a parameter with
-    no gradient anywhere stays ``None``. Gradients go in flat buckets of at most ``bucket_mb`` MB per
-    (device, dtype), one all-reduce per bucket and group; bf16/fp16 gradients are bucketed in fp32.
+    Parameters that require grad but have none on some ranks (used only on the edge ranks) are agreed on, once
+    per pattern of which parameters have a gradient (one small all-gather of host data per group, the first time
+    a rank's pattern is met; none in a steady step): ranks without a gradient contribute zeros and receive the
+    sum; a parameter with no gradient anywhere stays ``None``. A pattern that changes on some ranks only (a
+    parameter used depending on the data on one rank) makes the ranks that changed agree alone: the others
+    raise :class:`halo.HaloCommError` within the timeout. Gradients go in flat buckets of at most ``bucket_mb``
+    MB per (device, dtype), one all-reduce per bucket and group; bf16/fp16 gradients are bucketed in fp32.
     """
     if domain_group is None and dp_group is None:
         manager = manager if manager is not None else get_domain_parallel_manager()
@@ -384,11 +400,11 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
         if p.grad is not None and p.grad.is_sparse:
             raise TypeError("sync_domain_gradients: sparse gradients are not supported")
 
-    # Agree on which parameters have a gradient somewhere (MAX over both groups).
-    have = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=params[0].device)
+    pattern = tuple(p.grad is not None for p in params)
+    live_mask = pattern
     for info, _ in infos:
-        dist.all_reduce(have, op=dist.ReduceOp.MAX, group=info.group)
-    live = [p for p, h in zip(params, have.tolist(), strict=True) if h]
+        live_mask = _agreed_pattern(live_mask, info)
+    live = [p for p, h in zip(params, live_mask, strict=True) if h]
     for p in live:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -410,11 +426,37 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
         for grads in lists:
             flat = torch.cat([g.reshape(-1).to(acc) for g in grads])
             for info, op in infos:
-                dist.all_reduce(flat, group=info.group)
+                bounded_all_reduce(flat, info, "sync_domain_gradients")
                 if op == "mean":
                     flat.div_(info.size)
             for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(piece.view_as(g))
+
+
+_PATTERNS: dict[tuple, tuple[bool, ...]] = {}
+
+
+def _agreed_pattern(mask: tuple[bool, ...], info: CommGroup) -> tuple[bool, ...]:
+    """The union over ``info``'s ranks of which parameters have a gradient, agreed once per local ``mask``."""
+    key = (info.ranks, mask)
+    union = _PATTERNS.get(key)
+    if union is None:
+        digest = hashlib.blake2b(bytes(mask), digest_size=8).digest()
+        local = torch.tensor([len(mask), sum(mask), int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+        table = all_gather_host(local, torch.empty(info.size, 3, dtype=torch.int64), info, "sync_domain_gradients")
+        if (table.numpy() == local.numpy()).all():
+            union = mask
+        else:  # the ranks differ: gather the masks themselves (every rank takes this path) and check the count
+            masks = all_gather_object(mask, info)
+            if len({len(m) for m in masks}) != 1:
+                raise ValueError(f"sync_domain_gradients: the ranks pass different numbers of parameters that "
+                                 f"require grad: {[len(m) for m in masks]} (group ranks 0..{info.size - 1}); pass "
+                                 f"the same model on every rank")
+            union = tuple(any(col) for col in zip(*masks, strict=True))
+        if len(_PATTERNS) > 256:
+            _PATTERNS.clear()
+        _PATTERNS[key] = union
+    return union
 
 
 def grad_norm(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0, *,
@@ -440,10 +482,10 @@ def grad_norm(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, nor
                  for g in grads]
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if verify_group is not None:
-        info = group_info(verify_group)
+        info = comm_group(verify_group)
         if info.size > 1:
             spread = torch.stack([total, -total]).to(torch.float64)
-            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=info.group)
+            bounded_all_reduce(spread, info, "grad_norm", dist.ReduceOp.MAX)
             hi, lo = spread[0].item(), -spread[1].item()
             if hi != lo:
                 raise RuntimeError(f"grad_norm: the ranks disagree on the gradient norm (from {lo:.6g} to {hi:.6g}); "

@@ -36,14 +36,17 @@ the result on every rank (the backward is a collective too). Layers: primitives 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .agree import _DEVICES, _DTYPES, _MAX_NDIM, GroupInfo, group_info, shard_sizes
+from .agree import DEVICES, DTYPES, MAX_NDIM, ROW_WORDS, SHAPE_AT, Meta, Spec
+from .comm import CommGroup, comm_group, wait_all
 from .mesh import DomainMesh, get_domain_parallel_manager
 from .partition import split_sizes
+from .plans import field_epoch, resolve, shard_sizes, tag
 
 __all__ = ["shard", "scatter", "gather", "shard_2d", "scatter_2d", "gather_2d"]
 
@@ -86,6 +89,11 @@ def _unpack(buf: torch.Tensor, sizes: tuple[int, ...], dim: int, rows: int) -> t
     return out
 
 
+def _bounded(work: Any, info: CommGroup, what: str, keep: Any) -> None:
+    peers = [g for g in info.ranks if g != info.ranks[info.index]]
+    wait_all([work], [f"the {what} with global ranks {peers}"], info, what, time.monotonic(), keep)
+
+
 def _silent(x: torch.Tensor, sizes: tuple[int, ...], dim: int) -> bool:
     """Nothing to send (every rank computes the same answer: sizes and other dims are agreed)."""
     return max(sizes) == 0 or math.prod(_rest(x, dim)) == 0
@@ -95,30 +103,33 @@ def _slice(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> tor
     return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone(memory_format=torch.contiguous_format)
 
 
-def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: GroupInfo) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup) -> torch.Tensor:
     """Every rank's piece, concatenated along ``dim`` in group order, on every rank."""
     if info.size == 1:
         return x.clone()
     rows = max(sizes)
     recv = x.new_empty((info.size * rows, *_rest(x, dim)))
     if not _silent(x, sizes, dim):
-        dist.all_gather(_chunks(recv, info.size), _pack([x], dim, rows), group=info.group)
+        send = _pack([x], dim, rows)
+        _bounded(dist.all_gather(_chunks(recv, info.size), send, group=info.group, async_op=True), info, "gather",
+                 (send, recv))
     return _unpack(recv, sizes, dim, rows)
 
 
-def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: GroupInfo, dst: int) -> torch.Tensor:
+def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup, dst: int) -> torch.Tensor:
     """The concatenation on group rank ``dst``; elsewhere an empty tensor (extent 0 along ``dim``)."""
     if info.size == 1:
         return x.clone()
     rows, here = max(sizes), info.index == dst
     recv = x.new_empty((info.size * rows, *_rest(x, dim))) if here else None
     if not _silent(x, sizes, dim):
-        dist.gather(_pack([x], dim, rows), _chunks(recv, info.size) if here else None,
-                    group=info.group, group_dst=dst)
+        send = _pack([x], dim, rows)
+        _bounded(dist.gather(send, _chunks(recv, info.size) if here else None, group=info.group, group_dst=dst,
+                             async_op=True), info, "gather", (send, recv))
     return _unpack(recv, sizes, dim, rows) if here else _empty_like(x, dim)
 
 
-def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info: GroupInfo, src: int,
+def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info: CommGroup, src: int,
                   like: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``x`` (held on group rank ``src`` only); ``like``: an empty tensor of the
     right dtype/device/ndim whose other dims are those of ``x``."""
@@ -130,11 +141,12 @@ def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info
         send = None
         if info.index == src:
             send = _chunks(_pack(list(x.split(list(sizes), dim)), dim, rows), info.size)
-        dist.scatter(recv, send, group=info.group, group_src=src)
+        _bounded(dist.scatter(recv, send, group=info.group, group_src=src, async_op=True), info, "scatter",
+                 (send, recv))
     return recv[:sizes[info.index]].movedim(0, dim).contiguous()
 
 
-def _reduce_scatter_mean(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: GroupInfo) -> torch.Tensor:
+def _reduce_scatter_mean(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup) -> torch.Tensor:
     """This rank's piece of the mean over ranks of the full tensors ``x``."""
     if info.size == 1:
         return x.clone()
@@ -142,7 +154,8 @@ def _reduce_scatter_mean(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info
     recv = x.new_zeros((rows, *_rest(x, dim)))
     if not _silent(x, sizes, dim):
         send = _pack(list(x.split(list(sizes), dim)), dim, rows)
-        dist.reduce_scatter(recv, _chunks(send, info.size), op=dist.ReduceOp.SUM, group=info.group)
+        _bounded(dist.reduce_scatter(recv, _chunks(send, info.size), op=dist.ReduceOp.SUM, group=info.group,
+                                     async_op=True), info, "gather (backward)", (send, recv))
         recv.div_(info.size)
     return recv[:sizes[info.index]].movedim(0, dim).contiguous()
 
@@ -211,11 +224,20 @@ class _GatherToFn(torch.autograd.Function):
 
 # -- public API ---------------------------------------------------------------------------------------------
 
-def _check_rank(value: Any, info: GroupInfo, op: str, name: str) -> int:
+def _check_rank(value: Any, info: CommGroup, op: str, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < info.size:
         raise ValueError(f"{op}: {name}={value!r} is not a rank of the group: expected an int in "
                          f"[0, {info.size}) (a position in the group, not a global rank)")
     return value
+
+
+def _shard_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int) -> tuple[int, ...]:
+    (sizes,) = extents
+    if len(set(sizes)) != 1:
+        raise ValueError(f"shard: x must be the same whole tensor on every rank of the group, but its extents "
+                         f"along dim {dim} differ: {list(sizes)} (group ranks 0..{cg.size - 1}); "
+                         f"use scatter() when only one rank holds it")
+    return tuple(split_sizes(sizes[0], cg.size))
 
 
 def shard(x: torch.Tensor, dim: int = -2, *, group: Any | None = None) -> torch.Tensor:
@@ -224,13 +246,12 @@ def shard(x: torch.Tensor, dim: int = -2, *, group: Any | None = None) -> torch.
     ``x`` is replicated: the same tensor on every rank, counted once (extents are checked, values are not).
     Backward: the full gradient on every rank is the concatenation of all ranks' slice gradients (all-gather).
     """
-    info = group_info(group)
-    sizes = shard_sizes(x, dim, info.group, op="shard", allow_empty=True)
-    if len(set(sizes)) != 1:
-        raise ValueError(f"shard: x must be the same whole tensor on every rank of the group, but its extents "
-                         f"along dim {dim % x.dim()} differ: {list(sizes)} (group ranks 0..{info.size - 1}); "
-                         f"use scatter() when only one rank holds it")
-    return _ShardFn.apply(x, tuple(split_sizes(sizes[0], info.size)), dim % x.dim(), info)
+    info = comm_group(group)
+    sizes = resolve(x, info.group, "shard", _shard_plan, (dim % max(x.dim(), 1),), spec=(dim,), grad=False,
+                    allow_empty=True, replicated=True)
+    out = _ShardFn.apply(x, sizes, dim % x.dim(), info)
+    tag(out, field_epoch(info, dim % x.dim(), tuple(x.shape)))
+    return out
 
 
 def gather(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, dst: int | None = None) -> torch.Tensor:
@@ -242,7 +263,7 @@ def gather(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, dst: int
     ``dim``) which is still part of the graph: its backward receives that rank's slice of ``s``'s gradient, so
     those ranks must backpropagate through it too (e.g. add ``out.sum()``, which is 0, to their loss).
     """
-    info = group_info(group)
+    info = comm_group(group)
     if dst is not None:
         _check_rank(dst, info, "gather", "dst")
     sizes = shard_sizes(x, dim, info.group, op="gather", allow_empty=True)
@@ -251,27 +272,25 @@ def gather(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, dst: int
     return _GatherToFn.apply(x, sizes, dim % x.dim(), info, dst)
 
 
-def _broadcast_meta(x: Any, info: GroupInfo, src: int) -> list[int]:
-    """src's ``[status, ndim, *shape (padded), dtype, device, requires_grad]`` on every rank."""
-    meta = [0] * (_MAX_NDIM + 5)
+def _broadcast_meta(x: Any, info: CommGroup, src: int, dim: int) -> list[int]:
+    """src's :meth:`halo.agree.Meta.row` of ``x`` on every rank (host data; word 1 flags what src got wrong:
+    1 not a tensor, 2 too many dims, 3 a dtype without a code)."""
+    row = [0] * ROW_WORDS
     if info.index == src:
         if not isinstance(x, torch.Tensor):
-            meta[0] = 1
-        elif x.dim() > _MAX_NDIM:
-            meta[0], meta[1] = 2, x.dim()
-        elif x.dtype not in _DTYPES:
-            meta[0] = 3
+            row[1] = 1
+        elif x.dim() > MAX_NDIM:
+            row[1], row[2] = 2, x.dim()
+        elif x.dtype not in DTYPES:
+            row[1] = 3
         else:
-            meta[1:2 + x.dim()] = [x.dim(), *x.shape]
-            meta[-3] = _DTYPES.index(x.dtype)
-            meta[-2] = _DEVICES.index(x.device.type) if x.device.type in _DEVICES else len(_DEVICES)
-            meta[-1] = int(x.requires_grad and torch.is_grad_enabled())
+            row = Meta.of(x, (Spec.of(dim),), int(x.requires_grad and torch.is_grad_enabled())).row()
+            row[1] = 0  # a bad dim is judged on every rank below
     if info.size > 1:
-        nccl = dist.get_backend(info.group) == "nccl"
-        t = torch.tensor(meta, dtype=torch.int64, device="cuda" if nccl else "cpu")
-        dist.broadcast(t, group=info.group, group_src=src)
-        meta = t.tolist()
-    return meta
+        t = torch.tensor(row, dtype=torch.int64)  # host data: src's description, once per scatter
+        _bounded(dist.broadcast(t, group=info.host, group_src=src, async_op=True), info, "scatter (shape)", t)
+        row = t.tolist()
+    return row
 
 
 def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any | None = None) -> torch.Tensor:
@@ -282,34 +301,38 @@ def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any |
     the CPU. Backward: the slice gradients are gathered onto ``src`` (``x.grad`` there); other ranks have no
     input to give a gradient to, but must run backward through their slice.
     """
-    info = group_info(group)
+    info = comm_group(group)
     _check_rank(src, info, "scatter", "src")
-    meta = _broadcast_meta(x, info, src)
+    row = _broadcast_meta(x, info, src, dim)
     who = f"group rank {src} (src, global {info.ranks[src]})"
-    if meta[0] == 1:
+    if row[1] == 1:
         raise ValueError(f"scatter: {who} must pass a tensor (the other ranks may pass None)")
-    if meta[0] == 2:
-        raise ValueError(f"scatter: at most {_MAX_NDIM} dims are supported, {who} has {meta[1]}")
-    if meta[0] == 3:
-        raise ValueError(f"scatter: {who} has a dtype outside {[str(d) for d in _DTYPES]}")
-    ndim, shape = meta[1], meta[2:2 + meta[1]]
+    if row[1] == 2:
+        raise ValueError(f"scatter: at most {MAX_NDIM} dims are supported, {who} has {row[2]}")
+    if row[1] == 3:
+        raise ValueError(f"scatter: {who} has a dtype outside {[str(d) for d in DTYPES]}")
+    ndim = row[2]
+    shape = row[SHAPE_AT:SHAPE_AT + ndim]
+    dtype_code, device_code, grad = row[SHAPE_AT + MAX_NDIM:SHAPE_AT + MAX_NDIM + 3]
     if not -ndim <= dim < ndim:
         raise ValueError(f"scatter: dim {dim} is out of range for the {ndim}-d tensor of shape {tuple(shape)} "
                          f"on {who}")
     dim %= ndim
-    device_type = _DEVICES[meta[-2]] if meta[-2] < len(_DEVICES) else None
+    device_type = DEVICES[device_code] if 0 <= device_code < len(DEVICES) else None
     if info.index == src:
         device = x.device
     elif device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(device_type or "cpu")
-    like = torch.empty([0 if i == dim else s for i, s in enumerate(shape)], dtype=_DTYPES[meta[-3]], device=device)
+    like = torch.empty([0 if i == dim else s for i, s in enumerate(shape)], dtype=DTYPES[dtype_code], device=device)
     anchor = None
-    if meta[-1] and info.index != src:
+    if grad == 1 and info.index != src:
         anchor = torch.empty(0, requires_grad=True)
     sizes = tuple(split_sizes(shape[dim], info.size))
-    return _ScatterFn.apply(x if info.index == src else None, anchor, like, sizes, dim, info, src)
+    out = _ScatterFn.apply(x if info.index == src else None, anchor, like, sizes, dim, info, src)
+    tag(out, field_epoch(info, dim, tuple(shape)))
+    return out
 
 
 # -- 2-D meshes: H over mesh axis 0, W over axis 1 --------------------------------------------------------------

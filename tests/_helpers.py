@@ -9,17 +9,24 @@ from halo.partition import split_offsets
 
 @contextlib.contextmanager
 def virtual_rank(full, parts, rank, module):
-    """Make ``module`` see ``parts`` ranks, this being ``rank``; its exchanges slice ``full``."""
+    """Make ``module`` see ``parts`` ranks, this being ``rank``: its plans are made for that split of ``full``
+    (``halo.plans.resolve`` replaced by the plan's pure ``make``), and its exchanges slice ``full``."""
     import halo.exchange as hx
+    from halo.comm import CommGroup
 
     offs = split_offsets(full.shape[-2], parts)
-    fakes = {
-        "group_info": lambda group: hx.GroupInfo(None, parts, rank, tuple(range(parts))),
-        "shard_sizes": lambda x, dim, group=None, op="", allow_empty=False, check_grad=False: tuple(
-            offs[i + 1] - offs[i] for i in range(parts)),
-        "make_exchanger": lambda x, dim, group, boundary, needs=None, op="", sizes=None: needs[rank],
-        "exchange": lambda x, need: full.narrow(-2, need[0], need[1] - need[0]),
-    }
+    cg = CommGroup(None, parts, rank, tuple(range(parts)))
+    sizes = tuple(offs[i + 1] - offs[i] for i in range(parts))
+
+    def resolve(x, group, op, make, extra=(), **kwargs):
+        return make(cg, (sizes,), *extra)
+
+    def exchange(x, ex_id, rows, dim=-2, owned=False):
+        lo, hi = hx._SPECS[ex_id].needs[rank]
+        assert hi - lo == rows
+        return full.narrow(-2, lo, hi - lo)
+
+    fakes = {"resolve": resolve, "exchange": exchange}
     saved = {name: getattr(module, name) for name in fakes}
     for name, fake in fakes.items():
         setattr(module, name, fake)

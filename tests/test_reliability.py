@@ -12,7 +12,6 @@ equal.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import tempfile
@@ -233,14 +232,17 @@ def _faulty_sequence(rank, world, fault, steps, marker):
     stalled rank stays away until every survivor has (so that it is their timeout that ends the wait)."""
     import torch.distributed as dist
 
-    from halo.exchange import halo_exchange, set_timeout, static_shapes
+    from halo import shard
+    from halo.exchange import halo_exchange, set_timeout
 
     if fault != "stall_default":  # that one relies on the process group's timeout
         set_timeout(HALO_TIMEOUT)
     faulty = rank == world - 1
     torch.manual_seed(0)
     x = torch.randn(1, 2, 4 * world + 1, 6, dtype=torch.float64)
-    x = _shard(x, world, rank).requires_grad_(fault == "skip_backward")
+    steady = fault.endswith("_steady")  # a shard halo made: after the first call, no agreement (halo.plans)
+    x = shard(x, group=dist.group.WORLD) if steady else _shard(x, world, rank)
+    x.requires_grad_(fault == "skip_backward")
     for step in range(steps):
         last = step == steps - 1
         if faulty and last:
@@ -248,13 +250,12 @@ def _faulty_sequence(rank, world, fault, steps, marker):
                 os._exit(7)
             if fault == "die_mid_exchange":  # after the shape all-gather, instead of posting the messages
                 dist.batch_isend_irecv = lambda ops: os._exit(7)
-            if fault in ("stall", "stall_static", "stall_default"):
+            if fault in ("stall", "stall_steady", "stall_default"):
                 return _stay_away(marker, world)
         t0 = time.monotonic()
-        halo = 3 if faulty and last and fault == "static_mismatch" else 2
+        halo = 3 if faulty and last and fault.startswith("changed_halo") else 2
         try:
-            with static_shapes("step") if fault in ("stall_static", "static_mismatch") else contextlib.nullcontext():
-                ext = halo_exchange(x, halo, group=dist.group.WORLD, boundary="circular")
+            ext = halo_exchange(x, halo, group=dist.group.WORLD, boundary="circular")
             if fault == "skip_backward":
                 if faulty and last:
                     return _stay_away(marker, world)
@@ -262,7 +263,7 @@ def _faulty_sequence(rank, world, fault, steps, marker):
                 ext.sum().backward()
         except Exception as exc:  # noqa: BLE001
             result = step, type(exc).__name__, str(exc), time.monotonic() - t0
-            if faulty:  # it broke its static_shapes promise: it knows at once, its peer learns by timing out
+            if faulty:
                 _stay_away(marker, world)
                 return result
             open(os.path.join(marker, str(rank)), "w").close()
@@ -278,16 +279,16 @@ def _stay_away(marker, world, limit=30.0):
 
 
 @pytest.mark.parametrize("fault, world, expect", [
-    # dies before the call: the survivors' shape all-gather fails (gloo names no rank: the group's are listed)
-    ("die", 3, ["failed", "waiting on the shape all-gather with global ranks {others}", "may have died"]),
-    # dies after the all-gather, instead of posting its messages: the survivors name it
+    # dies before the call: the survivors' agreement fails (gloo names no rank: the group's are listed)
+    ("die", 3, ["failed", "waiting on the agreement with global ranks {others}", "may have died"]),
+    # dies after the agreement, instead of posting its messages: the survivors name it
     ("die_mid_exchange", 3, ["failed", "global rank 2", "may have died"]),
-    ("stall", 2, ["timed out", "the shape all-gather with global ranks [1]"]),  # never enters the call
+    ("stall", 2, ["timed out", "the agreement with global ranks [1]"]),  # never enters the call
     ("stall_default", 2, ["timed out", "bound: the process group's timeout", "global ranks [1]"]),
-    ("stall_static", 2, ["timed out", "global rank 1", "different collective"]),  # p2p only, no all-gather
+    ("stall_steady", 2, ["timed out", "global rank 1", "different collective"]),  # p2p only, no agreement
     ("skip_backward", 2, ["(backward)", "timed out", "recv from global rank 1"]),
-    # breaks its static_shapes promise (another halo): raises at once; its peer is bounded by the timeout
-    ("static_mismatch", 2, ["timed out", "global rank 1"]),
+    # in a steady state, one rank alone changes its halo: it agrees alone, its peer posts messages: both bounded
+    ("changed_halo_steady", 2, ["timed out", "global rank 1"]),
 ])
 def test_dead_or_stalled_peer_raises_within_the_bound(fault, world, expect, tmp_path):
     steps = 4
@@ -296,9 +297,9 @@ def test_dead_or_stalled_peer_raises_within_the_bound(fault, world, expect, tmp_
     results = _run_allow_failures(_faulty_sequence, world, fault, steps, str(tmp_path), pg_timeout=pg_timeout)
     assert time.monotonic() - t0 < RUN_TIMEOUT
     faulty = results[-1]
-    if fault == "static_mismatch":
-        assert faulty[0] == "ok" and faulty[1][:2] == (steps - 1, "RuntimeError"), faulty
-        assert "under halo.static_shapes('step') call 0 met" in faulty[1][2], faulty
+    if fault == "changed_halo_steady":
+        assert faulty[0] == "ok" and faulty[1][:2] == (steps - 1, "HaloCommError"), faulty
+        assert "waiting on the agreement with global ranks [0]" in faulty[1][2], faulty
     else:
         assert faulty == (("died", 7) if fault.startswith("die") else ("ok", "stalled")), faulty
     for rank, (status, res) in enumerate(results[:-1]):
@@ -311,6 +312,26 @@ def test_dead_or_stalled_peer_raises_within_the_bound(fault, world, expect, tmp_
             part = part.format(others=[q for q in range(world) if q != rank])
             assert part in message, (part, message)
         assert seconds < HALO_TIMEOUT + SLACK, (rank, seconds, message)
+
+
+def _changed_halo(rank, world):
+    """Outside a steady state (a locally sliced shard: every call agrees), one rank changes its halo: every rank
+    raises the same error at once, and the group is still usable."""
+    import torch.distributed as dist
+
+    from halo.exchange import halo_exchange, set_timeout
+
+    set_timeout(HALO_TIMEOUT)
+    x = _shard(torch.randn(1, 2, 13, 6, generator=torch.Generator().manual_seed(0)), world, rank)
+    halo_exchange(x, 2, group=dist.group.WORLD)
+    err = _error(lambda: halo_exchange(x, 3 if rank == world - 1 else 2, group=dist.group.WORLD))
+    return err, halo_exchange(x, 2, group=dist.group.WORLD).shape
+
+
+def test_changed_halo_outside_a_steady_state_is_one_error_everywhere():
+    results = run_on_ranks(_changed_halo, 2, timeout=RUN_TIMEOUT)
+    assert results[0][0] == results[1][0] and results[0][0][0] == "ValueError", results
+    assert "disagree on the halo" in results[0][0][1]
 
 
 # -- 3. NaN and Inf propagate as in the unsharded reference --------------------------------------------------
@@ -533,17 +554,19 @@ def test_unusual_layouts_match_the_padded_field(impl, kinds, halos):
 
 # -- one process: the metadata table and the timeout setting -------------------------------------------------
 
-def test_metadata_round_trip_and_timeout_setting():
-    from halo.exchange import _Meta, _Spec, get_timeout, set_timeout
+def test_metadata_rows_and_timeout_setting():
+    """The agreement's fast row: codes for what can be coded, a flag for what a rank got wrong on its own."""
+    from halo.agree import ROW_WORDS, SHAPE_AT, Meta, Spec
+    from halo.exchange import get_timeout, set_timeout
 
     x = torch.zeros(2, 3, 5, 7, dtype=torch.bfloat16)
-    specs = (_Spec.of(-2, (1, 2), "pole_centered"), _Spec.of(3, "x" * 40, 5))
-    meta = _Meta.of(x, specs, 1)
-    back = _Meta.decode(meta.encode())
-    assert back.shape == meta.shape and back.dtype == "bfloat16" and back.device == "cpu" and back.grad == 1
-    assert back.specs[0] == specs[0]
-    assert back.specs[1].text.endswith("...") and back.specs[1].boundary == "5"
-    assert _Spec.of(-2, needs=[(0, 3), (2, 6)]) != _Spec.of(-2, needs=[(0, 3), (2, 7)])
+    good = Meta.of(x, (Spec.of(-2, (1, 2), "pole_centered"),), 1)
+    row = good.row()
+    assert len(row) == ROW_WORDS and row[1] == 0 and row[SHAPE_AT:SHAPE_AT + 4] == [2, 3, 5, 7]
+    assert Meta.of(x, (Spec.of(-2, (1, 2), "pole"),), 1).row() != row  # the boundary is in the row
+    for bad in (Spec.of(3, "x" * 40, 5), Spec.of(-2, (1, 2), "zero"), Spec.of(9, 1, "zeros"), Spec.of(-2, -1)):
+        assert Meta.of(x, (bad,), 1).row()[1] == 1, bad  # flagged: every rank then gathers the details
+    assert Spec.of(-2, needs=[(0, 3), (2, 6)]) != Spec.of(-2, needs=[(0, 3), (2, 7)])
     assert set_timeout(1.5) is None and get_timeout() == 1.5
     assert set_timeout(None) == 1.5 and get_timeout() is None
     for bad in (0, -1, float("inf"), "5", True):

@@ -40,17 +40,20 @@ and autograd adds three input-gradient branches). Pad-then-conv is the default; 
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..exchange import HaloHandle, exchange, group_info, make_exchanger, shard_sizes
+from ..comm import CommGroup
+from ..exchange import HaloHandle, exchange, exchanger_id
 from ..mesh import group_attribute
 from ..partition import check_boundary, split_offsets, split_sizes
+from ..plans import Site, carry, resolve
 
 __all__ = [
     "HaloConv2d",
@@ -206,6 +209,7 @@ class _HaloConvMixin:
         if boundary is not None:
             boundary = check_boundary(boundary)
         self.group, self.boundary, self.overlap = group, boundary, overlap
+        self._halo_site = Site()
 
     @property
     def h_boundary(self) -> str:
@@ -217,7 +221,7 @@ class _HaloConvMixin:
         plain = self._base.__new__(self._base)
         nn.Module.__init__(plain)
         for key, value in self.__dict__.items():
-            if key not in ("_group_ref", "boundary", "overlap"):
+            if key not in ("_group_ref", "boundary", "overlap", "_halo_site"):
                 plain.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
         return plain
 
@@ -226,22 +230,15 @@ class _HaloConvMixin:
         extra += f", overlap={self.overlap}" if self.overlap is not None else ""
         return super().extra_repr() + extra
 
-    def _prepare(self, x: torch.Tensor) -> tuple[Any, tuple[int, ...] | None]:
-        """Group info and every rank's H extent (``None`` with one rank).
-
-        The sizes are gathered *before* any shape check: ``shard_sizes`` makes all ranks agree on every dim but
-        H (or all raise), so the checks after it fail identically on every rank and none waits alone.
-        """
-        info = group_info(self.group)
-        if info.size > 1:
-            if x.dim() < 2:
-                raise ValueError(f"{type(self).__name__}: expected a ({self._shape_names()}) shard, got shape "
-                                 f"{tuple(x.shape)}")
-            sizes = shard_sizes(x, -2, info.group, op=type(self).__name__, check_grad=True)
-        else:
-            sizes = None
+    def _resolve(self, x: torch.Tensor, make: Any, extra: tuple) -> Any:
+        """This call's plan (``halo.plans.resolve``): every rank's H extent is agreed on (or recalled) *before* any
+        shape check, so that the checks after it fail identically on every rank and none waits alone."""
+        name = type(self).__name__
+        if x.dim() < 2:
+            raise ValueError(f"{name}: expected a ({self._shape_names()}) shard, got shape {tuple(x.shape)}")
+        plan = resolve(x, self.group, name, make, extra, site=self._halo_site)
         self._check_input(x)
-        return info, sizes
+        return plan
 
     def _shape_names(self) -> str:
         return "B, C, D, H, W" if self._spatial == 3 else "B, C, H, W"
@@ -256,29 +253,69 @@ class _HaloConvMixin:
                              f"{x.shape[-nd - 1]} in shape {tuple(x.shape)}")
 
 
+class ConvPlan(NamedTuple):
+    """A conv call as planned for this rank: the exchange (id, extended rows), or ``plain`` (one rank, the
+    wrapped conv itself); ``strips``: compute-then-patch's two strip exchanges and ``p``."""
+
+    plain: bool
+    ex: int = -1
+    rows: int = 0
+    strips: tuple[int, int, int] | None = None
+
+
+def _conv_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], name: str, dim: int, kernel: int, stride: int,
+               dilation: int, pads: tuple[tuple[int, int], ...], boundary: str, padding_mode: str,
+               overlap: bool) -> ConvPlan:
+    (sizes,) = extents
+    if cg.size == 1 and boundary == _MODE_BOUNDARY[padding_mode]:
+        return ConvPlan(True)
+    h = dim - 2
+    _, needs = conv_row_plan(sizes, kernel, stride, dilation, pads[h], op=name)
+    strips = None
+    pt, pb = pads[h]
+    if overlap and cg.size > 1 and padding_mode == "zeros" and stride == 1 and pt == pb > 0 \
+            and 2 * pt == dilation * (kernel - 1) and all(a == b for a, b in pads) and min(sizes) >= 2 * pt:
+        # Compute-then-patch applies: decided from group-wide numbers only, so every rank takes the same path.
+        # Output row o reads rows [o - p, o + p]: the top p output rows read [start - p, start + 2p), the bottom
+        # p rows [stop - 2p, stop + p); each strip is a trimmed exchange (no copy of the shard).
+        offs = _offsets(sizes)
+        top = tuple((offs[r] - pt, offs[r] + 2 * pt) for r in range(len(sizes)))
+        bottom = tuple((offs[r + 1] - 2 * pt, offs[r + 1] + pt) for r in range(len(sizes)))
+        strips = (exchanger_id(cg, dim, sizes, top, boundary, name),
+                  exchanger_id(cg, dim, sizes, bottom, boundary, name), pt)
+    lo, hi = needs[cg.index]
+    return ConvPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, name), hi - lo, strips)
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
+
+
 class _HaloConvNd(_HaloConvMixin):
     """Forward of HaloConv2d / HaloConv3d: H (dim -2) exchanged, the other spatial dims padded locally."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        info, sizes = self._prepare(x)
-        boundary = self.h_boundary
-        if sizes is None and boundary == _MODE_BOUNDARY[self.padding_mode]:
-            return self._base.forward(self, x)  # one rank: exactly the plain layer
+        pads = tuple(_pads(self))
+        h = self._spatial - 2
+        overlap = OVERLAP_DEFAULT if self.overlap is None else bool(self.overlap)
+        extra = (type(self).__name__, self._spatial, self.kernel_size[h],
+                 self.stride[h], self.dilation[h], pads, self.h_boundary, self.padding_mode, overlap)
+        plan = self._resolve(x, _conv_plan, extra)
+        if plan.plain:
+            return self._base.forward(self, x)
         unbatched = x.dim() == self._spatial + 1
-        if unbatched:
-            x = x.unsqueeze(0)
-        if sizes is None:
-            sizes = (x.shape[-2],)
-        name, h = type(self).__name__, self._spatial - 2
-        pads = _pads(self)
-        k, s, d = self.kernel_size[h], self.stride[h], self.dilation[h]
-        _, needs = conv_row_plan(sizes, k, s, d, pads[h], op=name)
-        if self._use_overlap(sizes, pads):
-            y = self._forward_overlap(x, info, sizes, pads, boundary)
+        xb = x.unsqueeze(0) if unbatched else x
+        if plan.strips is not None and not torch.compiler.is_compiling():
+            y = self._forward_overlap(xb, plan.strips, pads)
         else:
-            ex = make_exchanger(x, -2, info.group, boundary, needs=needs, op=name, sizes=sizes)
-            y = self._local_conv(exchange(x, ex), pads)
-        return y.squeeze(0) if unbatched else y
+            # The extended shard feeds this layer's conv only, so its gradient is ours to add into in place.
+            y = self._local_conv(exchange(xb, plan.ex, plan.rows, self._spatial, owned=True), list(pads))
+        y = y.squeeze(0) if unbatched else y
+        carry(y, x)
+        return y
 
     def _conv(self, x: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
         fn = F.conv3d if self._spatial == 3 else F.conv2d
@@ -296,34 +333,13 @@ class _HaloConvNd(_HaloConvMixin):
         mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
         return self._conv(F.pad(ext, flat, mode=mode), [0] * self._spatial)
 
-    def _use_overlap(self, sizes: Sequence[int], pads: list[tuple[int, int]]) -> bool:
-        """Compute-then-patch applies: stride 1 in H, output rows == input rows (symmetric ``d(k-1)/2``
-        padding), zero padding elsewhere done by the conv itself, and every shard holds both patches.
-        Decided from group-wide numbers only, so every rank takes the same path."""
-        overlap = OVERLAP_DEFAULT if self.overlap is None else self.overlap
+    def _forward_overlap(self, x: torch.Tensor, strips: tuple[int, int, int],
+                         pads: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Conv the shard at once (zero H padding) while two strip exchanges are in flight, then patch the ``p``
+        top and bottom output rows with the conv of the strips (``_conv_plan``)."""
         h = self._spatial - 2
-        pt, pb = pads[h]
-        return bool(overlap) and len(sizes) > 1 and self.padding_mode == "zeros" and self.stride[h] == 1 \
-            and pt == pb > 0 and 2 * pt == self.dilation[h] * (self.kernel_size[h] - 1) \
-            and all(a == b for a, b in pads) and min(sizes) >= 2 * pt
-
-    def _forward_overlap(self, x: torch.Tensor, info: Any, sizes: Sequence[int], pads: list[tuple[int, int]],
-                         boundary: str) -> torch.Tensor:
-        """Conv the shard at once (zero H padding) while two strip exchanges are in flight, then patch.
-
-        Output row ``o`` reads rows ``[o - p, o + p]``; the top ``p`` output rows read the strip
-        ``[start - p, start + 2p)`` (halo + own edge rows), the bottom ``p`` rows ``[stop - 2p, stop + p)``.
-        Each strip is a trimmed exchange (needs narrower than the shard), so no copy of the shard is made.
-        """
-        name, h = type(self).__name__, self._spatial - 2
-        p = pads[h][0]
-        offs = [0]
-        for n in sizes:
-            offs.append(offs[-1] + n)
-        top = tuple((offs[r] - p, offs[r] + 2 * p) for r in range(len(sizes)))
-        bottom = tuple((offs[r + 1] - 2 * p, offs[r + 1] + p) for r in range(len(sizes)))
-        handles = [HaloHandle(x, make_exchanger(x, -2, info.group, boundary, needs=needs, op=name, sizes=sizes))
-                   for needs in (top, bottom)]
+        top, bottom, p = strips
+        handles = [HaloHandle(x, top), HaloHandle(x, bottom)]
         padding = [a for a, _ in pads]
         strip_padding = [0 if i == h else a for i, a in enumerate(padding)]
         y = self._conv(x, padding)
@@ -376,29 +392,63 @@ class HaloConvTranspose2d(_HaloConvMixin, nn.ConvTranspose2d):
         if self.padding_mode != "zeros":
             raise ValueError(f"HaloConvTranspose2d: only padding_mode 'zeros' is supported (as "
                              f"nn.ConvTranspose2d), got {self.padding_mode!r}")
-        info, sizes = self._prepare(x)
-        if sizes is None:
+        extra = (tuple(x.shape), None if output_size is None else tuple(int(v) for v in output_size),
+                 tuple(self.kernel_size), tuple(self.stride), tuple(self.dilation), tuple(self.padding),
+                 tuple(self.output_padding))
+        plan = self._resolve(x, _conv_transpose_plan, extra)
+        if plan.plain:
             return nn.ConvTranspose2d.forward(self, x, output_size)
         unbatched = x.dim() == 3
-        if unbatched:
-            x = x.unsqueeze(0)
-        n = sum(sizes)
-        global_x = torch.empty((*x.shape[:-2], n, x.shape[-1]), device="meta")
-        op_h, op_w = self._output_padding(global_x, output_size, self.stride, self.padding, self.kernel_size,
-                                          2, self.dilation)
-        (k, _), (s, sw), (d, dw), (p, pw) = self.kernel_size, self.stride, self.dilation, self.padding
-        out_sizes, needs = conv_transpose_row_plan(sizes, k, s, d, p, op_h, op="HaloConvTranspose2d")
-        ex = make_exchanger(x, -2, info.group, "zeros", needs=needs, op="HaloConvTranspose2d", sizes=sizes)
-        ext = exchange(x, ex)
-        # Local output row t is global row lo*s - p + t; this rank's rows are [o0, o1).
-        o0 = sum(out_sizes[:info.index])
-        t0 = o0 + p - needs[info.index][0] * s
-        t1 = t0 + out_sizes[info.index]
-        length = (ext.shape[-2] - 1) * s + d * (k - 1) + 1
-        fused = t0 >= 0 and t1 <= length  # else bias must also land on the zero-extended rows
-        y = F.conv_transpose2d(ext, self.weight, self.bias if fused else None, (s, sw), (0, pw), (0, op_w),
-                               self.groups, (d, dw))
-        y = _crop_rows(y, t0, t1)
-        if not fused and self.bias is not None:
+        xb = x.unsqueeze(0) if unbatched else x
+        (_, sw), (_, dw), (_, pw) = self.stride, self.dilation, self.padding
+        ext = exchange(xb, plan.ex, plan.rows, 2, owned=True)
+        y = F.conv_transpose2d(ext, self.weight, self.bias if plan.fused else None, (plan.stride, sw), (0, pw),
+                               (0, plan.op_w), self.groups, (plan.dilation, dw))
+        y = _crop_rows(y, plan.t0, plan.t1)
+        if not plan.fused and self.bias is not None:
             y = y + self.bias.view(-1, 1, 1)
-        return y.squeeze(0) if unbatched else y
+        y = y.squeeze(0) if unbatched else y
+        carry(y, x)
+        return y
+
+
+class ConvTransposePlan(NamedTuple):
+    """A transposed conv as planned for this rank: the exchange, the local output rows ``[t0, t1)`` to keep, and
+    whether the bias can go into the conv (``fused``) or must also land on zero-extended rows."""
+
+    plain: bool
+    ex: int = -1
+    rows: int = 0
+    t0: int = 0
+    t1: int = 0
+    fused: bool = True
+    op_w: int = 0
+    stride: int = 1
+    dilation: int = 1
+
+
+def _conv_transpose_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], shape: tuple[int, ...],
+                         output_size: tuple[int, ...] | None, kernel: tuple[int, int], stride: tuple[int, int],
+                         dilation: tuple[int, int], padding: tuple[int, int],
+                         output_padding: tuple[int, int]) -> ConvTransposePlan:
+    (sizes,) = extents
+    if cg.size == 1:
+        return ConvTransposePlan(True)
+    n = sum(sizes)
+    batched = shape if len(shape) == 4 else (1, *shape)
+    global_x = torch.empty((*batched[:-2], n, batched[-1]), device="meta")
+    op_h, op_w = nn.ConvTranspose2d._output_padding(
+        types.SimpleNamespace(output_padding=output_padding), global_x,
+        None if output_size is None else list(output_size), list(stride), list(padding), list(kernel), 2,
+        list(dilation))
+    (k, _), (s, _), (d, _), (p, _) = kernel, stride, dilation, padding
+    out_sizes, needs = conv_transpose_row_plan(sizes, k, s, d, p, op_h, op="HaloConvTranspose2d")
+    ex = exchanger_id(cg, 2, sizes, needs, "zeros", "HaloConvTranspose2d")
+    lo, hi = needs[cg.index]
+    # Local output row t is global row lo*s - p + t; this rank's rows are [o0, o1).
+    o0 = sum(out_sizes[:cg.index])
+    t0 = o0 + p - lo * s
+    t1 = t0 + out_sizes[cg.index]
+    length = (hi - lo - 1) * s + d * (k - 1) + 1
+    fused = t0 >= 0 and t1 <= length  # else bias must also land on the zero-extended rows
+    return ConvTransposePlan(False, ex, hi - lo, t0, t1, fused, int(op_w), s, d)

@@ -22,7 +22,8 @@ from typing import Any
 
 from torch import nn
 
-from ..mesh import DomainParallelManager, get_domain_parallel_manager
+from ..mesh import DomainParallelManager, GroupRef, get_domain_parallel_manager
+from ..plans import enter_root, exit_root
 
 __all__ = ["ConvertContext", "convert_to_domain_parallel", "revert_domain_parallel"]
 
@@ -100,6 +101,7 @@ def convert_to_domain_parallel(
     custom_converters: dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None] | None = None,
     *,
     boundary: str | None = None,
+    grid: tuple[int, int] | None = None,
 ) -> nn.Module:
     """Replace, in place, every layer of ``model`` that crosses latitude rows by its domain-parallel form.
 
@@ -110,6 +112,12 @@ def convert_to_domain_parallel(
             it can also override them), or ``{LayerType: None}`` to declare a layer pointwise in latitude.
         boundary: what fills the latitude edges of converted convolutions, e.g. ``"pole"`` for a global
             lat-lon grid; default: each conv's own ``padding_mode``.
+        grid: ``(H, W)`` of the global field, if you want to declare it: every tensor input of the model with at
+            least 2 dims whose last dim is ``W`` then holds this rank's rows of ``H`` along dim -2 (checked on
+            each rank), and a call starts without any communication. Default: each call's first act is one
+            small agreement on host data (every rank's input shapes), which makes a changed input shape on any
+            rank safe. Either way, every layer learns its extents once and a steady step sends only halo
+            messages and the reductions the math needs (``halo.plans``).
 
     Raises:
         ValueError: the manager shards something other than latitude (dim -2), or a layer has no
@@ -156,11 +164,49 @@ def convert_to_domain_parallel(
                 setattr(parent, name, replacement)
 
     visit(model, "")
+    _make_root(model, manager.domain_group, grid)
     return model
+
+
+@dataclass(frozen=True)
+class RootConfig:
+    """What a converted model's entry needs: the domain group (shared by copies) and the declared grid."""
+
+    group_ref: GroupRef
+    grid: tuple[int, int] | None
+
+    @property
+    def group(self) -> Any:
+        return self.group_ref.group
+
+
+def _make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None) -> None:
+    """Make ``model`` a converted model's root: its calls start (or join) a step's epoch (``halo.plans``)."""
+    if grid is not None:
+        if len(grid) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in grid):
+            raise ValueError(f"grid must be (H, W), two positive ints, got {grid!r}")
+        grid = (int(grid[0]), int(grid[1]))
+    had = "_halo_root" in model.__dict__
+    model.__dict__["_halo_root"] = RootConfig(GroupRef(group), grid)
+    if not had:
+        model.register_forward_pre_hook(enter_root, with_kwargs=True)
+        model.register_forward_hook(exit_root, with_kwargs=True, always_call=True)
+
+
+def _drop_root(model: nn.Module) -> None:
+    if model.__dict__.pop("_halo_root", None) is None:
+        return
+    for hooks, fn in ((model._forward_pre_hooks, enter_root), (model._forward_hooks, exit_root)):
+        for key in [k for k, h in hooks.items() if h is fn]:
+            del hooks[key]
+            for extra in (model._forward_pre_hooks_with_kwargs, model._forward_hooks_with_kwargs,
+                          model._forward_hooks_always_called):
+                extra.pop(key, None)
 
 
 def revert_domain_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`convert_to_domain_parallel` in place; parameters and buffers carry over to the originals."""
+    _drop_root(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             original = getattr(child, _ORIGINAL, None)

@@ -23,8 +23,9 @@ large against the spread (temperature in K, geopotential), losing about ``2 log2
 in fp32 is visible. The combine has no cancellation, costs one collective of ``P`` times a few numbers per
 statistic, and leaves bitwise-identical statistics on every rank. Gradients need no hand-written backward:
 autograd runs through ``var_mean``, the combine and the all-reduce's exact adjoint. Counts ``n_r`` are exact
-integers from :func:`halo.exchange.shard_sizes`, which also checks that B, C, W, dtype agree across ranks
-(one small all-gather per new shape; none under ``halo.static_shapes``), so a mismatch raises on every rank.
+integers from every rank's extents, agreed on once per epoch (``halo.plans``: the agreement also checks that B,
+C, W, dtype agree across ranks, so a mismatch raises on every rank) and made into a device tensor once. Over the
+data-parallel group of a batch norm the counts ride in the same all-reduce instead (batches may differ).
 
 GroupNorm and InstanceNorm (statistics per (sample, group), so the local reduction is over contiguous rows)
 take a fused path instead, :class:`_DomainGroupNormFn`: the same Chan combine with one all-reduce forward and
@@ -44,13 +45,14 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..agree import GroupInfo, group_info, shard_sizes
+from ..comm import CommGroup, comm_group
+from ..comm import all_reduce as bounded_all_reduce
 from ..mesh import GroupRef, get_domain_parallel_manager
+from ..plans import Site, shard_sizes
 from ..reduce import accumulation_dtype, all_reduce
 
 __all__ = ["DomainGroupNorm", "DomainBatchNorm2d", "DomainInstanceNorm2d", "DomainLayerNorm", "domain_var_mean"]
@@ -64,7 +66,7 @@ def _counts(counts: tuple[int, ...], device: torch.device, dtype: torch.dtype, n
     return torch.tensor(counts, dtype=dtype, device=device).view(-1, *[1] * ndim)
 
 
-def _combine(mean: torch.Tensor, var: torch.Tensor, counts: tuple[int, ...], info: GroupInfo):
+def _combine(mean: torch.Tensor, var: torch.Tensor, counts: tuple[int, ...], info: CommGroup):
     """Gather every rank's ``(mean, n * var)`` and combine them (Chan); returns ``(mean, var, N)``."""
     local = torch.stack([mean, var * counts[info.index]])
     pieces = [local if r == info.index else torch.zeros_like(local) for r in range(info.size)]
@@ -79,19 +81,20 @@ def _combine(mean: torch.Tensor, var: torch.Tensor, counts: tuple[int, ...], inf
 
 def domain_var_mean(x: torch.Tensor, dims: tuple[int, ...], group: Any | None = None, *,
                     sizes: tuple[int, ...] | None = None, dp_group: Any | None = None,
-                    op: str = "domain_var_mean") -> tuple[torch.Tensor, torch.Tensor, int]:
+                    op: str = "domain_var_mean") -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
     """Biased variance and mean of ``x`` over ``dims`` (kept, size 1) across the whole domain, and the count.
 
     ``dims`` must include the sharded dim -2 (as ``x.dim() - 2``); with ``dp_group`` also dim 0 (the batch is
-    then pooled over the data-parallel group too). Statistics are in fp32 for half inputs, identical on every
-    rank, and differentiable with exact gradients.
+    then pooled over the data-parallel group too, whose ranks' batch sizes travel in the same all-reduce: the
+    count is then a 0-d tensor, read by nobody on the host). Statistics are in fp32 for half inputs, identical on
+    every rank, and differentiable with exact gradients.
     """
     nd = x.dim()
     h = nd - 2
     dims = tuple(sorted(d % nd for d in dims))
     if h not in dims or (dp_group is not None and 0 not in dims):
         raise ValueError(f"{op}: dims {dims} must include the sharded dim {h} (and 0 with dp_group)")
-    info = group_info(group)
+    info = comm_group(group)
     acc = accumulation_dtype(x.dtype)
     var, mean = torch.var_mean(x.to(acc), dim=dims, correction=0, keepdim=True)
     per_row = math.prod(x.shape[d] for d in dims if d != h)
@@ -99,12 +102,25 @@ def domain_var_mean(x: torch.Tensor, dims: tuple[int, ...], group: Any | None = 
     if info.size > 1:
         sizes = sizes if sizes is not None else shard_sizes(x, -2, info.group, op=op)
         mean, var, count = _combine(mean, var, tuple(per_row * s for s in sizes), info)
-    dp = group_info(dp_group) if dp_group is not None else None
+    dp = comm_group(dp_group) if dp_group is not None else None
     if dp is not None and dp.size > 1:
-        batches = shard_sizes(x, 0, dp.group, op=op)
-        per_sample = count // x.shape[0]
-        mean, var, count = _combine(mean, var, tuple(per_sample * b for b in batches), dp)
+        mean, var, count = _combine_counted(mean, var, count, dp)
     return var, mean, count
+
+
+def _combine_counted(mean: torch.Tensor, var: torch.Tensor, count: int, info: CommGroup):
+    """Chan's combine over ``info`` with each rank's count carried in the same all-reduce (the data-parallel ranks
+    of a batch norm: batches may differ in size, and no rank needs to know the others' in advance). Returns
+    ``(mean, var, N)`` with ``N`` a 0-d tensor on the statistics' device."""
+    n = torch.full_like(mean, float(count))
+    local = torch.stack([n, mean, var * count])
+    pieces = [local if r == info.index else torch.zeros_like(local) for r in range(info.size)]
+    stats = all_reduce(torch.stack(pieces), group=info.group)  # (P, 3, ...): an all-gather (zeros add exactly)
+    ns, means = stats[:, 0], stats[:, 1]
+    total = ns.sum(0)
+    mean_all = (ns * means).sum(0) / total
+    m2 = stats[:, 2].sum(0) + (ns * (means - mean_all).square()).sum(0)
+    return mean_all, m2 / total, total.detach().reshape(-1)[0]
 
 
 def _normalize(x: torch.Tensor, var: torch.Tensor, mean: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,11 +139,12 @@ def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     return y
 
 
-def _sizes(x: torch.Tensor, info: GroupInfo, op: str) -> tuple[int, ...] | None:
-    """Every rank's H extent, agreed on before any rank checks shapes locally (invariant 4)."""
+def _sizes(module: nn.Module, x: torch.Tensor, info: CommGroup, op: str) -> tuple[int, ...] | None:
+    """Every rank's H extent, agreed on (or recalled: ``halo.plans``) before any rank checks shapes locally
+    (invariant 4); ``None`` with one rank."""
     if x.dim() < 2:
         raise ValueError(f"{op}: expected (..., H_local, W), got shape {tuple(x.shape)}")
-    return shard_sizes(x, -2, info.group, op=op) if info.size > 1 else None
+    return shard_sizes(x, -2, info.group, op=op, site=module._halo_site) if info.size > 1 else None
 
 
 def _update_running(module: nn.Module, mean: torch.Tensor, var: torch.Tensor, count: int, factor: float) -> None:
@@ -176,7 +193,7 @@ class _DomainGroupNormFn(torch.autograd.Function):
             pieces = torch.zeros(info.size, 2, b, groups, dtype=torch.float64, device=x.device)
             pieces[info.index, 0] = mean
             pieces[info.index, 1] = var * n_r
-            dist.all_reduce(pieces, group=info.group)  # every rank's (mean, M2): an all-gather (zeros add exactly)
+            bounded_all_reduce(pieces, info, "DomainGroupNorm")  # every rank's (mean, M2): an all-gather
             n = _counts(count, x.device, torch.float64, 2)
             total = float(sum(count))
             mean = (n * pieces[:, 0]).sum(0) / total
@@ -214,7 +231,7 @@ class _DomainGroupNormFn(torch.autograd.Function):
         sgw, sgcw = (sg * w, sgc * w) if w is not None else (sg, sgc)
         ab = torch.stack([sgw, sgcw * rstd_c]).view(2, b, groups, c // groups).sum(-1)  # (2, B, G)
         if info.size > 1:
-            dist.all_reduce(ab, group=info.group)
+            bounded_all_reduce(ab, info, "DomainGroupNorm (backward)")
         ab = ab.repeat_interleave(c // groups, dim=2) / ctx.total  # (2, B, C): mean g w, mean g w xhat
         p = -rstd_c * rstd_c * ab[1]                                    # grad_x = g a + (x - m') p + q
         q = -rstd_c * ab[0] + delta * p
@@ -228,7 +245,7 @@ class _DomainGroupNormFn(torch.autograd.Function):
 
 
 def _group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                eps: float, sizes: tuple[int, ...] | None, info: GroupInfo):
+                eps: float, sizes: tuple[int, ...] | None, info: CommGroup):
     """The fused domain GroupNorm: ``(y, mean, var)``, statistics float64 ``(B, groups)``."""
     per_row = x[0, :x.shape[1] // groups].numel() // x.shape[-2]
     count = tuple(per_row * s for s in (sizes or (x.shape[-2],)))
@@ -259,8 +276,8 @@ class _DomainNorm:
     def group(self) -> Any | None:
         return self._group_ref.group
 
-    def _info(self) -> GroupInfo:
-        return group_info(self._group_ref.group)
+    def _info(self) -> CommGroup:
+        return comm_group(self._group_ref.group)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", domain-parallel"
@@ -282,10 +299,11 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
     def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.GroupNorm, args, kwargs)
         self._group_ref = GroupRef(group)
+        self._halo_site = Site()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         info = self._info()
-        sizes = _sizes(x, info, "DomainGroupNorm")
+        sizes = _sizes(self, x, info, "DomainGroupNorm")
         if x.dim() < 4:
             raise ValueError(f"DomainGroupNorm: expected (B, C, ..., H_local, W), got shape {tuple(x.shape)}")
         if x.shape[1] != self.num_channels:
@@ -315,6 +333,7 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
                  sync_dp: bool | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.BatchNorm2d, args, kwargs)
         self._group_ref = GroupRef(group)
+        self._halo_site = Site()
         self._dp_ref = GroupRef(dp_group)
         self.sync_dp = sync_dp
 
@@ -341,14 +360,15 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
         if not batch_stats:  # elementwise with the running statistics: exactly torch's kernel, no communication
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
         info = self._info()
-        sizes = _sizes(x, info, "DomainBatchNorm2d")
+        sizes = _sizes(self, x, info, "DomainBatchNorm2d")
         if x.shape[1] != self.num_features:
             raise ValueError(f"DomainBatchNorm2d: expected {self.num_features} channels, got shape {tuple(x.shape)}")
+        domain_count = x.shape[0] * x.shape[-1] * sum(sizes or (x.shape[-2],))
+        if domain_count <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got {domain_count} over the "
+                             f"whole domain (input shape {tuple(x.shape)})")
         var, mean, count = domain_var_mean(x, (0, 2, 3), info.group, sizes=sizes, dp_group=self._dp_group(),
                                            op="DomainBatchNorm2d")
-        if count <= 1:
-            raise ValueError(f"Expected more than 1 value per channel when training, got {count} over the whole "
-                             f"domain (input shape {tuple(x.shape)})")
         if self.training and self.track_running_stats:
             _update_running(self, mean, var, count, factor)
         y = _normalize(x, var, mean, self.eps)
@@ -364,6 +384,7 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
     def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.InstanceNorm2d, args, kwargs)
         self._group_ref = GroupRef(group)
+        self._halo_site = Site()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() not in (3, 4):
@@ -373,7 +394,7 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
             return self.forward(x.unsqueeze(0)).squeeze(0)
         batch_stats = self.training or not self.track_running_stats
         info = self._info()
-        sizes = _sizes(x, info, "DomainInstanceNorm2d") if batch_stats else None
+        sizes = _sizes(self, x, info, "DomainInstanceNorm2d") if batch_stats else None
         if (self.affine or self.track_running_stats) and x.shape[1] != self.num_features:
             raise ValueError(f"DomainInstanceNorm2d: expected {self.num_features} channels, got shape "
                              f"{tuple(x.shape)}")
@@ -403,6 +424,7 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
     def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.LayerNorm, args, kwargs)
         self._group_ref = GroupRef(group)
+        self._halo_site = Site()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = len(self.normalized_shape)
@@ -410,7 +432,7 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         info = self._info()
         shape = tuple(self.normalized_shape)
-        sizes = _sizes(x, info, "DomainLayerNorm") or (x.shape[-2],)
+        sizes = _sizes(self, x, info, "DomainLayerNorm") or (x.shape[-2],)
         if x.dim() < k:
             raise ValueError(f"DomainLayerNorm: input of shape {tuple(x.shape)} has fewer dims than "
                              f"normalized_shape {shape}")

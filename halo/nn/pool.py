@@ -34,16 +34,18 @@ the same ``ValueError`` on every rank (the global extent comes from one all-gath
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.utils import _pair
 
-from ..exchange import exchange, group_info, make_exchanger, shard_sizes
+from ..comm import CommGroup
+from ..exchange import exchange, exchanger_id
 from ..mesh import group_attribute
 from ..partition import split_offsets
+from ..plans import Site, carry, resolve
 
 __all__ = [
     "HaloAdaptiveAvgPool2d",
@@ -110,13 +112,39 @@ def _global_shape(op: str, shape: tuple[int, ...], args: tuple) -> tuple[int, ..
     return tuple(_META_OPS[op](torch.empty(shape, device="meta"), *args).shape)
 
 
-def _global_rows(x: torch.Tensor, n: int, op: str, args: tuple) -> tuple[int, ...]:
-    return _global_shape(op, (*x.shape[:-2], n, x.shape[-1]), args)
+def _global_rows(shape: tuple[int, ...], n: int, op: str, args: tuple) -> tuple[int, ...]:
+    return _global_shape(op, (*shape[:-2], n, shape[-1]), args)
 
 
-def _exchange_rows(x: torch.Tensor, info, sizes, needs, op: str) -> torch.Tensor:
-    """Rows ``needs[rank]`` (inside the domain) of the global field on every rank, autograd-exact."""
-    return exchange(x, make_exchanger(x, -2, info.group, "zeros", needs=needs, op=op, sizes=sizes))
+class PoolPlan(NamedTuple):
+    """A pool call as planned for this rank: the exchange of rows ``[lo, lo + rows)`` and the local outputs to keep
+    (``crop`` dropped, then ``out`` rows); ``plain``: one rank, the torch op itself."""
+
+    plain: bool
+    ex: int = -1
+    rows: int = 0
+    lo: int = 0
+    crop: int = 0
+    out: int = 0
+
+
+def _window_pool_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str, kind: str, shape: tuple,
+                      args: tuple, geometry: tuple[int, int, int, int], detail: str) -> PoolPlan:
+    (sizes,) = extents
+    if cg.size == 1:
+        return PoolPlan(True)
+    n = sum(sizes)
+    m = _global_rows(shape, n, kind, args)[-2]
+    check_output_rows(op, m, n, cg.size, detail)
+    plan = window_plan(n, m, cg.size, *geometry)
+    lo, hi, crop, rows = plan[cg.index]
+    ex = exchanger_id(cg, len(shape) - 2, sizes, tuple((a, b) for a, b, _, _ in plan), "zeros", op)
+    return PoolPlan(False, ex, hi - lo, lo, crop, rows)
+
+
+def _run(x: torch.Tensor, plan: Any) -> torch.Tensor:
+    """Rows ``[lo, lo + rows)`` of the global field, autograd-exact (the caller's op consumes them)."""
+    return exchange(x, plan.ex, plan.rows, x.dim() - 2, owned=True)
 
 
 # -- max / average pooling --------------------------------------------------------------------------------
@@ -138,28 +166,26 @@ class HaloMaxPool2d(nn.MaxPool2d):
         super().__init__(pool.kernel_size, pool.stride, pool.padding, pool.dilation,
                          return_indices=pool.return_indices, ceil_mode=pool.ceil_mode)
         self.group = group
+        self._halo_site = Site()
 
     def forward(self, x: torch.Tensor):
-        info = group_info(self.group)
-        if info.size == 1:
-            return super().forward(x)
         op = "HaloMaxPool2d"
         k, s, p, d = (_pair(a)[0] for a in (self.kernel_size, self.stride, self.padding, self.dilation))
-        sizes = shard_sizes(x, -2, info.group, op=op, check_grad=True)
-        n = sum(sizes)
-        m = _global_rows(x, n, "max", (self.kernel_size, self.stride, self.padding, self.dilation,
-                                       self.ceil_mode))[-2]
-        check_output_rows(op, m, n, info.size, f", kernel {k}, stride {s}, padding {p}, dilation {d}, "
-                                               f"ceil_mode={self.ceil_mode}")
-        plan = window_plan(n, m, info.size, k, s, p, d)
-        lo, _, crop, rows = plan[info.index]
-        ext = _exchange_rows(x, info, sizes, [(a, b) for a, b, _, _ in plan], op)
-        out = F.max_pool2d(ext, self.kernel_size, self.stride, self.padding, self.dilation,
+        args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+        detail = f", kernel {k}, stride {s}, padding {p}, dilation {d}, ceil_mode={self.ceil_mode}"
+        plan = resolve(x, self.group, op, _window_pool_plan, (op, "max", tuple(x.shape), args, (k, s, p, d), detail),
+                       site=self._halo_site)
+        if plan.plain:
+            return super().forward(x)
+        out = F.max_pool2d(_run(x, plan), self.kernel_size, self.stride, self.padding, self.dilation,
                            ceil_mode=self.ceil_mode, return_indices=self.return_indices)
         if not self.return_indices:
-            return out.narrow(-2, crop, rows)
-        out, idx = out
-        return out.narrow(-2, crop, rows), idx.narrow(-2, crop, rows) + lo * x.shape[-1]
+            out = out.narrow(-2, plan.crop, plan.out)
+        else:
+            out, idx = out
+            out = out.narrow(-2, plan.crop, plan.out), idx.narrow(-2, plan.crop, plan.out) + plan.lo * x.shape[-1]
+        carry(out, x)
+        return out
 
 
 class HaloAvgPool2d(nn.AvgPool2d):
@@ -178,62 +204,79 @@ class HaloAvgPool2d(nn.AvgPool2d):
         super().__init__(pool.kernel_size, pool.stride, pool.padding, ceil_mode=pool.ceil_mode,
                          count_include_pad=pool.count_include_pad, divisor_override=pool.divisor_override)
         self.group = group
+        self._halo_site = Site()
 
     def _pool(self, t: torch.Tensor) -> torch.Tensor:
         return F.avg_pool2d(t, self.kernel_size, self.stride, self.padding, self.ceil_mode,
                             self.count_include_pad, self.divisor_override)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        info = group_info(self.group)
-        if info.size == 1:
-            return super().forward(x)
         op = "HaloAvgPool2d"
         k, s, p = (_pair(a)[0] for a in (self.kernel_size, self.stride, self.padding))
-        sizes = shard_sizes(x, -2, info.group, op=op, check_grad=True)
-        n = sum(sizes)
-        m = _global_rows(x, n, "avg", (self.kernel_size, self.stride, self.padding, self.ceil_mode,
-                                       self.count_include_pad, self.divisor_override))[-2]
-        check_output_rows(op, m, n, info.size, f", kernel {k}, stride {s}, padding {p}, "
-                                               f"ceil_mode={self.ceil_mode}")
-        plan = window_plan(n, m, info.size, k, s, p)
-        _, _, crop, rows = plan[info.index]
-        ext = _exchange_rows(x, info, sizes, [(a, b) for a, b, _, _ in plan], op)
-        return self._pool(ext).narrow(-2, crop, rows)
+        args = (self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
+                self.divisor_override)
+        detail = f", kernel {k}, stride {s}, padding {p}, ceil_mode={self.ceil_mode}"
+        plan = resolve(x, self.group, op, _window_pool_plan, (op, "avg", tuple(x.shape), args, (k, s, p, 1), detail),
+                       site=self._halo_site)
+        if plan.plain:
+            return super().forward(x)
+        out = self._pool(_run(x, plan)).narrow(-2, plan.crop, plan.out)
+        carry(out, x)
+        return out
 
 
 # -- adaptive pooling ---------------------------------------------------------------------------------------
 
-def _adaptive(x: torch.Tensor, output_size, group: Any | None, op: str, is_max: bool, return_indices: bool,
-              sizes: tuple[int, ...] | None = None):
-    info = group_info(group)
-    fn = F.adaptive_max_pool2d if is_max else F.adaptive_avg_pool2d
-    if info.size == 1:
-        return fn(x, output_size, return_indices) if is_max else fn(x, output_size)
-    if sizes is None:
-        sizes = shard_sizes(x, -2, info.group, op=op, check_grad=True)
+class AdaptivePlan(NamedTuple):
+    """An adaptive pool as planned for this rank: the exchange of rows ``[lo, lo + rows)``, and per local output
+    row its window ``(start - lo, length)`` and global start (for indices)."""
+
+    plain: bool
+    ex: int = -1
+    rows: int = 0
+    windows: tuple[tuple[int, int, int], ...] = ()
+    w_out: int = 0
+
+
+def _adaptive_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str, shape: tuple, output_size: Any,
+                   is_max: bool) -> AdaptivePlan:
+    (sizes,) = extents
+    if cg.size == 1:
+        return AdaptivePlan(True)
     n = sum(sizes)
-    m, w_out = _global_rows(x, n, "adaptive_max" if is_max else "adaptive_avg", (output_size,))[-2:]
-    check_output_rows(op, m, n, info.size, f", output_size {output_size}")
-    plan = adaptive_plan(n, m, info.size)
-    lo, _, o0, o1 = plan[info.index]
-    ext = _exchange_rows(x, info, sizes, [(a, b) for a, b, _, _ in plan], op)
+    m, w_out = _global_rows(shape, n, "adaptive_max" if is_max else "adaptive_avg", (output_size,))[-2:]
+    check_output_rows(op, m, n, cg.size, f", output_size {output_size}")
+    plan = adaptive_plan(n, m, cg.size)
+    lo, hi, o0, o1 = plan[cg.index]
     starts, ends = adaptive_starts_ends(n, m)
+    ex = exchanger_id(cg, len(shape) - 2, sizes, tuple((a, b) for a, b, _, _ in plan), "zeros", op)
+    windows = tuple((starts[o] - lo, ends[o] - starts[o], starts[o]) for o in range(o0, o1))
+    return AdaptivePlan(False, ex, hi - lo, windows, w_out)
+
+
+def _adaptive(x: torch.Tensor, output_size, group: Any | None, op: str, is_max: bool, return_indices: bool,
+              site: Site | None = None):
+    fn = F.adaptive_max_pool2d if is_max else F.adaptive_avg_pool2d
+    plan = resolve(x, group, op, _adaptive_plan, (op, tuple(x.shape), output_size, is_max), site=site)
+    if plan.plain:
+        return fn(x, output_size, return_indices) if is_max else fn(x, output_size)
+    ext = _run(x, plan)
     outs, idxs = [], []
-    for o in range(o0, o1):
+    for start, length, global_start in plan.windows:
         # Output row o pools exactly rows [starts[o], ends[o]): torch's op on them with output height 1 is
         # the same window, summed (or compared) in the same order as on the full field.
-        window = ext.narrow(-2, starts[o] - lo, ends[o] - starts[o])
+        window = ext.narrow(-2, start, length)
         if is_max:
-            out, idx = fn(window, (1, w_out), True)
+            out, idx = fn(window, (1, plan.w_out), True)
             outs.append(out)
-            idxs.append(idx + starts[o] * x.shape[-1])
+            idxs.append(idx + global_start * x.shape[-1])
         else:
             # The aten op itself: F.adaptive_avg_pool2d turns a (1, 1) output into a mean (another sum order).
-            outs.append(torch.ops.aten._adaptive_avg_pool2d(window, [1, w_out]))
+            outs.append(torch.ops.aten._adaptive_avg_pool2d(window, [1, plan.w_out]))
     out = torch.cat(outs, dim=-2)
-    if is_max and return_indices:
-        return out, torch.cat(idxs, dim=-2)
-    return out
+    result = (out, torch.cat(idxs, dim=-2)) if is_max and return_indices else out
+    carry(result, x)
+    return result
 
 
 def halo_adaptive_avg_pool2d(x: torch.Tensor, output_size, *, group: Any | None = None) -> torch.Tensor:
@@ -261,9 +304,10 @@ class HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
             raise TypeError(f"HaloAdaptiveAvgPool2d wraps an nn.AdaptiveAvgPool2d, got {type(pool).__name__}")
         super().__init__(pool.output_size)
         self.group = group
+        self._halo_site = Site()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return halo_adaptive_avg_pool2d(x, self.output_size, group=self.group)
+        return _adaptive(x, self.output_size, self.group, "HaloAdaptiveAvgPool2d", False, False, self._halo_site)
 
 
 class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
@@ -276,9 +320,11 @@ class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
             raise TypeError(f"HaloAdaptiveMaxPool2d wraps an nn.AdaptiveMaxPool2d, got {type(pool).__name__}")
         super().__init__(pool.output_size, pool.return_indices)
         self.group = group
+        self._halo_site = Site()
 
     def forward(self, x: torch.Tensor):
-        return halo_adaptive_max_pool2d(x, self.output_size, self.return_indices, group=self.group)
+        return _adaptive(x, self.output_size, self.group, "HaloAdaptiveMaxPool2d", True, self.return_indices,
+                         self._halo_site)
 
 
 # -- conversion ---------------------------------------------------------------------------------------------

@@ -41,15 +41,17 @@ from __future__ import annotations
 import functools
 import math
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..exchange import exchange, group_info, make_exchanger, shard_sizes
+from ..comm import CommGroup
+from ..exchange import exchange, exchanger_id
 from ..mesh import group_attribute
 from ..partition import split_offsets
+from ..plans import Site, carry, device_tensor, resolve
 from .pool import _adaptive, check_output_rows
 
 __all__ = ["HaloUpsample", "halo_interpolate", "kernel_scales", "row_taps"]
@@ -133,17 +135,18 @@ def row_taps(n: int, m: int, scale: float | None, mode: str, align_corners: bool
     return rows, weights
 
 
-def _channels_last_kernel(mode: str, x: torch.Tensor, rows_out: int, w_out: int) -> bool:
+def _channels_last_kernel(mode: str, layout: tuple[int, bool, bool], rows_out: int, w_out: int) -> bool:
     """Whether torch's CPU kernel for an output of ``rows_out x w_out`` is its channels-last one.
 
-    ``UpSampleKernel.cpp`` (``_use_channels_last_kernel_2d``) picks it for channels-last inputs with more than
-    3 channels, for outputs with ``H + W <= 128``, and for bilinear with one thread and 3 channels. The two
-    kernels compute the same map with different roundings (the nearest one even with another precision), so
-    a local call is made to pick the kernel the global call picks.
+    ``layout``: the input's ``(channels, is channels_last, torch runs one thread)``. ``UpSampleKernel.cpp``
+    (``_use_channels_last_kernel_2d``) picks that kernel for channels-last inputs with more than 3 channels, for
+    outputs with ``H + W <= 128``, and for bilinear with one thread and 3 channels. The two kernels compute the
+    same map with different roundings (the nearest one even with another precision), so a local call is made to
+    pick the kernel the global call picks.
     """
-    channels = x.shape[1]
-    return ((_is_channels_last(x) and channels > 3) or rows_out + w_out <= 128
-            or (mode == "bilinear" and channels == 3 and torch.get_num_threads() == 1))
+    channels, channels_last, one_thread = layout
+    return ((channels_last and channels > 3) or rows_out + w_out <= 128
+            or (mode == "bilinear" and channels == 3 and one_thread))
 
 
 def _is_channels_last(x: torch.Tensor) -> bool:
@@ -214,18 +217,99 @@ def _output_size(n: int, w: int, size, scale_factor, mode: str, align_corners, r
     return out
 
 
+class InterpPlan(NamedTuple):
+    """An interpolation as planned for this rank (see :func:`_interp_plan`); every map is plain data."""
+
+    kind: str  # "plain", "area", "nearest", "pow2" or "taps"
+    ex: int = -1
+    rows: int = 0  # extended rows received
+    m: int = 0
+    w_out: int = 0
+    scale_h: float | None = None
+    scale_w: float | None = None
+    out: int = 0  # this rank's output rows
+    local: tuple = ()  # nearest: local row map; taps: per tap, the local rows
+    weights: tuple = ()  # taps: per tap, the weights of this rank's output rows
+    gather_first: bool = False  # nearest: select rows before the W step (fewer rows than received)
+    k: int = 0  # pow2: upsampling by 2**k
+    pad: int = 0  # pow2: zero rows added so that torch picks the global call's kernel (< 0: before the rows)
+    start: int = 0  # pow2: first kept output row of the local op
+
+
+def _interp_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], shape: tuple[int, ...], size: Any,
+                 scale_factor: Any, mode: str, align_corners: Any, recompute_scale_factor: Any, dtype: torch.dtype,
+                 device_type: str, layout: tuple[int, bool, bool], op: str) -> InterpPlan:
+    """Everything an interpolation call needs, from the agreed extents: output size, the rows to receive, the row
+    maps and weights (read off torch once per plan, on the input's device type: no scalar reads per call)."""
+    (sizes,) = extents
+    if cg.size == 1:
+        return InterpPlan("plain")
+    n = sum(sizes)
+    m, w_out = _output_size(n, shape[-1], size, scale_factor, mode, align_corners, recompute_scale_factor, op)
+    check_output_rows(op, m, n, cg.size, f", mode {mode!r}, size {size}, scale_factor {scale_factor}")
+    if mode == "area":
+        return InterpPlan("area", m=m, w_out=w_out)
+    scale_h, scale_w = kernel_scales(size, scale_factor, recompute_scale_factor)
+    offs = split_offsets(m, cg.size)
+    o0, o1 = offs[cg.index], offs[cg.index + 1]
+    opmath = _opmath(dtype)
+    global_cl = _channels_last_kernel(mode, layout, m, w_out)
+
+    def plan(kind: str, needs: list[tuple[int, int]], **fields: Any) -> InterpPlan:
+        lo, hi = needs[cg.index]
+        ex = exchanger_id(cg, len(shape) - 2, sizes, needs, "zeros", op)
+        return InterpPlan(kind, ex, hi - lo, m, w_out, scale_h, scale_w, o1 - o0, **fields)
+
+    if mode in ("nearest", "nearest-exact"):
+        size_kwargs = ((("size", (m, 1)),) if scale_h is None
+                       else (("scale_factor", (scale_h, 1.0)), ("recompute_scale_factor", False)))
+        rows = _nearest_rows(n, m, size_kwargs, mode, global_cl, opmath, torch.device(device_type)).tolist()
+        needs = [(rows[offs[r]], rows[offs[r + 1] - 1] + 1) for r in range(cg.size)]
+        local = tuple(r - rows[o0] for r in rows[o0:o1])
+        return plan("nearest", needs, local=local, gather_first=needs[cg.index][1] - needs[cg.index][0] > o1 - o0)
+
+    ac = bool(align_corners)
+    k = 0 if ac or mode != "bilinear" else _power_of_two_up(_kernel_ratio(n, m, scale_h, False, opmath))
+    if k and m == n << k:
+        # Bilinear upsampling by 2**k (align_corners=False): torch's op on the received rows, then a crop. Output
+        # row o reads rows i0(o) = max(0, floor((2o + 1 - 2**k) / 2**(k+1))) and i0 + 1; every step of
+        # (o + 0.5) * 2**-k - 0.5 is exact, so on rows starting at lo local output j is global output j + lo * 2**k
+        # with the same rows, weights and arithmetic (the clamps at 0 and N - 1 only act where lo = 0 or hi = N,
+        # i.e. where the local edge is the global one).
+        def first(o: int) -> int:
+            return max(0, (2 * o + 1 - (1 << k)) >> (k + 1))
+
+        needs = [(first(offs[r]), min(n, first(offs[r + 1] - 1) + 2)) for r in range(cg.size)]
+        lo, hi = needs[cg.index]
+        shift, rows_out, pad = lo << k, (hi - lo) << k, 0
+        if not global_cl and _channels_last_kernel("bilinear", layout, rows_out, w_out) and (lo, hi) != (0, n):
+            # A short local output would get torch's other kernel (another rounding): add zero rows on a side
+            # no kept output reads (below the shard on the first rank, above it elsewhere) until it is not.
+            extra = max(1, -(-(129 - w_out - rows_out) >> k))
+            pad = extra if lo == 0 else -extra
+            shift = shift if lo == 0 else shift - (extra << k)
+        return plan("pow2", needs, k=k, pad=pad, start=o0 - shift)
+
+    rows_t, weights_t = row_taps(n, m, scale_h, mode, ac, dtype)
+    rows, weights = rows_t.tolist(), weights_t.tolist()  # plain data (floats hold every dtype's values exactly)
+    needs = [(min(min(r) for r in rows[offs[q]:offs[q + 1]]), max(max(r) for r in rows[offs[q]:offs[q + 1]]) + 1)
+             for q in range(cg.size)]
+    lo = needs[cg.index][0]
+    taps = len(rows[0])
+    local = tuple(tuple(rows[o][j] - lo for o in range(o0, o1)) for j in range(taps))
+    wts = tuple(tuple(weights[o][j] for o in range(o0, o1)) for j in range(taps))
+    return plan("taps", needs, local=local, weights=wts)
+
+
 def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = "nearest",
                      align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
-                     antialias: bool = False, *, group: Any | None = None) -> torch.Tensor:
+                     antialias: bool = False, *, group: Any | None = None, site: Site | None = None) -> torch.Tensor:
     """``F.interpolate`` of the global field, computed on its H-shards (see the module docstring).
 
     Args are ``F.interpolate``'s, for a ``(B, C, H, W)`` shard; ``group``: the domain group along H (default:
     the initialised manager's). Returns this rank's rows of the output: the balanced split of its height.
     """
     op = "halo_interpolate"
-    info = group_info(group)
-    if info.size == 1:
-        return F.interpolate(x, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
     if x.dim() != 4:
         raise ValueError(f"{op}: expected a (B, C, H, W) shard sharded along H, got shape {tuple(x.shape)}")
     if mode not in SUPPORTED_MODES:
@@ -234,80 +318,47 @@ def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = 
     if antialias:
         raise NotImplementedError(f"{op}: antialias=True is not implemented (its windows widen with the "
                                   f"downsampling factor); use antialias=False")
-    sizes = shard_sizes(x, -2, info.group, op=op, check_grad=True)
-    n = sum(sizes)
-    m, w_out = _output_size(n, x.shape[-1], size, scale_factor, mode, align_corners, recompute_scale_factor, op)
-    check_output_rows(op, m, n, info.size, f", mode {mode!r}, size {size}, scale_factor {scale_factor}")
-    if mode == "area":
-        return _adaptive(x, (m, w_out), group, op, False, False, sizes=sizes)
-    scale_h, scale_w = kernel_scales(size, scale_factor, recompute_scale_factor)
-    offs = split_offsets(m, info.size)
-    o0, o1 = offs[info.index], offs[info.index + 1]
-    opmath = _opmath(x.dtype)
-    global_cl = _channels_last_kernel(mode, x, m, w_out)
-
-    def fetch(needs):
-        ext = exchange(x, make_exchanger(x, -2, info.group, "zeros", needs=needs, op=op, sizes=sizes))
-        return ext.contiguous(memory_format=torch.channels_last) if _is_channels_last(x) else ext
-
-    if mode in ("nearest", "nearest-exact"):
-        size_kwargs = ((("size", (m, 1)),) if scale_h is None
-                       else (("scale_factor", (scale_h, 1.0)), ("recompute_scale_factor", False)))
-        rows = _nearest_rows(n, m, size_kwargs, mode, global_cl, opmath, x.device)
-        ext = fetch([(int(rows[offs[r]]), int(rows[offs[r + 1] - 1]) + 1) for r in range(info.size)])
-        local = rows[o0:o1] - rows[o0]
-        if ext.shape[-2] <= o1 - o0:
-            return _w_step(ext, mode, None, scale_w, w_out).index_select(-2, local)
-        return _w_step(ext.index_select(-2, local), mode, None, scale_w, w_out)
-
-    ac = bool(align_corners)
-    k = 0 if ac or mode != "bilinear" else _power_of_two_up(_kernel_ratio(n, m, scale_h, False, opmath))
-    if k and m == n << k:
-        return _bilinear_power_of_two(fetch, offs, info.index, k, n, w_out, scale_h, scale_w, global_cl)
-
-    rows, weights = row_taps(n, m, scale_h, mode, ac, x.dtype)
-    needs = [(int(rows[offs[r]:offs[r + 1]].min()), int(rows[offs[r]:offs[r + 1]].max()) + 1)
-             for r in range(info.size)]
-    t = _w_step(fetch(needs), mode, ac, scale_w, w_out)
-    if t.dtype != opmath:
-        t = t.to(opmath)
-    local_rows = (rows[o0:o1] - needs[info.index][0]).to(x.device)
-    local_w = weights[o0:o1].to(device=x.device, dtype=opmath)
-    out = t.index_select(-2, local_rows[:, 0]) * local_w[:, 0:1]
-    for j in range(1, rows.shape[1]):
-        out = out + t.index_select(-2, local_rows[:, j]) * local_w[:, j:j + 1]
-    return out.to(x.dtype)
-
-
-def _bilinear_power_of_two(fetch, offs, index, k, n, w_out, scale_h, scale_w, global_cl) -> torch.Tensor:
-    """Bilinear upsampling by ``2**k`` (align_corners=False): torch's op on the received rows, then a crop.
-
-    Output row ``o`` reads rows ``i0(o) = max(0, floor((2o + 1 - 2**k) / 2**(k+1)))`` and ``i0 + 1``; every
-    step of ``(o + 0.5) * 2**-k - 0.5`` is exact, so on rows starting at ``lo`` local output ``j`` is global
-    output ``j + lo * 2**k`` with the same rows, weights and arithmetic (the clamps at 0 and ``N - 1`` only
-    act where ``lo = 0`` or ``hi = N``, i.e. where the local edge is the global one).
-    """
-    def first(o: int) -> int:
-        return max(0, (2 * o + 1 - (1 << k)) >> (k + 1))
-
-    needs = [(first(offs[r]), min(n, first(offs[r + 1] - 1) + 2)) for r in range(len(offs) - 1)]
-    lo, hi = needs[index]
-    ext = fetch(needs)
-    shift = lo << k
-    rows_out = (hi - lo) << k
-    if not global_cl and _channels_last_kernel("bilinear", ext, rows_out, w_out) and (lo, hi) != (0, n):
-        # A short local output would get torch's other kernel (another rounding): add zero rows on a side
-        # no kept output reads (below the shard on the first rank, above it elsewhere) until it is not.
-        extra = max(1, -(-(129 - w_out - rows_out) >> k))
-        zeros = ext.new_zeros((*ext.shape[:-2], extra, ext.shape[-1]))
-        ext = torch.cat([ext, zeros] if lo == 0 else [zeros, ext], dim=-2)
-        shift = shift if lo == 0 else shift - (extra << k)
-    if scale_h is None:
-        out = F.interpolate(ext, size=(ext.shape[-2] << k, w_out), mode="bilinear", align_corners=False)
+    size_arg = tuple(size) if isinstance(size, list) else size
+    scale_arg = tuple(scale_factor) if isinstance(scale_factor, list) else scale_factor
+    layout = (int(x.shape[1]), _is_channels_last(x), torch.get_num_threads() == 1)
+    p = resolve(x, group, op, _interp_plan, (tuple(x.shape), size_arg, scale_arg, mode, align_corners,
+                                              recompute_scale_factor, x.dtype, x.device.type, layout, op), site=site)
+    if p.kind == "plain":
+        return F.interpolate(x, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
+    if p.kind == "area":
+        return _adaptive(x, (p.m, p.w_out), group, op, False, False, site)
+    ext = exchange(x, p.ex, p.rows, 2, owned=True)
+    if _is_channels_last(x):
+        ext = ext.contiguous(memory_format=torch.channels_last)
+    if p.kind == "nearest":
+        local = device_tensor(p.local, torch.int64, x.device)
+        if p.gather_first:
+            out = _w_step(ext.index_select(-2, local), mode, None, p.scale_w, p.w_out)
+        else:
+            out = _w_step(ext, mode, None, p.scale_w, p.w_out).index_select(-2, local)
+    elif p.kind == "pow2":
+        if p.pad:
+            zeros = ext.new_zeros((*ext.shape[:-2], abs(p.pad), ext.shape[-1]))
+            ext = torch.cat([ext, zeros] if p.pad > 0 else [zeros, ext], dim=-2)
+        if p.scale_h is None:
+            up = F.interpolate(ext, size=(ext.shape[-2] << p.k, p.w_out), mode="bilinear", align_corners=False)
+        else:
+            up = F.interpolate(ext, scale_factor=(p.scale_h, p.scale_w), mode="bilinear", align_corners=False,
+                               recompute_scale_factor=False)
+        out = up.narrow(-2, p.start, p.out)
     else:
-        out = F.interpolate(ext, scale_factor=(scale_h, scale_w), mode="bilinear", align_corners=False,
-                            recompute_scale_factor=False)
-    return out.narrow(-2, offs[index] - shift, offs[index + 1] - offs[index])
+        opmath = _opmath(x.dtype)
+        t = _w_step(ext, mode, bool(align_corners), p.scale_w, p.w_out)
+        if t.dtype != opmath:
+            t = t.to(opmath)
+        out = None
+        for rows, wts in zip(p.local, p.weights, strict=True):
+            term = t.index_select(-2, device_tensor(rows, torch.int64, x.device)) \
+                * device_tensor(wts, opmath, x.device).unsqueeze(-1)
+            out = term if out is None else out + term
+        out = out.to(x.dtype)
+    carry(out, x)
+    return out
 
 
 class HaloUpsample(nn.Upsample):
@@ -320,7 +371,8 @@ class HaloUpsample(nn.Upsample):
             raise TypeError(f"HaloUpsample wraps an nn.Upsample, got {type(up).__name__}")
         super().__init__(up.size, up.scale_factor, up.mode, up.align_corners, up.recompute_scale_factor)
         self.group = group
+        self._halo_site = Site()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return halo_interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners,
-                                self.recompute_scale_factor, group=self.group)
+                                self.recompute_scale_factor, group=self.group, site=self._halo_site)

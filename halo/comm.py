@@ -1,0 +1,198 @@
+"""Talking to peers: the groups halo uses, their host side groups, bounded waits, and the error a failed wait gives.
+
+``CommGroup`` is a process group as halo sees it: its size, this rank's position, the members' global ranks, and a
+*host* group over the same members on which ranks agree on metadata (shapes, arguments) with CPU tensors, so an
+agreement never syncs a GPU. With gloo the host group is the group itself; with NCCL it is a gloo group over the
+same ranks, created on first use by the members alone (``use_local_synchronization``).
+
+Every wait is bounded (invariant 4): by :func:`set_timeout` where set, else by the process group's own timeout.
+A peer that died, stalls, or called a different collective makes this rank raise :class:`HaloCommError` naming
+the peers still pending. Buffers of a message given up on are kept alive (:func:`keep_alive`): a late peer may
+still write into them.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .mesh import resolve_group
+
+__all__ = [
+    "CommGroup",
+    "HaloCommError",
+    "all_reduce",
+    "comm_group",
+    "get_timeout",
+    "keep_alive",
+    "set_timeout",
+    "wait_all",
+]
+
+
+class HaloCommError(RuntimeError):
+    """A message of an exchange (or of an agreement or reduction) failed or timed out: a peer died, stalls, or
+    called a different collective. The process group is not usable afterwards; tear it down."""
+
+
+_TIMEOUT: list[float | None] = [None]  # a list, so that readers never hold a stale copy of the value
+# Buffers of messages given up on: a late peer may still write into them, so they are never freed (bounded).
+_ABANDONED: collections.deque = collections.deque(maxlen=64)
+
+
+def set_timeout(seconds: float | timedelta | None) -> float | None:
+    """Bound every wait of halo's communication to ``seconds``; ``None`` (default): the process group's timeout.
+
+    Applies to agreements, halo messages (forward and backward) and the reductions inside layers and losses; all
+    messages of one operation share the deadline. Past it this rank raises :class:`HaloCommError` naming this
+    rank, the peers still pending and the time waited. Per process: call it on every rank. Returns the previous
+    value. On NCCL a set timeout makes each wait block the CPU until the messages arrive (``Work.wait(timeout)``);
+    ``None`` keeps the stream-ordered wait and leaves timeouts to the NCCL watchdog.
+    """
+    if isinstance(seconds, timedelta):
+        seconds = seconds.total_seconds()
+    if seconds is not None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise ValueError(f"timeout must be a positive, finite number of seconds or None, got {seconds!r}")
+        seconds = float(seconds)
+    previous, _TIMEOUT[0] = _TIMEOUT[0], seconds
+    return previous
+
+
+def get_timeout() -> float | None:
+    """The timeout set by :func:`set_timeout` (``None``: the process group's)."""
+    return _TIMEOUT[0]
+
+
+def keep_alive(obj: Any) -> None:
+    """Keep ``obj`` (buffers of a message given up on) alive for good: a late peer may still write into it."""
+    _ABANDONED.append(obj)
+
+
+@dataclass(frozen=True, eq=False)
+class CommGroup:
+    """A process group as halo uses it. ``group is None``: one process, no torch.distributed."""
+
+    group: Any
+    size: int
+    index: int  # this rank's position in the group
+    ranks: tuple[int, ...]  # global ranks in group order
+    _host: list = field(default_factory=list, repr=False)  # the host group, made on first use
+
+    @property
+    def host(self) -> Any:
+        """The group on which ranks agree on metadata with CPU tensors (see the module docstring)."""
+        if not self._host:
+            backend = str(dist.get_backend(self.group)).lower()
+            if backend == "gloo" or ("cpu:gloo" in backend and "cuda" not in backend):
+                self._host.append(self.group)
+            else:
+                self._host.append(dist.new_group(list(self.ranks), backend="gloo", use_local_synchronization=True))
+        return self._host[0]
+
+    def describe(self, r: int | None = None) -> str:
+        """``group rank r (global g)``; this rank when ``r`` is None."""
+        r = self.index if r is None else r
+        return f"group rank {r} (global {self.ranks[r]})"
+
+
+_SINGLE = CommGroup(None, 1, 0, (0,))
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def comm_group(group: Any | None = None) -> CommGroup:
+    """``group`` as a :class:`CommGroup` (default: the manager's domain group; no torch.distributed: one rank)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return _SINGLE
+    group = resolve_group(group)
+    cg = _GROUPS.get(group)
+    if cg is None:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        me = dist.get_rank()
+        if me not in ranks:
+            raise ValueError(f"rank {me} is not a member of the group it communicates over (global ranks "
+                             f"{list(ranks)}); pass each rank its own domain group")
+        cg = CommGroup(group, len(ranks), ranks.index(me), ranks)
+        _GROUPS[group] = cg
+    return cg
+
+
+def wait_all(works: Sequence[Any], labels: Sequence[str], cg: CommGroup, what: str, posted: float,
+             keep: Any) -> None:
+    """Wait for ``works`` under one deadline; turn a failure or timeout into :class:`HaloCommError`.
+
+    ``labels[i]``: who work ``i`` talks to ("recv from global rank 3"). ``keep``: the buffers, kept alive on
+    failure so that a late write from a peer cannot land in freed memory.
+    """
+    limit = _TIMEOUT[0]
+    began = time.monotonic()
+    for i, work in enumerate(works):
+        exc: BaseException | None = None
+        try:
+            if limit is None:
+                done = work.wait()
+            else:
+                left = limit - (time.monotonic() - began)
+                done = work.wait(timeout=timedelta(seconds=max(left, 1e-3)))
+        except Exception as e:  # noqa: BLE001 - every backend error becomes one clear error
+            exc, done = e, False
+        if done is False:
+            keep_alive(keep)
+            raise comm_error(labels, i, cg, what, began, posted, exc) from exc
+
+
+def comm_error(labels: Sequence[str], i: int, cg: CommGroup, what: str, began: float, posted: float,
+               exc: BaseException | None) -> HaloCommError:
+    """The error for a wait on ``labels[i]`` that failed (``exc``) or ran out of time."""
+    limit = _TIMEOUT[0]
+    now = time.monotonic()
+    waited = now - began
+    cause = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else "no completion"
+    cause = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", cause)  # gloo's source location
+    timed_out = (limit is not None and waited >= limit - 1e-3) or "timed out" in cause.lower()
+    others = [label for label in dict.fromkeys(labels[i + 1:]) if label != labels[i]]
+    also = f" (not yet confirmed either: {', '.join(others)})" if others else ""
+    bound = f"halo.set_timeout({limit:g})" if limit is not None else "the process group's timeout"
+    return HaloCommError(
+        f"{what}: rank {cg.ranks[cg.index]} (group rank {cg.index} of {cg.size}) "
+        f"{'timed out' if timed_out else 'failed'} after {waited:.2f} s (posted {now - posted:.2f} s ago; "
+        f"bound: {bound}) waiting on {labels[i]}{also}. The peer may have died, be stuck, have raised an error "
+        f"of its own (see its log), or have called a different collective or exchange (another shape, op or "
+        f"call order); this process group is unusable now. Backend: {cause}")
+
+
+def _others(cg: CommGroup) -> str:
+    return str([g for g in cg.ranks if g != cg.ranks[cg.index]])
+
+
+def all_reduce(t: torch.Tensor, cg: CommGroup, what: str, op: Any = None) -> torch.Tensor:
+    """In-place all-reduce of ``t`` over ``cg`` (``op`` default SUM) under the bounded wait; returns ``t``."""
+    posted = time.monotonic()
+    work = dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=cg.group, async_op=True)
+    wait_all([work], [f"the all-reduce with global ranks {_others(cg)}"], cg, what, posted, t)
+    return t
+
+
+def all_gather_host(local: torch.Tensor, table: torch.Tensor, cg: CommGroup, what: str) -> torch.Tensor:
+    """Every rank's CPU tensor ``local`` into the rows of ``table`` (``(size, *local.shape)``), on the host group."""
+    posted = time.monotonic()
+    work = dist.all_gather(list(table.unbind(0)), local, group=cg.host, async_op=True)
+    wait_all([work], [f"the agreement with global ranks {_others(cg)}"], cg, what, posted, (local, table))
+    return table
+
+
+def all_gather_object(obj: Any, cg: CommGroup) -> list[Any]:
+    """Every rank's picklable ``obj`` in group order, on the host group (the slow path of an agreement: errors)."""
+    out: list[Any] = [None] * cg.size
+    dist.all_gather_object(out, obj, group=cg.host)
+    return out

@@ -1,0 +1,340 @@
+"""Plans learned once: every rank's extents, agreed on once per *epoch* and recorded, so a steady step only sends
+the messages the math needs (invariant 7).
+
+Why epochs. A layer needs every rank's extent along H, but a rank sees only its own, and its own does not name the
+global one (45 rows over 2 ranks is 23 + 22, 44 is 22 + 22: rank 1 cannot tell them apart). So the ranks must have
+agreed on something that fixes the global extents, and a call may reuse what it learned only under that same
+agreement. An epoch is the name of such an agreement, identical in meaning on every rank:
+
+==========================================  ==================================================================
+what starts an epoch                        what every rank agrees on, and its cost
+==========================================  ==================================================================
+a converted model's forward (its root)      every rank's input shapes: one small all-gather of host data per
+                                            call (a digest of each rank's inputs), none with a declared grid
+``shard`` / ``scatter`` of a whole field    the field's global shape, which every rank already holds: free
+==========================================  ==================================================================
+
+Which epoch a call belongs to: inside a converted model's forward, the model's (a model computes the same shapes
+from the same input shapes); outside, the epoch of its input tensor when halo made that tensor (a ``shard`` output,
+a converted model's output, or the output of a halo layer applied to such a tensor); else none.
+
+A call with an epoch looks up ``(epoch, site, group, op, its own shape/dtype/grad, its arguments)``; the first time,
+every rank misses together (the key is new on all of them), agrees on its metadata (:func:`halo.agree.agree`) and
+records the plan made from the agreed extents. Afterwards the call costs a dict lookup. If every rank hits, every
+rank's record came from the same agreement and its local shape is the one recorded, so the recorded extents are
+the current ones: a hit can never be stale. A call without an epoch agrees every time (one host all-gather).
+
+What this assumes, and what happens otherwise: a converted model's inner shapes follow from its input shapes, and
+ranks make the same halo calls (SPMD). A program that breaks this (data-dependent shapes inside a model; one rank
+taking a path the others do not) makes some ranks miss while others hit: the ones that miss wait for an agreement
+the others never join, and every rank raises :class:`halo.HaloCommError` within the timeout. It is never silently
+different.
+
+``torch.compile``: the root's entry agreement runs outside the compiled graph (a dynamo-disabled hook), the epoch
+is a global that the graph guards on, and :func:`resolve` runs at trace time (``assume_constant_result``) and
+returns a plan of plain ints and tuples baked into the graph; a new epoch recompiles on every rank alike.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from .agree import Meta, Spec, agree, needs_grad
+from .comm import CommGroup, all_gather_host, comm_group
+from .partition import split_sizes
+
+__all__ = [
+    "Site",
+    "device_tensor",
+    "enter_root",
+    "epoch_of",
+    "exit_root",
+    "field_epoch",
+    "resolve",
+    "set_validation",
+    "shard_sizes",
+    "tag",
+]
+
+VALIDATION_MODES = ("first", "always")
+
+
+class _State:
+    """The epoch of the converted model whose forward is running (``None`` outside one), and the mode."""
+
+    __slots__ = ("depth", "epoch", "validation")
+
+    def __init__(self) -> None:
+        self.epoch: int | None = None
+        self.depth = 0
+        self.validation = "first"
+
+
+_STATE = _State()
+_EPOCHS: dict[Hashable, int] = {}  # what ranks agreed on -> a small int (same sequence on every rank)
+
+
+class _TensorMap:
+    """Tensor -> value by identity, holding the tensors weakly (a ``WeakKeyDictionary`` would compare colliding
+    tensors with ``==``, which is elementwise)."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def __setitem__(self, t: torch.Tensor, value: Any) -> None:
+        key, items = id(t), self._items
+
+        def drop(ref: weakref.ref, key: int = key) -> None:
+            entry = items.get(key)
+            if entry is not None and entry[0] is ref:
+                del items[key]
+
+        items[key] = (weakref.ref(t, drop), value)
+
+    def get(self, t: torch.Tensor) -> Any:
+        entry = self._items.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+
+_PROVENANCE = _TensorMap()  # tensor halo made -> its epoch
+_RECORDS: collections.OrderedDict = collections.OrderedDict()
+_MAX_RECORDS = 4096
+_site_ids = itertools.count(1)
+_REPLICATED = 0  # the epoch of calls on replicated tensors (epochs proper start at 1)
+
+
+def set_validation(mode: str) -> None:
+    """``"first"`` (default): a call agrees with its peers the first time it meets an epoch, then reuses what it
+    learned. ``"always"``: every call agrees (one small host all-gather each; a debugging aid)."""
+    if mode not in VALIDATION_MODES:
+        raise ValueError(f"unknown validation mode {mode!r}; expected one of {', '.join(VALIDATION_MODES)}")
+    _STATE.validation = mode
+
+
+def clear() -> None:
+    """Forget every record (the next call of every op agrees again; call on every rank)."""
+    _RECORDS.clear()
+
+
+class Site:
+    """The identity of a module's calls in the records. A deep copy (an EMA model) or an unpickled module gets a
+    site of its own."""
+
+    __slots__ = ("id",)
+
+    def __init__(self) -> None:
+        self.id = next(_site_ids)
+
+    def __deepcopy__(self, memo: dict) -> Site:
+        return Site()
+
+    def __reduce__(self) -> tuple:
+        return (Site, ())
+
+
+def _intern(key: Hashable) -> int:
+    epoch = _EPOCHS.get(key)
+    if epoch is None:
+        epoch = _EPOCHS[key] = len(_EPOCHS) + 1
+    return epoch
+
+
+def tag(t: Any, epoch: int | None) -> None:
+    """Record that halo made tensor ``t`` under ``epoch`` (its global extents follow from it)."""
+    if epoch is not None and isinstance(t, torch.Tensor):
+        _PROVENANCE[t] = epoch
+
+
+def epoch_of(x: torch.Tensor) -> int | None:
+    """The epoch a call on ``x`` belongs to (module docstring); ``None``: agree on this call."""
+    epoch = _STATE.epoch
+    if epoch is not None or torch.compiler.is_compiling():
+        return epoch
+    return _PROVENANCE.get(x)
+
+
+def field_epoch(group: CommGroup, dim: int, shape: tuple[int, ...]) -> int:
+    """The epoch of a field of global ``shape`` split along ``dim`` over ``group`` (``shard``, ``scatter``):
+    every rank knows the shape, so no agreement is needed."""
+    return _intern(("field", group.ranks, dim, tuple(shape)))
+
+
+# -- resolving a call ------------------------------------------------------------------------------------------
+
+def local_key(x: torch.Tensor, grad: bool) -> tuple:
+    """This rank's side of a call: shape, dtype, device type, whether it records a backward (-1: not checked)."""
+    return tuple(int(s) for s in x.shape), x.dtype, x.device.type, needs_grad(x) if grad else -1
+
+
+def _meta(local: tuple, specs: tuple) -> Meta:
+    shape, dtype, device, grad = local
+    objs = tuple(Spec.of(s[0]) if len(s) == 1 else Spec.of(*s) for s in specs)
+    return Meta(len(shape), shape, str(dtype).removeprefix("torch."), device, grad, objs)
+
+
+def _agree_and_make(group: Any, op: str, local: tuple, specs: tuple, coords: tuple | None, allow_empty: bool,
+                    make: Callable, extra: tuple) -> Any:
+    cg = comm_group(group)
+    extents = agree(_meta(local, specs), cg, op, coords=coords, allow_empty=allow_empty)
+    return make(cg, extents, *extra)
+
+
+@torch._dynamo.disable
+def _agreed(*args: Any) -> Any:
+    """A call without an epoch: agree now (outside any compiled graph: a graph break under ``torch.compile``)."""
+    return _agree_and_make(*args)
+
+
+@torch._dynamo.assume_constant_result
+def _recorded(epoch: int, site: int, group: Any, op: str, local: tuple, specs: tuple, coords: tuple | None,
+              allow_empty: bool, make: Callable, extra: tuple) -> Any:
+    """A call with an epoch: the record, or (first time, on every rank alike) an agreement that makes it."""
+    key = (epoch, site, group, op, local, specs, coords, allow_empty, make, extra)
+    plan = _RECORDS.get(key)
+    if plan is None:
+        plan = _agree_and_make(group, op, local, specs, coords, allow_empty, make, extra)
+        _RECORDS[key] = plan
+        if len(_RECORDS) > _MAX_RECORDS:  # oldest first: the same sequence on every rank
+            _RECORDS.popitem(last=False)
+    return plan
+
+
+def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple = (), *, site: Site | None = None,
+            spec: tuple = (-2,), grad: bool = True, allow_empty: bool = False,
+            coords: tuple[tuple[int, ...], ...] | None = None, replicated: bool = False) -> Any:
+    """The plan of a call on ``x``: ``make(comm_group, extents, *extra)``, where ``extents[k]`` holds every rank's
+    extent along the dim of spec ``k`` (agreed, or recorded under the call's epoch: module docstring).
+
+    ``spec``: ``(dim,)`` to learn extents only, or ``(dim, halo, boundary)`` for an exchange's own arguments (all
+    checked across ranks on an agreement); a tuple of such specs for several sharded dims, with ``coords`` every
+    rank's position on the mesh axes (:func:`halo.agree.agree`). ``grad``: agree on whether the call records a
+    backward. ``replicated``: ``x`` is whole on every rank (its shape is the global one), so what a call learned holds
+    for as long as its shape does, in any epoch. ``make`` must be a pure function of its arguments that raises
+    identically on every rank, and under ``torch.compile`` return plain constants (ints, floats, strings, tuples,
+    NamedTuples).
+    """
+    specs = spec if isinstance(spec[0], tuple) else (spec,)
+    local = local_key(x, grad)
+    epoch = _REPLICATED if replicated else epoch_of(x)
+    if epoch is None or _STATE.validation == "always":
+        return _agreed(group, op, local, specs, coords, allow_empty, make, extra)
+    return _recorded(epoch, 0 if site is None else site.id, group, op, local, specs, coords, allow_empty, make,
+                     extra)
+
+
+def _first(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    return extents[0]
+
+
+def shard_sizes(x: torch.Tensor, dim: int = -2, group: Any | None = None, *, op: str = "shard_sizes",
+                site: Site | None = None, allow_empty: bool = False, check_grad: bool = False,
+                replicated: bool = False) -> tuple[int, ...]:
+    """Every rank's extent of ``x`` along ``dim``, in group order, checked across ranks (:func:`resolve`).
+
+    ``dim`` and the number of dims, all other dims, the dtype and the device type must be equal across the group;
+    otherwise every rank raises the same ``ValueError`` naming the ranks and shapes. ``check_grad``: also agree on
+    whether ``x`` records a backward (an op on ``x`` whose backward runs on some ranks only would leave those
+    waiting).
+    """
+    return resolve(x, group, op, _first, site=site, spec=(dim,), grad=check_grad, allow_empty=allow_empty,
+                   replicated=replicated)
+
+
+def carry(out: Any, x: torch.Tensor) -> None:
+    """Outside a converted model: give ``out`` (a halo op's result on ``x``) ``x``'s epoch."""
+    if _STATE.epoch is None and not torch.compiler.is_compiling():
+        epoch = _PROVENANCE.get(x)
+        if epoch is not None:
+            for t in pytree.tree_leaves(out):
+                tag(t, epoch)
+
+
+# -- the entry of a converted model --------------------------------------------------------------------------
+
+def _describe_inputs(args: Any, kwargs: Any, grid: tuple[int, int] | None, cg: CommGroup, op: str) -> bytes:
+    """This rank's inputs as bytes (shapes, dtypes, grad flags, simple values); with a declared ``grid``, fields'
+    H extents replaced by the global one after checking that this rank holds its balanced share."""
+    parts: list[Any] = [torch.is_grad_enabled()]
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            shape = tuple(leaf.shape)
+            if grid is not None and leaf.dim() >= 2 and shape[-1] == grid[1]:
+                want = split_sizes(grid[0], cg.size)[cg.index]
+                if shape[-2] != want:
+                    raise ValueError(
+                        f"{op}: the model was converted with grid={grid} ({grid[0]} rows over {cg.size} ranks), so "
+                        f"{cg.describe()} expects {want} rows along dim -2 of an input with {grid[1]} columns, got "
+                        f"shape {shape}; pass this rank's rows of the grid (halo.shard), or convert without grid=")
+                shape = (*shape[:-2], grid[0], shape[-1])
+            parts.append((shape, str(leaf.dtype), leaf.device.type, leaf.requires_grad))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            parts.append(leaf)
+        else:
+            parts.append(type(leaf).__qualname__)
+    return repr(parts).encode()
+
+
+_ENTRY = 0x454E5452  # "ENTR"
+
+
+@torch._dynamo.disable
+def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    """Forward pre-hook of a converted model: start (or, inside another converted model, join) its step's epoch."""
+    if _STATE.depth:
+        _STATE.depth += 1
+        return
+    config = module.__dict__["_halo_root"]
+    cg = comm_group(config.group)
+    op = f"{type(module).__name__} (converted model entry)"
+    digest = hashlib.blake2b(_describe_inputs(args, kwargs, config.grid, cg, op), digest_size=16).digest()
+    words = np.frombuffer(digest, dtype=np.int64)
+    if config.grid is not None or cg.size == 1:
+        epoch = _intern(("grid", config.grid, tuple(int(w) for w in words)))
+    else:
+        local = torch.tensor([_ENTRY, int(words[0]), int(words[1])], dtype=torch.int64)  # host data
+        table = all_gather_host(local, torch.empty(cg.size, 3, dtype=torch.int64), cg, op)
+        epoch = _intern(("entry", cg.ranks, tuple(table.numpy().ravel().tolist())))
+    _STATE.epoch, _STATE.depth = epoch, 1
+
+
+@torch._dynamo.disable
+def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    """Forward hook of a converted model (also on error): end its epoch; its outputs keep it (losses after it)."""
+    _STATE.depth = max(0, _STATE.depth - 1)
+    if _STATE.depth == 0:
+        epoch, _STATE.epoch = _STATE.epoch, None
+        for t in pytree.tree_leaves(output):
+            tag(t, epoch)
+
+
+# -- tensors a plan needs on a device ------------------------------------------------------------------------------
+
+_TENSORS: collections.OrderedDict = collections.OrderedDict()
+
+
+def _device_tensor(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (values, dtype, device)
+    t = _TENSORS.get(key)
+    if t is None:
+        t = _TENSORS[key] = torch.tensor(values, dtype=dtype, device=device)
+        if len(_TENSORS) > 1024:
+            _TENSORS.popitem(last=False)
+    return t
+
+
+def device_tensor(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``, made once per (values, dtype, device) and cached (never write to
+    it): an index map or weights of a plan costs no host-to-device copy per call. Under ``torch.compile`` it is a
+    constant of the graph."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=dtype, device=device)
+    return _device_tensor(values, dtype, device)
