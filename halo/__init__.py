@@ -12,7 +12,6 @@ from .exchange import (
     halo_exchange_async,
     static_shapes,
 )
-from .plans import set_validation
 from .mesh import (
     DomainMesh,
     DomainParallelManager,
@@ -20,6 +19,7 @@ from .mesh import (
     get_domain_parallel_manager,
     initialize_domain_parallel,
 )
+from .plans import set_validation
 from .shard import gather, gather_2d, scatter, scatter_2d, shard, shard_2d
 
 __version__ = "0.1.0"

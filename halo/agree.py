@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .comm import CommGroup, all_gather_host, all_gather_object
+from .comm import CommGroup, all_gather_object, gather_words
 from .partition import BOUNDARIES, check_boundary
 
 __all__ = ["DEVICES", "DTYPES", "MAX_NDIM", "ROW_WORDS", "SHAPE_AT", "Meta", "Spec", "agree", "check_local", "needs_grad"]
@@ -288,21 +288,6 @@ def _extents(shapes: Sequence[tuple[int, ...]], dims: Sequence[int], like: Meta,
 
 # -- the agreement ----------------------------------------------------------------------------------------------
 
-_BUFFERS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _gather_rows(row: list[int], cg: CommGroup, op: str) -> np.ndarray:
-    """Every rank's row in group order (an int64 array ``(size, ROW_WORDS)``), one all-gather on the host group."""
-    bufs = _BUFFERS.get((id(cg), cg.size))
-    if bufs is None:  # reused: agreements on one group run one at a time
-        bufs = _BUFFERS[(id(cg), cg.size)] = (torch.zeros(ROW_WORDS, dtype=torch.int64),
-                                               torch.zeros(cg.size, ROW_WORDS, dtype=torch.int64))
-    local, table = bufs
-    local.numpy()[:] = row
-    all_gather_host(local, table, cg, op)
-    return table.numpy()
-
-
 def agree(meta: Meta, cg: CommGroup, op: str, *, coords: Sequence[tuple[int, ...]] | None = None,
           allow_empty: bool = False) -> tuple[tuple[int, ...], ...]:
     """Every rank's extents along each sharded dim of ``meta`` (one tuple per spec), after checking that the
@@ -311,7 +296,7 @@ def agree(meta: Meta, cg: CommGroup, op: str, *, coords: Sequence[tuple[int, ...
         dims = _check([meta], cg, op)
         return _extents([meta.shape], dims, meta, cg, op, coords, allow_empty)
     row = meta.row()
-    table = _gather_rows(row, cg, op)
+    table = gather_words(row, cg, op)
     dims = [s.dim % meta.ndim for s in meta.specs] if not row[1] else []
     ok = not row[1] and bool((table[:, 0] == _MAGIC).all()) and not table[:, 1].any()
     if ok:  # every row equals this rank's but for the sharded extents: the full check could only pass

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,6 +34,7 @@ __all__ = [
     "HaloCommError",
     "all_reduce",
     "comm_group",
+    "gather_words",
     "get_timeout",
     "keep_alive",
     "set_timeout",
@@ -189,6 +191,24 @@ def all_gather_host(local: torch.Tensor, table: torch.Tensor, cg: CommGroup, wha
     work = dist.all_gather(list(table.unbind(0)), local, group=cg.host, async_op=True)
     wait_all([work], [f"the agreement with global ranks {_others(cg)}"], cg, what, posted, (local, table))
     return table
+
+
+_HOST_BUFFERS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def gather_words(words: Sequence[int], cg: CommGroup, what: str) -> np.ndarray:
+    """Every rank's row of ``len(words)`` int64 words, in group order (an array ``(size, len(words))``): one
+    all-gather on the host group into buffers made once per (group, width), written and read through numpy (no
+    tensor built from Python data, nothing a device waits for). Agreements on one group run one at a time."""
+    key = (id(cg), cg.size, len(words))
+    bufs = _HOST_BUFFERS.get(key)
+    if bufs is None:
+        bufs = _HOST_BUFFERS[key] = (torch.zeros(len(words), dtype=torch.int64),
+                                     torch.zeros(cg.size, len(words), dtype=torch.int64))
+    local, table = bufs
+    local.numpy()[:] = words
+    all_gather_host(local, table, cg, what)
+    return table.numpy().copy()
 
 
 def all_gather_object(obj: Any, cg: CommGroup) -> list[Any]:

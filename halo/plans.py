@@ -49,7 +49,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .agree import Meta, Spec, agree, needs_grad
-from .comm import CommGroup, all_gather_host, comm_group
+from .comm import CommGroup, comm_group, gather_words
 from .partition import split_sizes
 
 __all__ = [
@@ -300,9 +300,8 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     if config.grid is not None or cg.size == 1:
         epoch = _intern(("grid", config.grid, tuple(int(w) for w in words)))
     else:
-        local = torch.tensor([_ENTRY, int(words[0]), int(words[1])], dtype=torch.int64)  # host data
-        table = all_gather_host(local, torch.empty(cg.size, 3, dtype=torch.int64), cg, op)
-        epoch = _intern(("entry", cg.ranks, tuple(table.numpy().ravel().tolist())))
+        table = gather_words([_ENTRY, int(words[0]), int(words[1])], cg, op)  # host data only
+        epoch = _intern(("entry", cg.ranks, tuple(table.ravel().tolist())))
     _STATE.epoch, _STATE.depth = epoch, 1
 
 

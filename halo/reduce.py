@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import CommGroup, all_gather_host, all_gather_object, comm_group
+from .comm import CommGroup, all_gather_object, comm_group, gather_words
 from .comm import all_reduce as bounded_all_reduce
 from .mesh import DomainParallelManager, get_domain_parallel_manager
 from .partition import local_range
@@ -442,9 +442,9 @@ def _agreed_pattern(mask: tuple[bool, ...], info: CommGroup) -> tuple[bool, ...]
     union = _PATTERNS.get(key)
     if union is None:
         digest = hashlib.blake2b(bytes(mask), digest_size=8).digest()
-        local = torch.tensor([len(mask), sum(mask), int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-        table = all_gather_host(local, torch.empty(info.size, 3, dtype=torch.int64), info, "sync_domain_gradients")
-        if (table.numpy() == local.numpy()).all():
+        words = [len(mask), sum(mask), int.from_bytes(digest, "little", signed=True)]
+        table = gather_words(words, info, "sync_domain_gradients")
+        if (table == table[info.index]).all():
             union = mask
         else:  # the ranks differ: gather the masks themselves (every rank takes this path) and check the count
             masks = all_gather_object(mask, info)

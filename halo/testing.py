@@ -24,7 +24,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-__all__ = ["run_on_ranks", "RankError", "RankTimeout"]
+__all__ = ["HostWorkCounter", "RankError", "RankTimeout", "run_on_ranks"]
 
 _CTX: Any = None
 
@@ -165,3 +165,83 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: s
     if missing:
         raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
     return [results[r][1] for r in range(world_size)]
+
+
+# -- what a step costs on the host ---------------------------------------------------------------------------------
+
+_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__")
+_FROM_DATA = ("tensor", "as_tensor", "asarray", "from_numpy")
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+                "broadcast_object_list", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "barrier",
+                "batch_isend_irecv", "send", "recv")  # not isend/irecv: P2POp checks their identity
+
+
+class HostWorkCounter:
+    """Counts, while active, what a step asks of the host besides launching kernels.
+
+    ====================  ===========================================================================================
+    key                   counts
+    ====================  ===========================================================================================
+    ``read``              reads of a tensor's value into Python (``item``, ``tolist``, ``cpu``, ``bool``/``int``/
+                          ``float``/``index`` of a tensor): each one waits for the device
+    ``from_data``         tensors built from Python data (``torch.tensor``, ``as_tensor``, ``asarray``,
+                          ``from_numpy``, ``Tensor.new_tensor``): on a GPU, a blocking host-to-device copy
+    ``agreement``         halo's agreements of metadata between ranks (host data on the host group; no device sync)
+    ``c10d.<name>``       calls of each ``torch.distributed`` collective or point-to-point op (agreements included)
+    ====================  ===========================================================================================
+
+    ``where[key]`` keeps a short stack of each hit (``keep_stacks=True``), to find the line that made it. Use as a
+    context manager; patches are undone on exit. Not thread-safe, for tests and benchmarks.
+    """
+
+    def __init__(self, keep_stacks: bool = False) -> None:
+        import collections
+
+        self.counts: collections.Counter = collections.Counter()
+        self.where: dict[str, list[str]] = collections.defaultdict(list)
+        self.keep_stacks = keep_stacks
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _hit(self, key: str) -> None:
+        self.counts[key] += 1
+        if self.keep_stacks:
+            stack = traceback.extract_stack(limit=8)[:-2]
+            self.where[key].append(" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in stack[::-1]))
+
+    def _patch(self, owner: Any, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._hit(key)
+            return original(*args, **kwargs)
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, wrapper)
+
+    def __enter__(self) -> HostWorkCounter:
+        import torch
+        import torch.distributed as dist
+
+        from . import agree, comm, plans, reduce
+
+        for name in _READS:
+            self._patch(torch.Tensor, name, "read")
+        for name in _FROM_DATA:
+            self._patch(torch, name, "from_data")
+        self._patch(torch.Tensor, "new_tensor", "from_data")
+        for name in _COLLECTIVES:
+            if hasattr(dist, name):
+                self._patch(dist, name, f"c10d.{name}")
+        for module in (comm, agree, plans, reduce):
+            for name in ("gather_words", "all_gather_object"):
+                if hasattr(module, name):
+                    self._patch(module, name, "agreement")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+    def summary(self) -> dict[str, int]:
+        return dict(sorted(self.counts.items()))
