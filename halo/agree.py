@@ -32,7 +32,8 @@ import torch
 from .comm import CommGroup, all_gather_object, gather_words
 from .partition import BOUNDARIES, check_boundary
 
-__all__ = ["DEVICES", "DTYPES", "MAX_NDIM", "ROW_WORDS", "SHAPE_AT", "Meta", "Spec", "agree", "check_local", "needs_grad"]
+__all__ = ["DEVICES", "DTYPES", "MAX_NDIM", "ROW_WORDS", "SHAPE_AT", "Meta", "Spec", "agree", "check_local",
+           "needs_grad"]
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)

@@ -56,7 +56,7 @@ def _steady(rank, world, grid):
     full = torch.randn(2, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     x = _local(full, world, rank).clone()
     counts, outputs = [], []
-    for step in range(5):
+    for _ in range(5):
         with HostWorkCounter(keep_stacks=True) as counter:
             opt.zero_grad(set_to_none=True)
             out = model(x)
