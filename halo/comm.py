@@ -36,6 +36,8 @@ __all__ = [
     "comm_group",
     "gather_words",
     "get_timeout",
+    "group_by_id",
+    "group_id",
     "keep_alive",
     "set_timeout",
     "wait_all",
@@ -110,6 +112,22 @@ class CommGroup:
 
 _SINGLE = CommGroup(None, 1, 0, (0,))
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_IDS: dict[int, int] = {}  # id(CommGroup) -> small int
+_BY_ID: list[CommGroup] = []
+
+
+def group_id(cg: CommGroup) -> int:
+    """A small int naming ``cg`` in this process (what a compiled graph or a custom op can carry)."""
+    gid = _IDS.get(id(cg))
+    if gid is None or _BY_ID[gid] is not cg:
+        gid = _IDS[id(cg)] = len(_BY_ID)
+        _BY_ID.append(cg)
+    return gid
+
+
+def group_by_id(gid: int) -> CommGroup:
+    """The :class:`CommGroup` of :func:`group_id` ``gid``."""
+    return _BY_ID[gid]
 
 
 def comm_group(group: Any | None = None) -> CommGroup:

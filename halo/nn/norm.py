@@ -42,17 +42,17 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..comm import CommGroup, comm_group
+from ..comm import CommGroup, comm_group, group_by_id, group_id
 from ..comm import all_reduce as bounded_all_reduce
 from ..mesh import GroupRef, get_domain_parallel_manager
-from ..plans import Site, shard_sizes
+from ..plans import Site, resolve, shard_sizes
 from ..reduce import accumulation_dtype, all_reduce
 
 __all__ = ["DomainGroupNorm", "DomainBatchNorm2d", "DomainInstanceNorm2d", "DomainLayerNorm", "domain_var_mean"]
@@ -139,12 +139,12 @@ def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     return y
 
 
-def _sizes(module: nn.Module, x: torch.Tensor, info: CommGroup, op: str) -> tuple[int, ...] | None:
-    """Every rank's H extent, agreed on (or recalled: ``halo.plans``) before any rank checks shapes locally
-    (invariant 4); ``None`` with one rank."""
+def _plan(module: nn.Module, x: torch.Tensor, op: str) -> Any:
+    """Every rank's H extent and the group, agreed on (or recalled: ``halo.plans``) before any rank checks shapes
+    locally (invariant 4)."""
     if x.dim() < 2:
         raise ValueError(f"{op}: expected (..., H_local, W), got shape {tuple(x.shape)}")
-    return shard_sizes(x, -2, info.group, op=op, site=module._halo_site) if info.size > 1 else None
+    return resolve(x, module._group_ref.group, op, _norm_plan, site=module._halo_site)
 
 
 def _update_running(module: nn.Module, mean: torch.Tensor, var: torch.Tensor, count: int, factor: float) -> None:
@@ -181,75 +181,161 @@ class _DomainGroupNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, count, info):
-        b, c = x.shape[:2]
-        cg = c // groups
-        acc = accumulation_dtype(x.dtype)
-        xa = x.to(acc).contiguous()  # native_group_norm wants contiguous rows
-        hw = xa[0, 0].numel()
-        _, mean, rstd_l = torch.ops.aten.native_group_norm(xa, None, None, b, c, hw, groups, 0.0)
-        mean, var = mean.view(b, groups).double(), rstd_l.view(b, groups).double().pow(-2)  # 1/inf^2 = 0
-        if info.size > 1:
-            n_r = xa[0, :cg].numel()
-            pieces = torch.zeros(info.size, 2, b, groups, dtype=torch.float64, device=x.device)
-            pieces[info.index, 0] = mean
-            pieces[info.index, 1] = var * n_r
-            bounded_all_reduce(pieces, info, "DomainGroupNorm")  # every rank's (mean, M2): an all-gather
-            n = _counts(count, x.device, torch.float64, 2)
-            total = float(sum(count))
-            mean = (n * pieces[:, 0]).sum(0) / total
-            var = (pieces[:, 1].sum(0) + (n * (pieces[:, 0] - mean).square()).sum(0)) / total
-        rstd = torch.rsqrt(var + eps)
-        w = weight.double() if weight is not None else None
-        mean_c, rstd_c = mean.repeat_interleave(cg, dim=1), rstd.repeat_interleave(cg, dim=1)  # (B, C)
-        a = rstd_c * w if w is not None else rstd_c
-        m_acc = mean_c.to(acc)
-        delta = m_acc.double() - mean_c  # the rounding of the mean to the compute dtype
-        k = delta * a + (bias.double() if bias is not None else 0.0)
-        view = (b, c) + (1,) * (x.dim() - 2)
-        y = (xa - m_acc.view(view)).mul_(a.to(acc).view(view)).add_(k.to(acc).view(view))
+        y, mean, var, stats = _gn_forward(x, weight, bias, groups, eps, count, info)
         ctx.save_for_backward(x, weight)
-        ctx.stats = (m_acc, delta, rstd_c, a)
+        ctx.stats = stats
         ctx.groups, ctx.info, ctx.total = groups, info, float(sum(count))
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.mark_non_differentiable(mean, var)
-        return y.to(x.dtype), mean, var
+        return y, mean, var
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy, _gmean, _gvar):
         x, weight = ctx.saved_tensors
-        m_acc, delta, rstd_c, a = ctx.stats
-        b, c = x.shape[:2]
-        groups, info = ctx.groups, ctx.info
-        acc = accumulation_dtype(x.dtype)
-        view = (b, c) + (1,) * (x.dim() - 2)
-        ga = gy.to(acc)
-        xc = x.to(acc) - m_acc.view(view)
-        sg = ga.sum(tuple(range(2, x.dim()))).double()                  # (B, C) local sum g
-        sgc = torch.einsum("bc...,bc...->bc", ga, xc).double() + delta * sg  # local sum g (x - mean)
-        w = weight.double() if weight is not None else None
-        sgw, sgcw = (sg * w, sgc * w) if w is not None else (sg, sgc)
-        ab = torch.stack([sgw, sgcw * rstd_c]).view(2, b, groups, c // groups).sum(-1)  # (2, B, G)
-        if info.size > 1:
-            bounded_all_reduce(ab, info, "DomainGroupNorm (backward)")
-        ab = ab.repeat_interleave(c // groups, dim=2) / ctx.total  # (2, B, C): mean g w, mean g w xhat
-        p = -rstd_c * rstd_c * ab[1]                                    # grad_x = g a + (x - m') p + q
-        q = -rstd_c * ab[0] + delta * p
-        gx = xc.mul_(p.to(acc).view(view)).add_(q.to(acc).view(view)).addcmul_(ga, a.to(acc).view(view))  # in place
-        gw = gb = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            gw = (sgc * rstd_c).sum(0).to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            gb = sg.sum(0).to(ctx.bias_dtype)
-        return gx.to(x.dtype), gw, gb, None, None, None, None
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        gx, gw, gb = _gn_backward(gy, x, weight, ctx.stats, ctx.groups, ctx.total, ctx.info, need_w, need_b,
+                                  ctx.bias_dtype)
+        return gx, gw, gb, None, None, None, None
+
+
+def _gn_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, groups: int, eps: float,
+                count: tuple[int, ...], info: CommGroup):
+    """The forward of :class:`_DomainGroupNormFn`: ``(y, mean, var, stats)``, ``stats`` what backward needs."""
+    b, c = x.shape[:2]
+    cg = c // groups
+    acc = accumulation_dtype(x.dtype)
+    xa = x.to(acc).contiguous()  # native_group_norm wants contiguous rows
+    hw = xa[0, 0].numel()
+    _, mean, rstd_l = torch.ops.aten.native_group_norm(xa, None, None, b, c, hw, groups, 0.0)
+    mean, var = mean.view(b, groups).double(), rstd_l.view(b, groups).double().pow(-2)  # 1/inf^2 = 0
+    if info.size > 1:
+        n_r = xa[0, :cg].numel()
+        pieces = torch.zeros(info.size, 2, b, groups, dtype=torch.float64, device=x.device)
+        pieces[info.index, 0] = mean
+        pieces[info.index, 1] = var * n_r
+        bounded_all_reduce(pieces, info, "DomainGroupNorm")  # every rank's (mean, M2): an all-gather
+        n = _counts(count, x.device, torch.float64, 2)
+        total = float(sum(count))
+        mean = (n * pieces[:, 0]).sum(0) / total
+        var = (pieces[:, 1].sum(0) + (n * (pieces[:, 0] - mean).square()).sum(0)) / total
+    rstd = torch.rsqrt(var + eps)
+    w = weight.double() if weight is not None else None
+    mean_c, rstd_c = mean.repeat_interleave(cg, dim=1), rstd.repeat_interleave(cg, dim=1)  # (B, C)
+    a = rstd_c * w if w is not None else rstd_c.clone()
+    m_acc = mean_c.to(acc, copy=True)
+    delta = m_acc.double() - mean_c  # the rounding of the mean to the compute dtype
+    k = delta * a + (bias.double() if bias is not None else 0.0)
+    view = (b, c) + (1,) * (x.dim() - 2)
+    y = (xa - m_acc.view(view)).mul_(a.to(acc).view(view)).add_(k.to(acc).view(view))
+    return y.to(x.dtype), mean, var, (m_acc, delta, rstd_c, a)
+
+
+def _gn_backward(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, stats: tuple, groups: int,
+                 total: float, info: CommGroup, need_w: bool, need_b: bool, bias_dtype: torch.dtype | None):
+    """The exact adjoint of :func:`_gn_forward`: ``(grad_x, grad_weight or None, grad_bias or None)``."""
+    m_acc, delta, rstd_c, a = stats
+    b, c = x.shape[:2]
+    acc = accumulation_dtype(x.dtype)
+    view = (b, c) + (1,) * (x.dim() - 2)
+    ga = gy.to(acc)
+    xc = x.to(acc) - m_acc.view(view)
+    sg = ga.sum(tuple(range(2, x.dim()))).double()                  # (B, C) local sum g
+    sgc = torch.einsum("bc...,bc...->bc", ga, xc).double() + delta * sg  # local sum g (x - mean)
+    w = weight.double() if weight is not None else None
+    sgw, sgcw = (sg * w, sgc * w) if w is not None else (sg, sgc)
+    ab = torch.stack([sgw, sgcw * rstd_c]).view(2, b, groups, c // groups).sum(-1)  # (2, B, G)
+    if info.size > 1:
+        bounded_all_reduce(ab, info, "DomainGroupNorm (backward)")
+    ab = ab.repeat_interleave(c // groups, dim=2) / total  # (2, B, C): mean g w, mean g w xhat
+    p = -rstd_c * rstd_c * ab[1]                                    # grad_x = g a + (x - m') p + q
+    q = -rstd_c * ab[0] + delta * p
+    gx = xc.mul_(p.to(acc).view(view)).add_(q.to(acc).view(view)).addcmul_(ga, a.to(acc).view(view))  # in place
+    gw = (sgc * rstd_c).sum(0).to(weight.dtype) if need_w else None
+    gb = sg.sum(0).to(bias_dtype) if need_b else None
+    return gx.to(x.dtype), gw, gb
+
+
+# -- the same under torch.compile: custom ops, opaque to dynamo, with the hand-written adjoint --------------------
+
+@torch.library.custom_op("halo::group_norm", mutates_args=())
+def _gn_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, groups: int, eps: float,
+           count: list[int], gid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, mean, var, stats = _gn_forward(x, weight, bias, groups, eps, tuple(count), group_by_id(gid))
+    return (y, mean, var, *stats)
+
+
+@_gn_op.register_fake
+def _(x, weight, bias, groups, eps, count, gid):
+    b, c = x.shape[:2]
+    f64 = dict(dtype=torch.float64, device=x.device)
+    stat = x.new_empty((b, c), dtype=accumulation_dtype(x.dtype))
+    return (torch.empty_like(x), x.new_empty((b, groups), **f64), x.new_empty((b, groups), **f64), stat,
+            x.new_empty((b, c), **f64), x.new_empty((b, c), **f64), x.new_empty((b, c), **f64))
+
+
+@torch.library.custom_op("halo::group_norm_backward", mutates_args=())
+def _gn_backward_op(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, m_acc: torch.Tensor,
+                    delta: torch.Tensor, rstd_c: torch.Tensor, a: torch.Tensor, groups: int, total: float, gid: int,
+                    need_w: bool, need_b: bool, bias_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor]:
+    gx, gw, gb = _gn_backward(gy, x, weight, (m_acc, delta, rstd_c, a), groups, total, group_by_id(gid),
+                              need_w, need_b, bias_dtype)
+    return (gx, gw if gw is not None else x.new_empty((0,)),
+            gb if gb is not None else x.new_empty((0,), dtype=bias_dtype))
+
+
+@_gn_backward_op.register_fake
+def _(gy, x, weight, m_acc, delta, rstd_c, a, groups, total, gid, need_w, need_b, bias_dtype):
+    c = x.shape[1]
+    gw = x.new_empty((c,), dtype=weight.dtype) if need_w else x.new_empty((0,))
+    gb = x.new_empty((c,), dtype=bias_dtype) if need_b else x.new_empty((0,), dtype=bias_dtype)
+    return torch.empty_like(x), gw, gb
+
+
+def _gn_setup(ctx, inputs, output) -> None:
+    x, weight, bias, groups, _, count, gid = inputs
+    ctx.save_for_backward(x, weight, *output[3:])
+    ctx.args = groups, float(sum(count)), gid, bias.dtype if bias is not None else x.dtype
+    ctx.has_w, ctx.has_b = weight is not None, bias is not None
+
+
+def _gn_op_backward(ctx, gy, _gmean, _gvar, *_gstats):
+    x, weight, *stats = ctx.saved_tensors
+    groups, total, gid, bias_dtype = ctx.args
+    need_w, need_b = ctx.has_w and ctx.needs_input_grad[1], ctx.has_b and ctx.needs_input_grad[2]
+    gx, gw, gb = _gn_backward_op(gy, x, weight if ctx.has_w else None, *stats, groups, total, gid, need_w, need_b,
+                                 bias_dtype)
+    return gx, gw if need_w else None, gb if need_b else None, None, None, None, None
+
+
+_gn_op.register_autograd(_gn_op_backward, setup_context=_gn_setup)
+
+
+class NormPlan(NamedTuple):
+    """Every rank's H extent and the domain group (by :func:`halo.comm.group_id`), as a norm call needs them."""
+
+    sizes: tuple[int, ...]
+    size: int
+    index: int
+    gid: int
+
+
+def _norm_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> NormPlan:
+    return NormPlan(extents[0], cg.size, cg.index, group_id(cg))
 
 
 def _group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                eps: float, sizes: tuple[int, ...] | None, info: CommGroup):
+                eps: float, plan: NormPlan):
     """The fused domain GroupNorm: ``(y, mean, var)``, statistics float64 ``(B, groups)``."""
     per_row = x[0, :x.shape[1] // groups].numel() // x.shape[-2]
-    count = tuple(per_row * s for s in (sizes or (x.shape[-2],)))
-    return _DomainGroupNormFn.apply(x, weight, bias, groups, eps, count, info)
+    count = tuple(per_row * s for s in plan.sizes)
+    if torch.compiler.is_compiling():
+        y, mean, var, *_ = _gn_op(x, weight, bias, groups, eps, list(count), plan.gid)
+        return y, mean, var
+    return _DomainGroupNormFn.apply(x, weight, bias, groups, eps, count, group_by_id(plan.gid))
 
 
 # -- adopting a torch module -----------------------------------------------------------------------------------
@@ -302,15 +388,14 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
         self._halo_site = Site()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        info = self._info()
-        sizes = _sizes(self, x, info, "DomainGroupNorm")
+        plan = _plan(self, x, "DomainGroupNorm")
         if x.dim() < 4:
             raise ValueError(f"DomainGroupNorm: expected (B, C, ..., H_local, W), got shape {tuple(x.shape)}")
         if x.shape[1] != self.num_channels:
             raise ValueError(f"DomainGroupNorm: expected {self.num_channels} channels, got shape {tuple(x.shape)}")
-        if info.size == 1:  # the whole domain is local: torch's kernel, bitwise
+        if plan.size == 1:  # the whole domain is local: torch's kernel, bitwise
             return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
-        return _group_norm(x, self.num_groups, self.weight, self.bias, self.eps, sizes, info)[0]
+        return _group_norm(x, self.num_groups, self.weight, self.bias, self.eps, plan)[0]
 
 
 class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
@@ -359,15 +444,15 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         if not batch_stats:  # elementwise with the running statistics: exactly torch's kernel, no communication
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
-        info = self._info()
-        sizes = _sizes(self, x, info, "DomainBatchNorm2d")
+        plan = _plan(self, x, "DomainBatchNorm2d")
+        sizes = plan.sizes
         if x.shape[1] != self.num_features:
             raise ValueError(f"DomainBatchNorm2d: expected {self.num_features} channels, got shape {tuple(x.shape)}")
-        domain_count = x.shape[0] * x.shape[-1] * sum(sizes or (x.shape[-2],))
+        domain_count = x.shape[0] * x.shape[-1] * sum(sizes)
         if domain_count <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got {domain_count} over the "
                              f"whole domain (input shape {tuple(x.shape)})")
-        var, mean, count = domain_var_mean(x, (0, 2, 3), info.group, sizes=sizes, dp_group=self._dp_group(),
+        var, mean, count = domain_var_mean(x, (0, 2, 3), self.group, sizes=sizes, dp_group=self._dp_group(),
                                            op="DomainBatchNorm2d")
         if self.training and self.track_running_stats:
             _update_running(self, mean, var, count, factor)
@@ -393,19 +478,18 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
         if x.dim() == 3:
             return self.forward(x.unsqueeze(0)).squeeze(0)
         batch_stats = self.training or not self.track_running_stats
-        info = self._info()
-        sizes = _sizes(self, x, info, "DomainInstanceNorm2d") if batch_stats else None
+        plan = _plan(self, x, "DomainInstanceNorm2d") if batch_stats else None
         if (self.affine or self.track_running_stats) and x.shape[1] != self.num_features:
             raise ValueError(f"DomainInstanceNorm2d: expected {self.num_features} channels, got shape "
                              f"{tuple(x.shape)}")
         if not batch_stats:  # elementwise with the running statistics: no communication
             return F.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
                                    self.eps)
-        count = x.shape[-1] * sum(sizes or (x.shape[-2],))
+        count = x.shape[-1] * sum(plan.sizes)
         if count <= 1:
             raise ValueError(f"Expected more than 1 spatial element when training, got {count} over the whole "
                              f"domain (input shape {tuple(x.shape)})")
-        y, mean, var = _group_norm(x, x.shape[1], self.weight, self.bias, self.eps, sizes, info)
+        y, mean, var = _group_norm(x, x.shape[1], self.weight, self.bias, self.eps, plan)
         if self.training and self.track_running_stats:
             factor = self.momentum if self.momentum is not None else 0.0
             _update_running(self, mean.mean(0), var.mean(0), count, factor)
@@ -430,19 +514,19 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
         k = len(self.normalized_shape)
         if k < 2:
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-        info = self._info()
         shape = tuple(self.normalized_shape)
-        sizes = _sizes(self, x, info, "DomainLayerNorm") or (x.shape[-2],)
+        plan = _plan(self, x, "DomainLayerNorm")
+        sizes = plan.sizes
         if x.dim() < k:
             raise ValueError(f"DomainLayerNorm: input of shape {tuple(x.shape)} has fewer dims than "
                              f"normalized_shape {shape}")
         got = tuple(x.shape[-k:-2]) + (sum(sizes), x.shape[-1])
         if got != shape:
             raise ValueError(f"DomainLayerNorm: normalized_shape {shape} (global) but the input's last {k} dims "
-                             f"are {got} with H summed over the {info.size} ranks {list(sizes)}")
-        var, mean, _ = domain_var_mean(x, tuple(range(-k, 0)), info.group, sizes=sizes, op="DomainLayerNorm")
+                             f"are {got} with H summed over the {plan.size} ranks {list(sizes)}")
+        var, mean, _ = domain_var_mean(x, tuple(range(-k, 0)), self.group, sizes=sizes, op="DomainLayerNorm")
         y = _normalize(x, var, mean, self.eps)
-        start, rows = sum(sizes[:info.index]), sizes[info.index]
+        start, rows = sum(sizes[:plan.index]), sizes[plan.index]
         weight = self.weight.narrow(-2, start, rows) if self.weight is not None else None
         bias = self.bias.narrow(-2, start, rows) if self.bias is not None else None
         return _affine(y, weight, bias).to(x.dtype)

@@ -149,6 +149,12 @@ def _channels_last_kernel(mode: str, layout: tuple[int, bool, bool], rows_out: i
             or (mode == "bilinear" and channels == 3 and one_thread))
 
 
+@torch._dynamo.assume_constant_result
+def _one_thread() -> bool:
+    """Whether torch runs one intra-op thread (read at trace time under ``torch.compile``)."""
+    return torch.get_num_threads() == 1
+
+
 def _is_channels_last(x: torch.Tensor) -> bool:
     return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
@@ -320,7 +326,7 @@ def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = 
                                   f"downsampling factor); use antialias=False")
     size_arg = tuple(size) if isinstance(size, list) else size
     scale_arg = tuple(scale_factor) if isinstance(scale_factor, list) else scale_factor
-    layout = (int(x.shape[1]), _is_channels_last(x), torch.get_num_threads() == 1)
+    layout = (int(x.shape[1]), _is_channels_last(x), _one_thread())
     p = resolve(x, group, op, _interp_plan, (tuple(x.shape), size_arg, scale_arg, mode, align_corners,
                                               recompute_scale_factor, x.dtype, x.device.type, layout, op), site=site)
     if p.kind == "plain":

@@ -1,0 +1,84 @@
+"""``torch.compile(model, fullgraph=True)`` of a converted model: default torch settings, gloo ranks, float64.
+
+The model has a strided conv, a transposed conv, GroupNorm, max pooling and bilinear upsampling, with the pole
+boundary; it is compiled whole (no graph break is allowed) with ``aot_eager`` and ``inductor`` on 2 and 3 ranks
+and called three times: forward and backward must equal the eager converted model's (which the rest of the suite
+holds to the unsharded model) to rounding, and the graph must not be recompiled after the first call. The halo
+exchange and the fused GroupNorm are custom ops (``halo::exchange``, ``halo::group_norm``) whose fake kernels give
+shapes from the plan; the plan is learned at trace time under the epoch that the model's entry agreed on outside
+the graph, which the graph guards on.
+
+Tolerance: the compiled graph may reorder the float64 arithmetic of the local convs and of autograd's sums
+(inductor fuses and decomposes), so values agree to ~1e-15 relative, not bitwise: 1e-12 relative.
+"""
+
+import pytest
+import torch.nn.functional as F
+from torch import nn
+
+from halo.partition import split_offsets
+from halo.testing import run_on_ranks
+
+H, W, C = 45, 16, 3
+
+
+class CompileNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(C, 6, 3, padding=1, padding_mode="circular")
+        self.norm = nn.GroupNorm(2, 6)
+        self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1, padding_mode="circular")
+        self.pool = nn.MaxPool2d(2)
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.upt = nn.ConvTranspose2d(6, 6, 4, stride=2, padding=1, output_padding=(1, 0))
+        self.dec = nn.Conv2d(6, C, 3, padding=1, padding_mode="circular")
+
+    def forward(self, x):
+        a = F.gelu(self.norm(self.enc(x)))
+        b = self.up(self.pool(F.gelu(self.down(a))))  # 45 -> 23 -> 11 -> 22
+        return x + self.dec(F.gelu(self.upt(b)))  # 22 -> 45
+
+
+def _compiled(rank, world, backend):
+    import torch._dynamo
+
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(CompileNet().double(), manager, boundary="pole")
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    full = torch.randn(2, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    offs = split_offsets(H, world)
+    x = full[..., offs[rank]:offs[rank + 1], :]
+    torch._dynamo.utils.counters.clear()
+    out = []
+    for step in range(3):
+        results = {}
+        # The compiled model runs first on the first call: its plans are learned while tracing (every rank traces,
+        # since every rank meets the same new epoch), not recalled from an eager call.
+        for fn in (compiled, model) if step == 0 else (model, compiled):
+            xi = (x * (1 + step)).clone().requires_grad_(True)
+            y = fn(xi)
+            (y * y).sum().backward()
+            results[fn is compiled] = (y.detach(), xi.grad, [p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        (ye, gxe, gpe), (yc, gxc, gpc) = results[False], results[True]
+
+        def rel(a, b):
+            return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+        out.append({"y": rel(yc, ye), "gx": rel(gxc, gxe), "gp": max(rel(a, b) for a, b in zip(gpc, gpe, strict=True))})
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return out, graphs
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_compiled_converted_model_equals_eager(world, backend):
+    results = run_on_ranks(_compiled, world, backend, timeout=600)
+    for rank, (steps, graphs) in enumerate(results):
+        for step, errs in enumerate(steps):
+            assert max(errs.values()) < 1e-12, (rank, step, errs)
+        assert graphs == 1, (rank, graphs)  # one graph of the whole forward (fullgraph), reused by later calls
