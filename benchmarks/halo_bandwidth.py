@@ -115,7 +115,7 @@ def bandwidth_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     """One rank: time every impl for every case; returns rows (rank 0) or []."""
     import torch.distributed as dist
 
-    from halo.cli import rank_device
+    from halo.launch import rank_device
 
     device = rank_device(cfg["backend"])
     group = dist.group.WORLD
@@ -192,7 +192,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 def run(opts: dict, *, sizes: Sequence[int] | None = None, rows: int = 4, width: int = 1,
         dtypes: Sequence[str] | None = None, reps: int | None = None) -> int:
     """Run on ``opts['nproc']`` CPU ranks (or the torchrun world); print, append CSV, plot."""
-    from halo.cli import is_printer, launch
+    from halo.launch import is_printer, launch
 
     gpu = opts["backend"] == "nccl"
     quick = opts["quick"]
@@ -226,7 +226,7 @@ def _size(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from halo.cli import default_backend
+    from halo.launch import default_backend
 
     parser = benchmark_parser(__doc__)
     parser.add_argument("--sizes", default=None, help="message sizes, e.g. 1K,64K,1M,16M")

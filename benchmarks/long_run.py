@@ -150,8 +150,8 @@ def _slope(points: Sequence[tuple[int, float]]) -> float:
 def long_run_rank(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from halo.cli import rank_device
     from halo.exchange import _abandoned, halo_exchange, static_shapes
+    from halo.launch import rank_device
 
     device = rank_device(cfg["backend"])
     group = dist.group.WORLD
@@ -269,7 +269,7 @@ def _plot(results: list[dict], path: Path) -> None:
 
 
 def run(opts: dict, *, steps: int | None = None, conv_steps: int | None = None, reps: int | None = None) -> int:
-    from halo.cli import is_printer, launch
+    from halo.launch import is_printer, launch
 
     quick = opts["quick"]
     cfg = {"backend": opts["backend"], "steps": steps if steps is not None else (1000 if quick else 10000),
@@ -297,7 +297,7 @@ def run(opts: dict, *, steps: int | None = None, conv_steps: int | None = None, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from halo.cli import default_backend
+    from halo.launch import default_backend
 
     parser = benchmark_parser(__doc__)
     parser.add_argument("--steps", type=int, default=None, help="exchange steps (default 10000)")

@@ -42,9 +42,9 @@ def scaling_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     import torch.distributed as dist
 
     from halo import initialize_domain_parallel
-    from halo.cli import rank_device
     from halo.demo import DemoNet, latitudes, make_field, pole_boundary, reference_model, weighted_mse
     from halo.exchange import static_shapes
+    from halo.launch import rank_device
     from halo.nn.convert import convert_to_domain_parallel
     from halo.reduce import latitude_weighted_mse, sync_domain_gradients
     from halo.shard import shard
@@ -87,7 +87,7 @@ def scaling_rank(rank: int, world: int, cfg: dict) -> list[dict]:
 def run(opts: dict, *, grid: tuple[int, int] | None = None, hidden: int = 8, channels: int = 4,
         reps: int | None = None, nprocs: Sequence[int] | None = None) -> int:
     """Time 1..N ranks (separate CPU launches; one torchrun launch on GPUs); print, append CSV, plot."""
-    from halo.cli import is_printer, launch, under_torchrun
+    from halo.launch import is_printer, launch, under_torchrun
 
     gpu, quick = opts["backend"] == "nccl", opts["quick"]
     grid = grid or ((91, 180) if quick else (721, 1440))
@@ -130,7 +130,7 @@ def run(opts: dict, *, grid: tuple[int, int] | None = None, hidden: int = 8, cha
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from halo.cli import default_backend
+    from halo.launch import default_backend
 
     parser = benchmark_parser(__doc__, nproc_help="largest CPU world (1..N are timed)")
     parser.add_argument("--grid", default=None, help="HxW, default 721x1440 (--quick: 91x180)")

@@ -215,8 +215,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
 
     from . import initialize_domain_parallel
     from .bench import gather_times, median
-    from .cli import rank_device
-    from .exchange import static_shapes
+    from .launch import rank_device
     from .nn.convert import convert_to_domain_parallel
     from .reduce import latitude_weighted_mse, sync_domain_gradients
     from .shard import gather, shard
@@ -258,18 +257,17 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
     grads = [p.grad.detach().clone() for p in model.parameters()]
 
     times: list[float] = []
-    with static_shapes("halo-demo"):  # after the first step, no shape all-gather per exchange
-        for i in range(opts["steps"] + 1):  # the first is warm-up (plans, the static-shape record)
-            dist.barrier(group)
-            t0 = time.perf_counter()
-            sharded_step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            if i:
-                say(f"  sharded step {i}/{opts['steps']}: {times[-1]:.3f} s (rank 0)")
+    for i in range(opts["steps"] + 1):  # the first is warm-up (every layer learns its plan in the first step)
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        sharded_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        if i:
+            say(f"  sharded step {i}/{opts['steps']}: {times[-1]:.3f} s (rank 0)")
     step_max = gather_times(times[1:], group)
-    with static_shapes("halo-demo"), _Traffic() as traffic:  # one more, instrumented, steady-state step
+    with _Traffic() as traffic:  # one more, instrumented, steady-state step
         sharded_step()
     traffic_all: list[Any] = [None] * world
     dist.all_gather_object(traffic_all, (traffic.bytes_sent, traffic.seconds), group=group)
@@ -410,7 +408,7 @@ def write_png(res: dict, path: Path) -> Path:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo (see the module docstring); 0 if sharded and unsharded agree within tolerance."""
-    from .cli import is_printer, launch, under_torchrun
+    from .launch import is_printer, launch, under_torchrun
 
     opts = {k: getattr(args, k) for k in ("grid", "channels", "hidden", "steps", "dtype", "seed", "backend")}
     if args.hidden < 1 or args.channels < 1 or args.steps < 1 or args.nproc < 1:

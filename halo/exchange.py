@@ -252,45 +252,67 @@ class Exchanger:
             out.index_copy_(0, rolled, out.index_select(0, rolled).roll(out.shape[-1] // 2, dims=-1))
         return out
 
-    # adjoint ------------------------------------------------------------------------------------------
-    def adjoint(self, grad_ext: torch.Tensor, x_shape: Sequence[int], owned: bool = False) -> torch.Tensor:
-        """``grad_x``: the interior gradient plus the halo gradients sent back to the rows' owners.
+    def halos(self, x: torch.Tensor, pending: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the messages of :meth:`start` and return the halo rows alone, ``(before, after)``, each in
+        ``x``'s layout with its own rows along ``dim`` (no copy of the shard: compute-then-patch)."""
+        wait_all(pending["works"], pending["labels"], self.cg, self.op, pending["posted"], pending)
+        pending["works"] = ()
+        recv = pending["recv"]
+        return self._assemble(recv, 0).movedim(0, self.dim), self._assemble(recv, 1).movedim(0, self.dim)
 
-        ``owned``: ``grad_ext`` is this call's to overwrite (a layer's own conv made it): the halo gradients are then
-        added into its interior rows in place and a view of it is returned; no copy of the gradient is made.
-        """
+    # adjoint ------------------------------------------------------------------------------------------
+    def adjoint(self, grad_ext: torch.Tensor, x_shape: Sequence[int]) -> torch.Tensor:
+        """``grad_x``: the interior gradient plus the halo gradients sent back to the rows' owners, in one pass
+        into a fresh contiguous tensor (the copy of the interior and the additions fused)."""
         p, dim = self.plan, self.dim
         nb, (i0, ni) = len(p.before), p.interior
-        rest = [s for i, s in enumerate(grad_ext.shape) if i != dim]
-        grad_recv = self._assemble_adjoint(grad_ext, rest)
-        grad_send = self.pool.get((self.send_rows, *rest), grad_ext)
-        # Reverse traffic: what this rank received goes back to the sender and vice versa.
-        posted = time.monotonic()
-        works, labels = self._post(grad_recv, self.recv_counts, grad_send, self.send_counts)
         interior = grad_ext.narrow(dim, nb, ni)
+        before, after = grad_ext.narrow(dim, 0, nb), grad_ext.narrow(dim, nb + ni, len(p.after))
         if (i0, ni) != (0, x_shape[dim]):  # a trimmed exchange: the gradient covers only part of x
             full = grad_ext.new_zeros(tuple(x_shape))
             full.narrow(dim, i0, ni).copy_(interior)
-            interior, owned = full, True
-        wait_all(works, labels, self.cg, f"{self.op} (backward)", posted, (grad_recv, grad_send, works))
-        if not self.send_ranges:
-            return interior
-        if owned and torch._debug_has_internal_overlap(interior) == 0:
-            return kernels.pack_adjoint(interior, dim, self.send_ranges, grad_send, out=interior)
-        return kernels.pack_adjoint(interior, dim, self.send_ranges, grad_send)
+            return self._send_back(before, after, full, full)
+        return self._send_back(before, after, interior, None)
 
-    def _assemble_adjoint(self, grad_ext: torch.Tensor, rest: list[int]) -> torch.Tensor:
+    def start_adjoint(self, before: torch.Tensor | None, after: torch.Tensor | None, like: torch.Tensor) -> dict:
+        """Post the adjoint of :meth:`halos`: the halo rows' gradients (``None``: a side with no rows from other
+        ranks) go back to the rows' owners; do not wait. ``like``: a tensor of ``x``'s shape, dtype and device."""
+        rest = [s for i, s in enumerate(like.shape) if i != self.dim]
+        grad_recv = self._assemble_adjoint((before, after), rest, like)
+        grad_send = self.pool.get((self.send_rows, *rest), like)
+        # Reverse traffic: what this rank received goes back to the sender and vice versa.
+        posted = time.monotonic()
+        works, labels = self._post(grad_recv, self.recv_counts, grad_send, self.send_counts)
+        return {"send": grad_recv, "recv": grad_send, "works": works, "labels": labels, "posted": posted}
+
+    def finish_adjoint(self, pending: dict, base: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Wait for :meth:`start_adjoint` and add what arrives onto ``base``'s rows: into ``out`` (in place when it
+        is ``base``, which the caller must own; a fresh tensor when ``None``)."""
+        wait_all(pending["works"], pending["labels"], self.cg, f"{self.op} (backward)", pending["posted"], pending)
+        pending["works"] = ()
+        if not self.send_ranges:
+            return base if out is base else (base.contiguous() if out is None else out.copy_(base))
+        if out is base and torch._debug_has_internal_overlap(base) == 1:  # 2: "too hard to tell", views
+            raise RuntimeError(f"{self.op}: cannot add halo gradients in place into a tensor with overlapping "
+                               f"memory (strides {tuple(base.stride())})")
+        return kernels.pack_adjoint(base, self.dim, self.send_ranges, pending["recv"], out=out)
+
+    def _send_back(self, before: torch.Tensor, after: torch.Tensor, base: torch.Tensor,
+                   out: torch.Tensor | None) -> torch.Tensor:
+        return self.finish_adjoint(self.start_adjoint(before, after, base), base, out)
+
+    def _assemble_adjoint(self, halos: tuple[torch.Tensor, torch.Tensor], rest: list[int],
+                          like: torch.Tensor) -> torch.Tensor:
         """The adjoint of the assembly: halo-row gradients summed onto the receive-buffer rows they were copied
         from, in fp32 for half dtypes, deterministically (rounds of distinct rows; no atomic races)."""
-        p, dim = self.plan, self.dim
-        acc_dtype = torch.float32 if grad_ext.dtype in (torch.float16, torch.bfloat16) else grad_ext.dtype
-        acc = torch.zeros((self.recv_rows, *rest), dtype=acc_dtype, device=grad_ext.device)
-        nb, ni = len(p.before), p.interior[1]
-        for k, (side, start) in enumerate(zip(self.sides, (0, nb + ni), strict=True)):
+        dim = self.dim
+        acc_dtype = torch.float32 if like.dtype in (torch.float16, torch.bfloat16) else like.dtype
+        acc = torch.zeros((self.recv_rows, *rest), dtype=acc_dtype, device=like.device)
+        for k, (side, halo) in enumerate(zip(self.sides, halos, strict=True)):
             n = len(side.rows)
             if not n or all(i < 0 for i in side.rows):
                 continue
-            g = kernels.pack(grad_ext, dim, [(start, n)])
+            g = kernels.pack(halo, dim, [(0, n)])
             if side.rolled:
                 rolled = _index(side.rolled, g.device)
                 g.index_copy_(0, rolled, g.index_select(0, rolled).roll(-(g.shape[-1] // 2), dims=-1))
@@ -299,7 +321,7 @@ class Exchanger:
                 continue
             for src, dst in self.rounds[k]:
                 acc.index_add_(0, _index(dst, g.device), g.index_select(0, _index(src, g.device)).to(acc_dtype))
-        return acc if acc_dtype == grad_ext.dtype else acc.to(grad_ext.dtype)
+        return acc if acc_dtype == like.dtype else acc.to(like.dtype)
 
 
 # -- the registry: exchangers by plan, addressed by small ints (what a compiled graph holds) --------------------
@@ -363,15 +385,15 @@ class _ExchangeFn(torch.autograd.Function):
     """Forward: the extended shard. Backward: its exact adjoint (``Exchanger.adjoint``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, exchanger: Exchanger, pending: dict | None, owned: bool) -> torch.Tensor:
-        ctx.exchanger, ctx.x_shape, ctx.owned = exchanger, x.shape, owned
+    def forward(ctx, x: torch.Tensor, exchanger: Exchanger, pending: dict | None) -> torch.Tensor:
+        ctx.exchanger, ctx.x_shape = exchanger, x.shape
         if pending is None:
             pending = exchanger.start(x)
         return exchanger.finish(x, pending, reuse=True)
 
     @staticmethod
     def backward(ctx, grad_ext: torch.Tensor):
-        return ctx.exchanger.adjoint(grad_ext, ctx.x_shape, ctx.owned), None, None, None
+        return ctx.exchanger.adjoint(grad_ext, ctx.x_shape), None, None
 
 
 @torch.library.custom_op("halo::exchange", mutates_args=())
@@ -414,15 +436,14 @@ def _backward(ctx, grad: torch.Tensor):
 _exchange_op.register_autograd(_backward, setup_context=_setup)
 
 
-def exchange(x: torch.Tensor, ex_id: int, rows: int, dim: int = -2, *, owned: bool = False) -> torch.Tensor:
+def exchange(x: torch.Tensor, ex_id: int, rows: int, dim: int = -2) -> torch.Tensor:
     """Run planned exchange ``ex_id`` with autograd; the result has ``rows`` rows along ``dim``.
 
-    ``owned``: the caller's own op consumes the result, so its gradient may be overwritten in place (layers).
     Under ``torch.compile`` this is the ``halo::exchange`` custom op.
     """
     if torch.compiler.is_compiling():
         return _exchange_op(x, ex_id, dim % x.dim(), rows)
-    return _ExchangeFn.apply(x, get_exchanger(ex_id), None, owned)
+    return _ExchangeFn.apply(x, get_exchanger(ex_id), None)
 
 
 # -- public API -------------------------------------------------------------------------------------------------
@@ -533,14 +554,14 @@ def halo_exchange_(ext: torch.Tensor, halo: int | Sequence[int], dim: int = -2, 
 class HaloHandle:
     """An exchange in flight: ``wait()`` returns the extended shard (differentiable w.r.t. ``x``)."""
 
-    def __init__(self, x: torch.Tensor, ex_id: int, owned: bool = False) -> None:
-        self._x, self._exchanger, self._owned = x, get_exchanger(ex_id), owned
+    def __init__(self, x: torch.Tensor, ex_id: int) -> None:
+        self._x, self._exchanger = x, get_exchanger(ex_id)
         self._pending: dict | None = self._exchanger.start(x.detach())
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            self._result = _ExchangeFn.apply(self._x, self._exchanger, self._pending, self._owned)
+            self._result = _ExchangeFn.apply(self._x, self._exchanger, self._pending)
             self._pending = None
             carry(self._result, self._x)
         return self._result

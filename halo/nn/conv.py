@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..comm import CommGroup
-from ..exchange import HaloHandle, exchange, exchanger_id
+from ..exchange import exchange, exchanger_id, get_exchanger
 from ..mesh import group_attribute
 from ..partition import check_boundary, split_offsets, split_sizes
 from ..plans import Site, carry, resolve
@@ -65,8 +65,9 @@ __all__ = [
 
 _MODE_BOUNDARY = {"zeros": "zeros", "circular": "circular", "reflect": "reflect", "replicate": "replicate"}
 
-#: Default of ``overlap=None``: pad-then-conv, chosen by benchmarks/conv_overlap.py (module docstring).
-OVERLAP_DEFAULT = False
+#: Default of ``overlap=None``: compute-then-patch where it applies, chosen by benchmarks/conv_overhead.py
+#: (module docstring).
+OVERLAP_DEFAULT = True
 
 
 # -- pure row arithmetic (no process group: every rank computes the same plan for the whole group) ----------
@@ -254,13 +255,13 @@ class _HaloConvMixin:
 
 
 class ConvPlan(NamedTuple):
-    """A conv call as planned for this rank: the exchange (id, extended rows), or ``plain`` (one rank, the
-    wrapped conv itself); ``strips``: compute-then-patch's two strip exchanges and ``p``."""
+    """A conv call as planned for this rank: ``plain`` (one rank, the wrapped conv itself), or the exchange (id,
+    rows of the extended shard) and ``patch``: compute-then-patch's halo width ``p`` (0: pad-then-conv)."""
 
     plain: bool
     ex: int = -1
     rows: int = 0
-    strips: tuple[int, int, int] | None = None
+    patch: int = 0
 
 
 def _conv_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], name: str, dim: int, kernel: int, stride: int,
@@ -271,27 +272,87 @@ def _conv_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], name: str, d
         return ConvPlan(True)
     h = dim - 2
     _, needs = conv_row_plan(sizes, kernel, stride, dilation, pads[h], op=name)
-    strips = None
     pt, pb = pads[h]
-    if overlap and cg.size > 1 and padding_mode == "zeros" and stride == 1 and pt == pb > 0 \
-            and 2 * pt == dilation * (kernel - 1) and all(a == b for a, b in pads) and min(sizes) >= 2 * pt:
-        # Compute-then-patch applies: decided from group-wide numbers only, so every rank takes the same path.
-        # Output row o reads rows [o - p, o + p]: the top p output rows read [start - p, start + 2p), the bottom
-        # p rows [stop - 2p, stop + p); each strip is a trimmed exchange (no copy of the shard).
-        offs = _offsets(sizes)
-        top = tuple((offs[r] - pt, offs[r] + 2 * pt) for r in range(len(sizes)))
-        bottom = tuple((offs[r + 1] - 2 * pt, offs[r + 1] + pt) for r in range(len(sizes)))
-        strips = (exchanger_id(cg, dim, sizes, top, boundary, name),
-                  exchanger_id(cg, dim, sizes, bottom, boundary, name), pt)
+    # Compute-then-patch applies to a stride-1 conv whose output rows are its input rows (symmetric padding
+    # p = d(k-1)/2) on shards of at least p rows; decided from group-wide numbers only, so every rank takes the
+    # same path. Its exchange is pad-then-conv's (rows [start - p, stop + p)), of which it uses the halos alone.
+    patch = pt if (overlap and stride == 1 and pt == pb > 0 and 2 * pt == dilation * (kernel - 1)
+                   and min(sizes) >= pt) else 0
     lo, hi = needs[cg.index]
-    return ConvPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, name), hi - lo, strips)
+    return ConvPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, name), hi - lo, patch)
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out = [0]
-    for n in sizes:
-        out.append(out[-1] + n)
-    return out
+class _PatchConvFn(torch.autograd.Function):
+    """Compute-then-patch: the conv of the shard with zero H padding, plus the halo rows' share of the ``p`` top
+    and bottom output rows; no copy of the shard or of its gradient, communication behind the conv.
+
+    Forward on rank r (``p = d(k-1)/2``, ``n`` rows, ``j = ceil(p/d)`` kernel rows reach a halo row)::
+
+        post the exchange of the halo rows (the rank's edge rows go to its neighbours)
+        y = conv(x, zero H padding p)        # exact but for the p first and last rows, which read zeros
+        y[:p]   += conv([halo_top    | 0 ((j-1)d rows)], w[.., :j, :])    # the halo rows' taps only: the conv
+        y[n-p:] += conv([0 ((j-1)d rows) | halo_bottom], w[.., k-j:, :])  # is linear in its input
+
+    Backward (the exact adjoint): the strips' backward first (small), giving the halo rows' gradients, which are
+    posted to their owners at once; then torch's backward of the main conv gives ``grad_x`` (this call's own,
+    contiguous), ``grad_w`` and ``grad_b``; what the neighbours sent back (posted just as early on their side,
+    so nobody waits for a peer's big computation) is added into ``grad_x`` in place. ``xp`` is ``x`` padded along
+    the other spatial dims as the wrapped conv pads them (``x`` itself when the conv pads them with zeros); ``x``
+    (detached) is what is exchanged.
+    """
+
+    @staticmethod
+    def forward(ctx, xp, x, weight, bias, layer, ex_id, p):
+        ex = get_exchanger(ex_id)
+        pending = ex.start(x)
+        y = layer._conv_main(xp, weight, bias, p)
+        halos = ex.halos(x, pending)
+        n = y.shape[-2]
+        strips = []
+        for side, halo in enumerate(halos):
+            if all(i < 0 for i in ex.sides[side].rows):  # zeros beyond the domain: nothing to add
+                strips.append(None)
+                continue
+            strip = layer._strip(halo, side, p)
+            y.narrow(-2, 0 if side == 0 else n - p, p).add_(layer._conv_strip(strip, side, p, weight))
+            strips.append(strip)
+        ctx.layer, ctx.ex, ctx.p, ctx.live = layer, ex, p, tuple(t is not None for t in strips)
+        ctx.has_bias, ctx.halo_shape = bias is not None, halos[0].shape
+        ctx.save_for_backward(xp, weight, *[t for t in strips if t is not None])
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        xp, weight, *saved = ctx.saved_tensors
+        layer, ex, p = ctx.layer, ctx.ex, ctx.p
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        n = gy.shape[-2]
+        strips = iter(saved)
+        grads: list[torch.Tensor | None] = [None, None]
+        grad_w_strips = []
+        # The strips first (small): the halo rows' gradients then travel while the main conv's backward runs.
+        for side, live in enumerate(ctx.live):
+            if not live:
+                continue
+            strip = next(strips)
+            g_strip, g_w = layer._conv_strip_backward(gy.narrow(-2, 0 if side == 0 else n - p, p), strip, side, p,
+                                                      weight, need_x, need_w)
+            if need_x:
+                grads[side] = layer._strip_halo_grad(g_strip, side, p, ctx.halo_shape)
+            if need_w:
+                grad_w_strips.append((side, g_w))
+        pending = ex.start_adjoint(grads[0], grads[1], layer._interior(xp)) if need_x else None
+        grad_xp, grad_w, grad_b = torch.ops.aten.convolution_backward(
+            gy, xp, weight, [weight.shape[0]] if ctx.has_bias else None, list(layer.stride),
+            layer._main_padding(p), list(layer.dilation), False, [0] * layer._spatial, layer.groups,
+            [need_x, need_w, need_b and ctx.has_bias])
+        for side, g_w in grad_w_strips:
+            rows = g_w.shape[-2]
+            grad_w.narrow(-2, 0 if side == 0 else weight.shape[-2] - rows, rows).add_(g_w)
+        if pending is not None:  # what the neighbours sent back is added into this rank's own rows, in place
+            interior = layer._interior(grad_xp)
+            ex.finish_adjoint(pending, interior, interior)
+        return grad_xp, None, grad_w, grad_b if ctx.has_bias else None, None, None, None
 
 
 class _HaloConvNd(_HaloConvMixin):
@@ -308,45 +369,102 @@ class _HaloConvNd(_HaloConvMixin):
             return self._base.forward(self, x)
         unbatched = x.dim() == self._spatial + 1
         xb = x.unsqueeze(0) if unbatched else x
-        if plan.strips is not None and not torch.compiler.is_compiling():
-            y = self._forward_overlap(xb, plan.strips, pads)
+        if plan.patch and not torch.compiler.is_compiling():
+            y = _PatchConvFn.apply(self._pad_other(xb), xb.detach(), self.weight, self.bias, self, plan.ex,
+                                   plan.patch)
         else:
-            # The extended shard feeds this layer's conv only, so its gradient is ours to add into in place.
-            y = self._local_conv(exchange(xb, plan.ex, plan.rows, self._spatial, owned=True), list(pads))
+            y = self._local_conv(exchange(xb, plan.ex, plan.rows, self._spatial), list(pads))
         y = y.squeeze(0) if unbatched else y
         carry(y, x)
         return y
 
-    def _conv(self, x: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
+    def _conv(self, x: torch.Tensor, padding: Sequence[int], weight: torch.Tensor | None = None,
+              bias: Any = "own") -> torch.Tensor:
         fn = F.conv3d if self._spatial == 3 else F.conv2d
-        return fn(x, self.weight, self.bias, self.stride, tuple(padding), self.dilation, self.groups)
+        return fn(x, self.weight if weight is None else weight, self.bias if bias == "own" else bias, self.stride,
+                  tuple(padding), self.dilation, self.groups)
 
-    def _local_conv(self, ext: torch.Tensor, pads: list[tuple[int, int]]) -> torch.Tensor:
-        """Conv of the H-extended shard: no H padding; the other dims padded as the wrapped conv does."""
-        h = self._spatial - 2
-        other = [p for i, p in enumerate(pads) if i != h]
-        if self.padding_mode == "zeros" and all(a == b for a, b in other):
-            return self._conv(ext, [0 if i == h else p[0] for i, p in enumerate(pads)])
+    def _other_padded_by_conv(self) -> bool:
+        """Whether the conv itself pads the dims other than H (zeros, symmetric), else ``F.pad`` does."""
+        pads, h = _pads(self), self._spatial - 2
+        return self.padding_mode == "zeros" and all(a == b for i, (a, b) in enumerate(pads) if i != h)
+
+    def _pad_other(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` padded along the dims other than H as the wrapped conv pads them (``t`` itself if the conv does)."""
+        if self._other_padded_by_conv():
+            return t
+        pads, h = _pads(self), self._spatial - 2
         flat: list[int] = []
         for i in reversed(range(self._spatial)):  # F.pad lists the last dim first
             flat += [0, 0] if i == h else list(pads[i])
-        mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
-        return self._conv(F.pad(ext, flat, mode=mode), [0] * self._spatial)
+        return F.pad(t, flat, mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
 
-    def _forward_overlap(self, x: torch.Tensor, strips: tuple[int, int, int],
-                         pads: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """Conv the shard at once (zero H padding) while two strip exchanges are in flight, then patch the ``p``
-        top and bottom output rows with the conv of the strips (``_conv_plan``)."""
-        h = self._spatial - 2
-        top, bottom, p = strips
-        handles = [HaloHandle(x, top), HaloHandle(x, bottom)]
-        padding = [a for a, _ in pads]
-        strip_padding = [0 if i == h else a for i, a in enumerate(padding)]
-        y = self._conv(x, padding)
-        n = x.shape[-2]
-        y.narrow(-2, 0, p).copy_(self._conv(handles[0].wait(), strip_padding))
-        y.narrow(-2, n - p, p).copy_(self._conv(handles[1].wait(), strip_padding))
-        return y
+    def _interior(self, t: torch.Tensor) -> torch.Tensor:
+        """The view of ``t`` (padded by :meth:`_pad_other`) that holds the unpadded tensor."""
+        if self._other_padded_by_conv():
+            return t
+        pads, h = _pads(self), self._spatial - 2
+        for i, (a, b) in enumerate(pads):
+            if i != h:
+                d = i - self._spatial
+                t = t.narrow(d, a, t.shape[d] - a - b)
+        return t
+
+    def _main_padding(self, p: int) -> list[int]:
+        pads, h = _pads(self), self._spatial - 2
+        by_conv = self._other_padded_by_conv()
+        return [p if i == h else (a if by_conv else 0) for i, (a, _) in enumerate(pads)]
+
+    def _conv_main(self, xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p: int) -> torch.Tensor:
+        return self._conv(xp, self._main_padding(p), weight, bias)
+
+    def _strip_rows(self, p: int) -> int:
+        """``j``: the kernel rows that reach a halo row from the ``p`` boundary output rows (``ceil(p / d)``)."""
+        d = self.dilation[self._spatial - 2]
+        return -(-p // d)
+
+    def _strip(self, halo: torch.Tensor, side: int, p: int) -> torch.Tensor:
+        """The input of a boundary strip: the halo rows and ``(j-1)d`` zero rows on the shard's side, padded along
+        the other dims as the main conv pads them (``_PatchConvFn``)."""
+        d = self.dilation[self._spatial - 2]
+        extra = (self._strip_rows(p) - 1) * d
+        if extra:
+            zeros = halo.new_zeros((*halo.shape[:-2], extra, halo.shape[-1]))
+            halo = torch.cat([halo, zeros] if side == 0 else [zeros, halo], dim=-2)
+        return self._pad_other(halo)
+
+    def _strip_weight(self, weight: torch.Tensor, side: int, p: int) -> torch.Tensor:
+        j = self._strip_rows(p)
+        return weight.narrow(-2, 0 if side == 0 else weight.shape[-2] - j, j)
+
+    def _conv_strip(self, strip: torch.Tensor, side: int, p: int, weight: torch.Tensor) -> torch.Tensor:
+        """The halo rows' share of the ``p`` boundary output rows of ``side`` (no bias)."""
+        return self._conv(strip, self._main_padding(0), self._strip_weight(weight, side, p), None)
+
+    def _conv_strip_backward(self, gy: torch.Tensor, strip: torch.Tensor, side: int, p: int, weight: torch.Tensor,
+                             need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The adjoint of :meth:`_conv_strip`: gradients of the (padded) strip and of the kernel rows it used."""
+        w = self._strip_weight(weight, side, p)
+        g_strip, g_w, _ = torch.ops.aten.convolution_backward(
+            gy, strip, w, None, list(self.stride), self._main_padding(0), list(self.dilation), False,
+            [0] * self._spatial, self.groups, [need_x, need_w, False])
+        return g_strip, g_w
+
+    def _strip_halo_grad(self, g_strip: torch.Tensor, side: int, p: int, halo_shape: torch.Size) -> torch.Tensor:
+        """The halo rows' gradient from the padded strip's: undo the other-dim padding (its exact adjoint), keep
+        the ``p`` halo rows."""
+        if not self._other_padded_by_conv():  # F.pad's adjoint, by autograd on the small strip
+            d = self.dilation[self._spatial - 2]
+            rows = p + (self._strip_rows(p) - 1) * d
+            shape = (*halo_shape[:-2], rows, halo_shape[-1])
+            with torch.enable_grad():
+                t = g_strip.new_zeros(shape).requires_grad_(True)
+                (g_strip,) = torch.autograd.grad(self._pad_other(t), t, g_strip)
+        return g_strip.narrow(-2, 0 if side == 0 else g_strip.shape[-2] - p, p)
+
+    def _local_conv(self, ext: torch.Tensor, pads: list[tuple[int, int]]) -> torch.Tensor:
+        """Conv of the H-extended shard: no H padding; the other dims padded as the wrapped conv does."""
+        return self._conv(self._pad_other(ext), self._main_padding(0))
 
 
 class HaloConv2d(_HaloConvNd, nn.Conv2d):
@@ -401,7 +519,7 @@ class HaloConvTranspose2d(_HaloConvMixin, nn.ConvTranspose2d):
         unbatched = x.dim() == 3
         xb = x.unsqueeze(0) if unbatched else x
         (_, sw), (_, dw), (_, pw) = self.stride, self.dilation, self.padding
-        ext = exchange(xb, plan.ex, plan.rows, 2, owned=True)
+        ext = exchange(xb, plan.ex, plan.rows, 2)
         y = F.conv_transpose2d(ext, self.weight, self.bias if plan.fused else None, (plan.stride, sw), (0, pw),
                                (0, plan.op_w), self.groups, (plan.dilation, dw))
         y = _crop_rows(y, plan.t0, plan.t1)

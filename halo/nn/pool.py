@@ -144,7 +144,7 @@ def _window_pool_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: s
 
 def _run(x: torch.Tensor, plan: Any) -> torch.Tensor:
     """Rows ``[lo, lo + rows)`` of the global field, autograd-exact (the caller's op consumes them)."""
-    return exchange(x, plan.ex, plan.rows, x.dim() - 2, owned=True)
+    return exchange(x, plan.ex, plan.rows, x.dim() - 2)
 
 
 # -- max / average pooling --------------------------------------------------------------------------------

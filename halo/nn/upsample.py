@@ -333,7 +333,7 @@ def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = 
         return F.interpolate(x, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
     if p.kind == "area":
         return _adaptive(x, (p.m, p.w_out), group, op, False, False, site)
-    ext = exchange(x, p.ex, p.rows, 2, owned=True)
+    ext = exchange(x, p.ex, p.rows, 2)
     if _is_channels_last(x):
         ext = ext.contiguous(memory_format=torch.channels_last)
     if p.kind == "nearest":
