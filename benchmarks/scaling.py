@@ -1,14 +1,25 @@
 """Strong scaling of the ``halo demo`` model: one training step (forward, loss, backward, gradient sync) on a
-fixed global field split over 1, 2, ... N ranks.
+fixed global field split over 1, 2, ... N ranks, against the machine's own ceiling measured in the same run.
 
-``plain`` is the unsharded torch model on one rank (the demo's reference: convs pad across the poles by hand),
-``halo P=1`` the converted model on one rank (the library's overhead without communication), ``halo P=n`` the
-converted model on ``n`` ranks. ``speedup`` = plain / time; ``efficiency`` = speedup / n. Each iteration's time
-is the max over ranks, the table gives medians; exchanges run inside ``static_shapes``.
+=================  ==============================================================================================
+impl               one step
+=================  ==============================================================================================
+plain              the unsharded torch model on one rank (the demo's reference: convs pad across the poles by hand)
+halo P=n           the converted model on ``n`` ranks, as users run it (its entry agrees on input shapes once per
+                   step; every layer recalls its plan)
+ceiling P=n        every rank runs the *unsharded* model on its own independent part of the field (its balanced
+                   share of the rows), all at once, no communication: what the machine gives n copies of 1/n of
+                   the work. Timed interleaved with ``halo P=n`` in the same launch
+=================  ==============================================================================================
+
+``speedup`` = plain / time; ``of ceiling`` = ceiling / halo (the goal: >= 0.95). Each iteration's time is the max
+over ranks; the table gives medians. A steady step of ``halo P=n`` is also counted with
+:class:`halo.testing.HostWorkCounter` (reads of tensors into Python, tensors built from Python data, agreements,
+collectives), printed and written to the CSV.
 
 On CPU each rank is one process with one thread, so on a 2-core machine P = 2 can reach at most 2x and P > 2
-oversubscribes the cores (the time then says more about the scheduler than the library). Under torchrun every
-domain size ``n`` that divides the world is timed with all ranks busy (``world / n`` independent domain groups).
+oversubscribes the cores. Under torchrun every domain size ``n`` that divides the world is timed with all ranks
+busy (``world / n`` independent domain groups).
 
     python benchmarks/scaling.py [--quick] [--nproc 4] [--grid 721x1440] [--hidden 8]
     torchrun --nproc_per_node=8 benchmarks/scaling.py --backend nccl
@@ -43,11 +54,12 @@ def scaling_rank(rank: int, world: int, cfg: dict) -> list[dict]:
 
     from halo import initialize_domain_parallel
     from halo.demo import DemoNet, latitudes, make_field, pole_boundary, reference_model, weighted_mse
-    from halo.exchange import static_shapes
     from halo.launch import rank_device
     from halo.nn.convert import convert_to_domain_parallel
+    from halo.partition import split_sizes
     from halo.reduce import latitude_weighted_mse, sync_domain_gradients
     from halo.shard import shard
+    from halo.testing import HostWorkCounter
 
     device, dtype = rank_device(cfg["backend"]), getattr(torch, cfg["dtype"])
     h, w = cfg["grid"]
@@ -62,10 +74,9 @@ def scaling_rank(rank: int, world: int, cfg: dict) -> list[dict]:
         model = convert_to_domain_parallel(copy.deepcopy(net), manager, boundary=pole_boundary(h))
         x, y = (shard(t, dim=-2, group=manager.domain_group) for t in (field, target))
 
-        def step(model=model, x=x, y=y, manager=manager, tag=("scaling", p)) -> None:
+        def step(model=model, x=x, y=y, manager=manager) -> None:
             model.zero_grad(set_to_none=True)
-            with static_shapes(tag):
-                latitude_weighted_mse(model(x), y).backward()
+            latitude_weighted_mse(model(x), y).backward()
             sync_domain_gradients(model, manager)
 
         fns = {f"halo P={p}": step}
@@ -77,10 +88,31 @@ def scaling_rank(rank: int, world: int, cfg: dict) -> list[dict]:
                 weighted_mse(ref(field), target, lat).backward()
 
             fns = {"plain": plain, **fns}
+        else:  # the ceiling: this rank's share of the rows as an independent problem, unsharded, no messages
+            hn = split_sizes(h, p)[manager.domain_rank]
+            torch.manual_seed(0)
+            part = reference_model(DemoNet(cfg["channels"], cfg["hidden"], (hn, w)).to(device, dtype),
+                                   pole_boundary(hn))
+            part_field = make_field(hn, w, cfg["channels"], 1).to(device, dtype)
+            part_target, part_lat = part_field.roll(max(1, w // 72), dims=-1), latitudes(hn).to(device)
+
+            def ceiling(part=part, f=part_field, t=part_target, lat=part_lat) -> None:
+                part.zero_grad(set_to_none=True)
+                weighted_mse(part(f), t, lat).backward()
+
+            fns[f"ceiling P={p}"] = ceiling
         times = time_iterations(fns, cfg["reps"], dist.group.WORLD, device, warmup=1)
+        with HostWorkCounter() as counter:  # one more steady step, counted
+            step()
+        counts = counter.summary()
         for name, ts in times.items():
             rows.append(dict(meta, grid=f"{h}x{w}", channels=cfg["channels"], hidden=cfg["hidden"],
-                             dtype=cfg["dtype"], domain=p, impl=name, time_s=f"{median(ts):.4f}", reps=cfg["reps"]))
+                             dtype=cfg["dtype"], domain=p, impl=name, time_s=f"{median(ts):.4f}", reps=cfg["reps"],
+                             reads=counts.get("read", 0) if name.startswith("halo") else "",
+                             from_data=counts.get("from_data", 0) if name.startswith("halo") else "",
+                             agreements=counts.get("agreement", 0) if name.startswith("halo") else "",
+                             collectives=" ".join(f"{k.removeprefix('c10d.')}={v}" for k, v in counts.items()
+                                                  if k.startswith("c10d.")) if name.startswith("halo") else ""))
     return rows if rank == 0 else []
 
 
@@ -110,16 +142,24 @@ def run(opts: dict, *, grid: tuple[int, int] | None = None, hidden: int = 8, cha
     if not is_printer():
         return 0
     plain = next(float(r["time_s"]) for r in rows if r["impl"] == "plain")
+    ceilings = {r["domain"]: float(r["time_s"]) for r in rows if r["impl"].startswith("ceiling")}
     for r in rows:
         speedup = plain / float(r["time_s"])
         r["speedup"], r["efficiency"] = f"{speedup:.2f}", f"{speedup / int(r['domain']):.2f}"
-    print_table(rows, ["grid", "hidden", "world", "domain", "impl", "time_s", "speedup", "efficiency", "load1"])
+        ceiling = ceilings.get(r["domain"])
+        r["of_ceiling"] = f"{ceiling / float(r['time_s']):.3f}" if ceiling and r["impl"].startswith("halo") else ""
+    print_table(rows, ["grid", "hidden", "world", "domain", "impl", "time_s", "speedup", "of_ceiling", "load1"])
+    counted = [r for r in rows if r["impl"].startswith("halo")]
+    print_table(counted, ["domain", "impl", "reads", "from_data", "agreements", "collectives"])
     append_csv(Path(opts["out"]) / "scaling.csv", rows)
-    halo_rows = [r for r in rows if r["impl"] != "plain"]
+    halo_rows = [r for r in rows if r["impl"].startswith("halo")]
     cores = 10**9 if gpu else (os.cpu_count() or 1)  # one thread per CPU rank: at most `cores` can run at once
     plot_panels(Path(opts["out"]) / "scaling.png", [
         {"title": "speedup over plain torch on 1 rank", "xlabel": "ranks", "ylabel": "speedup",
          "series": {"halo": [(int(r["domain"]), float(r["speedup"])) for r in halo_rows],
+                    "ceiling (independent parts, same run)":
+                        [(int(r["domain"]), plain / float(r["time_s"])) for r in rows
+                         if r["impl"].startswith("ceiling")],
                     f"ideal ({'cores' if not gpu else 'devices'})":
                         [(int(r["domain"]), float(min(int(r["domain"]), cores))) for r in halo_rows]}},
         {"title": "time per step (max over ranks, median); dashed: plain, 1 rank", "xlabel": "ranks",

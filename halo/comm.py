@@ -147,12 +147,13 @@ def comm_group(group: Any | None = None) -> CommGroup:
     return cg
 
 
-def wait_all(works: Sequence[Any], labels: Sequence[str], cg: CommGroup, what: str, posted: float,
+def wait_all(works: Sequence[Any], labels: Sequence[Any], cg: CommGroup, what: str, posted: float,
              keep: Any) -> None:
     """Wait for ``works`` under one deadline; turn a failure or timeout into :class:`HaloCommError`.
 
-    ``labels[i]``: who work ``i`` talks to ("recv from global rank 3"). ``keep``: the buffers, kept alive on
-    failure so that a late write from a peer cannot land in freed memory.
+    ``labels[i]``: who work ``i`` talks to ("recv from global rank 3", or ``("recv from", 3)``: text is made only on
+    the error path). ``keep``: the buffers, kept alive on failure so that a late write from a peer cannot land in
+    freed memory.
     """
     limit = _TIMEOUT[0]
     began = time.monotonic()
@@ -171,9 +172,22 @@ def wait_all(works: Sequence[Any], labels: Sequence[str], cg: CommGroup, what: s
             raise comm_error(labels, i, cg, what, began, posted, exc) from exc
 
 
-def comm_error(labels: Sequence[str], i: int, cg: CommGroup, what: str, began: float, posted: float,
+def _label(label: Any) -> str:
+    """A wait's peer description: a string, a ``(verb, global rank)`` pair, or a tuple of pairs (one request for
+    several messages). Made into text only when an error is raised."""
+    if isinstance(label, str):
+        return label
+    if len(label) == 2 and isinstance(label[0], str):
+        if isinstance(label[1], int):
+            return f"{label[0]} global rank {label[1]}"
+        return f"{label[0]} global ranks {[g for g in label[1][0].ranks if g != label[1][0].ranks[label[1][0].index]]}"
+    return " and ".join(_label(part) for part in label)
+
+
+def comm_error(labels: Sequence[Any], i: int, cg: CommGroup, what: str, began: float, posted: float,
                exc: BaseException | None) -> HaloCommError:
     """The error for a wait on ``labels[i]`` that failed (``exc``) or ran out of time."""
+    labels = [_label(label) for label in labels]
     limit = _TIMEOUT[0]
     now = time.monotonic()
     waited = now - began
@@ -199,7 +213,7 @@ def all_reduce(t: torch.Tensor, cg: CommGroup, what: str, op: Any = None) -> tor
     """In-place all-reduce of ``t`` over ``cg`` (``op`` default SUM) under the bounded wait; returns ``t``."""
     posted = time.monotonic()
     work = dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=cg.group, async_op=True)
-    wait_all([work], [f"the all-reduce with global ranks {_others(cg)}"], cg, what, posted, t)
+    wait_all([work], [("the all-reduce with", (cg,))], cg, what, posted, t)
     return t
 
 

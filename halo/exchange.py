@@ -165,6 +165,7 @@ class Exchanger:
         self.sides = (_Side.of(plan.before), _Side.of(plan.after))
         self.rounds = tuple(side.layers() for side in self.sides)
         self.pool = BufferPool()
+        self.op_backward = f"{op} (backward)"
 
     def ext_rows(self) -> int:
         return len(self.plan.before) + self.plan.interior[1] + len(self.plan.after)
@@ -181,20 +182,24 @@ class Exchanger:
 
     def finish(self, x: torch.Tensor, pending: dict, out: torch.Tensor | None = None, *,
                reuse: bool = False) -> torch.Tensor:
-        """Wait for the messages and write ``[before | interior | after]`` in one pass: into ``out`` if given (if
-        ``x`` is ``out``'s middle already, only the halo rows are written), else into a reused buffer (``reuse``)
-        or a fresh one."""
+        """Write ``[before | interior | after]``: into ``out`` if given (if ``x`` is ``out``'s middle already, only
+        the halo rows are written), else into a reused buffer (``reuse``) or a fresh one. The interior is copied
+        *before* waiting for the messages, while they travel; the halo rows after."""
+        p, dim = self.plan, self.dim
+        nb, (i0, ni) = len(p.before), p.interior
+        if out is None:
+            shape = list(x.shape)
+            shape[dim] = self.ext_rows()
+            fmt = _memory_format(x)
+            out = self.pool.get(shape, x, fmt) if reuse else kernels.reference.alloc_like(x, shape)
+        mid = out.narrow(dim, nb, ni)
+        interior = x.narrow(dim, i0, ni)
+        if interior.numel() and (interior.data_ptr() != mid.data_ptr() or interior.stride() != mid.stride()):
+            mid.copy_(interior)
         wait_all(pending["works"], pending["labels"], self.cg, self.op, pending["posted"], pending)
         pending["works"] = ()  # finished requests are not kept
         recv = pending["recv"]
-        before = self._assemble(recv, 0)
-        after = self._assemble(recv, 1)
-        interior = x.narrow(self.dim, *self.plan.interior)
-        if out is None and reuse:
-            shape = list(x.shape)
-            shape[self.dim] = self.ext_rows()
-            out = self.pool.get(shape, x, _memory_format(x))
-        return kernels.unpack(interior, before, after, self.dim, out)
+        return kernels.unpack(mid, self._assemble(recv, 0), self._assemble(recv, 1), dim, out)
 
     def _post(self, send: torch.Tensor, send_list, recv: torch.Tensor, recv_list) -> tuple[list, list[str]]:
         """Post messages (slices of ``send`` to send_list peers, into slices of ``recv``); self-copies inline.
@@ -212,7 +217,7 @@ class Exchanger:
                 own = buf
             elif n:
                 ops.append(dist.P2POp(dist.isend, buf, group=self.cg.group, group_peer=peer))
-                labels.append(f"send to global rank {ranks[peer]}")
+                labels.append(("send to", ranks[peer]))
         at = 0
         for peer, n in recv_list:
             buf = recv[at:at + n]
@@ -221,7 +226,7 @@ class Exchanger:
                 buf.copy_(own)
             elif n:
                 ops.append(dist.P2POp(dist.irecv, buf, group=self.cg.group, group_peer=peer))
-                labels.append(f"recv from global rank {ranks[peer]}")
+                labels.append(("recv from", ranks[peer]))
         if not ops:
             return [], []
         posted = time.monotonic()
@@ -229,10 +234,9 @@ class Exchanger:
             works = dist.batch_isend_irecv(ops)
         except Exception as exc:  # noqa: BLE001 - a peer already gone can fail the post itself
             keep_alive((send, recv))
-            raise comm_error([" and ".join(labels)], 0, self.cg, f"{self.op} (posting)", posted, posted,
-                             exc) from exc
+            raise comm_error([tuple(labels)], 0, self.cg, f"{self.op} (posting)", posted, posted, exc) from exc
         if len(works) != len(ops):  # coalesced (NCCL): one request for the whole batch
-            labels = [" and ".join(labels)] * len(works)
+            labels = [tuple(labels)] * len(works)
         return works, labels
 
     def _assemble(self, recv: torch.Tensor, k: int) -> torch.Tensor:
@@ -288,7 +292,7 @@ class Exchanger:
     def finish_adjoint(self, pending: dict, base: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Wait for :meth:`start_adjoint` and add what arrives onto ``base``'s rows: into ``out`` (in place when it
         is ``base``, which the caller must own; a fresh tensor when ``None``)."""
-        wait_all(pending["works"], pending["labels"], self.cg, f"{self.op} (backward)", pending["posted"], pending)
+        wait_all(pending["works"], pending["labels"], self.cg, self.op_backward, pending["posted"], pending)
         pending["works"] = ()
         if not self.send_ranges:
             return base if out is base else (base.contiguous() if out is None else out.copy_(base))
@@ -491,11 +495,12 @@ def _halo_arg(halo: Any) -> Any:
     return tuple(halo) if isinstance(halo, list) else halo
 
 
-def _plan_uniform(x: torch.Tensor, halo: Any, dim: Any, group: Any, boundary: Any, op: str) -> HaloPlan:
+def _plan_uniform(x: torch.Tensor, halo: Any, dim: Any, group: Any, boundary: Any, op: str,
+                  source: torch.Tensor | None = None) -> HaloPlan:
     halo = _halo_arg(halo)
     width = x.shape[-1] if x.dim() else 0
     return resolve(x, group, op, _uniform_plan, (dim, halo, boundary, x.dim(), width, op),
-                   spec=(dim, halo, boundary))
+                   spec=(dim, halo, boundary), source=source)
 
 
 def halo_exchange(x: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *, group: Any | None = None,
@@ -530,6 +535,9 @@ def halo_exchange_(ext: torch.Tensor, halo: int | Sequence[int], dim: int = -2, 
     and ``ext`` is returned. No copy of the shard is made, so the wire is this form's floor (the out-of-place
     :func:`halo_exchange` also pays one copy of the shard). Not differentiable: for inference and rollouts,
     or a layer that owns its buffer; use :func:`halo_exchange` under autograd.
+
+    A buffer made by :func:`halo_exchange` of a shard halo made (``ext = halo_exchange(halo.shard(x), 1)``, then
+    ``ext`` refilled in place step after step) keeps that shard's epoch: after its first call, no agreement.
     """
     # Form the shard view locally where the arguments allow; otherwise hand the agreement something it will
     # refuse on every rank (a malformed halo or dim is named by it; a buffer thinner than its halo shows up as a
@@ -541,7 +549,7 @@ def halo_exchange_(ext: torch.Tensor, halo: int | Sequence[int], dim: int = -2, 
             and isinstance(dim, int) and -ext.dim() <= dim < ext.dim():
         n = ext.shape[dim] - pair[0] - pair[1]
         x = ext.narrow(dim, pair[0], n) if n >= 0 else ext.narrow(dim, 0, 0)
-    plan = _plan_uniform(x, halo, dim, group, boundary, "halo_exchange_")
+    plan = _plan_uniform(x, halo, dim, group, boundary, "halo_exchange_", source=ext)
     if torch.is_grad_enabled() and ext.requires_grad:  # after the agreement: the same verdict on every rank
         raise RuntimeError("halo_exchange_ writes in place and is not differentiable; use halo_exchange (which "
                            "returns a new tensor) under autograd, or call this under torch.no_grad()")

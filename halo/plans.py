@@ -210,7 +210,8 @@ def _recorded(epoch: int, site: int, group: Any, op: str, local: tuple, specs: t
 
 def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple = (), *, site: Site | None = None,
             spec: tuple = (-2,), grad: bool = True, allow_empty: bool = False,
-            coords: tuple[tuple[int, ...], ...] | None = None, replicated: bool = False) -> Any:
+            coords: tuple[tuple[int, ...], ...] | None = None, replicated: bool = False,
+            source: torch.Tensor | None = None) -> Any:
     """The plan of a call on ``x``: ``make(comm_group, extents, *extra)``, where ``extents[k]`` holds every rank's
     extent along the dim of spec ``k`` (agreed, or recorded under the call's epoch: module docstring).
 
@@ -220,11 +221,11 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     backward. ``replicated``: ``x`` is whole on every rank (its shape is the global one), so what a call learned holds
     for as long as its shape does, in any epoch. ``make`` must be a pure function of its arguments that raises
     identically on every rank, and under ``torch.compile`` return plain constants (ints, floats, strings, tuples,
-    NamedTuples).
+    NamedTuples). ``source``: the tensor whose epoch the call belongs to, when not ``x`` itself (a view of it).
     """
     specs = spec if isinstance(spec[0], tuple) else (spec,)
     local = local_key(x, grad)
-    epoch = _REPLICATED if replicated else epoch_of(x)
+    epoch = _REPLICATED if replicated else epoch_of(x if source is None else source)
     if epoch is None or _STATE.validation == "always":
         return _agreed(group, op, local, specs, coords, allow_empty, make, extra)
     return _recorded(epoch, 0 if site is None else site.id, group, op, local, specs, coords, allow_empty, make,
