@@ -48,7 +48,7 @@ def test_bench_quick_writes_csvs(tmp_path):
         assert rows and {"device", "backend", "world", "torch", "triton", "date"} <= set(rows[0]), rows[:1]
         assert all(r["backend"] == "gloo" for r in rows)
     impls = {r["impl"] for r in csv.DictReader((out / "halo_bandwidth.csv").open())}
-    assert {"wire", "exchange", "checked", "naive"} <= impls
+    assert {"wire", "floor", "exchange", "unplanned", "inplace", "naive"} <= impls
 
 
 def test_png_writer_without_matplotlib(tmp_path):
