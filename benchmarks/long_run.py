@@ -5,15 +5,15 @@ Three parts, in one launch on ``--nproc`` ranks (gloo on CPU by default):
 ===========  ==========================================================================================
 part         what is measured
 ===========  ==========================================================================================
-validation   per call, interleaved: ``halo_exchange`` outside ``static_shapes`` (``checked``: one small
-             all-gather of every rank's metadata, then the exchange), inside (``static``: the gather only on
-             the first run), the agreement alone (``agree``: gather + checks, no exchange) and a raw
-             ``all_gather`` of the same 40 int64 (``gather floor``)
-exchange     ``--steps`` (10,000) steps of ``halo_exchange`` forward + backward, outside ``static_shapes``
-             (so every step also runs the agreement): RSS, time per step, every step's output and gradient
-             compared bitwise with the first step's
-conv         ``--conv-steps`` (1,000) steps of ``HaloConv2d`` forward + backward inside ``static_shapes``
-             (a training step), if ``halo.nn.conv`` imports: RSS, time per step, bitwise repeat
+validation   per call, interleaved: ``halo_exchange`` of a shard ``halo.shard`` made (``planned``: after the
+             first call no agreement), of a shard the program sliced itself (``unplanned``: one small agreement
+             of host data per call, then the exchange), the agreement alone (``agree``: gather + checks, no
+             exchange) and a raw ``all_gather`` of the same int64 row on the host group (``gather floor``)
+exchange     ``--steps`` (10,000) steps of ``halo_exchange`` forward + backward of a shard ``halo.shard`` made
+             (the default path: buffers reused, no agreement): RSS, time per step, every step's output and
+             gradient compared bitwise with the first step's
+conv         ``--conv-steps`` (1,000) steps of a converted one-conv model forward + backward (a training step:
+             one entry agreement per step), if ``halo.nn`` imports: RSS, time per step, bitwise repeat
 ===========  ==========================================================================================
 
 Time per step is the max over ranks (DESIGN.md, "Performance model"); ``slowdown`` compares the medians of the
@@ -79,24 +79,26 @@ def _shard(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     return full.tensor_split(world, dim=-2)[rank].contiguous()
 
 
-def _validation(x: torch.Tensor, group: Any, reps: int, device: Any) -> dict[str, float]:
+def _validation(full: torch.Tensor, world: int, rank: int, group: Any, reps: int,
+                device: Any) -> dict[str, float]:
     import torch.distributed as dist
 
-    from halo.exchange import _agree, _needs_grad, _Spec, group_info, halo_exchange, static_shapes
+    from halo import shard
+    from halo.agree import ROW_WORDS, Meta, Spec, agree, needs_grad
+    from halo.comm import comm_group
+    from halo.exchange import halo_exchange
 
-    info = group_info(group)
-    words = torch.zeros(40, dtype=torch.int64)
+    info = comm_group(group)
+    x = shard(full, group=group)
+    local = _shard(full, world, rank)
+    words = torch.zeros(ROW_WORDS, dtype=torch.int64)
     table = [torch.empty_like(words) for _ in range(info.size)]
 
-    def static() -> None:
-        with static_shapes(("long_run.validation", tuple(x.shape))):
-            halo_exchange(x, 1, group=group)
-
     fns: dict[str, Callable[[], Any]] = {
-        "static": static,
-        "checked": lambda: halo_exchange(x, 1, group=group),
-        "agree": lambda: _agree(x, info, (_Spec.of(-2, 1, "zeros"),), "bench", grad=_needs_grad(x)),
-        "gather floor": lambda: dist.all_gather(table, words, group=group),
+        "planned": lambda: halo_exchange(x, 1, group=group),
+        "unplanned": lambda: halo_exchange(local, 1, group=group),
+        "agree": lambda: agree(Meta.of(local, (Spec.of(-2, 1, "zeros"),), needs_grad(local)), info, "bench"),
+        "gather floor": lambda: dist.all_gather(table, words, group=info.host),
     }
     times = time_iterations(fns, reps, group, device, warmup=5)
     return {name: median(ts) for name, ts in times.items()}
@@ -150,7 +152,9 @@ def _slope(points: Sequence[tuple[int, float]]) -> float:
 def long_run_rank(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from halo.exchange import _abandoned, halo_exchange, static_shapes
+    import halo
+    from halo.comm import abandoned
+    from halo.exchange import halo_exchange
     from halo.launch import rank_device
 
     device = rank_device(cfg["backend"])
@@ -160,10 +164,10 @@ def long_run_rank(rank: int, world: int, cfg: dict) -> dict[str, Any]:
 
     out["validation"] = {}
     for shape in cfg["validation_shapes"]:
-        x = _shard(torch.randn(shape, generator=gen), world, rank).to(device)
-        out["validation"][shape] = _validation(x, group, cfg["reps"], device)
+        out["validation"][shape] = _validation(torch.randn(shape, generator=gen).to(device), world, rank, group,
+                                               cfg["reps"], device)
 
-    x = _shard(torch.randn(SHAPE, generator=gen), world, rank).to(device).requires_grad_(True)
+    x = halo.shard(torch.randn(SHAPE, generator=gen).to(device), group=group).requires_grad_(True)
     weight = torch.randn(x.shape[:-2] + (x.shape[-2] + 4, x.shape[-1]), generator=gen).to(device)
 
     def exchange_step() -> tuple[torch.Tensor, ...]:
@@ -185,25 +189,26 @@ def long_run_rank(rank: int, world: int, cfg: dict) -> dict[str, Any]:
         x.detach().clone()
 
     out["exchange"] = _long(exchange_step, wire_and_copy, cfg["steps"], group)
-    out["abandoned"] = len(_abandoned)
+    out["abandoned"] = abandoned()
 
     if cfg["conv_steps"]:
         try:
-            from halo.nn.conv import HaloConv2d
+            from halo.nn import convert_to_domain_parallel
         except ImportError as exc:
-            out["conv"] = f"skipped: halo.nn.conv does not import ({exc})"
+            out["conv"] = f"skipped: halo.nn does not import ({exc})"
             return out
         torch.manual_seed(0)
-        conv = HaloConv2d(CONV_SHAPE[1], CONV_SHAPE[1], 3, padding=1, group=group).to(device)
+        manager = halo.initialize_domain_parallel(world, world)
+        conv = convert_to_domain_parallel(
+            torch.nn.Sequential(torch.nn.Conv2d(CONV_SHAPE[1], CONV_SHAPE[1], 3, padding=1)).to(device), manager)
         xc = _shard(torch.randn(CONV_SHAPE, generator=gen), world, rank).to(device).requires_grad_(True)
 
         def conv_step() -> tuple[torch.Tensor, ...]:
             conv.zero_grad(set_to_none=True)
             xc.grad = None
-            with static_shapes("long_run.conv"):
-                y = conv(xc)
+            y = conv(xc)
             y.square().mean().backward()
-            return y, xc.grad, conv.weight.grad
+            return y, xc.grad, conv[0].weight.grad
 
         plain = torch.nn.Conv2d(CONV_SHAPE[1], CONV_SHAPE[1], 3, padding=1).to(device)
 
@@ -224,7 +229,7 @@ def _rows(results: list[dict], cfg: dict) -> tuple[list[dict], list[dict]]:
         shard_kb = torch.Size(shape).numel() * 4 / len(results) / 2**10
         row = {"part": "validation", "shape": "x".join(map(str, shape)), "shard KB": f"{shard_kb:.0f}",
                **{f"{k} us": f"{v * 1e6:.0f}" for k, v in t.items()},
-               "check cost us": f"{(t['checked'] - t['static']) * 1e6:.0f}"}
+               "agreement cost us": f"{(t['unplanned'] - t['planned']) * 1e6:.0f}"}
         table.append(row)
         rows.append(dict(meta, **row))
     for part, steps in (("exchange", cfg["steps"]), ("conv", cfg["conv_steps"])):
@@ -282,7 +287,8 @@ def run(opts: dict, *, steps: int | None = None, conv_steps: int | None = None, 
         return 0
     rows, table = _rows(results, cfg)
     print_table([r for r in table if r["part"] == "validation"],
-                ["shape", "shard KB", "static us", "checked us", "check cost us", "agree us", "gather floor us"])
+                ["shape", "shard KB", "planned us", "unplanned us", "agreement cost us", "agree us",
+                 "gather floor us"])
     print()
     print_table([r for r in table if r["part"] != "validation"],
                 ["part", "steps", "first 10% us", "last 10% us", "slowdown", "baseline first us", "baseline last us",

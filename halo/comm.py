@@ -31,6 +31,7 @@ from .mesh import resolve_group
 
 __all__ = [
     "CommGroup",
+    "abandoned",
     "HaloCommError",
     "all_reduce",
     "comm_group",
@@ -81,6 +82,11 @@ def get_timeout() -> float | None:
 def keep_alive(obj: Any) -> None:
     """Keep ``obj`` (buffers of a message given up on) alive for good: a late peer may still write into it."""
     _ABANDONED.append(obj)
+
+
+def abandoned() -> int:
+    """How many message buffers were given up on (kept alive) in this process: 0 in a healthy run."""
+    return len(_ABANDONED)
 
 
 @dataclass(frozen=True, eq=False)

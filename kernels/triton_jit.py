@@ -173,7 +173,8 @@ def _pack_adjoint_kernel(out_ptr, g_ptr, b_ptr, S0, S1, S2, S3, S4, o0, o1, o2, 
         acc += tl.load(b + D6, mask=tile & (d >= A6) & (d < E6), other=0).to(acc.dtype)
     if NR > 7:
         acc += tl.load(b + D7, mask=tile & (d >= A7) & (d < E7), other=0).to(acc.dtype)
-    tl.store(out_ptr + (i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3 + i4 * o4), acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + (i0 * o0 + i1 * o1 + i2 * o2 + i3 * o3 + i4 * o4),
+             acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=tile)
 
 

@@ -179,3 +179,35 @@ def test_in_place_exchange_fills_only_the_halo_rows():
     for r in results:
         assert r[:-1] == [True] * len(cases), r
         assert "halo_exchange_ writes in place and is not differentiable" in r[-1]
+
+
+def _replicate_bf16(rank, world):
+    """Rows copied several times (replicate boundary, halo 3) get their gradients back summed in fp32, rounded
+    once, in a fixed order: 256 + 1 + 1 + 1 is 259 in fp32, 260 in bf16; a bf16 running sum would give 256.
+    (The torch path of the kernels: Triton's interpreter rounds fp32 -> bf16 toward zero, compiled Triton rounds
+    to nearest even, as torch does; the kernels' own tests hold them to each other.)"""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"
+    import halo
+    from halo.exchange import halo_exchange
+
+    halo.initialize_domain_parallel(world, world)
+    out = []
+    for _ in range(2):  # twice: bitwise the same
+        x = torch.zeros(1, 2, 4, 6, dtype=torch.bfloat16, requires_grad=True)
+        ext = halo_exchange(x, 3, boundary="replicate")
+        g = torch.zeros_like(ext)
+        g[..., 3, :] = 256  # this rank's first own row
+        g[..., :3, :] = 1 if rank == 0 else 0  # rank 0's three halo rows are copies of its first row
+        ext.backward(g)
+        out.append(x.grad[..., 0, :].float().clone())
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_replicate_backward_sums_in_fp32_deterministically(world):
+    for rank, (first, second) in enumerate(run_on_ranks(_replicate_bf16, world, timeout=60)):
+        assert torch.equal(first, second), rank
+        want = 260.0 if rank == 0 else 256.0
+        assert torch.all(first == want), (rank, first)

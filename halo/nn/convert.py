@@ -138,7 +138,7 @@ def convert_to_domain_parallel(
     def visit(parent: nn.Module, prefix: str) -> None:
         for name, child in list(parent.named_children()):
             path = f"{prefix}{name}"
-            if hasattr(child, _ORIGINAL):  # already converted
+            if hasattr(child, _ORIGINAL) or "_halo_site" in child.__dict__:  # already converted, or a halo layer
                 continue
             kind = type(child)
             if kind in custom:
