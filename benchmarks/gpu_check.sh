@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# GPU check of halo.kernels, for a CUDA machine; a few minutes in all.
+# The GPU check, for one CUDA machine: one prepared run, at most ~8 minutes (each part bounded by `timeout`).
 #   1. tests/test_kernels.py: every Triton-vs-reference test runs compiled on CUDA (and through the
-#      interpreter on CPU), plus the > 2**31-element int64-offset test;
-#   2. benchmarks/pack_kernels.py in full: Triton vs torch reference vs plain copy, 1 MB .. 1 GB.
-# Outputs (test log + junit xml, benchmark table, CSV, PNG, environment) go to $OUT if set, else
+#      interpreter on CPU), plus the > 2**31-element int64-offset test;                         (<= 210 s)
+#   2. benchmarks/gpu_check.py: a converted model's steady training step under
+#      torch.cuda.set_sync_debug_mode("error") (no host sync) with no tensor read or built from data; CUDA-graph
+#      capture and replay of its forward + backward; torch.compile(fullgraph=True, inductor); HaloConv2d vs
+#      nn.Conv2d fwd + bwd time on the same local shape (bf16, 721 x 1440);                    (<= 180 s)
+#   3. benchmarks/pack_kernels.py --quick: Triton vs torch reference vs copy, 1 and 64 MB (full: 1 MB .. 1 GB,
+#      by hand);                                                                                  (<= 150 s)
+# Outputs (logs, junit xml, gpu_check.json, benchmark table, CSV, PNG, environment) go to $OUT if set, else
 # benchmarks/out. Needs the repo pip-installed (pip install -e .) or importable; if `import halo.kernels`
 # fails, it tries `pip install -e . --no-deps --no-build-isolation` (works offline).
 # Usage: bash benchmarks/gpu_check.sh        (PYTHON=/path/to/python to pick the interpreter)
 set -uo pipefail
+export PYTHONUNBUFFERED=1
 
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
@@ -33,9 +39,9 @@ print("device", torch.cuda.get_device_name(), "| backend for a CUDA tensor:", hk
 EOF
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 3
 
-echo "== 1/2 kernel tests (CUDA compiled + CPU interpreter) =="
+echo "== 1/3 kernel tests (CUDA compiled + CPU interpreter) =="
 # The CUDA cases use the compiled kernels whatever TRITON_INTERPRET says (halo.kernels builds both).
-timeout 900 "$PY" -m pytest tests/test_kernels.py -q -rs -p no:cacheprovider --durations=10 \
+timeout 210 "$PY" -m pytest tests/test_kernels.py -q -rs -p no:cacheprovider --durations=10 \
     --junitxml "$OUT_DIR/test_kernels_gpu.xml" 2>&1 | tee "$OUT_DIR/test_kernels_gpu.log"
 test_rc=${PIPESTATUS[0]}
 [ "$test_rc" -eq 0 ] || { echo "kernel tests FAILED (rc $test_rc)"; status=1; }
@@ -43,8 +49,13 @@ if grep -q "SKIPPED.*no CUDA device" "$OUT_DIR/test_kernels_gpu.log"; then
     echo "CUDA cases were skipped: the check did not run on the GPU"; status=1
 fi
 
-echo "== 2/2 pack benchmark (full) =="
-timeout 900 "$PY" benchmarks/pack_kernels.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/pack_kernels_gpu.txt"
+echo "== 2/3 converted model on the GPU: sync-free step, CUDA graph, inductor, HaloConv2d vs conv =="
+timeout 180 "$PY" benchmarks/gpu_check.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/gpu_check.txt"
+check_rc=${PIPESTATUS[0]}
+[ "$check_rc" -eq 0 ] || { echo "gpu_check.py FAILED (rc $check_rc)"; status=1; }
+
+echo "== 3/3 pack benchmark =="
+timeout 150 "$PY" benchmarks/pack_kernels.py --quick --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/pack_kernels_gpu.txt"
 bench_rc=${PIPESTATUS[0]}
 [ "$bench_rc" -eq 0 ] || { echo "benchmark FAILED (rc $bench_rc)"; status=1; }
 
