@@ -17,7 +17,8 @@ pad         ``HaloConv2d(conv, overlap=False)`` in a converted model: pad-then-c
 ==========  ==================================================================================
 
 each as ``y = layer(gelu(x)); y.backward(g)`` (a layer inside a network: its input comes from an activation and
-its input gradient goes back into one, for plain and halo alike). ``ratio`` = impl / plain; the goal is <= 1.05.
+its input gradient goes back into one, for plain and halo alike). ``ratio`` = the median over iterations of impl /
+plain in the same iteration (paired: steadier on a shared machine than a ratio of medians); the goal is <= 1.05.
 Each iteration's time is the max over ranks; the table gives medians.
 
     python benchmarks/conv_overhead.py [--quick] [--nproc 2] [--grid 361x720] [--channels 32,64]
@@ -36,6 +37,7 @@ from halo.bench import (
     append_csv,
     benchmark_parser,
     median,
+    paired_ratio,
     plot_panels,
     print_table,
     rank_entry,
@@ -95,12 +97,12 @@ def conv_rank(rank: int, world: int, cfg: dict) -> list[dict]:
                 raise RuntimeError(f"conv_overhead: {name} output differs from the default")
         fns = {name: functools.partial(_step, layers[name], x, g) for name in IMPLS}
         times = time_iterations(fns, cfg["reps"], group, device, warmup=2)
-        plain = median(times["plain"])
         for name in IMPLS:
             t = median(times[name])
             out.append(dict(meta, dtype=cfg["dtype"], layout="channels_last" if cfg["channels_last"] else
                             "contiguous", grid=f"{h}x{w}", channels=c, local_rows=rows_local, kernel=3, impl=name,
-                            time_ms=f"{t * 1e3:.2f}", ratio_plain=f"{t / plain:.3f}", reps=cfg["reps"]))
+                            time_ms=f"{t * 1e3:.2f}", ratio_plain=f"{paired_ratio(times[name], times['plain']):.3f}",
+                            reps=cfg["reps"]))
     return out if rank == 0 else []
 
 

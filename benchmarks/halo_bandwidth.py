@@ -22,8 +22,9 @@ naive         slice rows, ``.contiguous()``, isend/irecv, ``torch.cat([north, x,
 copy          the copy of the shard alone
 ============  =======================================================================================
 
-``exch/floor`` = exchange / floor (goal <= 1.05), ``inplace/wire`` (goal <= 1.05); every iteration's time is the
-max over ranks, tables give medians. GB/s counts the bytes an interior rank receives (2 messages; 1 with 2 ranks).
+``exch/floor`` = exchange / floor (goal <= 1.05), ``inplace/wire`` (goal <= 1.05), each the median over iterations
+of the two impls' times in the same iteration (paired); every iteration's time is the max over ranks, tables give
+medians. GB/s counts the bytes an interior rank receives (2 messages; 1 with 2 ranks).
 
     python benchmarks/halo_bandwidth.py [--quick] [--nproc 2] [--rows 4] [--width 1] [--sizes 1K,1M]
     torchrun --nproc_per_node=8 benchmarks/halo_bandwidth.py --backend nccl
@@ -41,6 +42,7 @@ from halo.bench import (
     append_csv,
     benchmark_parser,
     median,
+    paired_ratio,
     plot_panels,
     print_table,
     rank_entry,
@@ -145,13 +147,17 @@ def bandwidth_rank(rank: int, world: int, cfg: dict) -> list[dict]:
                 times = time_iterations(fns, reps, group, device)
                 msg = cfg["width"] * shape[1] * shape[3] * x.element_size()
                 wire = median(times["wire"])
+                paired = {"exch/floor": paired_ratio(times["exchange"], times["floor"]),
+                          "inplace/wire": paired_ratio(times["inplace"], times["wire"]),
+                          "unplanned/floor": paired_ratio(times["unplanned"], times["floor"])}
                 for impl in IMPLS:
                     t = median(times[impl])
                     rows.append(dict(meta, dtype=dtype_name, layout=layout, width=cfg["width"], rows=shape[2],
                                      channels=shape[1], lon=shape[3], msg_bytes=msg,
                                      shard_bytes=x.numel() * x.element_size(), impl=impl,
                                      time_us=f"{t * 1e6:.1f}", gb_s=f"{neighbours * msg / t / 1e9:.3f}",
-                                     ratio_wire=f"{t / wire:.2f}", reps=reps))
+                                     ratio_wire=f"{t / wire:.2f}", reps=reps,
+                                     **{k.replace("/", "_per_"): f"{v:.3f}" for k, v in paired.items()}))
                 del x, local, fns
     return rows if rank == 0 else []
 
@@ -168,9 +174,9 @@ def _summary(rows: list[dict]) -> list[dict]:
                     "shard KB": f"{int(by['wire']['shard_bytes']) / KB:.0f}",
                     **{f"{k} us": f"{us[k]:.0f}" for k in IMPLS},
                     "wire GB/s": by["wire"]["gb_s"], "exch GB/s": by["exchange"]["gb_s"],
-                    "exch/floor": f"{us['exchange'] / us['floor']:.3f}",
-                    "inplace/wire": f"{us['inplace'] / us['wire']:.3f}",
-                    "unplanned/floor": f"{us['unplanned'] / us['floor']:.3f}",
+                    "exch/floor": by["exchange"]["exch_per_floor"],
+                    "inplace/wire": by["exchange"]["inplace_per_wire"],
+                    "unplanned/floor": by["exchange"]["unplanned_per_floor"],
                     "naive/floor": f"{us['naive'] / us['floor']:.2f}"})
     return out
 

@@ -37,14 +37,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["BENCHMARKS", "append_csv", "benchmark_parser", "gather_times", "load_benchmark", "median", "plot_panels",
-           "print_table", "rank_entry", "run_bench", "run_meta", "time_iterations"]
+__all__ = ["BENCHMARKS", "append_csv", "benchmark_parser", "gather_times", "load_benchmark", "median",
+           "paired_ratio", "plot_panels", "print_table", "rank_entry", "run_bench", "run_meta", "time_iterations"]
 
 BENCHMARKS = {"bandwidth": "halo_bandwidth", "conv": "conv_overhead", "scaling": "scaling", "pack": "pack_kernels"}
 
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median over iterations of ``num[i] / den[i]``: two impls timed in the same iterations, so a change of the
+    machine's load hits both sides of each ratio (far steadier than a ratio of medians on a shared machine)."""
+    return median([a / b for a, b in zip(num, den, strict=True)])
 
 
 def gather_times(times: Sequence[float], group: Any = None) -> list[float]:

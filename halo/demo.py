@@ -176,8 +176,9 @@ class _Traffic:
                     self.seconds += time.perf_counter() - t0
             return wrapper
 
-        for owner, name, wrap in ((dist, "batch_isend_irecv", count), (exchange.Exchanger, "start", timed),
-                                  (exchange.Exchanger, "finish", timed), (exchange.Exchanger, "adjoint", timed)):
+        timed_methods = ("start", "finish", "halos", "start_adjoint", "finish_adjoint")  # adjoint calls the last two
+        for owner, name, wrap in ((dist, "batch_isend_irecv", count),
+                                  *((exchange.Exchanger, m, timed) for m in timed_methods)):
             orig = getattr(owner, name)
             self._saved.append((owner, name, orig))
             setattr(owner, name, wrap(orig))

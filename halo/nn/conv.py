@@ -21,20 +21,22 @@ each rank are the contribution of its output rows, so their *sum over the domain
 gradient (each output row is computed by exactly one rank). Sum them as for any domain-parallel parameter.
 
 Two ways to run the local conv (see DESIGN.md):
-  * pad-then-conv: exchange into one extended tensor, conv with zero H padding. Every configuration.
-  * compute-then-patch (``overlap=True``): stride 1, symmetric H padding ``p = d*(k-1)/2``, ``padding_mode``
-    zeros. Post the two halo exchanges, run the conv on the shard itself with zero H padding while they are in
-    flight, then recompute the ``p`` top and bottom output rows from small strips and write them over the
-    output. No copy of the shard; communication hidden behind the interior conv.
+  * compute-then-patch (the default where it applies: stride 1 in H, symmetric padding ``p = d(k-1)/2``, shards
+    of at least ``p`` rows; ``_PatchConvFn``): post the exchange of the halo rows, convolve the shard itself with
+    zero H padding while they travel, then add the halo rows' taps to the ``p`` top and bottom output rows (a
+    small conv of the halo rows with the kernel rows that reach them: the conv is linear in its input).
+    Backward: the strips' adjoint first, so the halo gradients travel while torch's backward of the main conv
+    runs; what comes back is added into the conv's own input gradient in place. No copy of the activation or of
+    its gradient; the one sync point per direction hides behind the conv.
+  * pad-then-conv (strided, dilated-asymmetric, transposed, and ``overlap=False``): exchange into an extended
+    shard (a buffer the exchange reuses; the interior copied while the halo rows travel), conv with no H
+    padding. One copy of the shard each way.
 
-Which is the default (``overlap=None`` -> ``OVERLAP_DEFAULT``) was measured with benchmarks/conv_overlap.py
-(2 gloo ranks, shard (1, 64, 181, 360) fp32, 3x3, forward + backward, loaded 2-core CPU; median of the
-per-round time ratio to a plain conv of the same local shape): pad-then-conv 1.15x, compute-then-patch
-1.33x. On CPU the halo messages (2 x 92 KB) cost far less than a pass over the shard, so there is nothing to
-hide, while compute-then-patch's backward makes more full-size passes than it saves (the in-place patch
-clones the output gradient, each trimmed strip exchange's adjoint allocates a zero gradient of the shard,
-and autograd adds three input-gradient branches). Pad-then-conv is the default; re-measure on a GPU
-(NCCL, where communication is worth hiding) before changing it.
+Measured with benchmarks/conv_overhead.py (2 gloo ranks, 361 x 720 split in two, 3x3, fp32, fwd + bwd inside a
+converted model, input from an activation; 2-core VM, 2026-11-30): compute-then-patch 1.00-1.06x a plain conv of
+the same local shape at 32 channels, 1.03-1.07x at 64 (noise on that machine is +-5 %), pad-then-conv 1.11-1.28x.
+``overlap=None`` takes :data:`OVERLAP_DEFAULT`. A circular W padding (longitude) goes through
+:class:`_CircularPadFn` (one copy each way) instead of ``F.pad``, whose backward costs ~8x a copy on CPU.
 """
 
 from __future__ import annotations
