@@ -3,6 +3,8 @@
 import contextlib
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from halo.partition import split_offsets
 
@@ -48,3 +50,23 @@ def portable(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(portable(v) for v in obj)
     return obj
+
+
+class SteadyNet(nn.Module):
+    """Every layer kind whose plan depends on every rank's extents: 3x3 convs (circular in W), GroupNorm, a stride-2
+    conv, max pooling, bilinear upsampling, a transposed conv; 45 x 16 -> 23 -> 11 -> 22 -> 45 rows."""
+
+    def __init__(self, c: int = 3) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(c, 6, 3, padding=1, padding_mode="circular")
+        self.norm = nn.GroupNorm(2, 6)
+        self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1, padding_mode="circular")
+        self.pool = nn.MaxPool2d(2)
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.upt = nn.ConvTranspose2d(6, 6, 4, stride=2, padding=1, output_padding=(1, 0))
+        self.dec = nn.Conv2d(6, c, 3, padding=1, padding_mode="circular")
+
+    def forward(self, x):
+        a = F.gelu(self.norm(self.enc(x)))
+        b = self.up(self.pool(F.gelu(self.down(a))))  # 45 -> 23 -> 11 -> 22
+        return x + self.dec(F.gelu(self.upt(b)))  # 22 -> 45

@@ -13,30 +13,12 @@ Tolerance: the compiled graph may reorder the float64 arithmetic of the local co
 """
 
 import pytest
-import torch.nn.functional as F
-from torch import nn
+from _helpers import SteadyNet
 
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C = 45, 16, 3
-
-
-class CompileNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc = nn.Conv2d(C, 6, 3, padding=1, padding_mode="circular")
-        self.norm = nn.GroupNorm(2, 6)
-        self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1, padding_mode="circular")
-        self.pool = nn.MaxPool2d(2)
-        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
-        self.upt = nn.ConvTranspose2d(6, 6, 4, stride=2, padding=1, output_padding=(1, 0))
-        self.dec = nn.Conv2d(6, C, 3, padding=1, padding_mode="circular")
-
-    def forward(self, x):
-        a = F.gelu(self.norm(self.enc(x)))
-        b = self.up(self.pool(F.gelu(self.down(a))))  # 45 -> 23 -> 11 -> 22
-        return x + self.dec(F.gelu(self.upt(b)))  # 22 -> 45
 
 
 def _compiled(rank, world, backend):
@@ -47,7 +29,7 @@ def _compiled(rank, world, backend):
 
     manager = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)
-    model = convert_to_domain_parallel(CompileNet().double(), manager, boundary="pole")
+    model = convert_to_domain_parallel(SteadyNet().double(), manager, boundary="pole")
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     full = torch.randn(2, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     offs = split_offsets(H, world)

@@ -13,29 +13,13 @@ change) are tested against the unsharded model too.
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import SteadyNet
 from torch import nn
 
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C = 45, 16, 3
-
-
-class SteadyNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc = nn.Conv2d(C, 6, 3, padding=1, padding_mode="circular")
-        self.norm = nn.GroupNorm(2, 6)
-        self.down = nn.Conv2d(6, 6, 3, stride=2, padding=1)
-        self.pool = nn.MaxPool2d(2)
-        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
-        self.upt = nn.ConvTranspose2d(6, 6, 4, stride=2, padding=1, output_padding=(1, 0))
-        self.dec = nn.Conv2d(6, C, 3, padding=1)
-
-    def forward(self, x):
-        a = F.gelu(self.norm(self.enc(x)))
-        b = self.up(self.pool(F.gelu(self.down(a))))  # 45 -> 23 -> 11 -> 22
-        return x + self.dec(F.gelu(self.upt(b)))  # 22 -> 45
 
 
 def _local(full, world, rank):

@@ -52,6 +52,7 @@ __all__ = [
     "HaloAdaptiveMaxPool2d",
     "HaloAvgPool2d",
     "HaloMaxPool2d",
+    "adaptive_pool",
     "halo_adaptive_avg_pool2d",
     "halo_adaptive_max_pool2d",
     "halo_pool",
@@ -254,8 +255,9 @@ def _adaptive_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str,
     return AdaptivePlan(False, ex, hi - lo, windows, w_out)
 
 
-def _adaptive(x: torch.Tensor, output_size, group: Any | None, op: str, is_max: bool, return_indices: bool,
-              site: Site | None = None):
+def adaptive_pool(x: torch.Tensor, output_size, group: Any | None, op: str, is_max: bool, return_indices: bool,
+                  site: Site | None = None):
+    """An adaptive average or max pool of the global field on its H-shards (the modules and functions below)."""
     fn = F.adaptive_max_pool2d if is_max else F.adaptive_avg_pool2d
     plan = resolve(x, group, op, _adaptive_plan, (op, tuple(x.shape), output_size, is_max), site=site)
     if plan.plain:
@@ -281,13 +283,13 @@ def _adaptive(x: torch.Tensor, output_size, group: Any | None, op: str, is_max: 
 
 def halo_adaptive_avg_pool2d(x: torch.Tensor, output_size, *, group: Any | None = None) -> torch.Tensor:
     """``F.adaptive_avg_pool2d`` of the global field, on its H-shards (output: balanced split of its rows)."""
-    return _adaptive(x, output_size, group, "halo_adaptive_avg_pool2d", False, False)
+    return adaptive_pool(x, output_size, group, "halo_adaptive_avg_pool2d", False, False)
 
 
 def halo_adaptive_max_pool2d(x: torch.Tensor, output_size, return_indices: bool = False, *,
                              group: Any | None = None):
     """``F.adaptive_max_pool2d`` of the global field on its H-shards; indices are global flat ``h*W + w``."""
-    return _adaptive(x, output_size, group, "halo_adaptive_max_pool2d", True, return_indices)
+    return adaptive_pool(x, output_size, group, "halo_adaptive_max_pool2d", True, return_indices)
 
 
 class HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
@@ -307,7 +309,7 @@ class HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
         self._halo_site = Site()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _adaptive(x, self.output_size, self.group, "HaloAdaptiveAvgPool2d", False, False, self._halo_site)
+        return adaptive_pool(x, self.output_size, self.group, "HaloAdaptiveAvgPool2d", False, False, self._halo_site)
 
 
 class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
@@ -323,7 +325,7 @@ class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
         self._halo_site = Site()
 
     def forward(self, x: torch.Tensor):
-        return _adaptive(x, self.output_size, self.group, "HaloAdaptiveMaxPool2d", True, self.return_indices,
+        return adaptive_pool(x, self.output_size, self.group, "HaloAdaptiveMaxPool2d", True, self.return_indices,
                          self._halo_site)
 
 

@@ -52,7 +52,7 @@ from ..exchange import exchange, exchanger_id
 from ..mesh import group_attribute
 from ..partition import split_offsets
 from ..plans import Site, carry, device_tensor, resolve
-from .pool import _adaptive, check_output_rows
+from .pool import adaptive_pool, check_output_rows
 
 __all__ = ["HaloUpsample", "halo_interpolate", "kernel_scales", "row_taps"]
 
@@ -332,7 +332,7 @@ def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = 
     if p.kind == "plain":
         return F.interpolate(x, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
     if p.kind == "area":
-        return _adaptive(x, (p.m, p.w_out), group, op, False, False, site)
+        return adaptive_pool(x, (p.m, p.w_out), group, op, False, False, site)
     ext = exchange(x, p.ex, p.rows, 2)
     if _is_channels_last(x):
         ext = ext.contiguous(memory_format=torch.channels_last)
