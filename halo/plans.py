@@ -54,6 +54,8 @@ from .partition import split_sizes
 
 __all__ = [
     "Site",
+    "carry",
+    "clear",
     "device_tensor",
     "enter_root",
     "epoch_of",

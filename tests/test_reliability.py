@@ -248,7 +248,7 @@ def _faulty_sequence(rank, world, fault, steps, marker):
         if faulty and last:
             if fault == "die":
                 os._exit(7)
-            if fault == "die_mid_exchange":  # after the shape all-gather, instead of posting the messages
+            if fault == "die_mid_exchange":  # after the agreement, instead of posting the messages
                 dist.batch_isend_irecv = lambda ops: os._exit(7)
             if fault in ("stall", "stall_steady", "stall_default"):
                 return _stay_away(marker, world)
