@@ -142,9 +142,10 @@ def test_convert_keeps_state_and_refuses_global_layers():
         assert conv["up2"] == "HaloConvTranspose2d" and conv["avg"] == "HaloAvgPool2d"
         assert conv["inc.2"] == "SiLU"
         assert r["same_state"] and r["reverted"]
-        assert "1 (MultiheadAttention) needs the whole sharded latitude dim" in r["errors"]["attention"]
-        assert "1 (Flatten) needs the whole sharded latitude dim" in r["errors"]["flatten"]
-        assert "1 (_Mystery) is not known to act pointwise" in r["errors"]["unknown"]
+        assert "1 (MultiheadAttention) mixes values across the whole sharded latitude dim" in r["errors"]["attention"]
+        assert "1 (Flatten) mixes values across the whole sharded latitude dim" in r["errors"]["flatten"]
+        assert "_Mystery) is not a layer halo knows" in r["errors"]["unknown"]
+        assert "pointwise in latitude when every output row depends only on" in r["errors"]["unknown"]
         assert r["declared"] == "_Mystery"
 
 

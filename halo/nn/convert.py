@@ -25,7 +25,7 @@ from torch import nn
 from ..mesh import DomainParallelManager, GroupRef, get_domain_parallel_manager
 from ..plans import enter_root, exit_root
 
-__all__ = ["ConvertContext", "convert_to_domain_parallel", "revert_domain_parallel"]
+__all__ = ["INSIDE", "ConvertContext", "convert_to_domain_parallel", "revert_domain_parallel"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,60 @@ GLOBAL = (
 
 _ORIGINAL = "_halo_original"
 
+#: ``custom_converters={Block: INSIDE}``: convert the children of ``Block`` and keep ``Block`` itself — for a block
+#: with parameters or buffers of its own that it uses pointwise in latitude (a learned scale, a bias), which halo
+#: refuses to guess.
+INSIDE = object()
+
+
+def _name(kind: type) -> str:
+    module = kind.__module__
+    return kind.__name__ if module.startswith("torch.nn") or module == "builtins" else f"{module}.{kind.__name__}"
+
+
+def _same_forward(kind: type, base: type) -> bool:
+    return getattr(kind, "forward", None) is getattr(base, "forward", None)
+
+
+def _overrides_any_base(kind: type) -> bool:
+    """A subclass of a torch layer (not of ``nn.Module`` itself) with a forward of its own."""
+    bases = [b for b in kind.__mro__[1:] if b.__module__.startswith("torch.nn.modules") and b is not nn.Module
+             and b not in (nn.Sequential, nn.ModuleList, nn.ModuleDict)]
+    return bool(bases) and not _same_forward(kind, bases[0])
+
+
+def _halo_name(base: type) -> str:
+    return {nn.Conv2d: "HaloConv2d", nn.Conv3d: "HaloConv3d", nn.ConvTranspose2d: "HaloConvTranspose2d",
+            nn.BatchNorm2d: "DomainBatchNorm2d", nn.GroupNorm: "DomainGroupNorm", nn.LayerNorm: "DomainLayerNorm",
+            nn.InstanceNorm2d: "DomainInstanceNorm2d", nn.Upsample: "HaloUpsample", nn.MaxPool2d: "HaloMaxPool2d",
+            nn.AvgPool2d: "HaloAvgPool2d"}.get(base, f"layer for nn.{base.__name__}")
+
+
+def _unknown(path: str, kind: type, own: list[str]) -> str:
+    what = (f"has parameters or buffers of its own ({', '.join(own)}) and a forward() halo cannot read"
+            if own else "is not a layer halo knows")
+    hint = (f"If it uses them only pointwise in latitude and its children do the rest, pass "
+            f"custom_converters={{{kind.__name__}: halo.nn.convert.INSIDE}} (its children are converted, itself "
+            f"kept). " if own else "")
+    return (f"{path} ({_name(kind)}) {what}. A layer is pointwise in latitude when every output row depends only on "
+            f"the input row of the same latitude and the layer keeps the number of rows (an activation, dropout, a "
+            f"1x1 conv, a per-pixel linear map, a softmax over channels); such a layer can be declared with "
+            f"custom_converters={{{kind.__name__}: None}}. {hint}A layer that reads other rows or changes H (a conv, "
+            f"a pool, a pad, a resize, attention, a reduction over H or H x W) cannot: give a converter "
+            f"custom_converters={{{kind.__name__}: fn}} with fn(module, ctx) returning a module that computes the "
+            f"same on an H-shard, or gather before it (halo.gather)")
+
+
+def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Module] | None:
+    """Converters for third-party layers that subclass a torch layer with a forward of their own."""
+    from . import norm
+
+    kind = type(module)
+    if kind.__name__ == "BatchNormAct2d" and isinstance(module, nn.BatchNorm2d) \
+            and {"drop", "act"} <= set(module._modules):  # timm.layers.BatchNormAct2d: batch norm, drop, act
+        return lambda m, ctx: norm.DomainBatchNormAct2d(m, group=ctx.group, dp_group=ctx.dp_group)
+    return None
+
 
 def convert_to_domain_parallel(
     model: nn.Module,
@@ -135,33 +189,68 @@ def convert_to_domain_parallel(
     custom = dict(custom_converters or {})
     builtin = _builtin_converters()
 
+    replaced: dict[int, nn.Module] = {}  # id(original) -> its one replacement (a module used in several slots)
+    visited: set[int] = set()
+
+    def convert(child: nn.Module, path: str) -> nn.Module | None:
+        """The replacement of ``child`` (itself: keep it), or ``None``: a container to convert inside."""
+        kind = type(child)
+        if kind in custom:
+            fn = custom[kind]
+            if fn is INSIDE:
+                return None
+            return child if fn is None else fn(child, ctx)
+        if kind in builtin:
+            return builtin[kind](child, ctx)
+        adapter = _adapter(child)
+        if adapter is not None:
+            return adapter(child, ctx)
+        base = next((b for b in kind.__mro__[1:] if b in builtin), None)
+        if base is not None:  # a subclass of a layer halo converts
+            if _same_forward(kind, base):
+                return builtin[base](child, ctx)  # only __init__ differs (nn.UpsamplingBilinear2d, ...)
+            raise ValueError(
+                f"{path} ({_name(kind)}) subclasses nn.{base.__name__} but has a forward() of its own, which halo "
+                f"cannot make domain-parallel as it is (converting only the nn.{base.__name__} part would run the "
+                f"rest on one shard, and leaving it would compute per-shard results: both silently wrong). Pass "
+                f"custom_converters={{{kind.__name__}: fn}} with fn(module, ctx) returning a module that computes "
+                f"the same on an H-shard (e.g. halo's {_halo_name(base)} followed by the rest of its forward)")
+        if isinstance(child, GLOBAL):
+            raise ValueError(
+                f"{path} ({_name(kind)}) mixes values across the whole sharded latitude dim and has no "
+                f"domain-parallel form in halo; gather before it (halo.gather), shard after it, or give "
+                f"custom_converters={{{kind.__name__}: fn}} returning a module that computes the same on an H-shard")
+        if isinstance(child, POINTWISE) and _same_forward(kind, next(b for b in kind.__mro__ if b in POINTWISE)):
+            return child
+        own = [n for n, t in (*child._parameters.items(), *child._buffers.items()) if t is not None]
+        if next(child.children(), None) is not None and not own and not _overrides_any_base(kind):
+            return None  # a container or a composite block without state of its own: convert inside it
+        raise ValueError(_unknown(path, kind, own))
+
     def visit(parent: nn.Module, prefix: str) -> None:
-        for name, child in list(parent.named_children()):
+        for name, child in list(parent._modules.items()):  # every slot: a module used twice appears twice
+            if child is None:
+                continue
             path = f"{prefix}{name}"
-            if hasattr(child, _ORIGINAL) or "_halo_site" in child.__dict__:  # already converted, or a halo layer
+            if id(child) in replaced:
+                if parent._modules[name] is not replaced[id(child)]:
+                    parent._modules[name] = replaced[id(child)]
                 continue
-            kind = type(child)
-            if kind in custom:
-                fn = custom[kind]
-                replacement = child if fn is None else fn(child, ctx)
-            elif kind in builtin:
-                replacement = builtin[kind](child, ctx)
-            elif isinstance(child, GLOBAL):
-                raise ValueError(
-                    f"{path} ({kind.__name__}) needs the whole sharded latitude dim and has no domain-parallel "
-                    f"form; gather before it (halo.gather) or declare a converter in custom_converters")
-            elif isinstance(child, POINTWISE):
+            if hasattr(child, _ORIGINAL) or "_halo_site" in child.__dict__:  # converted already, or halo's own
                 continue
-            elif next(child.children(), None) is not None:
-                visit(child, path + ".")  # a container or a composite block: convert inside it
+            replacement = convert(child, path)
+            if replacement is None:
+                if id(child) not in visited:
+                    visited.add(id(child))
+                    visit(child, path + ".")
                 continue
-            else:
-                raise ValueError(
-                    f"{path} ({kind.__name__}) is not known to act pointwise in latitude; if it does, pass "
-                    f"custom_converters={{{kind.__name__}: None}}, else provide a converter for it")
+            replaced[id(child)] = replacement
             if replacement is not child:
                 object.__setattr__(replacement, _ORIGINAL, child)
-                setattr(parent, name, replacement)
+                parent._modules[name] = replacement
+                if id(replacement) not in visited and next(replacement.children(), None) is not None:
+                    visited.add(id(replacement))
+                    visit(replacement, path + ".")  # children an adapter keeps (an activation after a norm)
 
     visit(model, "")
     _make_root(model, manager.domain_group, grid)
@@ -207,10 +296,13 @@ def _drop_root(model: nn.Module) -> None:
 def revert_domain_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`convert_to_domain_parallel` in place; parameters and buffers carry over to the originals."""
     _drop_root(model)
+    done: set[int] = set()
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            original = getattr(child, _ORIGINAL, None)
+        for name, child in list(parent._modules.items()):  # every slot
+            original = getattr(child, _ORIGINAL, None) if child is not None else None
             if original is not None:
-                original.load_state_dict(child.state_dict())
-                setattr(parent, name, original)
+                if id(child) not in done:
+                    done.add(id(child))
+                    original.load_state_dict(child.state_dict())
+                parent._modules[name] = original
     return model

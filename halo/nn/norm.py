@@ -55,7 +55,8 @@ from ..mesh import GroupRef, get_domain_parallel_manager
 from ..plans import Site, resolve, shard_sizes
 from ..reduce import accumulation_dtype, all_reduce
 
-__all__ = ["DomainGroupNorm", "DomainBatchNorm2d", "DomainInstanceNorm2d", "DomainLayerNorm", "domain_var_mean"]
+__all__ = ["DomainBatchNorm2d", "DomainBatchNormAct2d", "DomainGroupNorm", "DomainInstanceNorm2d", "DomainLayerNorm",
+           "domain_var_mean"]
 
 
 # -- statistics ------------------------------------------------------------------------------------------------
@@ -458,6 +459,15 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
             _update_running(self, mean, var, count, factor)
         y = _normalize(x, var, mean, self.eps)
         return _affine(y, self.weight, self.bias, (1, -1, 1, 1)).to(x.dtype)
+
+
+class DomainBatchNormAct2d(DomainBatchNorm2d):
+    """timm's ``BatchNormAct2d`` (a ``BatchNorm2d`` subclass whose forward is the batch norm, then its ``drop`` and
+    ``act`` children: every timm EfficientNet/RegNet/ResNeSt encoder) with the domain batch norm: the same
+    parameters, buffers and children, so the same ``state_dict``. Made by ``convert_to_domain_parallel``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))
 
 
 class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):

@@ -1,0 +1,157 @@
+"""The converter on structures real model zoos use: tied modules, subclasses, blocks with their own state.
+
+Each structure runs converted on 2 gloo ranks and unsharded in the same test (float64, 21 rows: uneven shards,
+train mode), forward and backward; parameter gradients summed over the ranks equal the unsharded ones. Tolerance
+1e-12: only the order of sums differs (norm statistics and parameter gradients added across ranks).
+
+Before this test the converter walked ``named_children()``, which yields a module used in two slots once (the
+second slot kept the plain conv and ran it on the shard: error 0.47, nothing raised), and recursed into any
+module with children, so timm's ``BatchNormAct2d`` (a ``BatchNorm2d`` subclass holding ``drop``/``act``) kept
+per-shard statistics (error 1.4, nothing raised).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from halo.partition import split_offsets
+from halo.testing import run_on_ranks
+
+H, W = 21, 12
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm.layers.BatchNormAct2d, as timm writes it (timm itself imports torchvision, which the CPU wheel of torch
+    here cannot load): batch norm in its own forward, then ``drop`` and ``act`` children."""
+
+    def __init__(self, num_features, act=nn.ReLU, drop=0.0):
+        super().__init__(num_features)
+        self.drop = nn.Dropout(drop) if drop else nn.Identity()
+        self.act = act()
+
+    def forward(self, x):
+        training = self.training or self.running_mean is None
+        x = F.batch_norm(x, self.running_mean if not self.training or self.track_running_stats else None,
+                         self.running_var if not self.training or self.track_running_stats else None,
+                         self.weight, self.bias, training, 0.1 if self.momentum is None else self.momentum, self.eps)
+        return self.act(self.drop(x))
+
+
+class Tied(nn.Module):
+    """One conv used twice (tied weights), and a BatchNormAct2d."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.again = self.conv  # the same instance in a second slot
+        self.bn = BatchNormAct2d(3, act=nn.SiLU)
+        self.up = nn.UpsamplingBilinear2d(scale_factor=2)  # an Upsample subclass with no forward of its own
+        self.near = nn.UpsamplingNearest2d(scale_factor=0.5)
+
+    def forward(self, x):
+        return self.near(self.up(self.bn(self.again(F.gelu(self.conv(x))))))
+
+
+def _run(rank, world, build):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    m = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = build().double()
+    keys = list(model.state_dict())
+    convert_to_domain_parallel(model, m)
+    types = {name: type(mod).__name__ for name, mod in model.named_modules(remove_duplicate=False)}
+    full = torch.randn(2, 3, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    offs = split_offsets(H, world)
+    x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+    out = model(x)
+    full_out = halo.gather(out.detach())
+    wts = torch.randn(full_out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    mo = split_offsets(wts.shape[-2], world)
+    (out * wts[..., mo[rank]:mo[rank + 1], :]).sum().backward()  # each rank weighs its own output rows
+    return {"types": types, "keys": list(model.state_dict()) == keys, "out": full_out, "grad": halo.gather(x.grad),
+            "params": {n: p.grad for n, p in model.named_parameters()}, "wts": wts}
+
+
+def _reference(build, wts):
+    torch.manual_seed(0)
+    model = build().double()
+    full = torch.randn(2, 3, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = full.clone().requires_grad_(True)
+    out = model(x)
+    (out * wts).sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tied_module_and_batchnorm_subclass_convert_exactly(world):
+    results = run_on_ranks(_run, world, Tied, timeout=120)
+    out, grad, params = _reference(Tied, results[0]["wts"])
+    for r in results:
+        assert r["types"]["conv"] == r["types"]["again"] == "HaloConv2d", r["types"]
+        assert r["types"]["bn"] == "DomainBatchNormAct2d" and r["types"]["bn.act"] == "SiLU", r["types"]
+        assert r["types"]["up"] == r["types"]["near"] == "HaloUpsample", r["types"]
+        assert r["keys"]
+        assert torch.allclose(r["out"], out, rtol=0, atol=1e-12), (r["out"] - out).abs().max()
+        assert torch.allclose(r["grad"], grad, rtol=0, atol=1e-12), (r["grad"] - grad).abs().max()
+    for name, want in params.items():
+        got = sum(r["params"][name] for r in results)
+        assert torch.allclose(got, want, rtol=0, atol=1e-11), (name, (got - want).abs().max())
+
+
+class OwnForwardNorm(nn.BatchNorm2d):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class Scaled(nn.Module):
+    """A block with a parameter of its own, used pointwise, around a conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(3, 1, 1))
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        return self.gamma * self.conv(x)
+
+
+class Pad(nn.Module):
+    def forward(self, x):
+        return F.pad(x, (1, 1, 1, 1))
+
+
+def _refusals(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    m = halo.initialize_domain_parallel(world, world)
+    out = {}
+    for name, model in (("own_forward", nn.Sequential(OwnForwardNorm(3))), ("own_state", nn.Sequential(Scaled())),
+                        ("unknown", nn.Sequential(nn.Conv2d(3, 3, 3), Pad()))):
+        try:
+            convert_to_domain_parallel(model, m)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    inside = convert_to_domain_parallel(nn.Sequential(Scaled()), m, custom_converters={Scaled: INSIDE})
+    out["inside"] = (type(inside[0]).__name__, type(inside[0].conv).__name__)
+    twice = convert_to_domain_parallel(convert_to_domain_parallel(nn.Sequential(nn.Conv2d(3, 3, 3)), m), m)
+    out["idempotent"] = type(twice[0]).__name__
+    return out
+
+
+def test_subclasses_and_blocks_with_own_state_are_refused_with_a_way_out():
+    for r in run_on_ranks(_refusals, 2, timeout=60):
+        assert "0 (test_convert.OwnForwardNorm) subclasses nn.BatchNorm2d but has a forward() of its own" \
+            in r["own_forward"], r["own_forward"]
+        assert "custom_converters={OwnForwardNorm: fn}" in r["own_forward"]
+        assert "has parameters or buffers of its own (gamma)" in r["own_state"], r["own_state"]
+        assert "custom_converters={Scaled: halo.nn.convert.INSIDE}" in r["own_state"]
+        assert "1 (test_convert.Pad) is not a layer halo knows" in r["unknown"], r["unknown"]
+        assert "A layer that reads other rows or changes H (a conv, a pool, a pad" in r["unknown"]
+        assert r["inside"] == ("Scaled", "HaloConv2d")
+        assert r["idempotent"] == "HaloConv2d"
