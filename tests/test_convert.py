@@ -155,3 +155,59 @@ def test_subclasses_and_blocks_with_own_state_are_refused_with_a_way_out():
         assert "A layer that reads other rows or changes H (a conv, a pool, a pad" in r["unknown"]
         assert r["inside"] == ("Scaled", "HaloConv2d")
         assert r["idempotent"] == "HaloConv2d"
+
+
+PADS = [nn.ZeroPad2d((1, 2, 3, 0)), nn.ZeroPad2d((0, 0, -2, 1)), nn.ConstantPad2d((2, 1, 1, 2), 0.0),
+        nn.ReflectionPad2d((1, 1, 2, 3)), nn.ReplicationPad2d((2, 0, 4, 1)), nn.CircularPad2d((1, 2, 3, 2))]
+
+
+def _pads_and_softmax(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    m = halo.initialize_domain_parallel(world, world)
+    full = torch.randn(2, 3, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    offs = split_offsets(H, world)
+    out = []
+    for i, pad in enumerate(PADS + [nn.Softmax(dim=1), nn.LogSoftmax(dim=-1), nn.Softmax2d()]):
+        model = convert_to_domain_parallel(nn.Sequential(pad), m)
+        x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+        y = model(x)
+        y_full = halo.gather(y.detach())
+        wts = torch.randn(y_full.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + i))
+        mo = split_offsets(y_full.shape[-2], world)
+        (y * wts[..., mo[rank]:mo[rank + 1], :]).sum().backward()
+        out.append((type(model[0]).__name__, y_full, halo.gather(x.grad), wts))
+    errors = {}
+    for name, bad, shape in (("softmax_h", nn.Softmax(dim=2), None), ("softmax_flat", nn.Softmax(dim=-1), "flat")):
+        model = convert_to_domain_parallel(nn.Sequential(bad), m)
+        x = full[..., offs[rank]:offs[rank + 1], :]
+        try:
+            model(x.flatten(-2) if shape == "flat" else x)
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return out, errors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_padding_and_softmax_modules_are_exact_or_refused(world):
+    results = run_on_ranks(_pads_and_softmax, world, timeout=120)
+    full = torch.randn(2, 3, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for i, layer in enumerate(PADS + [nn.Softmax(dim=1), nn.LogSoftmax(dim=-1), nn.Softmax2d()]):
+        x = full.clone().requires_grad_(True)
+        y = layer(x)
+        (gx,) = torch.autograd.grad((y * results[0][0][i][3]).sum(), x)  # the same weights on every rank
+        for out, errors in results:
+            kind, got, grad, _ = out[i]
+            want_kind = "HaloPad2d" if i < len(PADS) else {"Softmax": "DomainSoftmax", "LogSoftmax":
+                                                              "DomainLogSoftmax"}.get(type(layer).__name__, "Softmax2d")
+            assert kind == want_kind, (i, kind)
+            if i < len(PADS):  # rows are copied: bitwise
+                assert torch.equal(got, y.detach()), (layer, (got - y).abs().max())
+            else:  # the same arithmetic per pixel; vectorised loops may round the last bit differently
+                assert torch.allclose(got, y.detach(), rtol=0, atol=1e-15), (layer, (got - y).abs().max())
+            assert torch.allclose(grad, gx, rtol=0, atol=1e-12), (layer, (grad - gx).abs().max())
+            assert "0 (nn.Softmax(dim=2)) on an input of shape" in errors["softmax_h"], errors
+            assert "would normalise over H" in errors["softmax_h"]
+            assert "may hold H (e.g. H x W flattened)" in errors["softmax_flat"], errors

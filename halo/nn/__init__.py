@@ -2,15 +2,20 @@
 
 from .conv import HaloConv2d, HaloConv3d, HaloConvTranspose2d
 from .convert import convert_to_domain_parallel, revert_domain_parallel
-from .norm import DomainBatchNorm2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
+from .norm import DomainBatchNorm2d, DomainBatchNormAct2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
+from .pad import HaloPad2d
 from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d, HaloAvgPool2d, HaloMaxPool2d
+from .softmax import DomainLogSoftmax, DomainSoftmax
 from .upsample import HaloUpsample, halo_interpolate
 
 __all__ = [
     "DomainBatchNorm2d",
+    "DomainBatchNormAct2d",
     "DomainGroupNorm",
     "DomainInstanceNorm2d",
     "DomainLayerNorm",
+    "DomainLogSoftmax",
+    "DomainSoftmax",
     "HaloAdaptiveAvgPool2d",
     "HaloAdaptiveMaxPool2d",
     "HaloAvgPool2d",
@@ -18,6 +23,7 @@ __all__ = [
     "HaloConv3d",
     "HaloConvTranspose2d",
     "HaloMaxPool2d",
+    "HaloPad2d",
     "HaloUpsample",
     "convert_to_domain_parallel",
     "halo_interpolate",

@@ -45,7 +45,7 @@ def _is_pointwise_conv(m: nn.Module) -> bool:
 
 
 def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None]:
-    from . import conv, norm, pool, upsample
+    from . import conv, norm, pad, pool, softmax, upsample
 
     def c2d(m, ctx):
         return m if _is_pointwise_conv(m) else conv.HaloConv2d(m, group=ctx.group, boundary=ctx.boundary)
@@ -71,6 +71,9 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         nn.BatchNorm2d: lambda m, ctx: norm.DomainBatchNorm2d(m, group=ctx.group, dp_group=ctx.dp_group),
         nn.InstanceNorm2d: lambda m, ctx: norm.DomainInstanceNorm2d(m, group=ctx.group),
         nn.LayerNorm: layer_norm,
+        nn.Softmax: lambda m, ctx: softmax.DomainSoftmax(m),
+        nn.LogSoftmax: lambda m, ctx: softmax.DomainLogSoftmax(m),
+        **{kind: (lambda m, ctx: pad.HaloPad2d(m, group=ctx.group)) for kind in pad.PADDING_MODULES},
     }
 
 
@@ -79,7 +82,7 @@ POINTWISE = (
     nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.SELU, nn.CELU,
     nn.PReLU, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign,
     nn.Tanhshrink, nn.Threshold, nn.Dropout, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Linear,
-    nn.Bilinear, nn.Embedding,
+    nn.Bilinear, nn.Embedding, nn.Softmax2d,
 )
 
 #: Leaf modules that need the whole sharded dim and have no domain-parallel form here.
@@ -87,7 +90,7 @@ GLOBAL = (
     nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.Transformer,
     nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d,
     nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Unfold, nn.Fold,
-    nn.PixelShuffle, nn.PixelUnshuffle, nn.Softmax2d, nn.LocalResponseNorm, nn.ConvTranspose1d,
+    nn.PixelShuffle, nn.PixelUnshuffle, nn.LocalResponseNorm, nn.ConvTranspose1d,
     nn.ConvTranspose3d, nn.Conv1d, nn.MaxPool1d, nn.AvgPool1d, nn.MaxPool3d, nn.AvgPool3d,
     nn.BatchNorm1d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm3d, nn.SyncBatchNorm,
 )
@@ -246,6 +249,8 @@ def convert_to_domain_parallel(
                 continue
             replaced[id(child)] = replacement
             if replacement is not child:
+                if "_halo_path" in replacement.__dict__:
+                    replacement._halo_path = path  # its errors name where it sits
                 object.__setattr__(replacement, _ORIGINAL, child)
                 parent._modules[name] = replacement
                 if id(replacement) not in visited and next(replacement.children(), None) is not None:

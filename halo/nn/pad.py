@@ -1,0 +1,97 @@
+"""Padding modules on an H-shard: the output is the balanced split of the padded global field.
+
+``nn.ZeroPad2d``, ``nn.ConstantPad2d`` (value 0), ``nn.ReflectionPad2d``, ``nn.ReplicationPad2d`` and
+``nn.CircularPad2d`` pad ``(left, right, top, bottom)``. Along W (not sharded) each rank pads as the module does.
+Along H the padded field has ``N + top + bottom`` rows; rank ``r`` holds rows ``[o0, o1)`` of its balanced split,
+which are the input's virtual rows ``[o0 - top, o1 - top)``: one planned exchange whose boundary is the padding
+mode (``zeros``, ``reflect``, ``replicate``, ``circular``) fetches exactly those, whichever ranks own them (the
+shards move by ``top`` rows, so a rank's output generally holds rows of its neighbours). Forward is a copy of
+rows, bitwise the padded field's; backward is the exchange's exact adjoint (rows copied several times, as
+``replicate`` copies the edge, get their gradients summed in a fixed order). A negative padding crops, as in torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import CommGroup
+from ..exchange import exchange, exchanger_id
+from ..mesh import group_attribute
+from ..partition import split_offsets
+from ..plans import Site, carry, resolve
+from .pool import check_output_rows
+
+__all__ = ["HaloPad2d", "PADDING_MODULES"]
+
+#: torch's 2-d padding modules and the boundary that fills their H rows beyond the domain.
+PADDING_MODULES: dict[type, str] = {nn.ZeroPad2d: "zeros", nn.ConstantPad2d: "zeros", nn.ReflectionPad2d: "reflect",
+                                    nn.ReplicationPad2d: "replicate"}
+if hasattr(nn, "CircularPad2d"):
+    PADDING_MODULES[nn.CircularPad2d] = "circular"
+
+_W_MODE = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
+
+
+class PadPlan(NamedTuple):
+    """A padding call as planned for this rank: the exchange of its output rows (``plain``: one rank)."""
+
+    plain: bool
+    ex: int = -1
+    rows: int = 0
+
+
+def _pad_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int, top: int, bottom: int, boundary: str,
+              op: str) -> PadPlan:
+    (sizes,) = extents
+    if cg.size == 1:
+        return PadPlan(True)
+    n = sum(sizes)
+    m = n + top + bottom
+    check_output_rows(op, m, n, cg.size, f", padding (top {top}, bottom {bottom})")
+    offs = split_offsets(m, cg.size)
+    needs = tuple((offs[r] - top, offs[r + 1] - top) for r in range(cg.size))
+    return PadPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, op), offs[cg.index + 1] - offs[cg.index])
+
+
+class HaloPad2d(nn.Module):
+    """A torch 2-d padding module on an H-shard (module docstring); ``HaloPad2d(nn.ReflectionPad2d(2))``."""
+
+    group = group_attribute()
+
+    def __init__(self, pad: nn.Module, *, group: Any | None = None) -> None:
+        super().__init__()
+        kind = type(pad)
+        if kind not in PADDING_MODULES:
+            raise TypeError(f"HaloPad2d wraps one of {', '.join(k.__name__ for k in PADDING_MODULES)}, got "
+                            f"{kind.__name__}")
+        value = getattr(pad, "value", 0.0)
+        if value != 0:
+            raise ValueError(f"HaloPad2d: {kind.__name__} with value {value} is not supported (the rows beyond the "
+                             f"domain are exchanged as zeros); pad with zeros and add the value where you need it")
+        self.padding = tuple(int(p) for p in pad.padding)
+        self.boundary = PADDING_MODULES[kind]
+        self.kind = kind.__name__
+        self.group = group
+        self._halo_site = Site()
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, padding={self.padding}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        left, right, top, bottom = self.padding
+        if x.dim() not in (3, 4):
+            raise ValueError(f"HaloPad2d: expected a (B, C, H, W) or (C, H, W) shard, got shape {tuple(x.shape)}")
+        op = f"HaloPad2d({self.kind})"
+        plan = resolve(x, self.group, op, _pad_plan, (x.dim() - 2, top, bottom, self.boundary, op),
+                       site=self._halo_site)
+        if plan.plain:
+            return F.pad(x, self.padding, mode=_W_MODE[self.boundary])
+        out = exchange(x, plan.ex, plan.rows, x.dim() - 2)
+        if left or right:  # W is not sharded: pad it as the module does
+            out = F.pad(out, (left, right, 0, 0), mode=_W_MODE[self.boundary])
+        carry(out, x)
+        return out

@@ -1,0 +1,59 @@
+"""Softmax and log-softmax on an H-shard: pointwise in latitude when they normalise over a dim other than H.
+
+``nn.Softmax(dim)`` / ``nn.LogSoftmax(dim)`` over channels (dim 1 of ``(B, C, H, W)``) or longitude (dim 3; W is
+not sharded) mix no latitude rows: every rank computes its rows exactly. Over H (dim 2), or over a dim that a model
+made by flattening H with W (``(B, C, H * W)``, MAnet's attention), the normalisation runs over the whole field:
+computing it per shard is silently wrong, so these raise, naming the module. Which is which is decided from the
+input at each call (the module cannot know how its input was made): a 4-d input with ``dim`` not 2, or a 3-d input
+``(C, H, W)`` / ``(B, C, L)`` with ``dim`` 0 (channels or batch either way); anything else is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..plans import Site
+
+__all__ = ["DomainLogSoftmax", "DomainSoftmax"]
+
+
+def _check(module: nn.Module, x: torch.Tensor) -> None:
+    dim = module.dim
+    if dim is None:  # torch's legacy choice of dim
+        dim = 0 if x.dim() in (0, 1, 3) else 1
+    d = dim % max(x.dim(), 1)
+    if (x.dim() == 4 and d != 2) or (x.dim() == 3 and d == 0):
+        return
+    name = type(module).__name__.removeprefix("Domain")
+    raise ValueError(
+        f"{module._halo_path or name} (nn.{name}(dim={module.dim})) on an input of shape {tuple(x.shape)}: "
+        f"halo shards latitude (dim -2 of (B, C, H, W)), and this would normalise over "
+        f"{'H' if x.dim() == 4 else 'a dim that may hold H (e.g. H x W flattened)'}, which a shard cannot do on its "
+        f"own. Normalise over channels or longitude, or gather the field first (halo.gather)")
+
+
+class DomainSoftmax(nn.Softmax):
+    """``nn.Softmax`` on an H-shard (module docstring): the same numbers, or an error naming the module."""
+
+    def __init__(self, softmax: nn.Softmax, path: str = "") -> None:
+        super().__init__(softmax.dim)
+        self._halo_path = path
+        self._halo_site = Site()  # a halo layer: conversion leaves it as it is
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check(self, x)
+        return super().forward(x)
+
+
+class DomainLogSoftmax(nn.LogSoftmax):
+    """``nn.LogSoftmax`` on an H-shard (module docstring): the same numbers, or an error naming the module."""
+
+    def __init__(self, softmax: nn.LogSoftmax, path: str = "") -> None:
+        super().__init__(softmax.dim)
+        self._halo_path = path
+        self._halo_site = Site()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check(self, x)
+        return super().forward(x)
