@@ -100,7 +100,9 @@ def check_output_rows(op: str, m: int, n: int, parts: int, detail: str = "") -> 
     if m < parts:
         raise ValueError(
             f"{op}: the output has {m} rows along H ({n} input rows{detail}) but the domain group has {parts} "
-            f"ranks; every rank needs at least one output row: use at most {max(m, 1)} ranks for this layer")
+            f"ranks; every rank needs at least one output row: use at most {max(m, 1)} ranks for this layer"
+            + (", or for a global average pool write halo.reduce.domain_mean(x, dim=(-2, -1), keepdim=True) "
+               "(its result is the same on every rank)" if m == 1 and "max" not in op.lower() else ""))
 
 
 _META_OPS = {"max": F.max_pool2d, "avg": F.avg_pool2d, "adaptive_avg": F.adaptive_avg_pool2d,
