@@ -101,8 +101,9 @@ def check_output_rows(op: str, m: int, n: int, parts: int, detail: str = "") -> 
         raise ValueError(
             f"{op}: the output has {m} rows along H ({n} input rows{detail}) but the domain group has {parts} "
             f"ranks; every rank needs at least one output row: use at most {max(m, 1)} ranks for this layer"
-            + (", or for a global average pool write halo.reduce.domain_mean(x, dim=(-2, -1), keepdim=True) "
-               "(its result is the same on every rank)" if m == 1 and "max" not in op.lower() else ""))
+            + ("; a global pool's result is needed whole on every rank, which halo does not convert yet (not "
+               "halo.reduce.domain_mean: its backward counts a replicated loss once, wrong inside a model)"
+               if m == 1 else ""))
 
 
 _META_OPS = {"max": F.max_pool2d, "avg": F.avg_pool2d, "adaptive_avg": F.adaptive_avg_pool2d,
