@@ -125,13 +125,15 @@ class Pad(nn.Module):
 
 def _refusals(rank, world):
     import halo
-    from halo.nn import convert_to_domain_parallel
+    from halo.nn import HaloConv2d, convert_to_domain_parallel
     from halo.nn.convert import INSIDE
 
     m = halo.initialize_domain_parallel(world, world)
     out = {}
     for name, model in (("own_forward", nn.Sequential(OwnForwardNorm(3))), ("own_state", nn.Sequential(Scaled())),
-                        ("unknown", nn.Sequential(nn.Conv2d(3, 3, 3), Pad()))):
+                        ("unknown", nn.Sequential(nn.Conv2d(3, 3, 3), Pad())),
+                        # the model itself follows the same rules (a bare conv was left plain: error 0.84)
+                        ("root_conv", nn.Conv2d(3, 3, 3)), ("root_unknown", Pad()), ("root_state", Scaled())):
         try:
             convert_to_domain_parallel(model, m)
             out[name] = None
@@ -139,6 +141,10 @@ def _refusals(rank, world):
             out[name] = str(exc)
     inside = convert_to_domain_parallel(nn.Sequential(Scaled()), m, custom_converters={Scaled: INSIDE})
     out["inside"] = (type(inside[0]).__name__, type(inside[0].conv).__name__)
+    root = convert_to_domain_parallel(Scaled(), m, custom_converters={Scaled: INSIDE})
+    out["root_inside"] = (type(root).__name__, type(root.conv).__name__)
+    out["root_kept"] = [type(convert_to_domain_parallel(layer, m)).__name__
+                        for layer in (nn.ReLU(), HaloConv2d(nn.Conv2d(3, 3, 3)))]
     twice = convert_to_domain_parallel(convert_to_domain_parallel(nn.Sequential(nn.Conv2d(3, 3, 3)), m), m)
     out["idempotent"] = type(twice[0]).__name__
     return out
@@ -153,6 +159,11 @@ def test_subclasses_and_blocks_with_own_state_are_refused_with_a_way_out():
         assert "custom_converters={Scaled: halo.nn.convert.INSIDE}" in r["own_state"]
         assert "1 (test_convert.Pad) is not a layer halo knows" in r["unknown"], r["unknown"]
         assert "A layer that reads other rows or changes H (a conv, a pool, a pad" in r["unknown"]
+        assert "the model itself is a Conv2d, which halo replaces" in r["root_conv"], r["root_conv"]
+        assert "the model (test_convert.Pad) is not a layer halo knows" in r["root_unknown"], r["root_unknown"]
+        assert "the model (test_convert.Scaled) has parameters or buffers of its own" in r["root_state"]
+        assert r["root_inside"] == ("Scaled", "HaloConv2d")
+        assert r["root_kept"] == ["ReLU", "HaloConv2d"]
         assert r["inside"] == ("Scaled", "HaloConv2d")
         assert r["idempotent"] == "HaloConv2d"
 

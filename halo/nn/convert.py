@@ -257,6 +257,13 @@ def convert_to_domain_parallel(
                     visited.add(id(replacement))
                     visit(replacement, path + ".")  # children an adapter keeps (an activation after a norm)
 
+    if "_halo_site" not in model.__dict__:  # the model itself: the same rules as for any module in it
+        root = convert(model, "the model")
+        if root is not None and root is not model:
+            raise ValueError(
+                f"the model itself is a {_name(type(model))}, which halo replaces by a layer of its own, and a "
+                f"module cannot be replaced in place: convert a module that holds it (nn.Sequential(layer)) or "
+                f"build the halo layer directly (e.g. halo.nn.HaloConv2d(conv))")
     visit(model, "")
     _make_root(model, manager.domain_group, grid)
     return model
