@@ -180,7 +180,7 @@ def _pads_and_softmax(rank, world):
     full = torch.randn(2, 3, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     offs = split_offsets(H, world)
     out = []
-    for i, pad in enumerate(PADS + [nn.Softmax(dim=1), nn.LogSoftmax(dim=-1), nn.Softmax2d()]):
+    for i, pad in enumerate(PADS + [nn.Softmax(dim=1), nn.LogSoftmax(dim=-3), nn.Softmax2d()]):
         model = convert_to_domain_parallel(nn.Sequential(pad), m)
         x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
         y = model(x)
@@ -190,7 +190,8 @@ def _pads_and_softmax(rank, world):
         (y * wts[..., mo[rank]:mo[rank + 1], :]).sum().backward()
         out.append((type(model[0]).__name__, y_full, halo.gather(x.grad), wts))
     errors = {}
-    for name, bad, shape in (("softmax_h", nn.Softmax(dim=2), None), ("softmax_flat", nn.Softmax(dim=-1), "flat")):
+    for name, bad, shape in (("softmax_h", nn.Softmax(dim=2), None), ("softmax_flat", nn.Softmax(dim=-1), "flat"),
+                             ("softmax_keys", nn.LogSoftmax(dim=-1), None)):
         model = convert_to_domain_parallel(nn.Sequential(bad), m)
         x = full[..., offs[rank]:offs[rank + 1], :]
         try:
@@ -205,7 +206,7 @@ def _pads_and_softmax(rank, world):
 def test_padding_and_softmax_modules_are_exact_or_refused(world):
     results = run_on_ranks(_pads_and_softmax, world, timeout=120)
     full = torch.randn(2, 3, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    for i, layer in enumerate(PADS + [nn.Softmax(dim=1), nn.LogSoftmax(dim=-1), nn.Softmax2d()]):
+    for i, layer in enumerate(PADS + [nn.Softmax(dim=1), nn.LogSoftmax(dim=-3), nn.Softmax2d()]):
         x = full.clone().requires_grad_(True)
         y = layer(x)
         (gx,) = torch.autograd.grad((y * results[0][0][i][3]).sum(), x)  # the same weights on every rank
@@ -222,6 +223,8 @@ def test_padding_and_softmax_modules_are_exact_or_refused(world):
             assert "0 (nn.Softmax(dim=2)) on an input of shape" in errors["softmax_h"], errors
             assert "would normalise over H" in errors["softmax_h"]
             assert "may hold H (e.g. H x W flattened)" in errors["softmax_flat"], errors
+            assert "the keys of an attention map" in errors["softmax_keys"], errors
+            assert "custom_converters={nn.LogSoftmax: None}" in errors["softmax_keys"], errors
 
 
 class PeriodicPad(nn.Module):
