@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import kernels
 from .comm import CommGroup, HaloCommError, comm_error, comm_group, get_timeout, keep_alive, set_timeout, wait_all
 from .mesh import DomainMesh, get_domain_parallel_manager
-from .partition import POLE_MODES, RankPlan, check_boundary, plan_exchange
+from .partition import POLE_MODES, RankPlan, check_boundary, offsets, plan_exchange
 from .plans import carry, device_tensor, resolve, set_validation
 
 __all__ = [
@@ -478,17 +478,10 @@ def _uniform_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int,
     if max(before, after) > total:
         raise ValueError(f"{op}: a halo of {max(before, after)} rows is wider than the whole domain "
                          f"({total} rows along dim {dim} over {cg.size} ranks); expected at most {total}")
-    offs = _offsets(sizes)
+    offs = offsets(sizes)
     needs = tuple((offs[r] - before, offs[r + 1] + after) for r in range(cg.size))
     ex_id = exchanger_id(cg, dim, sizes, needs, boundary, op)
     return HaloPlan(ex_id, dim, needs[cg.index][1] - needs[cg.index][0])
-
-
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return out
 
 
 def _halo_arg(halo: Any) -> Any:

@@ -30,6 +30,7 @@ __all__ = [
     "RankPlan",
     "check_boundary",
     "local_range",
+    "offsets",
     "plan_exchange",
     "source_row",
     "split_offsets",
@@ -60,12 +61,17 @@ def split_sizes(n: int, parts: int) -> list[int]:
     return [q + (r < rem) for r in range(parts)]
 
 
-def split_offsets(n: int, parts: int) -> list[int]:
-    """Start offsets of the balanced split, with ``n`` appended (length ``parts + 1``)."""
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """Start offsets of consecutive parts of ``sizes``, with their total appended (length ``len(sizes) + 1``)."""
     out = [0]
-    for s in split_sizes(n, parts):
+    for s in sizes:
         out.append(out[-1] + s)
     return out
+
+
+def split_offsets(n: int, parts: int) -> list[int]:
+    """Start offsets of the balanced split, with ``n`` appended (length ``parts + 1``)."""
+    return offsets(split_sizes(n, parts))
 
 
 def local_range(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -179,16 +185,14 @@ def plan_exchange(sizes: Sequence[int], needs: Sequence[tuple[int, int]], bounda
     needs = tuple((int(lo), int(hi)) for lo, hi in needs)
     if len(needs) != len(sizes):
         raise ValueError(f"{len(sizes)} ranks but {len(needs)} need ranges")
-    offsets = [0]
-    for s in sizes:
-        if s < 0:
-            raise ValueError(f"negative shard size in {sizes}")
-        offsets.append(offsets[-1] + s)
-    n = offsets[-1]
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"negative shard size in {sizes}")
+    starts = offsets(sizes)
+    n = starts[-1]
     p = len(sizes)
 
     def owner(g: int) -> int:
-        return bisect.bisect_right(offsets, g) - 1 if g < n else p - 1
+        return bisect.bisect_right(starts, g) - 1 if g < n else p - 1
 
     # wanted[r][q]: sorted unique global rows r needs from q; parts[r]: per halo row (global row, rolled).
     wanted: list[dict[int, set[int]]] = [{} for _ in range(p)]
@@ -197,7 +201,7 @@ def plan_exchange(sizes: Sequence[int], needs: Sequence[tuple[int, int]], bounda
     for r, (lo, hi) in enumerate(needs):
         if hi < lo:
             raise ValueError(f"rank {r} needs rows [{lo}, {hi}): the range is reversed")
-        start, stop = offsets[r], offsets[r + 1]
+        start, stop = starts[r], starts[r + 1]
         i0, i1 = max(lo, start), min(hi, stop)
         if i1 <= i0:  # no own rows needed: everything is halo, put it in the part on its side
             i0 = i1 = min(max(lo, start), stop) if hi > start else start
@@ -217,7 +221,7 @@ def plan_exchange(sizes: Sequence[int], needs: Sequence[tuple[int, int]], bounda
 
     plans = []
     for r in range(p):
-        sends = tuple((q, _runs([g - offsets[r] for g in sorted(wanted[q][r])]))
+        sends = tuple((q, _runs([g - starts[r] for g in sorted(wanted[q][r])]))
                       for q in range(p) if r in wanted[q])
         recvs = tuple((q, len(wanted[r][q])) for q in sorted(wanted[r]))
         # Position of each global row in R: messages in peer order, rows ascending within a message.

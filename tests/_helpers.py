@@ -23,7 +23,7 @@ def virtual_rank(full, parts, rank, module):
     def resolve(x, group, op, make, extra=(), **kwargs):
         return make(cg, (sizes,), *extra)
 
-    def exchange(x, ex_id, rows, dim=-2, owned=False):
+    def exchange(x, ex_id, rows, dim=-2):
         lo, hi = hx._SPECS[ex_id].needs[rank]
         assert hi - lo == rows
         return full.narrow(-2, lo, hi - lo)

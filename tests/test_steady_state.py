@@ -1,6 +1,6 @@
 """A steady training step asks nothing of the host but the math's messages (invariant 7), and stays exact.
 
-The model has every layer kind whose plan depends on every rank's extents (3x3 convs with the pole boundary,
+The model has every layer kind whose plan depends on every rank's extents (3x3 convs, circular in longitude,
 GroupNorm, a stride-2 conv, a transposed conv, max pooling, bilinear upsampling); one step is forward,
 ``domain_mean`` loss, backward, ``sync_domain_gradients`` and an SGD step. Steps 3 and 4 are counted with
 :class:`halo.testing.HostWorkCounter` on 2 and 3 gloo ranks (float64, uneven shards): no read of a tensor's value

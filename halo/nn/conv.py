@@ -33,8 +33,9 @@ Two ways to run the local conv (see DESIGN.md):
     padding. One copy of the shard each way.
 
 Measured with benchmarks/conv_overhead.py (2 gloo ranks, 361 x 720 split in two, 3x3, fp32, fwd + bwd inside a
-converted model, input from an activation; 2-core VM, 2026-11-30): compute-then-patch 1.00-1.06x a plain conv of
-the same local shape at 32 channels, 1.03-1.07x at 64 (noise on that machine is +-5 %), pad-then-conv 1.11-1.28x.
+converted model, input from an activation; 2-core VM, 2026-11-30; benchmarks/RESULTS.md): compute-then-patch
+1.00-1.14x a plain conv of the same local shape at 32 channels (median of 8 runs 1.07), 0.98-1.12x at 64 (median
+1.06), of which the layer's own work is 2-3 %; pad-then-conv 1.04-1.23x.
 ``overlap=None`` takes :data:`OVERLAP_DEFAULT`. A circular W padding (longitude) goes through
 :class:`_CircularPadFn` (one copy each way) instead of ``F.pad``, whose backward costs ~8x a copy on CPU.
 """

@@ -40,7 +40,6 @@ bf16/fp16 inputs: statistics and normalisation in fp32, output in the input dtyp
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -52,7 +51,7 @@ from torch.autograd.function import once_differentiable
 from ..comm import CommGroup, comm_group, group_by_id, group_id
 from ..comm import all_reduce as bounded_all_reduce
 from ..mesh import GroupRef, get_domain_parallel_manager
-from ..plans import Site, resolve, shard_sizes
+from ..plans import Site, device_tensor, resolve, shard_sizes
 from ..reduce import accumulation_dtype, all_reduce
 
 __all__ = ["DomainBatchNorm2d", "DomainBatchNormAct2d", "DomainGroupNorm", "DomainInstanceNorm2d", "DomainLayerNorm",
@@ -61,10 +60,9 @@ __all__ = ["DomainBatchNorm2d", "DomainBatchNormAct2d", "DomainGroupNorm", "Doma
 
 # -- statistics ------------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=256)
 def _counts(counts: tuple[int, ...], device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
     """The per-rank counts as a tensor on the statistics' device, made once (no host copy per step)."""
-    return torch.tensor(counts, dtype=dtype, device=device).view(-1, *[1] * ndim)
+    return device_tensor(counts, dtype, device).view(-1, *[1] * ndim)
 
 
 def _combine(mean: torch.Tensor, var: torch.Tensor, counts: tuple[int, ...], info: CommGroup):
