@@ -2,6 +2,7 @@
 # The GPU check, for one CUDA machine: one prepared run, at most ~8 minutes (each part bounded by `timeout`).
 #   1. tests/test_kernels.py: every Triton-vs-reference test runs compiled on CUDA (and through the
 #      interpreter on CPU), plus the > 2**31-element int64-offset test;                         (<= 210 s)
+#   1b. tests/test_random.py's Philox kernel tests on CUDA, benchmarks/dropout.py --quick       (<= 180 s)
 #   2. benchmarks/gpu_check.py: a converted model's steady training step under
 #      torch.cuda.set_sync_debug_mode("error") (no host sync) with no tensor read or built from data; CUDA-graph
 #      capture and replay of its forward + backward; torch.compile(fullgraph=True, inductor); HaloConv2d vs
@@ -48,6 +49,13 @@ test_rc=${PIPESTATUS[0]}
 if grep -q "SKIPPED.*no CUDA device" "$OUT_DIR/test_kernels_gpu.log"; then
     echo "CUDA cases were skipped: the check did not run on the GPU"; status=1
 fi
+
+echo "== 1b/3 sharding-invariant randomness: Philox kernel vs reference on CUDA, dropout vs torch's =="
+timeout 120 "$PY" -m pytest tests/test_random.py -q -rs -p no:cacheprovider -k "triton or philox or reference_path" \
+    2>&1 | tee "$OUT_DIR/test_random_gpu.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "random tests FAILED"; status=1; }
+timeout 60 "$PY" benchmarks/dropout.py --quick --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/dropout_gpu.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "dropout benchmark FAILED"; status=1; }
 
 echo "== 2/3 converted model on the GPU: sync-free step, CUDA graph, inductor, HaloConv2d vs conv =="
 timeout 180 "$PY" benchmarks/gpu_check.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/gpu_check.txt"

@@ -1,7 +1,8 @@
 """halo: exact spatial (domain) parallelism for weather and climate models in PyTorch.
 
 ``import halo`` gives the process-group manager, the halo exchange and the shard/gather ops; layers live in
-``halo.nn``, losses and gradient sync in ``halo.reduce``, the ColossalAI initializers in ``halo.groups``.
+``halo.nn``, losses and gradient sync in ``halo.reduce``, sharding-invariant randomness in ``halo.random``, the
+ColossalAI initializers in ``halo.groups``.
 """
 
 from .comm import HaloCommError, get_timeout, set_timeout
@@ -20,6 +21,7 @@ from .mesh import (
     initialize_domain_parallel,
 )
 from .plans import set_validation
+from .random import manual_seed
 from .shard import gather, gather_2d, scatter, scatter_2d, shard, shard_2d
 
 __version__ = "0.1.0"
@@ -38,6 +40,7 @@ __all__ = [
     "halo_exchange_2d",
     "halo_exchange_async",
     "initialize_domain_parallel",
+    "manual_seed",
     "scatter",
     "scatter_2d",
     "set_timeout",

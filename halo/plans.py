@@ -227,6 +227,8 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     """
     specs = spec if isinstance(spec[0], tuple) else (spec,)
     local = local_key(x, grad)
+    if group is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        replicated = True  # one process, no torch.distributed: the local shape is the global one
     epoch = _REPLICATED if replicated else epoch_of(x if source is None else source)
     if epoch is None or _STATE.validation == "always":
         return _agreed(group, op, local, specs, coords, allow_empty, make, extra)

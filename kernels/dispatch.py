@@ -24,7 +24,7 @@ from typing import Literal
 
 from torch import Tensor
 
-from . import reference
+from . import philox, reference
 
 try:
     from . import triton_kernels
@@ -34,7 +34,8 @@ except (ImportError, OSError, RuntimeError) as exc:  # triton missing or unusabl
 else:
     TRITON_IMPORT_ERROR = None
 
-__all__ = ["HAS_TRITON", "TRITON_IMPORT_ERROR", "Impl", "backend_for", "pack", "unpack", "pack_adjoint"]
+__all__ = ["HAS_TRITON", "TRITON_IMPORT_ERROR", "Impl", "backend_for", "bits", "dropout", "pack", "pack_adjoint",
+           "unpack"]
 
 HAS_TRITON = triton_kernels is not None
 Impl = Literal["auto", "triton", "reference"]
@@ -45,7 +46,7 @@ def backend_for(tensor: Tensor, op: str = "unpack") -> str:
 
     The environment is read on every call, so a test may set ``TRITON_INTERPRET`` at any time.
     """
-    if triton_kernels is None or not triton_kernels.supports(op, tensor.dtype):
+    if triton_kernels is None or (op != "bits" and not triton_kernels.supports(op, tensor.dtype)):
         return "reference"
     if tensor.is_cuda:
         return "triton"
@@ -118,3 +119,21 @@ def pack_adjoint(grad: Tensor, dim: int, ranges: Sequence[tuple[int, int]], buf:
         return mod.pack_adjoint(grad, dim, ranges, buf, out=out)
     except triton_kernels.UnsupportedLayout:
         return reference.pack_adjoint(grad, dim, ranges, buf, out=out)
+
+
+def bits(key: Tensor, n: int, run: int, stride: int, offset: int, stream: int, tag: int, *,
+         impl: Impl = "auto") -> Tensor:
+    """24-bit counter-based draws for ``n`` elements at global indices ``(i // run) * stride + offset + i % run``
+    (``philox.py``), int32 on ``key``'s device; the same bits on every path."""
+    if _module(impl, key, "bits") is reference:
+        return philox.bits(key, n, run, stride, offset, stream, tag)
+    return triton_kernels.bits(key, n, run, stride, offset, stream, tag)
+
+
+def dropout(x: Tensor, key: Tensor, run: int, stride: int, offset: int, stream: int, threshold: int, scale: float,
+            *, impl: Impl = "auto") -> Tensor:
+    """``x * scale`` where the element's draw (as :func:`bits`, tag 0) is ``>= threshold``, else 0: one fused
+    launch on the Triton path (no mask in memory); the same numbers on every path."""
+    if _module(impl, x, "dropout") is reference:
+        return philox.dropout(x, key, run, stride, offset, stream, threshold, scale)
+    return triton_kernels.dropout(x, key, run, stride, offset, stream, threshold, scale)

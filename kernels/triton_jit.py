@@ -25,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - a triton without the interpreter: CPU tensors use the reference
     InterpretedFunction = None
 
-__all__ = ["MAX_RANGES", "PACK", "UNPACK", "PACK_ADJOINT"]
+__all__ = ["MAX_RANGES", "PACK", "PACK_ADJOINT", "PHILOX", "UNPACK"]
 
 MAX_RANGES = 8  # ranges per launch (scalar kernel arguments)
 
@@ -192,3 +192,46 @@ def _names(prefixes: str, first: int = 0) -> list[str]:
 PACK = _build(_pack_kernel, _names("C", 1))
 UNPACK = _build(_unpack_kernel, [])
 PACK_ADJOINT = _build(_pack_adjoint_kernel, _names("AE"))
+
+
+def _philox_kernel(out_ptr, x_ptr, key_ptr, N, RUN, STRIDE, OFFSET, STREAM, TAG, THRESHOLD, SCALE_BITS,
+                   MODE: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr):
+    """Philox-4x32-10 on global indices (``philox.py`` says which): MODE 0 writes the 24-bit draws (int32),
+    MODE 1 a dropout of x: ``x * scale`` where the draw is ``>= THRESHOLD``, else 0. ``SCALE_BITS``: the float64
+    scale's bits (a float argument would arrive as float32)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inside = i < N
+    g = (i // RUN) * STRIDE + OFFSET + i % RUN
+    ctr = g >> 2
+    key = tl.load(key_ptr)
+    k0 = key.to(tl.uint32)
+    k1 = (key >> 32).to(tl.uint32)
+    c0 = ctr.to(tl.uint32)
+    c1 = (ctr >> 32).to(tl.uint32)
+    c2 = (ctr * 0 + STREAM).to(tl.uint32)
+    c3 = (ctr * 0 + TAG).to(tl.uint32)
+    for _ in tl.static_range(10):
+        _c0, _c2 = c0, c2
+        c0 = tl.umulhi(_c2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(_c0, 0xD2511F53) ^ c3 ^ k1
+        c1 = _c2 * 0xCD9E8D57
+        c3 = _c0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    j = g & 3
+    word = tl.where(j == 0, c0, tl.where(j == 1, c1, tl.where(j == 2, c2, c3)))
+    u = (word >> 8).to(tl.int32)
+    if MODE == 0:
+        tl.store(out_ptr + i, u, mask=inside)
+    else:
+        scale = (tl.zeros([BLOCK], dtype=tl.int64) + SCALE_BITS).to(tl.float64, bitcast=True)
+        x = tl.load(x_ptr + i, mask=inside, other=0)
+        if F64:
+            y = x.to(tl.float64) * scale
+        else:
+            y = x.to(tl.float32) * scale.to(tl.float32)
+        y = tl.where(u >= THRESHOLD, y, 0.0)
+        tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=inside)
+
+
+PHILOX = _build(_philox_kernel, ["N", "RUN", "STRIDE", "OFFSET", "STREAM", "TAG", "THRESHOLD", "SCALE_BITS"])

@@ -21,13 +21,15 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
+import triton
 from torch import Tensor
 
+from . import philox
 from . import reference as ref
 from .layout import UnsupportedLayout, plan
-from .triton_jit import MAX_RANGES, PACK, PACK_ADJOINT, UNPACK
+from .triton_jit import MAX_RANGES, PACK, PACK_ADJOINT, PHILOX, UNPACK
 
-__all__ = ["pack", "unpack", "pack_adjoint", "supports", "UnsupportedLayout", "MAX_RANGES"]
+__all__ = ["MAX_RANGES", "UnsupportedLayout", "bits", "dropout", "pack", "pack_adjoint", "supports", "unpack"]
 
 _TILE_BYTES = 16384  # bytes per program on a GPU: 4096 fp32 / 8192 bf16 elements, 16 B vectors per thread
 _TILE_INTERPRET = 16384  # elements per program under the interpreter, where each program costs milliseconds
@@ -190,4 +192,53 @@ def pack_adjoint(grad: Tensor, dim: int, ranges: Sequence[tuple[int, int]], buf:
                               F64=grad.dtype == torch.float64, DA=p.dim_axis, BM=p.bm, BN=p.bn,
                               num_warps=p.num_warps)
         src = dst  # later chunks add into out in place
+    return out
+
+
+# -- counter-based random numbers (philox.py holds the reference and says what is drawn) --------------------------
+
+_PHILOX_BLOCK = 1024  # elements per program on a GPU
+
+
+def _philox_block(t: Tensor, n: int) -> int:
+    if t.device.type == "cpu":  # the interpreter: as few programs as possible
+        return max(16, min(1 << 16, 1 << (max(n, 1) - 1).bit_length()))
+    return _PHILOX_BLOCK
+
+
+def _scale_bits(scale: float) -> int:
+    import struct
+
+    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
+def bits(key: Tensor, n: int, run: int, stride: int, offset: int, stream: int, tag: int) -> Tensor:
+    """Triton twin of :func:`philox.bits`: one launch."""
+    philox.check_space(n, run, stride, offset)
+    out = torch.empty(n, dtype=torch.int32, device=key.device)
+    if n == 0:
+        return out
+    block = _philox_block(key, n)
+    with _device(key):
+        _kernel(PHILOX, key)[(triton.cdiv(n, block),)](out, out, key, n, run, stride, offset, stream, tag, 0, 0,
+                                                        MODE=0, F64=False, BLOCK=block, num_warps=4)
+    return out
+
+
+def dropout(x: Tensor, key: Tensor, run: int, stride: int, offset: int, stream: int, threshold: int,
+            scale: float) -> Tensor:
+    """Triton twin of :func:`philox.dropout`: one launch, nothing but ``x`` read and the result written."""
+    if x.dtype not in SUM_DTYPES:
+        raise TypeError(f"triton dropout takes {sorted(str(d) for d in SUM_DTYPES)}, got {x.dtype}")
+    philox.check_space(x.numel(), run, stride, offset)
+    x = x.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    n = x.numel()
+    if n == 0:
+        return out
+    block = _philox_block(x, n)
+    with _device(x):
+        _kernel(PHILOX, x)[(triton.cdiv(n, block),)](out, x, key, n, run, stride, offset, stream, 0, threshold,
+                                                      _scale_bits(scale), MODE=1, F64=x.dtype == torch.float64,
+                                                      BLOCK=block, num_warps=4)
     return out

@@ -2,6 +2,15 @@
 
 from .conv import HaloConv2d, HaloConv3d, HaloConvTranspose2d
 from .convert import convert_to_domain_parallel, revert_domain_parallel
+from .dropout import (
+    DomainAlphaDropout,
+    DomainDropout,
+    DomainDropout1d,
+    DomainDropout2d,
+    DomainDropout3d,
+    DomainDropPath,
+    DomainFeatureAlphaDropout,
+)
 from .norm import DomainBatchNorm2d, DomainBatchNormAct2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
 from .pad import HaloPad2d
 from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d, HaloAvgPool2d, HaloMaxPool2d
@@ -9,8 +18,15 @@ from .softmax import DomainLogSoftmax, DomainSoftmax
 from .upsample import HaloUpsample, halo_interpolate
 
 __all__ = [
+    "DomainAlphaDropout",
     "DomainBatchNorm2d",
     "DomainBatchNormAct2d",
+    "DomainDropPath",
+    "DomainDropout",
+    "DomainDropout1d",
+    "DomainDropout2d",
+    "DomainDropout3d",
+    "DomainFeatureAlphaDropout",
     "DomainGroupNorm",
     "DomainInstanceNorm2d",
     "DomainLayerNorm",

@@ -6,8 +6,10 @@ layer that computes the same numbers on an H-shard. The replacements adopt the o
 buffers, so ``state_dict`` keys and tensors are unchanged: a checkpoint moves freely between sharded and
 unsharded runs (invariant 6). ``revert_domain_parallel(model)`` puts the torch modules back.
 
-Layers that act on each grid point (1x1 stride-1 convs, activations, dropout, a Linear over channels-last
-features when W is not sharded) pass through untouched. A layer that needs the whole sharded dim and has no
+Layers that act on each grid point (1x1 stride-1 convs, activations, a Linear over channels-last features when
+W is not sharded) pass through untouched. Layers that draw random numbers (dropout, channel and alpha dropout,
+timm's ``DropPath``, torchvision's ``StochasticDepth``) become ``halo.nn.dropout``'s, whose draws are keyed on
+global indices: the same on any number of ranks (``halo.random``). A layer that needs the whole sharded dim and has no
 domain-parallel form (attention over all tokens, flatten, pixel shuffle, ...) raises instead of silently
 computing something else; so does any leaf module this converter does not know — declare it with
 ``custom_converters={MyLayer: None}`` (pointwise, keep it) or ``{MyLayer: fn}`` (``fn(module, ctx)`` returns
@@ -45,7 +47,7 @@ def _is_pointwise_conv(m: nn.Module) -> bool:
 
 
 def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None]:
-    from . import conv, norm, pad, pool, softmax, upsample
+    from . import conv, dropout, norm, pad, pool, softmax, upsample
 
     def c2d(m, ctx):
         return m if _is_pointwise_conv(m) else conv.HaloConv2d(m, group=ctx.group, boundary=ctx.boundary)
@@ -73,6 +75,12 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         nn.LayerNorm: layer_norm,
         nn.Softmax: lambda m, ctx: softmax.DomainSoftmax(m),
         nn.LogSoftmax: lambda m, ctx: softmax.DomainLogSoftmax(m),
+        nn.Dropout: lambda m, ctx: dropout.DomainDropout(m, group=ctx.group),
+        nn.Dropout1d: lambda m, ctx: dropout.DomainDropout1d(m, group=ctx.group),
+        nn.Dropout2d: lambda m, ctx: dropout.DomainDropout2d(m, group=ctx.group),
+        nn.Dropout3d: lambda m, ctx: dropout.DomainDropout3d(m, group=ctx.group),
+        nn.AlphaDropout: lambda m, ctx: dropout.DomainAlphaDropout(m, group=ctx.group),
+        nn.FeatureAlphaDropout: lambda m, ctx: dropout.DomainFeatureAlphaDropout(m, group=ctx.group),
         **{kind: (lambda m, ctx: pad.HaloPad2d(m, group=ctx.group)) for kind in pad.PADDING_MODULES},
     }
 
@@ -81,7 +89,7 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
 POINTWISE = (
     nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.SELU, nn.CELU,
     nn.PReLU, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign,
-    nn.Tanhshrink, nn.Threshold, nn.Dropout, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Linear,
+    nn.Tanhshrink, nn.Threshold, nn.Linear,
     nn.Bilinear, nn.Embedding, nn.Softmax2d,
 )
 
@@ -133,22 +141,29 @@ def _unknown(path: str, kind: type, own: list[str]) -> str:
             f"custom_converters={{{kind.__name__}: halo.nn.convert.INSIDE}} (its children are converted, itself "
             f"kept). " if own else "")
     return (f"{path} ({_name(kind)}) {what}. A layer is pointwise in latitude when every output row depends only on "
-            f"the input row of the same latitude and the layer keeps the number of rows (an activation, dropout, a "
-            f"1x1 conv, a per-pixel linear map, a softmax over channels); such a layer can be declared with "
-            f"custom_converters={{{kind.__name__}: None}}. {hint}A layer that reads other rows or changes H (a conv, "
+            f"the input row of the same latitude and the layer keeps the number of rows (an activation, a 1x1 conv, "
+            f"a per-pixel linear map, a softmax over channels) and draws no random numbers; such a layer can be "
+            f"declared with custom_converters={{{kind.__name__}: None}}. A layer that draws random numbers per "
+            f"element or per sample (a dropout or drop-path of your own) would draw differently on each rank: use "
+            f"halo.random.dropout / drop_path in it. {hint}A layer that reads other rows or changes H (a conv, "
             f"a pool, a pad, a resize, attention, a reduction over H or H x W) cannot: give a converter "
             f"custom_converters={{{kind.__name__}: fn}} with fn(module, ctx) returning a module that computes the "
             f"same on an H-shard, or gather before it (halo.gather)")
 
 
 def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Module] | None:
-    """Converters for third-party layers that subclass a torch layer with a forward of their own."""
-    from . import norm
+    """Converters for third-party layers recognised by name (timm, torchvision: not imported here)."""
+    from . import dropout, norm
 
     kind = type(module)
     if kind.__name__ == "BatchNormAct2d" and isinstance(module, nn.BatchNorm2d) \
             and {"drop", "act"} <= set(module._modules):  # timm.layers.BatchNormAct2d: batch norm, drop, act
         return lambda m, ctx: norm.DomainBatchNormAct2d(m, group=ctx.group, dp_group=ctx.dp_group)
+    stateless = not module._parameters and not module._buffers and not module._modules
+    if stateless and kind.__name__ == "DropPath" and hasattr(module, "drop_prob"):  # timm's and its copies
+        return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group)
+    if stateless and kind.__name__ == "StochasticDepth" and hasattr(module, "p") and hasattr(module, "mode"):
+        return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group)  # torchvision.ops
     return None
 
 
@@ -316,5 +331,6 @@ def revert_domain_parallel(model: nn.Module) -> nn.Module:
                 if id(child) not in done:
                     done.add(id(child))
                     original.load_state_dict(child.state_dict())
+                    original.train(child.training)  # model.eval() after conversion reached only the child
                 parent._modules[name] = original
     return model

@@ -1,0 +1,384 @@
+"""Randomness that does not depend on the sharding: dropout, drop-path and noise keyed on *global* indices.
+
+torch's own dropout on an H-shard draws a mask for the shard's elements from the rank's generator. With the same
+seed on every domain rank that repeats one mask in every shard (a latitude-periodic pattern); with a seed per rank,
+per-sample draws (drop-path in every Swin or CrossFormer block) disagree, and one sample's shards go through
+different networks. Either way the sharded model is not the unsharded one.
+
+Here a draw is a pure function of ``(key, stream, global index)``: Philox-4x32-10 (``halo.kernels.philox``)
+evaluated at the element's index in the *whole* field, so every rank draws exactly the numbers the unsharded model
+would draw for its rows, with no communication, and a converted model gives the same result on 1, 2, 3 or 7 ranks
+(bitwise in float64: a dropout has no cross-rank sum).
+
+=======================  ==================================================================================
+what                     where it comes from
+=======================  ==================================================================================
+key (one per call)       ``torch.randint`` on the tensor's device from torch's default generator: seeded
+                         by ``torch.manual_seed``, replayed by activation checkpointing, captured by CUDA
+                         graphs and ``torch.compile``; the same on every domain rank when their generators
+                         are (checked once per plan: the ranks' generator states are compared, and differ
+                         only if they were seeded differently — every rank then raises, naming the fix)
+stream                   the data-parallel rank of the initialised manager (0 without one): replicas draw
+                         different masks, the domain ranks of one replica the same
+global index             the element's position in the field ``(..., H, W)`` (H the sharded dim), learned
+                         once per plan like every layer's extents (``halo.plans``)
+=======================  ==================================================================================
+
+What changes against torch: the masks are not torch's stream (a converted model does not reproduce the unconverted
+one's masks); the distribution is the same: each element (or channel, or sample) is dropped independently with
+probability ``p`` (to 2**-24: a draw is a 24-bit integer compared with ``round(p * 2**24)``), kept ones are scaled
+by ``1 / (1 - p)``. Tests check the keep rate and the independence statistically. On CUDA a dropout is one fused
+Triton kernel (after the key's tiny draw) that stores no mask: the backward draws it again from the key.
+
+Seeding: :func:`manual_seed` (``torch.manual_seed`` on every rank alike, which also makes initial parameters equal
+across ranks, as DDP and the domain group want); the stream makes data-parallel replicas differ. torch's own random
+ops stay torch's: after :func:`manual_seed` they draw the same on every rank — use :func:`rand_like` /
+:func:`randn_like` for noise that must follow the grid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from . import kernels
+from .comm import CommGroup, gather_words
+from .kernels.philox import BITS
+from .plans import Site, carry, resolve
+
+__all__ = [
+    "alpha_dropout",
+    "drop_path",
+    "dropout",
+    "feature_dropout",
+    "manual_seed",
+    "rand_like",
+    "randn_like",
+]
+
+_ONE = 1 << BITS  # draws are integers in [0, 2**24)
+_TAG_DROP, _TAG_UNIFORM, _TAG_NORMAL_1, _TAG_NORMAL_2 = 0, 1, 2, 3
+
+
+def manual_seed(seed: int) -> None:
+    """Seed for a (data-parallel x domain) run: call with the same ``seed`` on every rank.
+
+    ``torch.manual_seed(seed)`` on every rank alike (so parameters initialise identically everywhere, and halo's
+    per-call keys agree across each domain group); halo's draws add the data-parallel rank as their stream, so
+    replicas draw different masks. A seed per rank (``seed + rank``) would break the domain group's agreement:
+    halo raises at the first draw rather than compute shards with different masks."""
+    torch.manual_seed(seed)
+
+
+def _stream() -> int:
+    from .mesh import get_domain_parallel_manager
+
+    manager = get_domain_parallel_manager()
+    return 0 if manager is None else int(manager.dp_rank)
+
+
+# -- the plan of a draw: where this rank's elements sit in the field, and a one-time check of the generators ------
+
+class RandomPlan(NamedTuple):
+    """The sharded dim's global extent, this rank's first index along it, and the stream."""
+
+    total: int
+    offset: int
+    stream: int
+
+
+_AGREE_RNG = 0x524E4721  # "RNG!"
+
+
+def _generator_digest(device: str) -> tuple[int, int]:
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        state = torch.get_rng_state()
+    elif dev.type == "cuda":
+        state = torch.cuda.get_rng_state(dev)
+    else:  # no generator state to compare on this device type
+        return 0, 0
+    digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=16).digest()
+    w = np.frombuffer(digest, dtype=np.int64)
+    return int(w[0]), int(w[1])
+
+
+def _random_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: str, op: str) -> RandomPlan:
+    """Made once per plan on every rank alike: compares the ranks' generator states, then the offsets."""
+    if cg.size > 1:
+        table = gather_words([_AGREE_RNG, *_generator_digest(device)], cg, op)
+        differ = [r for r in range(cg.size) if (table[r] != table[0]).any()]
+        if differ:
+            raise RuntimeError(
+                f"{op}: the domain ranks' torch random generators ({device}) are in different states (group ranks "
+                f"{differ} differ from group rank 0): halo's draws take their per-call key from torch's generator, "
+                f"and a domain group must draw the same key to give every shard of a sample the same dropout and "
+                f"drop-path. Seed every rank alike with halo.random.manual_seed(seed) (data-parallel replicas still "
+                f"draw differently), and draw from torch's generator in the same order on every domain rank")
+    sizes = extents[0]
+    return RandomPlan(sum(sizes), sum(sizes[:cg.index]), _stream())
+
+
+def _plan(x: torch.Tensor, dim: int, group: Any, op: str, site: Site | None) -> RandomPlan:
+    return resolve(x, group, op, _random_plan, (str(x.device), op), site=site, spec=(dim,), grad=False,
+                   allow_empty=True)
+
+
+def _key(device: torch.device) -> torch.Tensor:
+    """This call's key: one draw from torch's generator on ``device`` (no host read)."""
+    return torch.randint(1 << 62, (1,), dtype=torch.int64, device=device)
+
+
+def _space(x: torch.Tensor, dim: int, plan: RandomPlan) -> tuple[int, int, int]:
+    """``(run, stride, offset)`` of ``x``'s elements in the whole field (``halo.kernels.philox``)."""
+    inner = 1
+    for s in x.shape[dim + 1:]:
+        inner *= int(s)
+    return int(x.shape[dim]) * inner, plan.total * inner, plan.offset * inner
+
+
+def _threshold(p: float) -> int:
+    return min(_ONE, max(0, round(p * _ONE)))
+
+
+def _check_p(p: float, op: str) -> float:
+    p = float(p)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{op}: dropout probability has to be between 0 and 1, but got {p}")
+    return p
+
+
+def _field_dim(x: torch.Tensor, dim: int, op: str) -> int:
+    if x.dim() < 2:
+        raise ValueError(f"{op}: expected a field (..., H_local, W) with the sharded dim at {dim}, got shape "
+                         f"{tuple(x.shape)}")
+    return dim % x.dim()
+
+
+# -- the ops under torch.compile (eager calls use the autograd Function: less dispatch) -------------------------
+
+@torch.library.custom_op("halo::philox_dropout", mutates_args=())
+def _dropout_op(x: torch.Tensor, key: torch.Tensor, run: int, stride: int, offset: int, stream: int, threshold: int,
+                scale: float) -> torch.Tensor:
+    return kernels.dropout(x, key, run, stride, offset, stream, threshold, scale)
+
+
+@_dropout_op.register_fake
+def _(x, key, run, stride, offset, stream, threshold, scale):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _dropout_setup(ctx, inputs, output) -> None:
+    ctx.args = inputs[1:]
+
+
+def _dropout_backward(ctx, gy):
+    key, *rest = ctx.args
+    return _dropout_op(gy.contiguous(), key, *rest), None, None, None, None, None, None, None
+
+
+_dropout_op.register_autograd(_dropout_backward, setup_context=_dropout_setup)
+
+
+@torch.library.custom_op("halo::philox_bits", mutates_args=())
+def _bits_op(key: torch.Tensor, n: int, run: int, stride: int, offset: int, stream: int, tag: int) -> torch.Tensor:
+    return kernels.bits(key, n, run, stride, offset, stream, tag)
+
+
+@_bits_op.register_fake
+def _(key, n, run, stride, offset, stream, tag):
+    return key.new_empty(n, dtype=torch.int32)
+
+
+class _DropoutFn(torch.autograd.Function):
+    """The dropout's backward is the same dropout of the gradient. The fused kernel (CUDA) draws the mask again
+    from the key and stores nothing; the torch reference (CPU), where a draw costs more than the multiply, keeps a
+    bool mask as torch's own dropout does."""
+
+    @staticmethod
+    def forward(ctx, x, key, run, stride, offset, stream, threshold, scale):
+        ctx.args = (key, run, stride, offset, stream, threshold, scale)
+        ctx.scale = scale
+        if kernels.backend_for(x, "dropout") == "triton":
+            return kernels.dropout(x, key, run, stride, offset, stream, threshold, scale)
+        keep = (kernels.bits(key, x.numel(), run, stride, offset, stream, _TAG_DROP) >= threshold).view(x.shape)
+        ctx.save_for_backward(keep)
+        return _masked(x, keep, scale)
+
+    @staticmethod
+    def backward(ctx, gy):
+        if ctx.saved_tensors:
+            gx = _masked(gy, ctx.saved_tensors[0], ctx.scale)
+        else:
+            gx = kernels.dropout(gy.contiguous(), *ctx.args)
+        return gx, None, None, None, None, None, None, None
+
+
+def _masked(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """What ``kernels.dropout`` computes, from a mask: ``x * scale`` (rounded once) where kept, else 0."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.where(keep, (x.to(acc) * scale).to(x.dtype), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _bits(key: torch.Tensor, n: int, run: int, stride: int, offset: int, stream: int, tag: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _bits_op(key, n, run, stride, offset, stream, tag)
+    return kernels.bits(key, n, run, stride, offset, stream, tag)
+
+
+def _fused_dropout(x: torch.Tensor, key: torch.Tensor, *args: Any) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _dropout_op(x.contiguous(), key, *args)
+    return _DropoutFn.apply(x.contiguous(), key, *args)
+
+
+def _finish(out: torch.Tensor, x: torch.Tensor, inplace: bool) -> torch.Tensor:
+    if inplace:
+        return x.copy_(out)
+    carry(out, x)
+    return out
+
+
+# -- the public ops -------------------------------------------------------------------------------------------------
+
+def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, dim: int = -2,
+            group: Any | None = None, site: Site | None = None) -> torch.Tensor:
+    """``F.dropout`` on a shard of a field split along ``dim`` over ``group``, with draws keyed on global indices:
+    every element of the whole field is kept or dropped the same way on any number of ranks (module docstring).
+
+    ``x``: this rank's rows; the other dims whole and equal on every rank. Returns ``x * mask / (1 - p)``; its
+    backward draws the mask again (nothing stored but a one-element key). ``group``: the domain group (default the
+    initialised manager's; none: one process, the whole field)."""
+    op = "halo.random.dropout"
+    p = _check_p(p, op)
+    if not training or p == 0.0:
+        return x
+    d = _field_dim(x, dim, op)
+    plan = _plan(x, d, group, op, site)
+    run, stride, offset = _space(x, d, plan)
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    out = _fused_dropout(x, _key(x.device), run, stride, offset, plan.stream, _threshold(p), scale)
+    return _finish(out.view(x.shape), x, inplace)
+
+
+def _unit_mask(x: torch.Tensor, shape: tuple[int, ...], p: float, stream: int) -> torch.Tensor:
+    """A keep mask (bool) of ``shape`` (per sample / channel: the same on every domain rank), elements indexed
+    row-major."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    u = _bits(_key(x.device), n, 1, 1, 0, stream, _TAG_DROP)
+    return (u >= _threshold(p)).view(shape)
+
+
+def _check_group(x: torch.Tensor, group: Any, op: str, site: Site | None) -> int:
+    """The stream, after the one-time check that the domain ranks' generators agree (a plan on ``x``)."""
+    if x.dim() == 0:
+        return _stream()
+    return _plan(x, -2 if x.dim() >= 2 else 0, group, op, site).stream
+
+
+def feature_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,
+                    batched: bool = True, group: Any | None = None, site: Site | None = None) -> torch.Tensor:
+    """Channel dropout (``F.dropout1d/2d/3d``): whole channels of a sample are zeroed, the same channels on every
+    domain rank. ``batched``: ``x`` is ``(B, C, ...)`` (else ``(C, ...)``)."""
+    op = "halo.random.feature_dropout"
+    p = _check_p(p, op)
+    if not training or p == 0.0:
+        return x
+    stream = _check_group(x, group, op, site)
+    lead = 2 if batched else 1
+    if x.dim() < lead + 1:
+        raise ValueError(f"{op}: expected ({'B, ' if batched else ''}C, ...) with spatial dims, got shape "
+                         f"{tuple(x.shape)}")
+    shape = (*x.shape[:lead], *([1] * (x.dim() - lead)))
+    keep = _unit_mask(x, shape, p, stream)
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    out = x * (keep.to(x.dtype) * scale)
+    return _finish(out, x, inplace)
+
+
+def drop_path(x: torch.Tensor, p: float = 0.0, training: bool = False, scale_by_keep: bool = True, *,
+              mode: str = "row", group: Any | None = None, site: Site | None = None) -> torch.Tensor:
+    """Stochastic depth (timm's ``drop_path``, torchvision's ``stochastic_depth``): each sample's residual branch
+    (``mode="row"``) or the whole batch's (``"batch"``) is dropped with probability ``p``, kept ones scaled by
+    ``1 / (1 - p)`` if ``scale_by_keep``; the same draw on every domain rank, another on each replica."""
+    op = "halo.random.drop_path"
+    if mode not in ("row", "batch"):
+        raise ValueError(f"{op}: mode must be 'row' or 'batch', got {mode!r}")
+    p = _check_p(p, op)
+    if not training or p == 0.0:
+        return x
+    stream = _check_group(x, group, op, site)
+    shape = (int(x.shape[0]) if mode == "row" and x.dim() else 1,) + (1,) * max(x.dim() - 1, 0)
+    keep = _unit_mask(x, shape, p, stream).to(x.dtype)
+    if p < 1.0 and scale_by_keep:
+        keep = keep.div_(1.0 - p)
+    out = x * keep
+    carry(out, x)
+    return out
+
+
+_ALPHA = 1.7580993408473766  # -scale * alpha of SELU: where SELU saturates
+
+
+def alpha_dropout(x: torch.Tensor, p: float = 0.5, training: bool = False, inplace: bool = False, *,
+                  feature: bool = False, dim: int = -2, group: Any | None = None,
+                  site: Site | None = None) -> torch.Tensor:
+    """``F.alpha_dropout`` (``feature=True``: ``F.feature_alpha_dropout``, whole channels) with draws keyed on
+    global indices: dropped values are set to SELU's negative saturation and the result affinely restored to zero
+    mean and unit variance, as torch does."""
+    op = "halo.random.alpha_dropout"
+    p = _check_p(p, op)
+    if not training or p == 0.0:
+        return x
+    if feature:
+        stream = _check_group(x, group, op, site)
+        keep = _unit_mask(x, (*x.shape[:2], *([1] * (x.dim() - 2))), p, stream)
+    else:
+        d = _field_dim(x, dim, op)
+        plan = _plan(x, d, group, op, site)
+        run, stride, offset = _space(x, d, plan)
+        u = _bits(_key(x.device), x.numel(), run, stride, offset, plan.stream, _TAG_DROP)
+        keep = (u >= _threshold(p)).view(x.shape)
+    if p == 1.0:
+        return _finish(x * 0, x, inplace)
+    a = 1.0 / ((_ALPHA * _ALPHA * p + 1) * (1 - p)) ** 0.5
+    noise = keep.to(x.dtype)
+    b = (noise - 1) * (_ALPHA * a) + _ALPHA * a * p
+    return _finish(x * (noise * a) + b, x, inplace)
+
+
+def _uniform(x: torch.Tensor, tag: int, dim: int, group: Any, op: str, site: Site | None,
+             key: torch.Tensor) -> torch.Tensor:
+    d = _field_dim(x, dim, op)
+    plan = _plan(x, d, group, op, site)
+    run, stride, offset = _space(x, d, plan)
+    return _bits(key, x.numel(), run, stride, offset, plan.stream, tag).view(x.shape)
+
+
+def rand_like(x: torch.Tensor, *, dim: int = -2, group: Any | None = None, dtype: torch.dtype | None = None,
+              site: Site | None = None) -> torch.Tensor:
+    """Uniform noise on ``[0, 1)`` (multiples of 2**-24) for a shard of a field: each element's value depends only
+    on its global index, so the noise is the same however the field is split."""
+    u = _uniform(x, _TAG_UNIFORM, dim, group, "halo.random.rand_like", site, _key(x.device))
+    out = u.to(dtype or x.dtype) * (1.0 / _ONE)
+    carry(out, x)
+    return out
+
+
+def randn_like(x: torch.Tensor, *, dim: int = -2, group: Any | None = None, dtype: torch.dtype | None = None,
+               site: Site | None = None) -> torch.Tensor:
+    """Standard normal noise for a shard of a field (Box-Muller on two 24-bit draws per element, in float64 then
+    rounded): each element's value depends only on its global index, so it is the same however the field is split.
+    """
+    op = "halo.random.randn_like"
+    key = _key(x.device)
+    u1 = _uniform(x, _TAG_NORMAL_1, dim, group, op, site, key).to(torch.float64).add_(1.0).mul_(1.0 / _ONE)
+    u2 = _uniform(x, _TAG_NORMAL_2, dim, group, op, site, key).to(torch.float64).mul_(2.0 * np.pi / _ONE)
+    out = (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(u2)).to(dtype or x.dtype)
+    carry(out, x)
+    return out
