@@ -61,10 +61,12 @@ __all__ = [
     "epoch_of",
     "exit_root",
     "field_epoch",
+    "mark_whole",
     "resolve",
     "set_validation",
     "shard_sizes",
     "tag",
+    "whole_source",
 ]
 
 VALIDATION_MODES = ("first", "always")
@@ -108,6 +110,7 @@ class _TensorMap:
 
 
 _PROVENANCE = _TensorMap()  # tensor halo made -> its epoch
+_WHOLE = _TensorMap()  # tensor that is whole and the same on every rank of a domain group (a global pool's output)
 _RECORDS: collections.OrderedDict = collections.OrderedDict()
 _MAX_RECORDS = 4096
 _site_ids = itertools.count(1)
@@ -154,6 +157,18 @@ def tag(t: Any, epoch: int | None) -> None:
     """Record that halo made tensor ``t`` under ``epoch`` (its global extents follow from it)."""
     if epoch is not None and isinstance(t, torch.Tensor):
         _PROVENANCE[t] = epoch
+
+
+def mark_whole(t: torch.Tensor, source: str) -> None:
+    """Record that ``t`` is whole and the same on every domain rank (``source``: the layer that made it)."""
+    _WHOLE[t] = source
+
+
+def whole_source(t: Any) -> str | None:
+    """The layer that made ``t`` whole on every rank (:func:`mark_whole`), or ``None``."""
+    if not _WHOLE._items or not isinstance(t, torch.Tensor):
+        return None
+    return _WHOLE.get(t)
 
 
 def epoch_of(x: torch.Tensor) -> int | None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..mesh import DomainParallelManager, GroupRef, get_domain_parallel_manager
@@ -209,6 +210,8 @@ def convert_to_domain_parallel(
 
     replaced: dict[int, nn.Module] = {}  # id(original) -> its one replacement (a module used in several slots)
     visited: set[int] = set()
+    domain_size = manager.domain_world_size
+    tails: list[nn.Module] = []  # modules after a global pool in a Sequential: kept as they are, on whole tensors
 
     def convert(child: nn.Module, path: str) -> nn.Module | None:
         """The replacement of ``child`` (itself: keep it), or ``None``: a container to convert inside."""
@@ -246,10 +249,16 @@ def convert_to_domain_parallel(
         raise ValueError(_unknown(path, kind, own))
 
     def visit(parent: nn.Module, prefix: str) -> None:
+        whole = False  # a global pool came before in this Sequential: the rest computes on its whole result
         for name, child in list(parent._modules.items()):  # every slot: a module used twice appears twice
             if child is None:
                 continue
             path = f"{prefix}{name}"
+            if whole:
+                tails.append(child)
+                continue
+            if isinstance(parent, nn.Sequential) and _global_pool(child, domain_size):
+                whole = True
             if id(child) in replaced:
                 if parent._modules[name] is not replaced[id(child)]:
                     parent._modules[name] = replaced[id(child)]
@@ -281,7 +290,79 @@ def convert_to_domain_parallel(
                 f"build the halo layer directly (e.g. halo.nn.HaloConv2d(conv))")
     visit(model, "")
     _make_root(model, manager.domain_group, grid)
+    _guard_whole(model, tails, domain_size)
     return model
+
+
+def _global_pool(m: nn.Module, domain_size: int) -> bool:
+    """An adaptive pool whose ``output_size`` gives fewer rows than there are ranks: its result is whole on every
+    rank (``halo.nn.pool``)."""
+    if not isinstance(m, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)):
+        return False
+    size = m.output_size
+    rows = size if isinstance(size, int) else size[0]
+    return rows is not None and rows < domain_size
+
+
+def _guard_whole(model: nn.Module, tails: list[nn.Module], domain_size: int) -> None:
+    """With a global pool in the model (its result whole on every rank), hooks that keep whole tensors away from
+    the layers that split rows: the modules after the pool in its Sequential run as torch's own on the whole
+    tensor (and must get one); kept pointwise modules pass the mark on; a halo layer given a whole tensor raises
+    (it would take the copies for shards). Nothing is installed in a model without a global pool; under
+    ``torch.compile`` the hooks do nothing."""
+    from .. import plans
+    from . import pool
+
+    for handle in model.__dict__.pop("_halo_whole_hooks", []):  # converting again: install afresh
+        handle.remove()
+    if not any(_global_pool(m, domain_size) for m in model.modules()):
+        return
+    handles = model.__dict__.setdefault("_halo_whole_hooks", [])
+    tail_ids = {id(m) for m in tails}
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+
+    def expect_whole(module, args):
+        if torch.compiler.is_compiling() or not args:
+            return
+        if plans.whole_source(args[0]) is None and isinstance(args[0], torch.Tensor):
+            raise ValueError(
+                f"{names.get(id(module), type(module).__name__)} ({type(module).__name__}) follows a global pool "
+                f"in an nn.Sequential, so halo keeps it as torch's own layer on the pool's result (whole on every "
+                f"rank), but its input is not that result (the Sequential's forward does not chain its modules in "
+                f"order?): move it out of that Sequential")
+
+    def pass_on(module, args, output):
+        if torch.compiler.is_compiling() or not args:
+            return
+        source = plans.whole_source(args[0])
+        if source is not None:
+            for t in output if isinstance(output, tuple) else (output,):
+                if isinstance(t, torch.Tensor):
+                    plans.mark_whole(t, source)
+
+    def refuse_whole(module, args):
+        if torch.compiler.is_compiling() or not args:
+            return
+        source = plans.whole_source(args[0])
+        if source is not None:
+            raise ValueError(
+                f"{names.get(id(module), type(module).__name__)} ({type(module).__name__}) is given the result of a "
+                f"global pool ({source}), which is whole and the same on every rank; this layer would take the "
+                f"ranks' copies for shards of a field. Put the pool and the layers that use its result in one "
+                f"nn.Sequential (halo then keeps those layers as torch's own), or use the result only in pointwise "
+                f"ops (as squeeze-excitation does)")
+
+    for m in model.modules():
+        if m is model:
+            continue
+        if id(m) in tail_ids:
+            handles.append(m.register_forward_pre_hook(expect_whole))
+            handles.append(m.register_forward_hook(pass_on))
+        elif "_halo_site" in m.__dict__ and not isinstance(m, (pool.HaloAdaptiveAvgPool2d,
+                                                                 pool.HaloAdaptiveMaxPool2d)):
+            handles.append(m.register_forward_pre_hook(refuse_whole))
+        elif next(m.children(), None) is None and "_halo_site" not in m.__dict__:
+            handles.append(m.register_forward_hook(pass_on))  # a kept pointwise layer: whole in, whole out
 
 
 @dataclass(frozen=True)
@@ -323,6 +404,8 @@ def _drop_root(model: nn.Module) -> None:
 def revert_domain_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`convert_to_domain_parallel` in place; parameters and buffers carry over to the originals."""
     _drop_root(model)
+    for handle in model.__dict__.pop("_halo_whole_hooks", []):
+        handle.remove()
     done: set[int] = set()
     for parent in list(model.modules()):
         for name, child in list(parent._modules.items()):  # every slot

@@ -27,8 +27,18 @@ Adaptive pools: output row ``o`` pools rows ``[floor(o*N/M), ceil((o+1)*N/M))``;
 torch adaptive op on exactly those rows with output height 1 (same window, same order: bitwise), in a loop over
 the local output rows (fine for the small outputs adaptive pools make).
 
-Every rank needs at least one output row: a layer whose output has fewer rows than the group has ranks raises
-the same ``ValueError`` on every rank (the global extent comes from one all-gather, so all ranks agree).
+An adaptive pool whose output has fewer rows than the group has ranks (a global pool: squeeze-excitation, scSE,
+ASPP, CBAM; PSP's small grids) returns its result *whole on every rank*: each rank pools its rows of every window
+(the torch op on them), and the shares are reduced over the group — averages weighted by their rows and summed,
+maxima compared, the winner being torch's (the first maximum in row-major order, so indices and the gradient's
+destination agree with torch, ties across ranks included). The backward sums the ranks' partial gradients of the
+result (each rank's consumers used it on its own rows) and routes them to the input rows. The result is marked
+whole (``halo.plans.mark_whole``): the converter keeps the modules after the pool in its ``nn.Sequential`` as
+torch's own (they compute on the whole tensor: an ASPP branch's BatchNorm gets the unsharded statistics) and makes
+a halo layer that is handed a whole tensor elsewhere raise instead of taking the copies for shards.
+
+A window pool (max, average) whose output has fewer rows than ranks raises the same ``ValueError`` on every rank
+(the global extent comes from one all-gather, so all ranks agree).
 """
 
 from __future__ import annotations
@@ -37,15 +47,18 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.utils import _pair
 
 from ..comm import CommGroup
+from ..comm import all_reduce as bounded_all_reduce
 from ..exchange import exchange, exchanger_id
 from ..mesh import group_attribute
 from ..partition import split_offsets
-from ..plans import Site, carry, resolve
+from ..plans import Site, carry, mark_whole, resolve
+from ..reduce import all_reduce
 
 __all__ = [
     "HaloAdaptiveAvgPool2d",
@@ -101,9 +114,8 @@ def check_output_rows(op: str, m: int, n: int, parts: int, detail: str = "") -> 
         raise ValueError(
             f"{op}: the output has {m} rows along H ({n} input rows{detail}) but the domain group has {parts} "
             f"ranks; every rank needs at least one output row: use at most {max(m, 1)} ranks for this layer"
-            + ("; a global pool's result is needed whole on every rank, which halo does not convert yet (not "
-               "halo.reduce.domain_mean: its backward counts a replicated loss once, wrong inside a model)"
-               if m == 1 else ""))
+            + ("; for a global pool use nn.AdaptiveAvgPool2d(1) / AdaptiveMaxPool2d(1), whose result halo makes "
+               "whole on every rank" if m == 1 else ""))
 
 
 _META_OPS = {"max": F.max_pool2d, "avg": F.avg_pool2d, "adaptive_avg": F.adaptive_avg_pool2d,
@@ -233,13 +245,17 @@ class HaloAvgPool2d(nn.AvgPool2d):
 
 class AdaptivePlan(NamedTuple):
     """An adaptive pool as planned for this rank: the exchange of rows ``[lo, lo + rows)``, and per local output
-    row its window ``(start - lo, length)`` and global start (for indices)."""
+    row its window ``(start - lo, length)`` and global start (for indices). ``whole``: fewer output rows than
+    ranks, so every rank computes its share of *every* output row (``windows``: the part of each window on this
+    rank, ``(local start, length, global start)``; ``sizes``: each window's length) and the shares are reduced."""
 
     plain: bool
     ex: int = -1
     rows: int = 0
     windows: tuple[tuple[int, int, int], ...] = ()
     w_out: int = 0
+    whole: bool = False
+    sizes: tuple[int, ...] = ()
 
 
 def _adaptive_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str, shape: tuple, output_size: Any,
@@ -249,7 +265,14 @@ def _adaptive_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str,
         return AdaptivePlan(True)
     n = sum(sizes)
     m, w_out = _global_rows(shape, n, "adaptive_max" if is_max else "adaptive_avg", (output_size,))[-2:]
-    check_output_rows(op, m, n, cg.size, f", output_size {output_size}")
+    if m < cg.size:  # a global pool (squeeze-excitation, ASPP, PSP): the result whole on every rank
+        first = sum(sizes[:cg.index])
+        last = first + sizes[cg.index]
+        starts, ends = adaptive_starts_ends(n, m)
+        parts = tuple((max(a, first) - first, max(0, min(b, last) - max(a, first)), max(a, first))
+                      for a, b in zip(starts, ends, strict=True))
+        return AdaptivePlan(False, windows=parts, w_out=w_out, whole=True,
+                            sizes=tuple(b - a for a, b in zip(starts, ends, strict=True)))
     plan = adaptive_plan(n, m, cg.size)
     lo, hi, o0, o1 = plan[cg.index]
     starts, ends = adaptive_starts_ends(n, m)
@@ -265,6 +288,11 @@ def adaptive_pool(x: torch.Tensor, output_size, group: Any | None, op: str, is_m
     plan = resolve(x, group, op, _adaptive_plan, (op, tuple(x.shape), output_size, is_max), site=site)
     if plan.plain:
         return fn(x, output_size, return_indices) if is_max else fn(x, output_size)
+    if plan.whole:
+        result = _whole_pool(x, plan, group, is_max, return_indices)
+        for t in result if isinstance(result, tuple) else (result,):
+            mark_whole(t, op)
+        return result
     ext = _run(x, plan)
     outs, idxs = [], []
     for start, length, global_start in plan.windows:
@@ -284,6 +312,79 @@ def adaptive_pool(x: torch.Tensor, output_size, group: Any | None, op: str, is_m
     return result
 
 
+class _WholeMaxFn(torch.autograd.Function):
+    """An adaptive max pool with fewer output rows than ranks: every rank's window maxima, the maximum over ranks,
+    and the winner of each window as torch picks it (the first maximum in row-major order: the smallest global
+    flat index among the ranks that hold the maximum). Backward: each window's gradient, summed over the ranks
+    (each rank's consumers contributed their part), goes to the winner's element on the rank that holds it."""
+
+    @staticmethod
+    def forward(ctx, x, plan, info, width):
+        b, c = x.shape[:2]
+        vals, idxs = [], []
+        for start, length, global_start in plan.windows:
+            if length:
+                v, i = F.adaptive_max_pool2d(x.narrow(-2, start, length), (1, plan.w_out), True)
+                vals.append(v)
+                idxs.append(i + global_start * width)
+            else:  # no rows of this window here
+                vals.append(x.new_full((b, c, 1, plan.w_out), float("-inf")))
+                idxs.append(torch.full((b, c, 1, plan.w_out), _NO_INDEX, dtype=torch.int64, device=x.device))
+        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype  # exact widening
+        local, index = torch.cat(vals, dim=-2).to(acc), torch.cat(idxs, dim=-2)
+        best = bounded_all_reduce(local.clone(), info, "global max pool", dist.ReduceOp.MAX)
+        winner = torch.where(local == best, index, torch.full_like(index, _NO_INDEX))
+        bounded_all_reduce(winner, info, "global max pool", dist.ReduceOp.MIN)
+        mine = (index == winner) & (local == best)
+        ctx.save_for_backward(winner, mine)
+        ctx.info, ctx.shape, ctx.row0 = info, x.shape, _row0(plan)
+        ctx.mark_non_differentiable(winner)
+        return best.to(x.dtype), winner
+
+    @staticmethod
+    def backward(ctx, grad, _gidx):
+        winner, mine = ctx.saved_tensors
+        acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+        g = bounded_all_reduce(grad.to(acc, copy=True), ctx.info, "global max pool (backward)")
+        width = ctx.shape[-1]
+        local = (winner - ctx.row0 * width).clamp(0, ctx.shape[-2] * width - 1)
+        gx = torch.zeros(ctx.shape, dtype=acc, device=grad.device).flatten(-2)
+        gx.scatter_add_(-1, local.flatten(-2), torch.where(mine, g, torch.zeros_like(g)).flatten(-2))
+        return gx.view(ctx.shape).to(grad.dtype), None, None, None
+
+
+_NO_INDEX = torch.iinfo(torch.int64).max
+
+
+def _row0(plan: AdaptivePlan) -> int:
+    """This rank's first global row: the global start of its part of a window minus its local start."""
+    for start, length, global_start in plan.windows:
+        if length:
+            return global_start - start
+    return 0
+
+
+@torch._dynamo.disable  # collectives with bounded waits: run eagerly (a graph break under torch.compile)
+def _whole_pool(x: torch.Tensor, plan: AdaptivePlan, group: Any | None, is_max: bool, return_indices: bool):
+    """An adaptive pool with fewer output rows than ranks, whole on every rank: each rank pools its rows of each
+    window, and the shares are reduced over the group (average: means weighted by rows, summed; max: above)."""
+    from ..comm import comm_group
+
+    info = comm_group(group)
+    if is_max:
+        out, index = _WholeMaxFn.apply(x, plan, info, x.shape[-1])
+        return (out, index) if return_indices else out
+    b, c = x.shape[:2]
+    parts = []
+    for (start, length, _), size in zip(plan.windows, plan.sizes, strict=True):
+        if length:  # the window's mean over this rank's rows, weighted by their share of the window
+            mean = torch.ops.aten._adaptive_avg_pool2d(x.narrow(-2, start, length), [1, plan.w_out])
+            parts.append(mean * (length / size))
+        else:
+            parts.append(x.new_zeros((b, c, 1, plan.w_out)))
+    return all_reduce(torch.cat(parts, dim=-2), "sum", group)
+
+
 def halo_adaptive_avg_pool2d(x: torch.Tensor, output_size, *, group: Any | None = None) -> torch.Tensor:
     """``F.adaptive_avg_pool2d`` of the global field, on its H-shards (output: balanced split of its rows)."""
     return adaptive_pool(x, output_size, group, "halo_adaptive_avg_pool2d", False, False)
@@ -298,8 +399,8 @@ def halo_adaptive_max_pool2d(x: torch.Tensor, output_size, return_indices: bool 
 class HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` on an H-sharded field (windows depend on the global extent: computed from it).
 
-    A global average (``output_size`` 1 along H) has one output row and so cannot be split over several
-    ranks: it raises; reduce over the domain group instead (``halo.reduce``).
+    With fewer output rows than ranks (a global average, ``output_size=1``) the result is whole on every rank
+    (module docstring).
     """
 
     group = group_attribute()

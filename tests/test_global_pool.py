@@ -1,0 +1,248 @@
+"""Global pools (an adaptive pool with fewer output rows than ranks): squeeze-excitation, scSE, ASPP, CBAM.
+
+A global pool's result is whole on every rank: each rank pools its rows of every window, the shares are summed
+(average) or compared (max: the winner is torch's, the first maximum in row-major order) over the domain group,
+and the backward sums the ranks' partial gradients of the result before routing them to the input rows. Modules
+after the pool in its ``nn.Sequential`` (ASPP's 1x1 conv + BatchNorm + ReLU) stay torch's own and compute on the
+whole result, so BatchNorm's statistics and running buffers are the unsharded ones. Each model runs converted on
+2 and 3 gloo ranks and unsharded in the same test: float64, 21 rows (uneven shards), train mode, forward,
+backward, parameter gradients (summed over ranks) and BatchNorm buffers; tolerance 1e-12 (sums in another order).
+A halo layer given a global pool's result outside such a Sequential would take the copies for shards: it raises on
+every rank, naming itself and the pool.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from halo.partition import split_offsets
+from halo.testing import RankError, run_on_ranks
+
+H, W, C = 21, 12, 4
+
+
+class SqueezeExcitation(nn.Module):
+    """torchvision.ops.SqueezeExcitation, as torchvision writes it: its own forward, pool then 1x1 convs."""
+
+    def __init__(self, channels, squeeze):
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(channels, squeeze, 1)
+        self.fc2 = nn.Conv2d(squeeze, channels, 1)
+        self.activation = nn.ReLU()
+        self.scale_activation = nn.Sigmoid()
+
+    def forward(self, x):
+        scale = self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+        return scale * x
+
+
+class SCSEModule(nn.Module):
+    """segmentation_models_pytorch's SCSEModule (CREDIT's U-Net attention): cSE is a Sequential."""
+
+    def __init__(self, in_channels, reduction=2):
+        super().__init__()
+        self.cSE = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(in_channels, in_channels // reduction, 1),
+                                 nn.ReLU(inplace=True), nn.Conv2d(in_channels // reduction, in_channels, 1),
+                                 nn.Sigmoid())
+        self.sSE = nn.Sequential(nn.Conv2d(in_channels, 1, 1), nn.Sigmoid())
+
+    def forward(self, x):
+        return x * self.cSE(x) + x * self.sSE(x)
+
+
+class ASPPPooling(nn.Sequential):
+    """torchvision's (and smp's) ASPPPooling: a Sequential with its own forward, then a resize to the input's
+    size (from a 1 x 1 map: the same value in every row, so the local size is right)."""
+
+    def __init__(self, in_channels, out_channels):
+        super().__init__(nn.AdaptiveAvgPool2d(1), nn.Conv2d(in_channels, out_channels, 1, bias=False),
+                         nn.BatchNorm2d(out_channels), nn.ReLU())
+
+    def forward(self, x):
+        size = x.shape[-2:]
+        for mod in self:
+            x = mod(x)
+        return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+
+
+class ChannelGate(nn.Module):
+    """CBAM's channel attention: average and max global pools through one shared MLP."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.avg = nn.AdaptiveAvgPool2d(1)
+        self.max = nn.AdaptiveMaxPool2d((1, 1))
+        self.mlp = nn.Sequential(nn.Conv2d(channels, channels // 2, 1), nn.ReLU(),
+                                 nn.Conv2d(channels // 2, channels, 1))
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.mlp(self.avg(x)) + self.mlp(self.max(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(C, C, 3, padding=1)
+        self.bn = nn.BatchNorm2d(C)
+        self.se = SqueezeExcitation(C, 2)
+        self.scse = SCSEModule(C)
+        self.aspp_pool = ASPPPooling(C, C)
+        self.aspp_conv = nn.Conv2d(C, C, 3, padding=2, dilation=2)
+        self.gate = ChannelGate(C)
+        self.head = nn.Conv2d(2 * C, C, 3, padding=1)
+
+    def forward(self, x):
+        a = F.relu(self.bn(self.stem(x)))
+        a = self.gate(self.scse(self.se(a)))
+        a = torch.cat([self.aspp_pool(a), self.aspp_conv(a)], dim=1)
+        return self.head(a)
+
+
+class MaxTies(nn.Module):
+    """A global max pool of ReLU outputs (exact ties at 0 across ranks, and a constant channel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 3, padding=1)
+        self.pool = nn.AdaptiveMaxPool2d(1)
+
+    def forward(self, x):
+        a = F.relu(self.conv(x) - 10.0)  # mostly zeros
+        a = torch.cat([a[:, :-1], torch.zeros_like(a[:, -1:]) + 0.5], dim=1)  # a constant channel: all ties
+        return x * self.pool(a + 1.0)
+
+
+BUILDS = {"Net": Net, "MaxTies": MaxTies}
+
+
+def _inputs():
+    full = torch.randn(2, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    wts = torch.randn(2, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    return full, wts
+
+
+def _run(rank, world, name):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = BUILDS[name]().double()
+    keys = list(model.state_dict())
+    convert_to_domain_parallel(model, manager)
+    types = {n: type(m).__name__ for n, m in model.named_modules()}
+    full, wts = _inputs()
+    offs = split_offsets(H, world)
+    x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+    out = model(x)
+    (out * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
+    return {"types": types, "keys": list(model.state_dict()) == keys, "out": halo.gather(out.detach()),
+            "grad": halo.gather(x.grad), "params": {n: p.grad for n, p in model.named_parameters()},
+            "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+
+
+def _reference(name):
+    torch.manual_seed(0)
+    model = BUILDS[name]().double()
+    full, wts = _inputs()
+    x = full.clone().requires_grad_(True)
+    out = model(x)
+    (out * wts).sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}, dict(model.named_buffers())
+
+
+@pytest.mark.parametrize("name", ["Net", "MaxTies"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_global_pools_convert_exactly(name, world):
+    results = run_on_ranks(_run, world, name, timeout=120)
+    out, grad, params, buffers = _reference(name)
+    for r in results:
+        assert r["keys"]
+        if name == "Net":
+            assert r["types"]["se.avgpool"] == "HaloAdaptiveAvgPool2d", r["types"]
+            assert r["types"]["aspp_pool.2"] == "BatchNorm2d", r["types"]  # after the pool: torch's own
+            assert r["types"]["bn"] == "DomainBatchNorm2d", r["types"]
+        assert torch.allclose(r["out"], out, rtol=0, atol=1e-12), (r["out"] - out).abs().max()
+        assert torch.allclose(r["grad"], grad, rtol=0, atol=1e-12), (r["grad"] - grad).abs().max()
+        for n, b in buffers.items():
+            assert torch.allclose(r["buffers"][n].double(), b.double(), rtol=0, atol=1e-12), (n, r["buffers"][n], b)
+    for n, want in params.items():
+        got = sum(r["params"][n] for r in results)
+        assert torch.allclose(got, want, rtol=0, atol=1e-11), (n, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pool_with_fewer_output_rows_than_ranks(world):
+    """The pool alone: 2 output rows over 3 ranks, (avg and max, indices global), and a (1, 5) output."""
+    results = run_on_ranks(_pool_only, world, timeout=60)
+    full, wts = _inputs()
+    for r in results:
+        for (size, kind), got in r.items():
+            x = full.clone().requires_grad_(True)
+            if kind == "avg":
+                y = F.adaptive_avg_pool2d(x, size)
+                idx = None
+            else:
+                y, idx = F.adaptive_max_pool2d(x, size, return_indices=True)
+            (y * wts[..., :y.shape[-2], :y.shape[-1]]).sum().backward()
+            assert torch.allclose(got["out"], y, rtol=0, atol=1e-12), (size, kind)
+            assert torch.allclose(got["grad"], x.grad, rtol=0, atol=1e-12), (size, kind)
+            if idx is not None:
+                assert torch.equal(got["idx"], idx), (size, kind)
+
+
+def _pool_only(rank, world):
+    import halo
+    from halo.nn.pool import halo_adaptive_avg_pool2d, halo_adaptive_max_pool2d
+
+    halo.initialize_domain_parallel(world, world)
+    full, wts = _inputs()
+    offs = split_offsets(H, world)
+    results = {}
+    for size in ((1, 5), (world - 1, 3)):
+        for kind in ("avg", "max"):
+            x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+            idx = None
+            if kind == "avg":
+                y = halo_adaptive_avg_pool2d(x, size)
+            else:
+                y, idx = halo_adaptive_max_pool2d(x, size, return_indices=True)
+            # Each rank's consumers use their own part of the whole result: rank r takes its share of the weights.
+            share = (wts[..., :y.shape[-2], :y.shape[-1]] / world)
+            (y * share).sum().backward()
+            results[(size, kind)] = {"out": y.detach(), "idx": idx, "grad": halo.gather(x.grad)}
+    return results
+
+
+class PoolThenNorm(nn.Module):
+    """A global pool whose result goes to a BatchNorm in a forward halo cannot see (not a Sequential)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.conv = nn.Conv2d(C, C, 1)
+        self.norm = nn.BatchNorm2d(C)
+
+    def forward(self, x):
+        return x * self.norm(self.conv(self.pool(x)))
+
+
+def _refused(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, world)
+    model = convert_to_domain_parallel(PoolThenNorm().double(), manager)
+    full, _ = _inputs()
+    offs = split_offsets(H, world)
+    return model(full[..., offs[rank]:offs[rank + 1], :])
+
+
+def test_whole_result_into_a_splitting_layer_raises_on_every_rank():
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_refused, 3, timeout=60)
+    text = str(info.value)
+    assert "norm (DomainBatchNorm2d) is given the result of a global pool" in text, text
+    assert "nn.Sequential" in text, text
