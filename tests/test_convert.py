@@ -169,6 +169,7 @@ def test_subclasses_and_blocks_with_own_state_are_refused_with_a_way_out():
 
 
 PADS = [nn.ZeroPad2d((1, 2, 3, 0)), nn.ZeroPad2d((0, 0, -2, 1)), nn.ConstantPad2d((2, 1, 1, 2), 0.0),
+        nn.ConstantPad2d((1, 0, 9, 12), -1.5), nn.ConstantPad2d((0, 2, -3, 2), 2.0),
         nn.ReflectionPad2d((1, 1, 2, 3)), nn.ReplicationPad2d((2, 0, 4, 1)), nn.CircularPad2d((1, 2, 3, 2))]
 
 

@@ -1,6 +1,6 @@
 """Padding modules on an H-shard: the output is the balanced split of the padded global field.
 
-``nn.ZeroPad2d``, ``nn.ConstantPad2d`` (value 0), ``nn.ReflectionPad2d``, ``nn.ReplicationPad2d`` and
+``nn.ZeroPad2d``, ``nn.ConstantPad2d`` (any value), ``nn.ReflectionPad2d``, ``nn.ReplicationPad2d`` and
 ``nn.CircularPad2d`` pad ``(left, right, top, bottom)``. Along W (not sharded) each rank pads as the module does.
 Along H the padded field has ``N + top + bottom`` rows; rank ``r`` holds rows ``[o0, o1)`` of its balanced split,
 which are the input's virtual rows ``[o0 - top, o1 - top)``: one planned exchange whose boundary is the padding
@@ -8,6 +8,8 @@ mode (``zeros``, ``reflect``, ``replicate``, ``circular``) fetches exactly those
 shards move by ``top`` rows, so a rank's output generally holds rows of its neighbours). Forward is a copy of
 rows, bitwise the padded field's; backward is the exchange's exact adjoint (rows copied several times, as
 ``replicate`` copies the edge, get their gradients summed in a fixed order). A negative padding crops, as in torch.
+A constant pad's rows beyond the domain take its value: the rank's rows of the padded field that lie outside the
+input are known from the plan, and the rank pads its inner rows with the value as torch would.
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ _W_MODE = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", 
 
 
 class PadPlan(NamedTuple):
-    """A padding call as planned for this rank: the exchange of its output rows (``plain``: one rank)."""
+    """A padding call as planned for this rank: the exchange of its output rows (``plain``: one rank); ``lead``
+    and ``trail``: how many of them lie above / below the input (padding rows)."""
 
     plain: bool
     ex: int = -1
     rows: int = 0
+    lead: int = 0
+    trail: int = 0
 
 
 def _pad_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int, top: int, bottom: int, boundary: str,
@@ -54,7 +59,11 @@ def _pad_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int, top
     check_output_rows(op, m, n, cg.size, f", padding (top {top}, bottom {bottom})")
     offs = split_offsets(m, cg.size)
     needs = tuple((offs[r] - top, offs[r + 1] - top) for r in range(cg.size))
-    return PadPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, op), offs[cg.index + 1] - offs[cg.index])
+    lo, hi = needs[cg.index]
+    rows = hi - lo
+    lead = min(rows, max(0, -lo))
+    trail = min(rows - lead, max(0, hi - n))
+    return PadPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, op), rows, lead, trail)
 
 
 class HaloPad2d(nn.Module):
@@ -68,10 +77,7 @@ class HaloPad2d(nn.Module):
         if kind not in PADDING_MODULES:
             raise TypeError(f"HaloPad2d wraps one of {', '.join(k.__name__ for k in PADDING_MODULES)}, got "
                             f"{kind.__name__}")
-        value = getattr(pad, "value", 0.0)
-        if value != 0:
-            raise ValueError(f"HaloPad2d: {kind.__name__} with value {value} is not supported (the rows beyond the "
-                             f"domain are exchanged as zeros); pad with zeros and add the value where you need it")
+        self.value = float(getattr(pad, "value", 0.0))
         self.padding = tuple(int(p) for p in pad.padding)
         self.boundary = PADDING_MODULES[kind]
         self.kind = kind.__name__
@@ -79,7 +85,8 @@ class HaloPad2d(nn.Module):
         self._halo_site = Site()
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, padding={self.padding}"
+        value = f", value={self.value}" if self.value else ""
+        return f"{self.kind}, padding={self.padding}{value}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         left, right, top, bottom = self.padding
@@ -89,9 +96,14 @@ class HaloPad2d(nn.Module):
         plan = resolve(x, self.group, op, _pad_plan, (x.dim() - 2, top, bottom, self.boundary, op),
                        site=self._halo_site)
         if plan.plain:
+            if self.boundary == "zeros":
+                return F.pad(x, self.padding, value=self.value)
             return F.pad(x, self.padding, mode=_W_MODE[self.boundary])
         out = exchange(x, plan.ex, plan.rows, x.dim() - 2)
-        if left or right:  # W is not sharded: pad it as the module does
+        if self.boundary == "zeros" and self.value != 0:  # the padding rows take the value, as W's columns do
+            inner = out.narrow(-2, plan.lead, plan.rows - plan.lead - plan.trail)
+            out = F.pad(inner, (left, right, plan.lead, plan.trail), value=self.value)
+        elif left or right:  # W is not sharded: pad it as the module does
             out = F.pad(out, (left, right, 0, 0), mode=_W_MODE[self.boundary])
         carry(out, x)
         return out
