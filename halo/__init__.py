@@ -5,6 +5,7 @@
 ColossalAI initializers in ``halo.groups``.
 """
 
+from .check import check_equivalence
 from .comm import HaloCommError, get_timeout, set_timeout
 from .exchange import (
     halo_exchange,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DomainMesh",
     "HaloCommError",
+    "check_equivalence",
     "DomainParallelManager",
     "destroy_domain_parallel",
     "gather",

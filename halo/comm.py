@@ -136,9 +136,30 @@ def group_by_id(gid: int) -> CommGroup:
     return _BY_ID[gid]
 
 
+_UNSHARDED = [0]  # > 0 inside ``unsharded()``: the default group is this process alone
+
+
+def unsharded_default() -> bool:
+    """Whether halo's default group is this process alone: no torch.distributed, or inside :func:`unsharded`."""
+    return _UNSHARDED[0] > 0 or not (dist.is_available() and dist.is_initialized())
+
+
+class unsharded:  # noqa: N801 - a context manager, named like one
+    """``with halo.comm.unsharded():`` halo ops called without ``group=`` act on this process alone (the whole
+    field): how :func:`halo.check_equivalence` runs the unsharded reference of a model that calls halo's functions
+    (``halo.nn.pad_like``, ``halo.random.dropout``) in its forward, in a process of a distributed job."""
+
+    def __enter__(self) -> unsharded:
+        _UNSHARDED[0] += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _UNSHARDED[0] -= 1
+
+
 def comm_group(group: Any | None = None) -> CommGroup:
     """``group`` as a :class:`CommGroup` (default: the manager's domain group; no torch.distributed: one rank)."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
+    if group is None and unsharded_default():
         return _SINGLE
     group = resolve_group(group)
     cg = _GROUPS.get(group)

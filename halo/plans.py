@@ -40,6 +40,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import itertools
+import os
+import sys
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -49,7 +51,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .agree import Meta, Spec, agree, needs_grad
-from .comm import CommGroup, comm_group, gather_words
+from .comm import CommGroup, comm_group, gather_words, unsharded_default
 from .partition import split_sizes
 
 __all__ = [
@@ -73,14 +75,17 @@ VALIDATION_MODES = ("first", "always")
 
 
 class _State:
-    """The epoch of the converted model whose forward is running (``None`` outside one), and the mode."""
+    """The epoch of the converted model whose forward is running (``None`` outside one), the mode, and the guard
+    of functional ops active during a model's first call of an epoch (``halo.guard``)."""
 
-    __slots__ = ("depth", "epoch", "validation")
+    __slots__ = ("depth", "epoch", "guard", "calls", "validation")
 
     def __init__(self) -> None:
         self.epoch: int | None = None
         self.depth = 0
         self.validation = "first"
+        self.guard: Any = None
+        self.calls = 0  # site-less calls so far in this forward (their site: their place in the sequence)
 
 
 _STATE = _State()
@@ -242,13 +247,22 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     """
     specs = spec if isinstance(spec[0], tuple) else (spec,)
     local = local_key(x, grad)
-    if group is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        replicated = True  # one process, no torch.distributed: the local shape is the global one
+    if group is None and unsharded_default():
+        replicated = True  # one process (no torch.distributed, or halo.comm.unsharded()): local shapes are global
     epoch = _REPLICATED if replicated else epoch_of(x if source is None else source)
     if epoch is None or _STATE.validation == "always":
         return _agreed(group, op, local, specs, coords, allow_empty, make, extra)
-    return _recorded(epoch, 0 if site is None else site.id, group, op, local, specs, coords, allow_empty, make,
-                     extra)
+    if site is not None:
+        site_id = site.id
+    elif _STATE.epoch is not None and not replicated:
+        # A functional call inside a converted model: two calls may see the same local shape and different global
+        # extents (45 and 44 rows over 2 ranks: rank 1 holds 22 of both), so each call is its own site, named by
+        # its place in the forward's sequence of such calls (the same on every rank: they make the same calls).
+        _STATE.calls += 1
+        site_id = -_STATE.calls
+    else:
+        site_id = 0
+    return _recorded(epoch, site_id, group, op, local, specs, coords, allow_empty, make, extra)
 
 
 def _first(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
@@ -304,6 +318,23 @@ def _describe_inputs(args: Any, kwargs: Any, grid: tuple[int, int] | None, cg: C
 
 
 _ENTRY = 0x454E5452  # "ENTR"
+_DYNAMO_DIR = os.path.join("torch", "_dynamo") + os.sep
+
+
+_MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def _called_by_dynamo() -> bool:
+    """Whether this model's call comes from a ``torch.compile``-d module or function: dynamo's frames above the
+    module call that runs this hook (the ones below it are the hook's own ``dynamo.disable`` wrapper)."""
+    f = sys._getframe(1)
+    while f is not None and _MODULE_PY not in f.f_code.co_filename:
+        f = f.f_back
+    while f is not None:
+        if _DYNAMO_DIR in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
 
 
 @torch._dynamo.disable
@@ -312,6 +343,7 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     if _STATE.depth:
         _STATE.depth += 1
         return
+    _STATE.calls = 0
     config = module.__dict__["_halo_root"]
     cg = comm_group(config.group)
     op = f"{type(module).__name__} (converted model entry)"
@@ -323,6 +355,15 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         table = gather_words([_ENTRY, int(words[0]), int(words[1])], cg, op)  # host data only
         epoch = _intern(("entry", cg.ranks, tuple(table.ravel().tolist())))
     _STATE.epoch, _STATE.depth = epoch, 1
+    guarded = module.__dict__.setdefault("_halo_guarded", set())
+    if (epoch not in guarded or _STATE.validation == "always") and not _called_by_dynamo():
+        # The first call of this epoch: watch the ops its forward calls itself (``halo.guard``). Not for a compiled
+        # model (the graph would be traced under the guard and recompiled without it): check it eagerly first.
+        from .guard import SpatialGuard
+
+        names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
+        _STATE.guard = SpatialGuard(names, cg, epoch)
+        _STATE.guard.__enter__()
 
 
 @torch._dynamo.disable
@@ -330,6 +371,11 @@ def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> N
     """Forward hook of a converted model (also on error): end its epoch; its outputs keep it (losses after it)."""
     _STATE.depth = max(0, _STATE.depth - 1)
     if _STATE.depth == 0:
+        guard, _STATE.guard = _STATE.guard, None
+        if guard is not None:
+            guard.__exit__(None, None, None)
+            if output is not None:  # the call completed: this epoch's ops were checked
+                module.__dict__.setdefault("_halo_guarded", set()).add(guard.epoch)
         epoch, _STATE.epoch = _STATE.epoch, None
         for t in pytree.tree_leaves(output):
             tag(t, epoch)

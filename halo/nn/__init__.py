@@ -12,7 +12,7 @@ from .dropout import (
     DomainFeatureAlphaDropout,
 )
 from .norm import DomainBatchNorm2d, DomainBatchNormAct2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
-from .pad import HaloPad2d
+from .pad import HaloPad2d, halo_pad, pad_like
 from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d, HaloAvgPool2d, HaloMaxPool2d
 from .softmax import DomainLogSoftmax, DomainSoftmax
 from .upsample import HaloUpsample, halo_interpolate
@@ -43,5 +43,7 @@ __all__ = [
     "HaloUpsample",
     "convert_to_domain_parallel",
     "halo_interpolate",
+    "halo_pad",
+    "pad_like",
     "revert_domain_parallel",
 ]

@@ -24,10 +24,10 @@ from ..comm import CommGroup
 from ..exchange import exchange, exchanger_id
 from ..mesh import group_attribute
 from ..partition import split_offsets
-from ..plans import Site, carry, resolve
+from ..plans import Site, carry, resolve, shard_sizes
 from .pool import check_output_rows
 
-__all__ = ["HaloPad2d", "PADDING_MODULES"]
+__all__ = ["PADDING_MODULES", "HaloPad2d", "halo_pad", "pad_like"]
 
 #: torch's 2-d padding modules and the boundary that fills their H rows beyond the domain.
 PADDING_MODULES: dict[type, str] = {nn.ZeroPad2d: "zeros", nn.ConstantPad2d: "zeros", nn.ReflectionPad2d: "reflect",
@@ -89,21 +89,38 @@ class HaloPad2d(nn.Module):
         return f"{self.kind}, padding={self.padding}{value}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        left, right, top, bottom = self.padding
-        if x.dim() not in (3, 4):
-            raise ValueError(f"HaloPad2d: expected a (B, C, H, W) or (C, H, W) shard, got shape {tuple(x.shape)}")
-        op = f"HaloPad2d({self.kind})"
-        plan = resolve(x, self.group, op, _pad_plan, (x.dim() - 2, top, bottom, self.boundary, op),
-                       site=self._halo_site)
-        if plan.plain:
-            if self.boundary == "zeros":
-                return F.pad(x, self.padding, value=self.value)
-            return F.pad(x, self.padding, mode=_W_MODE[self.boundary])
-        out = exchange(x, plan.ex, plan.rows, x.dim() - 2)
-        if self.boundary == "zeros" and self.value != 0:  # the padding rows take the value, as W's columns do
-            inner = out.narrow(-2, plan.lead, plan.rows - plan.lead - plan.trail)
-            out = F.pad(inner, (left, right, plan.lead, plan.trail), value=self.value)
-        elif left or right:  # W is not sharded: pad it as the module does
-            out = F.pad(out, (left, right, 0, 0), mode=_W_MODE[self.boundary])
-        carry(out, x)
-        return out
+        return halo_pad(x, self.padding, self.boundary, self.value, group=self.group, site=self._halo_site,
+                        op=f"HaloPad2d({self.kind})")
+
+
+def halo_pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str = "zeros", value: float = 0.0, *,
+             group: Any | None = None, site: Site | None = None, op: str = "halo_pad") -> torch.Tensor:
+    """``F.pad(x, padding)`` of the global field on its H-shard (module docstring): ``padding`` is ``(left, right,
+    top, bottom)`` in global rows; ``boundary`` ``"zeros"`` (with ``value``), ``"reflect"``, ``"replicate"`` or
+    ``"circular"``. The output is the balanced split of the padded field."""
+    left, right, top, bottom = (int(p) for p in padding)
+    if x.dim() not in (3, 4):
+        raise ValueError(f"{op}: expected a (B, C, H, W) or (C, H, W) shard, got shape {tuple(x.shape)}")
+    plan = resolve(x, group, op, _pad_plan, (x.dim() - 2, top, bottom, boundary, op), site=site)
+    if plan.plain:
+        if boundary == "zeros":
+            return F.pad(x, (left, right, top, bottom), value=value)
+        return F.pad(x, (left, right, top, bottom), mode=_W_MODE[boundary])
+    out = exchange(x, plan.ex, plan.rows, x.dim() - 2)
+    if boundary == "zeros" and value != 0:  # the padding rows take the value, as W's columns do
+        inner = out.narrow(-2, plan.lead, plan.rows - plan.lead - plan.trail)
+        out = F.pad(inner, (left, right, plan.lead, plan.trail), value=value)
+    elif left or right:  # W is not sharded: pad it as the module does
+        out = F.pad(out, (left, right, 0, 0), mode=_W_MODE[boundary])
+    carry(out, x)
+    return out
+
+
+def pad_like(x: torch.Tensor, ref: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
+    """Zero-pad (or crop) ``x`` to ``ref``'s global H and W, centred as a U-Net's skip connection does it
+    (Pytorch-UNet's ``Up``: ``F.pad(x1, [dX // 2, dX - dX // 2, dY // 2, dY - dY // 2])``), with ``dY`` and ``dX``
+    the differences of the *global* sizes. On one rank it is that ``F.pad``; on shards, exactly its split."""
+    h_x = sum(shard_sizes(x, -2, group, op="pad_like"))
+    h_ref = sum(shard_sizes(ref, -2, group, op="pad_like"))
+    dy, dx = h_ref - h_x, int(ref.shape[-1]) - int(x.shape[-1])
+    return halo_pad(x, (dx // 2, dx - dx // 2, dy // 2, dy - dy // 2), group=group, op="pad_like")

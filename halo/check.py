@@ -1,0 +1,236 @@
+"""One call that says whether a converted model computes what the original computes: ``check_equivalence``.
+
+Every rank of the domain group calls it with the *unconverted* model (or a factory) and the same whole sample. It
+runs a copy of the model unsharded on the whole sample (on every rank: no communication, the reference), and a
+converted copy on this rank's rows of the sample, in float64 by default (so rounding is not mistaken for a bug),
+in train mode (batch statistics: the harder case) with dropout and drop-path off (their masks are drawn from
+another stream by design: ``halo.random``). Forward hooks record every module's output; the sharded outputs are
+gathered and compared with the reference's in the order the reference ran them, then the input gradient and every
+parameter gradient (summed over the domain group) of ``sum(output * weights)`` with fixed random weights.
+
+The report names the first module whose output differs (its path, type, the error, the reference's scale and the
+tolerance used): where a model's sharded run goes wrong, the first differing module is where to look. A module whose
+output is whole on every rank (after a global pool) is compared as it is. ``halo check MODULE:FACTORY --shape
+B,C,H,W`` runs it from the command line.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+__all__ = ["EquivalenceReport", "Mismatch", "check_equivalence"]
+
+_RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+@dataclass
+class Mismatch:
+    """One compared tensor: where, how far off, against what scale and tolerance."""
+
+    what: str  # "output of enc.0 (Conv2d)", "input gradient", "gradient of enc.0.weight"
+    error: float  # max |sharded - unsharded|
+    scale: float  # max |unsharded|
+    tol: float
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tol and not self.note
+
+    def __str__(self) -> str:
+        rel = self.error / self.scale if self.scale else float("inf") if self.error else 0.0
+        status = "ok" if self.ok else "DIFFERS"
+        extra = f" ({self.note})" if self.note else ""
+        return (f"{status:8s}{self.what}: max error {self.error:.3e}, max |ref| {self.scale:.3e}, relative "
+                f"{rel:.2e}, tolerance {self.tol:.1e}{extra}")
+
+
+@dataclass
+class EquivalenceReport:
+    """What :func:`check_equivalence` found: every comparison in order, and the first that failed."""
+
+    checks: list[Mismatch] = field(default_factory=list)
+    dtype: str = "float64"
+    ranks: int = 1
+    rtol: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def first_mismatch(self) -> Mismatch | None:
+        return next((c for c in self.checks if not c.ok), None)
+
+    def __str__(self) -> str:
+        head = (f"halo.check_equivalence: {len(self.checks)} comparisons, {self.ranks} ranks, {self.dtype}, "
+                f"tolerance {self.rtol:.0e} x the reference's max |value| per tensor")
+        bad = self.first_mismatch
+        if bad is None:
+            return f"{head}\nOK: every module's output, the input gradient and every parameter gradient match"
+        worst = [c for c in self.checks if not c.ok]
+        lines = [head, f"FIRST DIFFERENCE: {bad}"]
+        lines += [f"  then: {c}" for c in worst[1:6]]
+        if len(worst) > 6:
+            lines.append(f"  ... and {len(worst) - 6} more")
+        return "\n".join(lines)
+
+
+def _record(model: nn.Module, names: dict[int, str], log: list[tuple[str, Any]]) -> list[Any]:
+    handles = []
+    for module in model.modules():
+        name = names.get(id(module))
+        if name is None:
+            continue
+
+        def hook(mod, args, output, name=name):
+            log.append((name, pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
+                                              output)))
+
+        handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+def _compare(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> Mismatch:
+    scale = float(want.detach().abs().max()) if want.numel() else 0.0
+    tol = rtol * max(scale, 1e-300)
+    if got.shape != want.shape:
+        return Mismatch(what, float("inf"), scale, tol, f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
+    if got.numel() == 0:
+        return Mismatch(what, 0.0, 0.0, tol)
+    diff = (got.double() - want.double()).abs()
+    nan = bool((got.isnan() != want.isnan()).any())
+    err = float(diff.nan_to_num(0.0).max())
+    return Mismatch(what, err, scale, tol, "NaN where the reference has none" if nan else "")
+
+
+def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.Tensor, *,
+                      manager: Any | None = None, dtype: torch.dtype = torch.float64, rtol: float = 1e-9,
+                      convert_kwargs: dict[str, Any] | None = None, seed: int = 0,
+                      raise_on_failure: bool = False) -> EquivalenceReport:
+    """Run ``model`` unsharded and converted (sharded along H over the domain group) on ``sample``; compare every
+    module's output, the input gradient and the parameter gradients (module docstring).
+
+    Args:
+        model: the *unconverted* model, or a factory returning one (called once per copy). Not modified.
+        sample: the whole input field ``(B, C, H, W)``, the same on every rank.
+        manager: the domain-parallel manager (default: the initialised one).
+        dtype: what both copies run in (float64: differences are bugs, not rounding).
+        rtol: tolerance per compared tensor, relative to the reference's largest magnitude in it.
+        convert_kwargs: passed to ``convert_to_domain_parallel`` (``boundary=``, ``custom_converters=``, ...).
+        raise_on_failure: raise ``AssertionError`` with the report instead of returning a failed one.
+
+    Every rank gets the same report (the comparisons use gathered tensors).
+    """
+    from .comm import unsharded
+    from .mesh import get_domain_parallel_manager
+    from .nn import convert_to_domain_parallel
+    from .shard import gather, shard
+
+    manager = manager if manager is not None else get_domain_parallel_manager()
+    if manager is None:
+        raise RuntimeError("check_equivalence needs a manager: call halo.initialize_domain_parallel first")
+    if not isinstance(sample, torch.Tensor) or sample.dim() < 2:
+        raise ValueError(f"check_equivalence: sample must be the whole field (B, C, H, W), got "
+                         f"{getattr(sample, 'shape', type(sample))}")
+    group = manager.domain_group
+
+    def build() -> nn.Module:
+        m = model() if callable(model) and not isinstance(model, nn.Module) else copy.deepcopy(model)
+        m = m.to(dtype).train()
+        for mod in m.modules():
+            if isinstance(mod, _RANDOM) or type(mod).__name__ in ("DropPath", "StochasticDepth"):
+                mod.eval()  # drawn from another stream by design: off on both sides
+        return m
+
+    torch.manual_seed(seed)
+    ref = build()
+    torch.manual_seed(seed)
+    par = build()
+    par.load_state_dict(ref.state_dict())
+    names = {id(m): n or "(model)" for n, m in ref.named_modules()}
+    kinds = {n or "(model)": type(m).__name__ for n, m in ref.named_modules()}
+    convert_to_domain_parallel(par, manager, **(convert_kwargs or {}))
+    par_names = {id(m): n or "(model)" for n, m in par.named_modules()}
+
+    x_full = sample.detach().to(dtype)
+    weights_gen = torch.Generator().manual_seed(seed + 1)
+
+    ref_log: list[tuple[str, Any]] = []
+    handles = _record(ref, names, ref_log)
+    xr = x_full.clone().requires_grad_(True)
+    try:
+        with unsharded():  # halo functions in the model's forward act on this process's whole field
+            out_ref = ref(xr)
+            if not isinstance(out_ref, torch.Tensor):
+                raise ValueError(f"check_equivalence: the model must return one tensor, got {type(out_ref).__name__}")
+            wts = torch.randn(out_ref.shape, generator=weights_gen, dtype=dtype)
+            (out_ref * wts).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+
+    par_log: list[tuple[str, Any]] = []
+    handles = _record(par, par_names, par_log)
+    xp = shard(x_full, dim=-2, group=group).detach().requires_grad_(True)
+    try:
+        out_par = par(xp)
+    finally:
+        for h in handles:
+            h.remove()
+    (out_par * shard(wts, dim=-2, group=group)).sum().backward()
+
+    report = EquivalenceReport(dtype=str(dtype).removeprefix("torch."), ranks=manager.domain_world_size, rtol=rtol)
+    from .plans import whole_source
+
+    seen: dict[str, int] = {}
+    par_by_name: dict[str, list[Any]] = {}
+    for name, out in par_log:
+        par_by_name.setdefault(name, []).append(out)
+    for name, want in ref_log:
+        k = seen.get(name, 0)
+        seen[name] = k + 1
+        label = f"output of {name} ({kinds.get(name, '?')})" + (f" call {k + 1}" if k else "")
+        calls = par_by_name.get(name, [])
+        if k >= len(calls):
+            report.checks.append(Mismatch(label, float("inf"), 0.0, 0.0, "not called in the sharded run"))
+            continue
+        got = calls[k]
+        for i, (w, g) in enumerate(zip(pytree.tree_leaves(want), pytree.tree_leaves(got), strict=False)):
+            if not isinstance(w, torch.Tensor) or not isinstance(g, torch.Tensor) or not w.is_floating_point():
+                continue
+            what = label + (f" [{i}]" if i else "")
+            if w.dim() >= 2 and whole_source(g) is None:
+                g = _gather(g, group, gather)
+                if g is None:
+                    report.checks.append(Mismatch(what, float("inf"), 0.0, 0.0, "could not be gathered along H"))
+                    continue
+            report.checks.append(_compare(what, g, w, rtol))
+    report.checks.append(_compare("input gradient", gather(xp.grad, dim=-2, group=group), xr.grad, rtol))
+    ref_params = dict(ref.named_parameters())
+    for name, p in par.named_parameters():
+        want = ref_params.get(name)
+        if want is None or want.grad is None:
+            continue
+        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        if dist.is_initialized() and manager.domain_world_size > 1:
+            dist.all_reduce(g, group=group)  # each rank holds its rows' share of a parameter's gradient
+        report.checks.append(_compare(f"gradient of {name}", g, want.grad, rtol))
+    if raise_on_failure and not report.ok:
+        raise AssertionError(str(report))
+    return report
+
+
+def _gather(t: torch.Tensor, group: Any, gather: Callable) -> torch.Tensor | None:
+    try:
+        return gather(t.contiguous(), dim=-2, group=group)
+    except (ValueError, RuntimeError):
+        return None
