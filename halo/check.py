@@ -114,8 +114,8 @@ def _compare(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> M
 
 def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.Tensor, *,
                       manager: Any | None = None, dtype: torch.dtype = torch.float64, rtol: float = 1e-9,
-                      convert_kwargs: dict[str, Any] | None = None, seed: int = 0,
-                      raise_on_failure: bool = False) -> EquivalenceReport:
+                      convert_kwargs: dict[str, Any] | None = None, reference: nn.Module | None = None,
+                      seed: int = 0, raise_on_failure: bool = False) -> EquivalenceReport:
     """Run ``model`` unsharded and converted (sharded along H over the domain group) on ``sample``; compare every
     module's output, the input gradient and the parameter gradients (module docstring).
 
@@ -126,6 +126,9 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         dtype: what both copies run in (float64: differences are bugs, not rounding).
         rtol: tolerance per compared tensor, relative to the reference's largest magnitude in it.
         convert_kwargs: passed to ``convert_to_domain_parallel`` (``boundary=``, ``custom_converters=``, ...).
+        reference: the unsharded model to compare with, when it is not ``model`` itself (a boundary torch's layers
+            do not have, such as ``"pole"``, written out by hand); modules are matched by name, those only one
+            side has are skipped. Its parameters are set from ``model``'s state dict where the names agree.
         raise_on_failure: raise ``AssertionError`` with the report instead of returning a failed one.
 
     Every rank gets the same report (the comparisons use gathered tensors).
@@ -152,14 +155,18 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         return m
 
     torch.manual_seed(seed)
-    ref = build()
-    torch.manual_seed(seed)
     par = build()
-    par.load_state_dict(ref.state_dict())
-    names = {id(m): n or "(model)" for n, m in ref.named_modules()}
-    kinds = {n or "(model)": type(m).__name__ for n, m in ref.named_modules()}
+    if reference is None:
+        torch.manual_seed(seed)
+        ref = build()
+        ref.load_state_dict(par.state_dict())
+    else:
+        ref = copy.deepcopy(reference).to(dtype).train()
     convert_to_domain_parallel(par, manager, **(convert_kwargs or {}))
     par_names = {id(m): n or "(model)" for n, m in par.named_modules()}
+    both = set(par_names.values())
+    names = {id(m): n or "(model)" for n, m in ref.named_modules() if (n or "(model)") in both}
+    kinds = {n or "(model)": type(m).__name__ for n, m in ref.named_modules()}
 
     x_full = sample.detach().to(dtype)
     weights_gen = torch.Generator().manual_seed(seed + 1)
@@ -216,6 +223,9 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
             report.checks.append(_compare(what, g, w, rtol))
     report.checks.append(_compare("input gradient", gather(xp.grad, dim=-2, group=group), xr.grad, rtol))
     ref_params = dict(ref.named_parameters())
+    if reference is not None:  # parameters match by name or by order (a reference that wraps the layers)
+        ref_params = {n: p for (n, _), p in zip(par.named_parameters(), ref.parameters(), strict=False)} \
+            if len(list(ref.parameters())) == len(list(par.parameters())) else ref_params
     for name, p in par.named_parameters():
         want = ref_params.get(name)
         if want is None or want.grad is None:
@@ -234,3 +244,55 @@ def _gather(t: torch.Tensor, group: Any, gather: Callable) -> torch.Tensor | Non
         return gather(t.contiguous(), dim=-2, group=group)
     except (ValueError, RuntimeError):
         return None
+
+
+def _load(target: str) -> Callable[[], nn.Module]:
+    import importlib
+
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise SystemExit(f"halo check: the target must be MODULE:FACTORY (e.g. mypkg.models:build), got {target!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"halo check: cannot load {target!r}: {exc}") from exc
+    if not callable(factory):
+        raise SystemExit(f"halo check: {target!r} is not callable")
+    return factory
+
+
+def _check_rank(rank: int, world: int, opts: dict) -> str:
+    from . import initialize_domain_parallel
+
+    initialize_domain_parallel(world, world)
+    factory = _load(opts["target"])
+    sample = torch.randn(opts["shape"], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    convert_kwargs = {"boundary": opts["boundary"]} if opts["boundary"] else {}
+    dtype = getattr(torch, opts["dtype"])
+    rtol = opts["rtol"] if opts["rtol"] is not None else (1e-9 if dtype == torch.float64 else 1e-4)
+    try:
+        report = check_equivalence(factory, sample, dtype=dtype, rtol=rtol, convert_kwargs=convert_kwargs)
+    except ValueError as exc:  # refused by the converter or the guard: the same on every rank
+        return f"REFUSED: {exc}"
+    return str(report)
+
+
+def run_check(args: Any) -> int:
+    """``halo check MODULE:FACTORY --shape B,C,H,W``: 0 if the converted model equals the unsharded one."""
+    from .launch import is_printer, launch
+
+    try:
+        shape = tuple(int(v) for v in args.shape.split(","))
+    except ValueError as exc:
+        raise SystemExit(f"halo check: --shape must be B,C,H,W integers, got {args.shape!r}") from exc
+    if len(shape) < 3 or shape[-2] < args.nproc:
+        raise SystemExit(f"halo check: --shape {shape} needs at least 3 dims and H >= --nproc ({args.nproc})")
+    _load(args.target)  # a bad target fails here, before any rank starts
+    opts = {"target": args.target, "shape": shape, "boundary": args.boundary, "dtype": args.dtype,
+            "rtol": args.rtol}
+    results = launch(_check_rank, args.nproc, opts, backend=args.backend, timeout=args.timeout)
+    if not is_printer():
+        return 0
+    text = results[0]
+    print(text)
+    return 0 if text.splitlines()[-1].startswith("OK") else 1

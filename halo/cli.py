@@ -1,4 +1,5 @@
-"""The ``halo`` command: ``halo demo`` (exactness and speed on a synthetic global field), ``halo bench``.
+"""The ``halo`` command: ``halo demo`` (exactness and speed on a synthetic global field), ``halo check`` (is my
+model, converted, the unsharded model?), ``halo bench``.
 
 Ranks come from :mod:`halo.launch` (local gloo processes, or this process under ``torchrun``). The command sits
 on top of everything: ``demo`` and ``bench`` import ``launch``, nothing imports this module.
@@ -46,6 +47,21 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
 
+    check = sub.add_parser("check", help="is a model, converted, the same as unsharded? every module, fwd + bwd",
+                           description="Build MODULE:FACTORY (a model, unconverted), run it unsharded and "
+                                       "converted on --nproc ranks on one random input of --shape, and compare "
+                                       "every module's output and the gradients (halo.check_equivalence). Exit "
+                                       "status 1 if they differ, naming the first module that does.")
+    check.add_argument("target", help="MODULE:FACTORY, e.g. mypkg.models:build_unet (called with no arguments)")
+    check.add_argument("--shape", required=True, help="input shape B,C,H,W (e.g. 2,3,73,144)")
+    check.add_argument("--nproc", type=int, default=2, help="CPU ranks when not under torchrun (default 2)")
+    check.add_argument("--boundary", default=None, help="latitude boundary for the converted convs (e.g. pole)")
+    check.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    check.add_argument("--rtol", type=float, default=None, help="tolerance relative to each tensor's max |value| "
+                       "(default 1e-9 in float64, 1e-4 in float32)")
+    check.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    check.add_argument("--timeout", type=float, default=600.0)
+
     bench = sub.add_parser("bench", help="halo bandwidth, HaloConv2d overhead, scaling, pack kernels",
                            description="Run the benchmarks; each prints a table, appends CSV rows to --out "
                                        "and draws a PNG.")
@@ -73,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(args)
+    if args.command == "check":
+        from .check import run_check
+
+        return run_check(args)
     from .bench import run_bench
 
     return run_bench(args)

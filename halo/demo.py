@@ -216,6 +216,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
 
     from . import initialize_domain_parallel
     from .bench import gather_times, median
+    from .check import check_equivalence
     from .launch import rank_device
     from .nn.convert import convert_to_domain_parallel
     from .reduce import latitude_weighted_mse, sync_domain_gradients
@@ -240,6 +241,17 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
 
     torch.manual_seed(opts["seed"])
     net = DemoNet(opts["channels"], opts["hidden"], (h, w)).to(device, dtype)
+
+    # First, as the README recommends: does the converted model compute what the unsharded one does, module by
+    # module, forward and backward (float64, so any difference is a bug and not rounding)?
+    say("halo.check_equivalence (every module's output and the gradients, float64)...")
+    report = check_equivalence(net, field, reference=reference_model(net, boundary),
+                               convert_kwargs={"boundary": boundary})
+    for line in str(report).splitlines():
+        say(line)
+    if not report.ok:
+        raise RuntimeError(f"halo demo: the converted model differs from the unsharded one:\n{report}")
+
     model = convert_to_domain_parallel(copy.deepcopy(net), manager, boundary=boundary)
 
     def sharded_step() -> torch.Tensor:

@@ -10,12 +10,14 @@ are not checked) and refuses, on every rank, the ops that would act on the shard
 op (function or tensor method)                         refused when
 =====================================================  ===========================================================
 ``F.pad``                                              it pads H (any mode): the amounts are local
-``F.interpolate`` / ``upsample*``                      it resizes H (a 1 x 1 map whole on every rank is fine)
+``F.interpolate`` / ``upsample*``                      it resizes H, unless each row is repeated a whole number
+                                                       of times (nearest): exact on a shard, split like its input
 ``F.conv2d``, ``conv_transpose2d``, pools, ``unfold``  its window, stride or padding along H is not 1 / 1 / 0
 ``adaptive_*_pool2d``, ``pixel_(un)shuffle``,          they change or mix H
 ``grid_sample``
 ``torch.roll``, ``flip``                               along H
-``cat``, ``split``, ``chunk``, ``narrow``, indexing,   along H (a slice of H that is not the whole of it)
+``cat``, ``split``, ``chunk``, ``narrow``, indexing,   along H (a slice of H that is not the whole of it); a
+                                                       ``cat`` of fields split differently (rows differ)
 ``index_select``, ``select``, ``unbind``, ...
 reductions (``sum``, ``mean``, ``max``, ``std``,       over H, or over everything
 ``softmax``, ``cumsum``, ``sort``, ...)
@@ -105,20 +107,26 @@ def _pad(args, kwargs, x, h):
 
 
 def _interpolate(args, kwargs, x, h):
+    """Refused unless H keeps its rows, or each row is repeated a whole number of times (nearest): that is exact on
+    a shard (its output rows are the global output's, split as the input was)."""
     size = _arg(args, kwargs, 1, "size")
     scale = _arg(args, kwargs, 2, "scale_factor")
+    mode = _arg(args, kwargs, 3, "mode", "nearest")
+    rows = int(x.shape[h])
     if size is not None:
         sizes = [size] * (x.dim() - 2) if isinstance(size, int) else list(size)
         target = sizes[h - 2] if h >= 2 and len(sizes) > h - 2 else None
-        if target is not None and target != x.shape[h]:
-            return (f"resizes H from this rank's {x.shape[h]} rows to {target} (a size computed from a shard); use "
-                    f"nn.Upsample in the model (converted to halo.nn.HaloUpsample) or halo.nn.halo_interpolate")
-    elif scale is not None:
+        if target is None or target == rows or (mode in ("nearest", "nearest-exact") and rows and target % rows == 0):
+            return None
+        return (f"resizes H from this rank's {rows} rows to {target} ({mode}; a size computed from a shard); use "
+                f"nn.Upsample in the model (converted to halo.nn.HaloUpsample) or halo.nn.halo_interpolate")
+    if scale is not None:
         scales = [scale] * (x.dim() - 2) if isinstance(scale, (int, float)) else list(scale)
         s = scales[h - 2] if h >= 2 and len(scales) > h - 2 else 1
-        if s != 1:
-            return ("resizes H by a scale factor on a shard (the rows at the shard's edges need its neighbours'); "
-                    "use nn.Upsample in the model (converted exactly) or halo.nn.halo_interpolate")
+        if s == 1 or (mode in ("nearest", "nearest-exact") and float(s).is_integer() and s > 1):
+            return None
+        return (f"resizes H by {s} ({mode}) on a shard (the rows at the shard's edges need its neighbours'); use "
+                f"nn.Upsample in the model (converted exactly) or halo.nn.halo_interpolate")
     return None
 
 
@@ -205,6 +213,13 @@ def _cat(args, kwargs, x, h):
     if isinstance(d, int) and d % x.dim() == h:
         return ("concatenates along H (the sharded dim): each rank would stack its own rows; concatenate along "
                 "channels, or gather first")
+    tensors = _arg(args, kwargs, 0, "tensors", ())
+    rows = {int(t.shape[h]) for t in tensors if isinstance(t, torch.Tensor) and t.dim() == x.dim()}
+    if len(rows) > 1:
+        return (f"concatenates fields whose shards hold different numbers of rows here ({sorted(rows)}): they are "
+                f"split differently (one was resized on its shard, e.g. a nearest upsampling of an unevenly split "
+                f"field); resize with nn.Upsample in the model (its output is split like the others), or make H "
+                f"divisible by the ranks at every level")
     return None
 
 

@@ -73,3 +73,52 @@ def test_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code != 0
+
+
+ZOO = '''
+import torch.nn.functional as F
+from torch import nn
+
+
+class Good(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.p = nn.MaxPool2d(2)
+        self.u = nn.Upsample(scale_factor=2)
+        self.b = nn.Conv2d(4, 3, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(self.u(self.p(F.relu(self.a(x)))))
+
+
+class Resized(Good):
+    def forward(self, x):
+        return self.b(F.interpolate(self.p(F.relu(self.a(x))), scale_factor=2))
+
+
+def good():
+    return Good()
+
+
+def resized():
+    return Resized()
+'''
+
+
+def test_check_command(tmp_path):
+    (tmp_path / "zoo_cli.py").write_text(ZOO)
+    env_path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env_path}" if env_path else str(tmp_path)
+    try:
+        ok = _run(["check", "zoo_cli:good", "--shape", "2,3,24,16", "--nproc", "3"], tmp_path, timeout=90)
+        bad = _run(["check", "zoo_cli:resized", "--shape", "2,3,24,16", "--nproc", "2"], tmp_path, timeout=90)
+        wrong = _run(["check", "zoo_cli:nothing", "--shape", "2,3,24,16"], tmp_path, timeout=60)
+    finally:
+        if env_path:
+            os.environ["PYTHONPATH"] = env_path
+        else:
+            del os.environ["PYTHONPATH"]
+    assert ok.returncode == 0 and "OK: every module's output" in ok.stdout, ok.stdout + ok.stderr
+    assert bad.returncode == 1 and "REFUSED: interpolate at zoo_cli.py:" in bad.stdout, bad.stdout + bad.stderr
+    assert wrong.returncode != 0 and "cannot load 'zoo_cli:nothing'" in wrong.stderr, wrong.stdout + wrong.stderr

@@ -46,11 +46,13 @@ ALLOWED = {
     "tokens_linear": _tokens_linear,
     "channels_last_norm": _channels_last_norm,
     "split_channels": lambda m, x: torch.cat(torch.split(x, 2, dim=1)[::-1], dim=1),
+    "nearest_x2": lambda m, x: m.pool(F.interpolate(x, scale_factor=2) * 0.5 + 0.25),  # rows repeated: exact
 }
 
 REFUSED = {
     "pad_h": (lambda m, x: F.pad(x, (0, 0, 1, 1)), "pads H"),
-    "interpolate_scale": (lambda m, x: F.interpolate(x, scale_factor=2.0)[..., ::2, ::2], "resizes H"),
+    "interpolate_scale": (lambda m, x: F.interpolate(x, scale_factor=2.0, mode="bilinear")[..., ::2, ::2],
+                          "resizes H"),
     "interpolate_size": (lambda m, x: F.interpolate(x, size=(x.shape[2] + 1, x.shape[3]))[..., :-1, :],
                          "resizes H"),
     "roll_h": (lambda m, x: torch.roll(x, 1, dims=2), "rolls along H"),
@@ -82,6 +84,7 @@ class OpNet(nn.Module):
         self.b = nn.Conv2d(C, C, 3, padding=1)
         self.lin = nn.Linear(C, C)
         self.norm = nn.LayerNorm(C)
+        self.pool = nn.MaxPool2d(2)
         self.w1 = nn.Parameter(torch.randn(C, C, 1, 1) * 0.3)
         self.w3 = nn.Parameter(torch.randn(C, C, 3, 3) * 0.3)
 
