@@ -318,6 +318,7 @@ def _describe_inputs(args: Any, kwargs: Any, grid: tuple[int, int] | None, cg: C
 
 
 _ENTRY = 0x454E5452  # "ENTR"
+_GUARD = [True]  # the guard of functional ops on first calls (off only to measure what it costs)
 _DYNAMO_DIR = os.path.join("torch", "_dynamo") + os.sep
 
 
@@ -356,7 +357,7 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         epoch = _intern(("entry", cg.ranks, tuple(table.ravel().tolist())))
     _STATE.epoch, _STATE.depth = epoch, 1
     guarded = module.__dict__.setdefault("_halo_guarded", set())
-    if (epoch not in guarded or _STATE.validation == "always") and not _called_by_dynamo():
+    if (epoch not in guarded or _STATE.validation == "always") and _GUARD[0] and not _called_by_dynamo():
         # The first call of this epoch: watch the ops its forward calls itself (``halo.guard``). Not for a compiled
         # model (the graph would be traced under the guard and recompiled without it): check it eagerly first.
         from .guard import SpatialGuard

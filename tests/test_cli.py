@@ -94,7 +94,7 @@ class Good(nn.Module):
 
 class Resized(Good):
     def forward(self, x):
-        return self.b(F.interpolate(self.p(F.relu(self.a(x))), scale_factor=2))
+        return self.b(F.interpolate(self.p(F.relu(self.a(x))), scale_factor=2, mode="bilinear"))
 
 
 def good():
