@@ -30,6 +30,11 @@ taking a path the others do not) makes some ranks miss while others hit: the one
 the others never join, and every rank raises :class:`halo.HaloCommError` within the timeout. It is never silently
 different.
 
+Calls without a site of their own (halo's functions called in a model's ``forward``: ``pad_like``,
+``halo_interpolate``, ``halo.random``) are told apart by their place in the forward's sequence of such calls, the
+same on every rank. A converted model's first call of each epoch also runs under the guard of functional ops
+(:mod:`halo.guard`).
+
 ``torch.compile``: the root's entry agreement runs outside the compiled graph (a dynamo-disabled hook), the epoch
 is a global that the graph guards on, and :func:`resolve` runs at trace time (``assume_constant_result``) and
 returns a plan of plain ints and tuples baked into the graph; a new epoch recompiles on every rank alike.

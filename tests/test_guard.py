@@ -229,7 +229,12 @@ def _unet(rank, world, how, h):
     full = torch.randn(2, C, h, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     if how == "check":
         report = halo.check_equivalence(lambda: UNet("hidden"), full)
-        return str(report), report.ok, report.first_mismatch.what if report.first_mismatch else None
+        try:
+            halo.check_equivalence(lambda: UNet("local"), full)
+            refused = None
+        except ValueError as exc:  # the guard's refusal, raised inside the check's sharded run
+            refused = str(exc)
+        return str(report), report.ok, report.first_mismatch.what if report.first_mismatch else None, refused
     torch.manual_seed(0)
     model = convert_to_domain_parallel(UNet(how).double(), manager)
     offs = split_offsets(h, world)
@@ -261,10 +266,11 @@ def test_unet_pad_to_match_is_refused_as_written_and_exact_with_pad_like(world, 
 
 def test_check_equivalence_catches_what_the_guard_cannot_see():
     results = run_on_ranks(_unet, 2, "check", 23, timeout=120)
-    for text, ok, first in results:
+    for text, ok, first, refused in results:
         assert not ok, text
         assert first == "output of up.conv (Conv2d)", (first, text)
         assert "FIRST DIFFERENCE" in text, text
+        assert refused is not None and "pads H" in refused, refused  # the visible bug: refused by the guard
     assert len({r[0] for r in results}) == 1  # the same report on every rank
 
 
