@@ -130,6 +130,25 @@ def _interpolate(args, kwargs, x, h):
     return None
 
 
+def _whole_interpolate(args, kwargs, x, h):
+    """A map whole on every rank (a global pool's k x k result) resized: right only if H keeps its rows (a size
+    from a shard would resize the whole map to one rank's rows)."""
+    size = _arg(args, kwargs, 1, "size")
+    scale = _arg(args, kwargs, 2, "scale_factor")
+    rows = int(x.shape[h])
+    if size is not None:
+        target = size if isinstance(size, int) else list(size)[h - 2]
+    elif scale is not None:
+        target = rows * (scale if isinstance(scale, (int, float)) else list(scale)[h - 2])
+    else:
+        return None
+    if target == rows:
+        return None
+    return (f"resizes a {rows}-row map that is whole on every rank (a global pool's result) to {target} rows: a "
+            f"size taken from a shard would stretch the whole map over one rank's rows; resize it to the global "
+            f"size and keep this rank's rows (gather, or halo.shard of the resized map), or pool to 1 row")
+
+
 def _window(args, kwargs, x, h, kernel_at, stride_at, padding_at, what):
     """A conv or pool: refuse unless its window, stride and padding along H are 1, 1, 0."""
     def along_h(v, default):
@@ -223,9 +242,10 @@ def _cat(args, kwargs, x, h):
     return None
 
 
-def _reduce(position: int = 1, name: str = "dim"):
+def _reduce(position: int = 1, name: str = "dim", default: Any = None):
+    """A reduction (or sort) whose dim sits at ``position`` (``default`` when not given: ``None`` = all dims)."""
     def rule(args, kwargs, x, h):
-        d = _arg(args, kwargs, position, name)
+        d = _arg(args, kwargs, position, name, default)
         if isinstance(d, torch.Tensor):  # torch.max(a, b): elementwise
             return None
         dims = _dims_arg(d, x.dim())
@@ -321,11 +341,12 @@ _register([torch.narrow, T.narrow, torch.select, T.select, torch.index_select, T
 _register([T.__getitem__], _getitem)
 _register([torch.sum, T.sum, torch.mean, T.mean, torch.nansum, T.nansum, torch.nanmean, T.nanmean, torch.prod,
            T.prod, torch.amax, T.amax, torch.amin, T.amin, torch.max, T.max, torch.min, T.min, torch.std, T.std,
-           torch.var, T.var, torch.std_mean, torch.var_mean, torch.logsumexp, T.logsumexp, torch.norm, T.norm,
-           torch.argmax, T.argmax, torch.argmin, T.argmin, torch.median, T.median, torch.all, T.all, torch.any,
-           T.any, torch.count_nonzero, T.count_nonzero, torch.cumsum, T.cumsum, torch.cumprod, T.cumprod,
-           torch.sort, T.sort, torch.argsort, T.argsort, torch.topk, T.topk, torch.kthvalue, T.kthvalue,
-           torch.linalg.vector_norm], _reduce())
+           torch.var, T.var, torch.std_mean, torch.var_mean, torch.logsumexp, T.logsumexp, torch.argmax, T.argmax,
+           torch.argmin, T.argmin, torch.median, T.median, torch.all, T.all, torch.any, T.any, torch.count_nonzero,
+           T.count_nonzero, torch.cumsum, T.cumsum, torch.cumprod, T.cumprod], _reduce())
+_register([torch.norm, T.norm, torch.linalg.vector_norm], _reduce(2, "dim"))  # (input, p / ord, dim)
+_register([torch.sort, T.sort, torch.argsort, T.argsort], _reduce(1, "dim", -1))
+_register([torch.topk, T.topk, torch.kthvalue, T.kthvalue], _reduce(2, "dim", -1))  # (input, k, dim=-1)
 _register([F.softmax, F.log_softmax, T.softmax, T.log_softmax, torch.softmax, torch.log_softmax], _softmax)
 
 _LAYOUT = {torch.permute, T.permute, torch.transpose, T.transpose, torch.movedim, T.movedim, torch.swapaxes,
@@ -373,6 +394,9 @@ class SpatialGuard(TorchFunctionMode):
         if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):  # cat
             x = next((t for t in x if _hdim(t, self.dims) is not None), x[0])
         h = _hdim(x, self.dims)
+        if rule is _interpolate and h is None and isinstance(x, torch.Tensor) and x.dim() >= 3 \
+                and x.shape[-2] > 1 and whole_source(x) is not None:
+            rule, h = _whole_interpolate, x.dim() - 2  # a small map whole on every rank (PSP), resized
         frame = _user_frame() if (rule is not None or layout or matmul) and (h is not None or matmul) else None
         if frame is None:  # not a field, or torch's / halo's own code: run it (and follow H through it)
             out = func(*args, **kwargs)

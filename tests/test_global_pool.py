@@ -246,3 +246,51 @@ def test_whole_result_into_a_splitting_layer_raises_on_every_rank():
     text = str(info.value)
     assert "norm (DomainBatchNorm2d) is given the result of a global pool" in text, text
     assert "nn.Sequential" in text, text
+
+
+class PSPBlock(nn.Module):
+    """smp's PSPBlock: pool to a small grid, conv-BN-ReLU, resize back to the input's (local) size in forward."""
+
+    def __init__(self, channels, pool_size):
+        super().__init__()
+        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(pool_size), nn.Conv2d(channels, channels, 1, bias=False),
+                                  nn.BatchNorm2d(channels), nn.ReLU())
+
+    def forward(self, x):
+        h, w = x.shape[-2:]
+        return F.interpolate(self.pool(x), size=(h, w), mode="bilinear", align_corners=True)
+
+
+class PSP(nn.Module):
+    def __init__(self, sizes):
+        super().__init__()
+        self.blocks = nn.ModuleList([PSPBlock(C, s) for s in sizes])
+
+    def forward(self, x):
+        return torch.cat([x, *[b(x) for b in self.blocks]], dim=1)
+
+
+def _psp(rank, world, sizes):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(PSP(sizes).double(), manager)
+    full, _ = _inputs()
+    offs = split_offsets(H, world)
+    try:
+        return halo.gather(model(full[..., offs[rank]:offs[rank + 1], :]).detach())
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_psp_global_level_is_exact_and_a_small_grid_resized_to_a_shard_is_refused():
+    results = run_on_ranks(_psp, 3, (1,), timeout=60)
+    torch.manual_seed(0)
+    want = PSP((1,)).double()(_inputs()[0]).detach()
+    for got in results:
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+    errors = run_on_ranks(_psp, 3, (1, 2), timeout=60)
+    assert all(isinstance(e, str) and "whole on every rank (a global pool's result)" in e for e in errors), errors
+    assert "(in the forward of blocks.1 (PSPBlock))" in errors[0], errors[0]

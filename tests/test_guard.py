@@ -46,6 +46,8 @@ ALLOWED = {
     "tokens_linear": _tokens_linear,
     "channels_last_norm": _channels_last_norm,
     "split_channels": lambda m, x: torch.cat(torch.split(x, 2, dim=1)[::-1], dim=1),
+    "norm_channels": lambda m, x: x / (1 + x.norm(2, dim=1, keepdim=True)),  # p=2 is not a dim
+    "sort_w": lambda m, x: x.sort(dim=-1)[0] + x.topk(2)[0].sum(-1, keepdim=True),  # default dims: W
     "nearest_x2": lambda m, x: m.pool(F.interpolate(x, scale_factor=2) * 0.5 + 0.25),  # rows repeated: exact
 }
 
@@ -62,6 +64,8 @@ REFUSED = {
     "slice_h": (lambda m, x: F.pad(x[:, :, 1:], (0, 0, 1, 0)), "indexes H"),
     "mean_hw": (lambda m, x: x * x.mean((2, 3), keepdim=True), "reduces over H"),
     "sum_all": (lambda m, x: x / x.abs().sum(), "reduces over H"),
+    "norm_all": (lambda m, x: x / x.norm(), "reduces over H"),
+    "sort_h": (lambda m, x: x.sort(dim=2)[0], "reduces over H"),
     "softmax_h": (lambda m, x: F.softmax(x, dim=2), "normalises over H"),
     "avg_pool": (lambda m, x: F.interpolate(F.avg_pool2d(x, 2), size=x.shape[-2:]), "a pool"),
     "conv3x3": (lambda m, x: F.conv2d(x, m.w3, padding=1), "a convolution"),
