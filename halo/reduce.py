@@ -373,6 +373,9 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     Groups: ``domain_group`` / ``dp_group`` if given (either may be ``None``: skipped), else ``manager``'s (default
     the initialised manager); without a manager and without torch.distributed this is a no-op. With DDP or
     FSDP2 averaging over the dp axis, pass ``domain_group=manager.domain_group`` alone (sum and mean commute).
+    FSDP2 / HSDP gradients (DTensors sharded over ``manager.device_mesh["dp"]``) are summed as their local shards,
+    which are the same slice of each parameter on every rank of a domain group (tested against one process on
+    uneven shards); a mesh that includes other domain ranks, or a second dp mean of DTensor gradients, raises.
 
     Parameters that require grad but have none on some ranks (used only on the edge ranks) are agreed on, once
     per pattern of which parameters have a gradient (one small all-gather of host data per group, the first time
@@ -400,6 +403,7 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
         if p.grad is not None and p.grad.is_sparse:
             raise TypeError("sync_domain_gradients: sparse gradients are not supported")
 
+    _check_sharded_grads(params, infos)
     pattern = tuple(p.grad is not None for p in params)
     live_mask = pattern
     for info, _ in infos:
@@ -407,13 +411,13 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     live = [p for p, h in zip(params, live_mask, strict=True) if h]
     for p in live:
         if p.grad is None:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p)  # a DTensor parameter gives a DTensor of zeros
 
     buckets: dict[tuple, list[list[torch.Tensor]]] = {}
     filled: dict[tuple, int] = {}
     cap = max(1, int(bucket_mb * 2 ** 20))
     for p in live:  # same order and sizes on every rank, so the buckets match
-        g = p.grad
+        g = _local(p.grad)
         key = (g.device, accumulation_dtype(g.dtype))
         lists = buckets.setdefault(key, [[]])
         nbytes = g.numel() * key[1].itemsize
@@ -431,6 +435,38 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
                     flat.div_(info.size)
             for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(piece.view_as(g))
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """A gradient's tensor on this rank: the local shard of a DTensor (FSDP2, HSDP), written in place."""
+    return g._local_tensor if hasattr(g, "_local_tensor") and hasattr(g, "device_mesh") else g
+
+
+def _check_sharded_grads(params: list[torch.Tensor], infos: list[tuple[CommGroup, str]]) -> None:
+    """DTensor gradients (FSDP2 / HSDP): their mesh must lie within the data-parallel ranks, so that the ranks of a
+    domain group hold the same slice of each parameter (their local shards add up), and FSDP already averaged them
+    over that mesh (a dp mean here would mix different slices)."""
+    for p in params:
+        g = p.grad
+        if g is None or not (hasattr(g, "device_mesh") and hasattr(g, "_local_tensor")):
+            continue
+        mesh_ranks = {int(r) for r in g.device_mesh.mesh.flatten().tolist()}
+        me = dist.get_rank()
+        for info, op in infos:
+            shared = mesh_ranks & set(info.ranks)
+            if op == "sum" and shared != {me}:
+                raise ValueError(
+                    f"sync_domain_gradients: a gradient is sharded over a mesh of global ranks {sorted(mesh_ranks)} "
+                    f"that includes other ranks of the domain group {list(info.ranks)} (a flattened dp x domain "
+                    f"mesh): its local shards are different slices and cannot be summed. Shard over the "
+                    f"data-parallel mesh (manager.device_mesh['dp']), or, sharding over all ranks, set FSDP's "
+                    f"gradient divide factor to the data-parallel size and do not call sync_domain_gradients")
+            if op == "mean" and len(shared) > 1:
+                raise ValueError(
+                    "sync_domain_gradients: the gradients are DTensors sharded over the data-parallel ranks (FSDP2 "
+                    "on device_mesh['dp']), which FSDP already averaged; a second dp mean would mix different "
+                    "slices: pass domain_group=manager.domain_group alone")
+        return  # one gradient tells the mesh (a model is sharded over one mesh)
 
 
 _PATTERNS: dict[tuple, tuple[bool, ...]] = {}
