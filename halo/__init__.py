@@ -21,6 +21,7 @@ from .mesh import (
     get_domain_parallel_manager,
     initialize_domain_parallel,
 )
+from .parallel import parallelize
 from .plans import set_validation
 from .random import manual_seed
 from .shard import gather, gather_2d, scatter, scatter_2d, shard, shard_2d
@@ -43,6 +44,7 @@ __all__ = [
     "halo_exchange_async",
     "initialize_domain_parallel",
     "manual_seed",
+    "parallelize",
     "scatter",
     "scatter_2d",
     "set_timeout",

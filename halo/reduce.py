@@ -376,6 +376,7 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     FSDP2 / HSDP gradients (DTensors sharded over ``manager.device_mesh["dp"]``) are summed as their local shards,
     which are the same slice of each parameter on every rank of a domain group (tested against one process on
     uneven shards); a mesh that includes other domain ranks, or a second dp mean of DTensor gradients, raises.
+    A model set up by :func:`halo.parallelize` is handled as its mode needs (``sync_domain_gradients(model)``).
 
     Parameters that require grad but have none on some ranks (used only on the edge ranks) are agreed on, once
     per pattern of which parameters have a gradient (one small all-gather of host data per group, the first time
@@ -385,6 +386,12 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     raise :class:`halo.HaloCommError` within the timeout. Gradients go in flat buckets of at most ``bucket_mb``
     MB per (device, dtype), one all-reduce per bucket and group; bf16/fp16 gradients are bucketed in fp32.
     """
+    mode = model.__dict__.get("_halo_data_parallel") if isinstance(model, nn.Module) else None
+    if mode == "fsdp-all":  # FSDP's reduce-scatter over every rank, divided by the dp size: done already
+        return
+    if mode in ("ddp", "fsdp", "hsdp") and domain_group is None and dp_group is None:
+        manager = manager if manager is not None else get_domain_parallel_manager()
+        domain_group, manager = manager.domain_group, None  # the wrapper averaged over dp already
     if domain_group is None and dp_group is None:
         manager = manager if manager is not None else get_domain_parallel_manager()
         if manager is None:

@@ -1,0 +1,84 @@
+"""One call that sets up domain x data parallelism: ``halo.parallelize(model, manager, data_parallel=...)``.
+
+It converts the model for the domain group and wraps it for data parallelism, choosing the mesh and the gradient
+scaling so that after ``loss.backward()`` and ``halo.reduce.sync_domain_gradients(model)`` every rank holds the
+gradient of the mean loss over the global batch (each rank's loss being its rows' share, as
+``halo.reduce.domain_mean`` makes it):
+
+==============  ==================================================================  ==============================
+``data_parallel``  wrapping                                                          ``sync_domain_gradients(model)``
+==============  ==================================================================  ==============================
+``"none"``      converted only                                                      domain sum, then dp mean
+``"ddp"``       ``DistributedDataParallel`` over the dp group (its mean)            domain sum
+``"fsdp"``      FSDP2 ``fully_shard`` on ``device_mesh["dp"]`` (its mean)           domain sum of the local shards
+``"hsdp"``      FSDP2 on a (replicate, shard) mesh of the dp ranks                  domain sum of the local shards
+``"fsdp-all"``  FSDP2 over every rank (dp x domain flattened), the gradient         nothing (FSDP's reduce-scatter
+                divide factor set to the dp size                                    is already sum x mean)
+==============  ==================================================================  ==============================
+
+``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (bf16 parameters, fp32 reductions) for the FSDP modes. Wrap
+sub-modules yourself first (``fully_shard(block, mesh=...)`` on the mesh :func:`data_parallel_mesh` returns) for
+per-block sharding; this call shards the root.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DATA_PARALLEL", "data_parallel_mesh", "parallelize"]
+
+DATA_PARALLEL = ("none", "ddp", "fsdp", "hsdp", "fsdp-all")
+
+
+def data_parallel_mesh(manager: Any, data_parallel: str, hsdp_shards: int | None = None) -> Any:
+    """The ``DeviceMesh`` FSDP2 shards over in mode ``data_parallel`` (module docstring)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = manager.device_mesh
+    if data_parallel == "fsdp":
+        return mesh["dp"]
+    device = mesh.device_type
+    layout = torch.as_tensor(manager.mesh.layout).reshape(manager.dp_world_size, manager.domain_world_size)
+    if data_parallel == "fsdp-all":
+        return DeviceMesh(device, layout.reshape(-1), mesh_dim_names=("dp_domain",))
+    if data_parallel == "hsdp":
+        shards = hsdp_shards or manager.dp_world_size
+        if manager.dp_world_size % shards:
+            raise ValueError(f"hsdp: hsdp_shards={shards} must divide the data-parallel size {manager.dp_world_size}")
+        full = layout.reshape(manager.dp_world_size // shards, shards, manager.domain_world_size)
+        return DeviceMesh(device, full, mesh_dim_names=("replicate", "shard", "domain"))["replicate", "shard"]
+    raise ValueError(f"no FSDP mesh for data_parallel={data_parallel!r}")
+
+
+def parallelize(model: nn.Module, manager: Any | None = None, *, data_parallel: str = "fsdp",
+                mp_policy: Any | None = None, hsdp_shards: int | None = None, **convert_kwargs: Any) -> nn.Module:
+    """Convert ``model`` for the domain group and wrap it for data parallelism (module docstring); returns the
+    model to train (the DDP wrapper, or the FSDP2-sharded model itself). ``convert_kwargs`` go to
+    ``convert_to_domain_parallel`` (``boundary=``, ``grid=``, ``custom_converters=``)."""
+    from .mesh import get_domain_parallel_manager
+    from .nn import convert_to_domain_parallel
+
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"parallelize: data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+    manager = manager if manager is not None else get_domain_parallel_manager()
+    if manager is None:
+        raise RuntimeError("parallelize needs a manager: call halo.initialize_domain_parallel first")
+    if mp_policy is not None and not data_parallel.endswith("sdp") and data_parallel != "fsdp-all":
+        raise ValueError(f"parallelize: mp_policy applies to the FSDP modes, not {data_parallel!r}")
+    convert_to_domain_parallel(model, manager, **convert_kwargs)
+    wrapped: nn.Module = model
+    if data_parallel == "ddp":
+        wrapped = nn.parallel.DistributedDataParallel(model, process_group=manager.data_parallel_group)
+    elif data_parallel != "none":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = data_parallel_mesh(manager, data_parallel, hsdp_shards)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+        if data_parallel == "fsdp-all":  # reduce-scatter sums over all ranks: divide by dp only (sum over domain)
+            model.set_gradient_divide_factor(float(manager.dp_world_size))
+    for m in {id(model): model, id(wrapped): wrapped}.values():
+        m.__dict__["_halo_data_parallel"] = data_parallel
+    return wrapped
