@@ -324,7 +324,8 @@ _register([F.max_pool2d, F.avg_pool2d, torch.max_pool2d, getattr(torch, "avg_poo
            getattr(F, "max_pool2d_with_indices", None)], _pool)
 _register([F.adaptive_avg_pool2d, F.adaptive_max_pool2d, torch.adaptive_avg_pool1d], _adaptive)
 _register([F.pixel_shuffle, torch.pixel_shuffle, F.pixel_unshuffle, torch.pixel_unshuffle],
-          _always("rearranges rows across H (pixel shuffle) on a shard; gather first"))
+          _always("rearranges rows across H (pixel shuffle) on a shard; use nn.PixelShuffle / nn.PixelUnshuffle in "
+                  "the model (converted exactly)"))
 _register([F.unfold, F.fold], _always("unfolds windows that cross the shard's edge rows; gather first"))
 _register([F.grid_sample], _always("samples the field at arbitrary rows on a shard; gather first"))
 _register([torch.roll, T.roll], _roll)

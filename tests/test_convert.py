@@ -276,3 +276,57 @@ def test_hand_written_periodic_padding_converts_with_the_readme_recipe():
         assert torch.allclose(gx, full.grad, rtol=0, atol=1e-12)
     wgrad = sum(r[3] for r in results)
     assert torch.allclose(wgrad, ref[1].weight.grad, rtol=1e-12, atol=1e-12)
+
+
+class Shuffles(nn.Module):
+    """Sub-pixel upsampling (ESPCN, many super-resolution and ViT decoders) and its inverse, around convs."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.PixelUnshuffle(2)
+        self.conv = nn.Conv2d(12, 12, 3, padding=1)
+        self.up = nn.PixelShuffle(2)
+        self.up3 = nn.PixelShuffle(3)
+        self.head = nn.Conv2d(3, 9, 3, padding=1)
+
+    def forward(self, x):
+        y = self.up(self.conv(self.down(x)))  # 22 -> 11 -> 22 rows
+        return self.up3(self.head(y))  # 22 -> 66 rows
+
+
+def _shuffles(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    m = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(Shuffles().double(), m)
+    full = torch.randn(2, 3, 22, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    offs = split_offsets(22, world)
+    x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+    y = model(x)
+    y_full = halo.gather(y.detach())
+    wts = torch.randn(y_full.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    mo = split_offsets(y_full.shape[-2], world)
+    (y * wts[..., mo[rank]:mo[rank + 1], :]).sum().backward()
+    return (type(model.up).__name__, type(model.down).__name__, tuple(y.shape), y_full, halo.gather(x.grad), wts,
+            {n: p.grad for n, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pixel_shuffle_and_unshuffle_are_exact(world):
+    results = run_on_ranks(_shuffles, world, timeout=120)
+    torch.manual_seed(0)
+    model = Shuffles().double()
+    x = torch.randn(2, 3, 22, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+    y = model(x)
+    (y * results[0][5]).sum().backward()
+    mo = split_offsets(66, world)
+    for rank, (up, down, shape, got, grad, _, _) in enumerate(results):
+        assert (up, down) == ("HaloPixelShuffle", "HaloPixelUnshuffle")
+        assert shape[-2] == mo[rank + 1] - mo[rank]  # the balanced split of the output
+        assert torch.allclose(got, y.detach(), rtol=0, atol=1e-12), (got - y).abs().max()
+        assert torch.allclose(grad, x.grad, rtol=0, atol=1e-12), (grad - x.grad).abs().max()
+    for n, p in model.named_parameters():
+        got = sum(r[6][n] for r in results)
+        assert torch.allclose(got, p.grad, rtol=0, atol=1e-11), n

@@ -14,6 +14,7 @@ from .dropout import (
 from .norm import DomainBatchNorm2d, DomainBatchNormAct2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
 from .pad import HaloPad2d, halo_pad, pad_like
 from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d, HaloAvgPool2d, HaloMaxPool2d
+from .shuffle import HaloPixelShuffle, HaloPixelUnshuffle
 from .softmax import DomainLogSoftmax, DomainSoftmax
 from .upsample import HaloUpsample, halo_interpolate
 
@@ -40,6 +41,8 @@ __all__ = [
     "HaloConvTranspose2d",
     "HaloMaxPool2d",
     "HaloPad2d",
+    "HaloPixelShuffle",
+    "HaloPixelUnshuffle",
     "HaloUpsample",
     "convert_to_domain_parallel",
     "halo_interpolate",

@@ -10,7 +10,7 @@ Layers that act on each grid point (1x1 stride-1 convs, activations, a Linear ov
 W is not sharded) pass through untouched. Layers that draw random numbers (dropout, channel and alpha dropout,
 timm's ``DropPath``, torchvision's ``StochasticDepth``) become ``halo.nn.dropout``'s, whose draws are keyed on
 global indices: the same on any number of ranks (``halo.random``). A layer that needs the whole sharded dim and has no
-domain-parallel form (attention over all tokens, flatten, pixel shuffle, ...) raises instead of silently
+domain-parallel form (attention over all tokens, flatten, ...) raises instead of silently
 computing something else; so does any leaf module this converter does not know — declare it with
 ``custom_converters={MyLayer: None}`` (pointwise, keep it) or ``{MyLayer: fn}`` (``fn(module, ctx)`` returns
 the replacement).
@@ -48,7 +48,7 @@ def _is_pointwise_conv(m: nn.Module) -> bool:
 
 
 def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None]:
-    from . import conv, dropout, norm, pad, pool, softmax, upsample
+    from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample
 
     def c2d(m, ctx):
         return m if _is_pointwise_conv(m) else conv.HaloConv2d(m, group=ctx.group, boundary=ctx.boundary)
@@ -76,6 +76,8 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         nn.LayerNorm: layer_norm,
         nn.Softmax: lambda m, ctx: softmax.DomainSoftmax(m),
         nn.LogSoftmax: lambda m, ctx: softmax.DomainLogSoftmax(m),
+        nn.PixelShuffle: lambda m, ctx: shuffle.HaloPixelShuffle(m, group=ctx.group),
+        nn.PixelUnshuffle: lambda m, ctx: shuffle.HaloPixelUnshuffle(m, group=ctx.group),
         nn.Dropout: lambda m, ctx: dropout.DomainDropout(m, group=ctx.group),
         nn.Dropout1d: lambda m, ctx: dropout.DomainDropout1d(m, group=ctx.group),
         nn.Dropout2d: lambda m, ctx: dropout.DomainDropout2d(m, group=ctx.group),
@@ -99,7 +101,7 @@ GLOBAL = (
     nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.Transformer,
     nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d,
     nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Unfold, nn.Fold,
-    nn.PixelShuffle, nn.PixelUnshuffle, nn.LocalResponseNorm, nn.ConvTranspose1d,
+    nn.LocalResponseNorm, nn.ConvTranspose1d,
     nn.ConvTranspose3d, nn.Conv1d, nn.MaxPool1d, nn.AvgPool1d, nn.MaxPool3d, nn.AvgPool3d,
     nn.BatchNorm1d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm3d, nn.SyncBatchNorm,
 )

@@ -1,0 +1,99 @@
+"""``nn.PixelShuffle`` / ``nn.PixelUnshuffle`` on an H-shard: the output is the balanced split of the global output.
+
+Pixel shuffle by ``r`` makes output row ``o`` from input row ``o // r``; rank ``r``'s output rows ``[o0, o1)`` need
+input rows ``[o0 // r, (o1 - 1) // r + 1)``. Pixel unshuffle makes output row ``o`` from input rows
+``[o * r, (o + 1) * r)``. Either way one planned exchange fetches exactly those rows (whichever ranks own them),
+the torch op runs on them, and the rows before ``o0`` are dropped: a copy of values, bitwise the unsharded op's;
+the backward is the exchange's exact adjoint. The global extents come from the plan (learned once per epoch).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import CommGroup
+from ..exchange import exchange, exchanger_id
+from ..mesh import group_attribute
+from ..partition import split_offsets
+from ..plans import Site, carry, resolve
+from .pool import check_output_rows
+
+__all__ = ["HaloPixelShuffle", "HaloPixelUnshuffle"]
+
+
+class ShufflePlan(NamedTuple):
+    plain: bool
+    ex: int = -1
+    rows: int = 0  # input rows fetched
+    crop: int = 0  # output rows dropped before this rank's
+    out: int = 0  # this rank's output rows
+
+
+def _shuffle_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], factor: int, up: bool, op: str) -> ShufflePlan:
+    (sizes,) = extents
+    if cg.size == 1:
+        return ShufflePlan(True)
+    n = sum(sizes)
+    if not up and n % factor:
+        raise ValueError(f"{op}: the field has {n} rows along H, not divisible by the downscale factor {factor}")
+    m = n * factor if up else n // factor
+    check_output_rows(op, m, n, cg.size, f", factor {factor}")
+    offs = split_offsets(m, cg.size)
+    needs, crops = [], []
+    for r in range(cg.size):
+        o0, o1 = offs[r], offs[r + 1]
+        if up:
+            lo, hi = o0 // factor, (o1 - 1) // factor + 1
+            crops.append(o0 - lo * factor)
+        else:
+            lo, hi = o0 * factor, o1 * factor
+            crops.append(0)
+        needs.append((lo, hi))
+    lo, hi = needs[cg.index]
+    ex = exchanger_id(cg, 2, sizes, tuple(needs), "zeros", op)
+    return ShufflePlan(False, ex, hi - lo, crops[cg.index], offs[cg.index + 1] - offs[cg.index])
+
+
+def _run(module: nn.Module, x: torch.Tensor, factor: int, up: bool, op: str) -> torch.Tensor:
+    if x.dim() != 4:
+        raise ValueError(f"{op}: expected a (B, C, H_local, W) shard, got shape {tuple(x.shape)}")
+    plan = resolve(x, module.group, op, _shuffle_plan, (factor, up, op), site=module._halo_site)
+    fn = F.pixel_shuffle if up else F.pixel_unshuffle
+    if plan.plain:
+        return fn(x, factor)
+    rows = exchange(x, plan.ex, plan.rows, 2)
+    out = fn(rows, factor).narrow(-2, plan.crop, plan.out)
+    carry(out, x)
+    return out
+
+
+class HaloPixelShuffle(nn.PixelShuffle):
+    """``nn.PixelShuffle`` on an H-shard (module docstring)."""
+
+    group = group_attribute()
+
+    def __init__(self, shuffle: nn.PixelShuffle, *, group: Any | None = None) -> None:
+        super().__init__(shuffle.upscale_factor)
+        self.group = group
+        self._halo_site = Site()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self, x, self.upscale_factor, True, "HaloPixelShuffle")
+
+
+class HaloPixelUnshuffle(nn.PixelUnshuffle):
+    """``nn.PixelUnshuffle`` on an H-shard (module docstring)."""
+
+    group = group_attribute()
+
+    def __init__(self, unshuffle: nn.PixelUnshuffle, *, group: Any | None = None) -> None:
+        super().__init__(unshuffle.downscale_factor)
+        self.group = group
+        self._halo_site = Site()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self, x, self.downscale_factor, False, "HaloPixelUnshuffle")
