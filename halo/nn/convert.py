@@ -9,9 +9,9 @@ unsharded runs (invariant 6). ``revert_domain_parallel(model)`` puts the torch m
 Layers that act on each grid point (1x1 stride-1 convs, activations, a Linear over channels-last features when
 W is not sharded) pass through untouched. Layers that draw random numbers (dropout, channel and alpha dropout,
 timm's ``DropPath``, torchvision's ``StochasticDepth``) become ``halo.nn.dropout``'s, whose draws are keyed on
-global indices: the same on any number of ranks (``halo.random``). A layer that needs the whole sharded dim and has no
-domain-parallel form (attention over all tokens, flatten, ...) raises instead of silently
-computing something else; so does any leaf module this converter does not know — declare it with
+global indices: the same on any number of ranks (``halo.random``). A layer that needs the whole sharded dim and
+has no domain-parallel form (attention over all tokens, flatten, ...) raises instead of silently computing
+something else; so does any leaf module this converter does not know — declare it with
 ``custom_converters={MyLayer: None}`` (pointwise, keep it) or ``{MyLayer: fn}`` (``fn(module, ctx)`` returns
 the replacement).
 """
