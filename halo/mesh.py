@@ -17,8 +17,10 @@ never the only way in: every function that communicates also takes a ``group`` o
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -257,12 +259,41 @@ class DomainParallelManager:
         """``(prev_rank, next_rank)`` as global ranks, ``None`` where there is no neighbour."""
         return self.mesh.neighbors(0)
 
+    # CREDIT's private attributes, which its trainers read: the same values under the same names.
+    @property
+    def _domain_group_idx(self) -> int:
+        """Which domain group this rank is in (global rank // domain_parallel_size)."""
+        return self.mesh.dp_rank
+
+    @property
+    def _domain_rank(self) -> int:
+        return self.domain_rank
+
+    @property
+    def _dp_rank(self) -> int:
+        return self.dp_rank
+
+    @property
+    def _domain_group(self) -> dist.ProcessGroup:
+        return self.domain_group
+
+    @property
+    def _dp_group(self) -> dist.ProcessGroup:
+        return self.data_parallel_group
+
     def __repr__(self) -> str:
         return (f"DomainParallelManager(world_size={self.world_size}, domain_parallel_size="
                 f"{self.domain_parallel_size}, shard_dim={self.shard_dim}, rank={self.mesh.rank})")
 
 
 _DEFAULT: DomainParallelManager | None = None
+logger = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_MANAGER":  # CREDIT's name for the module's manager
+        return _DEFAULT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def initialize_domain_parallel(world_size: int, domain_parallel_size: int,
@@ -270,6 +301,8 @@ def initialize_domain_parallel(world_size: int, domain_parallel_size: int,
     """Create a :class:`DomainParallelManager` and make it the default used when no group is passed."""
     global _DEFAULT
     _DEFAULT = DomainParallelManager(world_size, domain_parallel_size, shard_dim)
+    logger.info("DomainParallelManager: rank=%d, domain_rank=%d/%d, dp_rank=%d/%d, shard_dim=%d", _DEFAULT.mesh.rank,
+                _DEFAULT.domain_rank, domain_parallel_size, _DEFAULT.dp_rank, _DEFAULT.dp_world_size, shard_dim)
     return _DEFAULT
 
 

@@ -1,0 +1,1 @@
+"""Drop-in APIs of the libraries halo's users come from: ``halo.compat.credit`` (NCAR CREDIT)."""

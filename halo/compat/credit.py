@@ -1,0 +1,208 @@
+"""NCAR CREDIT's domain-parallel API under CREDIT's names, signatures and conventions, computed by halo.
+
+For a trainer written against ``credit.domain_parallel`` and ``credit.parallel.domain``: change the imports to
+``from halo.compat.credit import ...`` and the same calls work, exact where CREDIT is not (uneven shards, strided /
+dilated / ``same`` / circular convolutions, GroupNorm gradients, pole boundaries; CREDIT refuses uneven shards and
+its converter keeps layers halo converts).
+
+=======================================  ==============================================================================
+CREDIT                                   here
+=======================================  ==============================================================================
+``DomainParallelManager``,               halo's manager (same groups, attributes, ``_domain_group_idx`` ...);
+``initialize_domain_parallel``,          ``_MANAGER`` and ``logger`` as in CREDIT's manager module
+``get_domain_parallel_manager``
+``convert_to_domain_parallel(model,      halo's converter; ``custom_converters={Type: factory(module)}`` (CREDIT's one-
+manager, shard_dim, custom_converters)``  argument factories); records the manager for ``get_domain_manager``
+``shard_tensor``, ``gather_tensor``,     balanced splits (uneven too), autograd-aware; the rows of each split are
+``shard_batch``, ``shard_spatial``,      remembered for the gradient convention below
+``gather_spatial``
+``shard_lat_weights(w, target_h)``       this rank's rows of global latitude weights (uneven too)
+``sync_domain_gradients(model,           CREDIT's convention: each rank's loss is the *mean over its own rows*, and the
+manager)``                               gradients are averaged over the domain group: exact for even shards; for
+                                         uneven ones multiply the loss by ``domain_loss_scale()`` (``P n_r / N``)
+``get_domain_manager``, ``get_raw_model`` through DDP / FSDP wrappers
+=======================================  ==============================================================================
+
+The convention differs from halo's own (``halo.reduce.domain_mean`` counts every row once and
+``halo.reduce.sync_domain_gradients`` *sums* over the domain group): use one or the other, not both (mixing them is
+off by exactly the domain size, with no error).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import all_reduce as _bounded_all_reduce
+from ..comm import comm_group
+from ..mesh import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+from ..partition import split_offsets, split_sizes
+
+__all__ = [
+    "DomainParallelManager",
+    "convert_to_domain_parallel",
+    "domain_loss_scale",
+    "gather_spatial",
+    "gather_tensor",
+    "get_domain_manager",
+    "get_domain_parallel_manager",
+    "get_raw_model",
+    "initialize_domain_parallel",
+    "shard_batch",
+    "shard_lat_weights",
+    "shard_spatial",
+    "shard_tensor",
+    "sync_domain_gradients",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_MANAGER":
+        return get_domain_parallel_manager()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _manager(manager: DomainParallelManager | None) -> DomainParallelManager | None:
+    manager = manager if manager is not None else get_domain_parallel_manager()
+    return manager if manager is not None and manager.domain_parallel_size > 1 else None
+
+
+# The rows of the last split this rank made (its rows, all rows): its loss's scale in CREDIT's convention.
+_ROWS: dict[str, tuple[int, int]] = {}
+
+
+def _remember(local: int, total: int) -> None:
+    _ROWS["last"] = (local, total)
+
+
+def convert_to_domain_parallel(model: nn.Module, manager: DomainParallelManager | None = None, shard_dim: int = -2,
+                               custom_converters: dict[type, Callable[[nn.Module], nn.Module]] | None = None,
+                               **kwargs: Any) -> nn.Module:
+    """CREDIT's signature on halo's converter: ``custom_converters`` map a type to ``factory(module)``."""
+    from ..nn import convert_to_domain_parallel as convert
+
+    manager = manager if manager is not None else get_domain_parallel_manager()
+    if shard_dim != -2:
+        raise ValueError(f"convert_to_domain_parallel: halo's layers shard latitude (shard_dim=-2), got {shard_dim}")
+    custom = {kind: (None if fn is None else (lambda m, ctx, fn=fn: fn(m))) for kind, fn in
+              (custom_converters or {}).items()}
+    convert(model, manager, custom_converters=custom, **kwargs)
+    model._domain_parallel_manager = manager
+    return model
+
+
+def shard_tensor(x: torch.Tensor, dim: int = -2, manager: DomainParallelManager | None = None) -> torch.Tensor:
+    """This rank's rows of ``x`` (the balanced split: uneven sizes are fine)."""
+    from ..shard import shard
+
+    manager = _manager(manager)
+    if manager is None:
+        return x
+    n = x.shape[dim]
+    _remember(split_sizes(n, manager.domain_parallel_size)[manager.domain_rank], n)
+    return shard(x, dim=dim, group=manager.domain_group)
+
+
+def gather_tensor(x: torch.Tensor, dim: int = -2, manager: DomainParallelManager | None = None) -> torch.Tensor:
+    """The whole tensor from every rank's rows (any split)."""
+    from ..shard import gather
+
+    manager = _manager(manager)
+    return x if manager is None else gather(x, dim=dim, group=manager.domain_group)
+
+
+def shard_batch(batch: dict, spatial_dims_5d: int = -2, spatial_dims_4d: int = -2,
+                manager: DomainParallelManager | None = None) -> dict:
+    """Every 4-d and 5-d tensor of a batch dict sharded along its spatial dim; the rest unchanged."""
+    if _manager(manager) is None:
+        return batch
+    out = {}
+    for key, val in batch.items():
+        if isinstance(val, torch.Tensor) and val.dim() in (4, 5):
+            out[key] = shard_tensor(val, dim=spatial_dims_5d if val.dim() == 5 else spatial_dims_4d, manager=manager)
+        else:
+            out[key] = val
+    return out
+
+
+def shard_spatial(tensor: torch.Tensor, manager: DomainParallelManager | None) -> torch.Tensor:
+    """CREDIT's trainer helper: this rank's rows along dim -2 (uneven too: CREDIT refuses them)."""
+    return tensor if manager is None else shard_tensor(tensor, dim=-2, manager=manager)
+
+
+def gather_spatial(tensor: torch.Tensor, manager: DomainParallelManager | None) -> torch.Tensor:
+    """Inverse of :func:`shard_spatial` (the whole field on every domain rank)."""
+    return tensor if manager is None else gather_tensor(tensor, dim=-2, manager=manager)
+
+
+def shard_lat_weights(weights: torch.Tensor, target_h: int) -> torch.Tensor:
+    """``weights`` (global latitude weights) narrowed to this rank's rows when ``target_h`` is a shard's height."""
+    weights_h = weights.shape[-2]
+    if weights_h == target_h:
+        return weights
+    manager = _manager(None)
+    if manager is None:
+        raise ValueError(f"Latitude weights height ({weights_h}) does not match target height ({target_h}).")
+    offs = split_offsets(weights_h, manager.domain_parallel_size)
+    r = manager.domain_rank
+    if offs[r + 1] - offs[r] != target_h:
+        raise ValueError(f"Latitude weights shard height ({offs[r + 1] - offs[r]} of {weights_h} rows on domain rank "
+                         f"{r}) does not match target height ({target_h}).")
+    return weights.narrow(-2, offs[r], target_h).contiguous()
+
+
+def get_domain_manager(model: nn.Module) -> DomainParallelManager | None:
+    """The manager recorded by :func:`convert_to_domain_parallel`, through ``.module`` wrappers (DDP, FSDP1)."""
+    m: Any = model
+    while m is not None:
+        if hasattr(m, "_domain_parallel_manager"):
+            return m._domain_parallel_manager
+        m = getattr(m, "module", None)
+    return None
+
+
+def get_raw_model(model: nn.Module) -> nn.Module:
+    m = model
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def domain_loss_scale(manager: DomainParallelManager | None = None) -> float:
+    """What makes CREDIT's convention exact on uneven shards: multiply each rank's mean-over-its-rows loss by this
+    (``P * n_r / N`` for the rows of the last split, ``shard_*``); 1.0 for even shards or one rank."""
+    manager = _manager(manager)
+    if manager is None or "last" not in _ROWS:
+        return 1.0
+    local, total = _ROWS["last"]
+    return manager.domain_parallel_size * local / total
+
+
+def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: DomainParallelManager | None) -> None:
+    """CREDIT's convention (module docstring): average the gradients over the domain group, each rank's loss being
+    the mean over its own rows (times :func:`domain_loss_scale` on uneven shards). DTensor gradients (FSDP2 on the
+    dp mesh) are averaged as their local shards."""
+    from ..reduce import _local
+
+    manager = _manager(manager)
+    if manager is None:
+        return
+    cg = comm_group(manager.domain_group)
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault((g.device, g.dtype), []).append(g)
+    for (_, dtype), gs in by_dtype.items():
+        acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        flat = torch.cat([g.reshape(-1).to(acc) for g in gs])
+        _bounded_all_reduce(flat, cg, "sync_domain_gradients (CREDIT convention)")
+        flat.div_(cg.size)
+        for g, piece in zip(gs, flat.split([g.numel() for g in gs]), strict=True):
+            g.copy_(piece.view_as(g))
