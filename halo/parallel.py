@@ -13,7 +13,8 @@ gradient of the mean loss over the global batch (each rank's loss being its rows
 ``"fsdp"``      FSDP2 ``fully_shard`` on ``device_mesh["dp"]`` (its mean)           domain sum of the local shards
 ``"hsdp"``      FSDP2 on a (replicate, shard) mesh of the dp ranks                  domain sum of the local shards
 ``"fsdp-all"``  FSDP2 over every rank (dp x domain flattened), the gradient         nothing (FSDP's reduce-scatter
-                divide factor set to the dp size                                    is already sum x mean)
+                divide factor set to the dp size (gloo: FSDP's mean x the domain    is already sum x mean)
+                size, in ``sync_domain_gradients``: gloo has no PREMUL_SUM)
 ==============  ==================================================================  ==============================
 
 ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (bf16 parameters, fp32 reductions) for the FSDP modes. Wrap
@@ -78,7 +79,14 @@ def parallelize(model: nn.Module, manager: Any | None = None, *, data_parallel: 
         mesh = data_parallel_mesh(manager, data_parallel, hsdp_shards)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
         if data_parallel == "fsdp-all":  # reduce-scatter sums over all ranks: divide by dp only (sum over domain)
-            model.set_gradient_divide_factor(float(manager.dp_world_size))
+            import torch.distributed as dist
+
+            if "gloo" in str(dist.get_backend()).lower():
+                # gloo has no PREMUL_SUM (what a divide factor uses for float32): FSDP divides by every rank, and
+                # sync_domain_gradients multiplies by the domain size
+                model.__dict__["_halo_grad_scale"] = float(manager.domain_world_size)
+            else:
+                model.set_gradient_divide_factor(float(manager.dp_world_size))
     for m in {id(model): model, id(wrapped): wrapped}.values():
         m.__dict__["_halo_data_parallel"] = data_parallel
     return wrapped

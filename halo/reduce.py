@@ -388,6 +388,12 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     """
     mode = model.__dict__.get("_halo_data_parallel") if isinstance(model, nn.Module) else None
     if mode == "fsdp-all":  # FSDP's reduce-scatter over every rank, divided by the dp size: done already
+        scale = model.__dict__.get("_halo_grad_scale")
+        if scale is not None:  # gloo: FSDP divided by every rank; the domain's part of that is undone here
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        _local(p.grad).mul_(scale)
         return
     if mode in ("ddp", "fsdp", "hsdp") and domain_group is None and dp_group is None:
         manager = manager if manager is not None else get_domain_parallel_manager()

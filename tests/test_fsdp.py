@@ -111,13 +111,17 @@ def _parallelized(rank, world, domain, mode, mixed, ckpt):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if mode == "hsdp":
         kwargs["hsdp_shards"] = 2
-    model = halo.parallelize(Net().double(), manager, data_parallel=mode, **kwargs)
+    f32 = mode.endswith("-f32")  # float32: gloo has no PREMUL_SUM, what FSDP's divide factor uses
+    mode = mode.removesuffix("-f32")
+    model = halo.parallelize(Net().double() if not f32 else Net(), manager, data_parallel=mode, **kwargs)
     dp_size = world // domain
     xs, ws = _samples(dp_size)
     dp, r = manager.dp_rank, manager.domain_rank
     offs = split_offsets(H, domain)
     x = xs[dp][..., offs[r]:offs[r + 1], :]
     w = ws[dp][..., offs[r]:offs[r + 1], :]
+    if f32:
+        x, w = x.float(), w.float()
     (model(x) * w).sum().backward()
     sync_domain_gradients(model)
     grads = {}
@@ -138,16 +142,17 @@ def _parallelized(rank, world, domain, mode, mixed, ckpt):
 
 
 CASES = [("ddp", 4, 2, False), ("fsdp", 4, 2, False), ("fsdp-all", 4, 2, False), ("none", 4, 2, False),
-         ("hsdp", 8, 2, False)]
+         ("hsdp", 8, 2, False), ("fsdp-all-f32", 4, 2, False)]
 
 
 @pytest.mark.parametrize("mode, world, domain, mixed", CASES)
 def test_parallelize_modes_are_exact(mode, world, domain, mixed):
     results = run_on_ranks(_parallelized, world, domain, mode, mixed, None, timeout=240)
     want = _reference(world // domain)
+    tol = 1e-4 if mode.endswith("-f32") else 1e-12
     for r in results:
         for name, g in want.items():
-            assert torch.allclose(r[name], g, rtol=0, atol=1e-12), (mode, name, (r[name] - g).abs().max())
+            assert torch.allclose(r[name].double(), g, rtol=0, atol=tol), (mode, name, (r[name] - g).abs().max())
 
 
 def test_parallelize_fsdp_mixed_precision():
