@@ -32,7 +32,9 @@ pool) are not fields. A refusal raises ``ValueError`` on every rank at the same 
 whose forward called it, the line of user code and the way out (a halo layer or module that does it exactly). Every
 checked op is agreed on by the ranks (one small host all-gather), only during those first calls: afterwards the
 model runs without the guard, at no cost. What it cannot see (a custom autograd Function, numpy, a shape decision
-taken before the first call) :func:`halo.check_equivalence` catches by comparing with the unsharded model.
+taken before the first call) :func:`halo.check_equivalence` catches by comparing with the unsharded model. Code the
+guard takes for a field by mistake (a tensor of 3 or more dims made in ``forward`` rather than derived from the
+input) can be marked ``with halo.guard.trusted():``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 from .comm import CommGroup, all_gather_object, gather_words
 from .plans import _TensorMap, whole_source
 
-__all__ = ["SpatialGuard"]
+__all__ = ["SpatialGuard", "trusted"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HALO_DIRS = (os.path.dirname(os.path.abspath(__file__)),
@@ -354,6 +356,7 @@ _LAYOUT = {torch.permute, T.permute, torch.transpose, T.transpose, torch.movedim
            T.swapaxes, torch.swapdims, T.swapdims, torch.unsqueeze, T.unsqueeze, torch.squeeze, T.squeeze}
 _MERGES = {T.view, T.reshape, torch.reshape, torch.flatten, T.flatten, T.view_as, T.reshape_as}
 _MATMUL = {torch.matmul, T.matmul, T.__matmul__, torch.bmm, T.bmm}
+_STACK = {torch.stack}
 
 
 def _user_frame():
@@ -368,6 +371,21 @@ def _user_frame():
             return None
         return f
     return None
+
+
+_TRUSTED = [0]
+
+
+class trusted:  # noqa: N801 - a context manager, named like one
+    """``with halo.guard.trusted():`` the guard does not check the ops in this block (code you know is right on a
+    shard: the guard assumes dim -2 of a 3-d or larger tensor is H unless it followed the tensor there)."""
+
+    def __enter__(self) -> trusted:
+        _TRUSTED[0] += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _TRUSTED[0] -= 1
 
 
 class SpatialGuard(TorchFunctionMode):
@@ -385,9 +403,11 @@ class SpatialGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        rule = _RULES.get(func)
+        if func in _STACK:
+            return self._stack(func, args, kwargs)
+        rule = None if _TRUSTED[0] else _RULES.get(func)
         layout = func in _LAYOUT or func in _MERGES
-        matmul = func in _MATMUL
+        matmul = func in _MATMUL and not _TRUSTED[0]
         tracked = self._tracked(args) if self.dims._items else None
         if rule is None and not layout and not matmul and tracked is None:
             return func(*args, **kwargs)
@@ -415,6 +435,19 @@ class SpatialGuard(TorchFunctionMode):
             elif tracked is not None:
                 self._carry(tracked, out)
         self._agree(func, problem, frame)
+        return out
+
+    def _stack(self, func, args, kwargs):
+        """``torch.stack``: the new dim shifts H when it comes before it; follow H to its place."""
+        out = func(*args, **kwargs)
+        tensors = _arg(args, kwargs, 0, "tensors", ())
+        first = next((t for t in tensors if _field(t, self.dims) is not None), None)
+        if first is not None and isinstance(out, torch.Tensor):
+            h, rows = _field(first, self.dims)
+            d = _arg(args, kwargs, 1, "dim", 0) % out.dim()
+            new = h + (d <= h)
+            if new != out.dim() - 2:
+                self.dims[out] = (new, rows)
         return out
 
     def _tracked(self, args) -> tuple[torch.Tensor, tuple[int, int]] | None:

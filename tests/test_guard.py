@@ -48,6 +48,8 @@ ALLOWED = {
     "split_channels": lambda m, x: torch.cat(torch.split(x, 2, dim=1)[::-1], dim=1),
     "norm_channels": lambda m, x: x / (1 + x.norm(2, dim=1, keepdim=True)),  # p=2 is not a dim
     "sort_w": lambda m, x: x.sort(dim=-1)[0] + x.topk(2)[0].sum(-1, keepdim=True),  # default dims: W
+    "stack_last": lambda m, x: torch.stack([x, 2 * x], dim=-1).sum(-1),  # H stays at dim 2 of the 5-d stack
+    "trusted_made_here": lambda m, x: x + _trusted_mean(x),
     "nearest_x2": lambda m, x: m.pool(F.interpolate(x, scale_factor=2) * 0.5 + 0.25),  # rows repeated: exact
 }
 
@@ -73,9 +75,21 @@ REFUSED = {
     "attention": (lambda m, x: (lambda t: (t @ t.transpose(1, 2)).softmax(-1) @ t)(
         x.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(x.shape), "multiplies over H"),
     "tokens_mean": (lambda m, x: x * x.flatten(2).mean(-1)[..., None, None], "reduces over H"),
+    "stack_then_mean_h": (lambda m, x: x * torch.stack([x, x], dim=-1).mean((2, 4))[:, :, None, :],
+                          "reduces over H"),
     "channels_last_mean": (lambda m, x: x * x.permute(0, 2, 3, 1).mean(1, keepdim=True).permute(0, 3, 1, 2),
                            "reduces over H"),
 }
+
+
+def _trusted_mean(x):
+    """A (B, C, K) tensor made in forward, not a field: its mean over dim 1 is right; the guard would take dim 1
+    for H, so the block is marked trusted."""
+    import halo.guard
+
+    table = torch.arange(x.shape[1] * 6, dtype=x.dtype).view(1, x.shape[1], 6).expand(x.shape[0], -1, -1)
+    with halo.guard.trusted():
+        return table.mean(1, keepdim=True)[..., :1, None] * 0 + table.mean() * 0
 
 
 class OpNet(nn.Module):
