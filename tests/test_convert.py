@@ -330,3 +330,55 @@ def test_pixel_shuffle_and_unshuffle_are_exact(world):
     for n, p in model.named_parameters():
         got = sum(r[6][n] for r in results)
         assert torch.allclose(got, p.grad, rtol=0, atol=1e-11), n
+
+
+class Pangu3d(nn.Module):
+    """Pangu-style 3-d patch embedding and recovery (kernel == stride), and a 3-d decoder step (kernel > stride)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv3d(2, 4, kernel_size=(2, 2, 2), stride=(2, 2, 2))
+        self.mix = nn.Conv3d(4, 4, 3, padding=1)
+        self.recover = nn.ConvTranspose3d(4, 2, kernel_size=(2, 2, 2), stride=(2, 2, 2))
+        self.up = nn.ConvTranspose3d(2, 2, kernel_size=(1, 4, 3), stride=(1, 2, 1), padding=(0, 1, 1),
+                                     output_padding=(0, 1, 0))
+
+    def forward(self, x):
+        return self.up(self.recover(self.mix(self.embed(x))))
+
+
+def _pangu(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    m = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(Pangu3d().double(), m)
+    full = torch.randn(2, 2, 4, 22, W, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    offs = split_offsets(22, world)
+    x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+    y = model(x)
+    y_full = halo.gather(y.detach())
+    wts = torch.randn(y_full.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    mo = split_offsets(y_full.shape[-2], world)
+    (y * wts[..., mo[rank]:mo[rank + 1], :]).sum().backward()
+    return (type(model.recover).__name__, type(model.up).__name__, y_full, halo.gather(x.grad), wts,
+            {n: p.grad for n, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_conv_transpose3d_is_exact(world):
+    results = run_on_ranks(_pangu, world, timeout=120)
+    torch.manual_seed(0)
+    model = Pangu3d().double()
+    x = torch.randn(2, 2, 4, 22, W, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x.requires_grad_(True)
+    y = model(x)
+    (y * results[0][4]).sum().backward()
+    for kind_r, kind_u, got, grad, _, _ in results:
+        assert kind_r == kind_u == "HaloConvTranspose3d"
+        assert torch.allclose(got, y.detach(), rtol=0, atol=1e-12), (got - y).abs().max()
+        assert torch.allclose(grad, x.grad, rtol=0, atol=1e-12), (grad - x.grad).abs().max()
+    for n, p in model.named_parameters():
+        got = sum(r[5][n] for r in results)
+        assert torch.allclose(got, p.grad, rtol=0, atol=1e-11), n

@@ -1,6 +1,6 @@
 """Domain-parallel layers: each equals its torch twin on the full field, forward and backward."""
 
-from .conv import HaloConv2d, HaloConv3d, HaloConvTranspose2d
+from .conv import HaloConv2d, HaloConv3d, HaloConvTranspose2d, HaloConvTranspose3d
 from .convert import convert_to_domain_parallel, revert_domain_parallel
 from .dropout import (
     DomainAlphaDropout,
@@ -39,6 +39,7 @@ __all__ = [
     "HaloConv2d",
     "HaloConv3d",
     "HaloConvTranspose2d",
+    "HaloConvTranspose3d",
     "HaloMaxPool2d",
     "HaloPad2d",
     "HaloPixelShuffle",

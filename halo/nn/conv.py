@@ -541,7 +541,47 @@ class HaloConv3d(_HaloConvNd, nn.Conv3d):
     _base, _spatial = nn.Conv3d, 3
 
 
-class HaloConvTranspose2d(_HaloConvMixin, nn.ConvTranspose2d):
+class _HaloConvTransposeNd(_HaloConvMixin):
+    """The transposed convs on an H-shard (H: dim -2 of a 2-d or 3-d field)."""
+
+    def __init__(self, conv: Any, *args: Any, group: Any | None = None, boundary: str | None = None,
+                 **kwargs: Any) -> None:
+        if "overlap" in kwargs:
+            raise TypeError(f"{type(self).__name__} has no overlap option (it always exchanges, then convolves)")
+        if boundary not in (None, "zeros"):
+            raise ValueError(f"{type(self).__name__}: boundary must be None or 'zeros' (a transposed conv reads "
+                             f"no rows outside its input), got {boundary!r}")
+        super().__init__(conv, *args, group=group, boundary=boundary, **kwargs)
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        name, nd = type(self).__name__, self._spatial
+        if self.padding_mode != "zeros":
+            raise ValueError(f"{name}: only padding_mode 'zeros' is supported (as nn.{self._base.__name__}), got "
+                             f"{self.padding_mode!r}")
+        extra = (tuple(x.shape), None if output_size is None else tuple(int(v) for v in output_size),
+                 tuple(self.kernel_size), tuple(self.stride), tuple(self.dilation), tuple(self.padding),
+                 tuple(self.output_padding), nd, name)
+        plan = self._resolve(x, _conv_transpose_plan, extra)
+        if plan.plain:
+            return self._base.forward(self, x, output_size)
+        unbatched = x.dim() == nd + 1
+        xb = x.unsqueeze(0) if unbatched else x
+        ext = exchange(xb, plan.ex, plan.rows, nd)  # H: dim -2, i.e. nd of the batched input
+        stride, dilation = list(self.stride), list(self.dilation)
+        padding, out_pad = list(self.padding), list(plan.op_other)
+        stride[-2], dilation[-2], padding[-2], out_pad[-2] = plan.stride, plan.dilation, 0, 0
+        fn = F.conv_transpose2d if nd == 2 else F.conv_transpose3d
+        y = fn(ext, self.weight, self.bias if plan.fused else None, tuple(stride), tuple(padding), tuple(out_pad),
+               self.groups, tuple(dilation))
+        y = _crop_rows(y, plan.t0, plan.t1)
+        if not plan.fused and self.bias is not None:
+            y = y + self.bias.view(-1, *([1] * nd))
+        y = y.squeeze(0) if unbatched else y
+        carry(y, x)
+        return y
+
+
+class HaloConvTranspose2d(_HaloConvTransposeNd, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` on an H-shard; equals the unsharded layer, forward and backward.
 
     Runs ``conv_transpose2d`` on the rows that reach this rank's output rows, with no H padding, and crops
@@ -552,37 +592,12 @@ class HaloConvTranspose2d(_HaloConvMixin, nn.ConvTranspose2d):
 
     _base, _spatial = nn.ConvTranspose2d, 2
 
-    def __init__(self, conv: Any, *args: Any, group: Any | None = None, boundary: str | None = None,
-                 **kwargs: Any) -> None:
-        if "overlap" in kwargs:
-            raise TypeError("HaloConvTranspose2d has no overlap option (it always exchanges, then convolves)")
-        if boundary not in (None, "zeros"):
-            raise ValueError(f"HaloConvTranspose2d: boundary must be None or 'zeros' (a transposed conv reads "
-                             f"no rows outside its input), got {boundary!r}")
-        super().__init__(conv, *args, group=group, boundary=boundary, **kwargs)
 
-    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
-        if self.padding_mode != "zeros":
-            raise ValueError(f"HaloConvTranspose2d: only padding_mode 'zeros' is supported (as "
-                             f"nn.ConvTranspose2d), got {self.padding_mode!r}")
-        extra = (tuple(x.shape), None if output_size is None else tuple(int(v) for v in output_size),
-                 tuple(self.kernel_size), tuple(self.stride), tuple(self.dilation), tuple(self.padding),
-                 tuple(self.output_padding))
-        plan = self._resolve(x, _conv_transpose_plan, extra)
-        if plan.plain:
-            return nn.ConvTranspose2d.forward(self, x, output_size)
-        unbatched = x.dim() == 3
-        xb = x.unsqueeze(0) if unbatched else x
-        (_, sw), (_, dw), (_, pw) = self.stride, self.dilation, self.padding
-        ext = exchange(xb, plan.ex, plan.rows, 2)
-        y = F.conv_transpose2d(ext, self.weight, self.bias if plan.fused else None, (plan.stride, sw), (0, pw),
-                               (0, plan.op_w), self.groups, (plan.dilation, dw))
-        y = _crop_rows(y, plan.t0, plan.t1)
-        if not plan.fused and self.bias is not None:
-            y = y + self.bias.view(-1, 1, 1)
-        y = y.squeeze(0) if unbatched else y
-        carry(y, x)
-        return y
+class HaloConvTranspose3d(_HaloConvTransposeNd, nn.ConvTranspose3d):
+    """``nn.ConvTranspose3d`` on ``(B, C, D, H_r, W)`` sharded on H (dim -2): as :class:`HaloConvTranspose2d`
+    (Pangu's patch recovery, 3-d U-Net decoders)."""
+
+    _base, _spatial = nn.ConvTranspose3d, 3
 
 
 class ConvTransposePlan(NamedTuple):
@@ -595,28 +610,29 @@ class ConvTransposePlan(NamedTuple):
     t0: int = 0
     t1: int = 0
     fused: bool = True
-    op_w: int = 0
+    op_other: tuple[int, ...] = ()  # output padding of every spatial dim (H's is applied by the crop)
     stride: int = 1
     dilation: int = 1
 
 
 def _conv_transpose_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], shape: tuple[int, ...],
-                         output_size: tuple[int, ...] | None, kernel: tuple[int, int], stride: tuple[int, int],
-                         dilation: tuple[int, int], padding: tuple[int, int],
-                         output_padding: tuple[int, int]) -> ConvTransposePlan:
+                         output_size: tuple[int, ...] | None, kernel: tuple[int, ...], stride: tuple[int, ...],
+                         dilation: tuple[int, ...], padding: tuple[int, ...], output_padding: tuple[int, ...],
+                         nd: int = 2, name: str = "HaloConvTranspose2d") -> ConvTransposePlan:
     (sizes,) = extents
     if cg.size == 1:
         return ConvTransposePlan(True)
     n = sum(sizes)
-    batched = shape if len(shape) == 4 else (1, *shape)
+    batched = shape if len(shape) == nd + 2 else (1, *shape)
     global_x = torch.empty((*batched[:-2], n, batched[-1]), device="meta")
-    op_h, op_w = nn.ConvTranspose2d._output_padding(
+    ops = nn.ConvTranspose2d._output_padding(
         types.SimpleNamespace(output_padding=output_padding), global_x,
-        None if output_size is None else list(output_size), list(stride), list(padding), list(kernel), 2,
+        None if output_size is None else list(output_size), list(stride), list(padding), list(kernel), nd,
         list(dilation))
-    (k, _), (s, _), (d, _), (p, _) = kernel, stride, dilation, padding
-    out_sizes, needs = conv_transpose_row_plan(sizes, k, s, d, p, op_h, op="HaloConvTranspose2d")
-    ex = exchanger_id(cg, 2, sizes, needs, "zeros", "HaloConvTranspose2d")
+    op_h = ops[-2]
+    k, s, d, p = kernel[-2], stride[-2], dilation[-2], padding[-2]
+    out_sizes, needs = conv_transpose_row_plan(sizes, k, s, d, p, op_h, op=name)
+    ex = exchanger_id(cg, nd, sizes, needs, "zeros", name)
     lo, hi = needs[cg.index]
     # Local output row t is global row lo*s - p + t; this rank's rows are [o0, o1).
     o0 = sum(out_sizes[:cg.index])
@@ -624,4 +640,4 @@ def _conv_transpose_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], sh
     t1 = t0 + out_sizes[cg.index]
     length = (hi - lo - 1) * s + d * (k - 1) + 1
     fused = t0 >= 0 and t1 <= length  # else bias must also land on the zero-extended rows
-    return ConvTransposePlan(False, ex, hi - lo, t0, t1, fused, int(op_w), s, d)
+    return ConvTransposePlan(False, ex, hi - lo, t0, t1, fused, tuple(int(v) for v in ops), s, d)

@@ -65,6 +65,7 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         nn.Conv2d: c2d,
         nn.Conv3d: c3d,
         nn.ConvTranspose2d: lambda m, ctx: conv.HaloConvTranspose2d(m, group=ctx.group),
+        nn.ConvTranspose3d: lambda m, ctx: conv.HaloConvTranspose3d(m, group=ctx.group),
         nn.MaxPool2d: lambda m, ctx: pool.HaloMaxPool2d(m, group=ctx.group),
         nn.AvgPool2d: lambda m, ctx: pool.HaloAvgPool2d(m, group=ctx.group),
         nn.AdaptiveAvgPool2d: lambda m, ctx: pool.HaloAdaptiveAvgPool2d(m, group=ctx.group),
@@ -102,7 +103,7 @@ GLOBAL = (
     nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d,
     nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Unfold, nn.Fold,
     nn.LocalResponseNorm, nn.ConvTranspose1d,
-    nn.ConvTranspose3d, nn.Conv1d, nn.MaxPool1d, nn.AvgPool1d, nn.MaxPool3d, nn.AvgPool3d,
+    nn.Conv1d, nn.MaxPool1d, nn.AvgPool1d, nn.MaxPool3d, nn.AvgPool3d,
     nn.BatchNorm1d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm3d, nn.SyncBatchNorm,
 )
 
@@ -132,6 +133,7 @@ def _overrides_any_base(kind: type) -> bool:
 
 def _halo_name(base: type) -> str:
     return {nn.Conv2d: "HaloConv2d", nn.Conv3d: "HaloConv3d", nn.ConvTranspose2d: "HaloConvTranspose2d",
+            nn.ConvTranspose3d: "HaloConvTranspose3d",
             nn.BatchNorm2d: "DomainBatchNorm2d", nn.GroupNorm: "DomainGroupNorm", nn.LayerNorm: "DomainLayerNorm",
             nn.InstanceNorm2d: "DomainInstanceNorm2d", nn.Upsample: "HaloUpsample", nn.MaxPool2d: "HaloMaxPool2d",
             nn.AvgPool2d: "HaloAvgPool2d"}.get(base, f"layer for nn.{base.__name__}")
