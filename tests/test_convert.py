@@ -294,42 +294,56 @@ class Shuffles(nn.Module):
         return self.up3(self.head(y))  # 22 -> 66 rows
 
 
-def _shuffles(rank, world):
+LAYERS = {"Shuffles": (lambda: Shuffles(), (2, 3, 22, W)), "Pangu3d": (lambda: Pangu3d(), (2, 2, 4, 22, W))}
+
+
+def _layers(rank, world, name):
+    """The model ``name`` converted on ``world`` ranks: types of its children, output and input gradient gathered,
+    the weights of the loss, and this rank's parameter gradients."""
     import halo
     from halo.nn import convert_to_domain_parallel
 
+    build, shape = LAYERS[name]
     m = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)
-    model = convert_to_domain_parallel(Shuffles().double(), m)
-    full = torch.randn(2, 3, 22, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    offs = split_offsets(22, world)
+    model = convert_to_domain_parallel(build().double(), m)
+    full = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    offs = split_offsets(shape[-2], world)
     x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
     y = model(x)
     y_full = halo.gather(y.detach())
     wts = torch.randn(y_full.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     mo = split_offsets(y_full.shape[-2], world)
     (y * wts[..., mo[rank]:mo[rank + 1], :]).sum().backward()
-    return (type(model.up).__name__, type(model.down).__name__, tuple(y.shape), y_full, halo.gather(x.grad), wts,
-            {n: p.grad for n, p in model.named_parameters()})
+    return {"types": {n: type(c).__name__ for n, c in model.named_children()}, "rows": y.shape[-2], "out": y_full,
+            "grad": halo.gather(x.grad), "wts": wts, "params": {n: p.grad for n, p in model.named_parameters()}}
+
+
+def _check_layers(name, world):
+    """The converted model equals the unsharded one (forward, input and summed parameter gradients); its output is
+    the balanced split of its rows."""
+    results = run_on_ranks(_layers, world, name, timeout=120)
+    build, shape = LAYERS[name]
+    torch.manual_seed(0)
+    model = build().double()
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+    y = model(x)
+    (y * results[0]["wts"]).sum().backward()
+    mo = split_offsets(y.shape[-2], world)
+    for rank, r in enumerate(results):
+        assert r["rows"] == mo[rank + 1] - mo[rank]
+        assert torch.allclose(r["out"], y.detach(), rtol=0, atol=1e-12), (r["out"] - y).abs().max()
+        assert torch.allclose(r["grad"], x.grad, rtol=0, atol=1e-12), (r["grad"] - x.grad).abs().max()
+    for n, p in model.named_parameters():
+        got = sum(r["params"][n] for r in results)
+        assert torch.allclose(got, p.grad, rtol=0, atol=1e-11), n
+    return results[0]["types"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_pixel_shuffle_and_unshuffle_are_exact(world):
-    results = run_on_ranks(_shuffles, world, timeout=120)
-    torch.manual_seed(0)
-    model = Shuffles().double()
-    x = torch.randn(2, 3, 22, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
-    y = model(x)
-    (y * results[0][5]).sum().backward()
-    mo = split_offsets(66, world)
-    for rank, (up, down, shape, got, grad, _, _) in enumerate(results):
-        assert (up, down) == ("HaloPixelShuffle", "HaloPixelUnshuffle")
-        assert shape[-2] == mo[rank + 1] - mo[rank]  # the balanced split of the output
-        assert torch.allclose(got, y.detach(), rtol=0, atol=1e-12), (got - y).abs().max()
-        assert torch.allclose(grad, x.grad, rtol=0, atol=1e-12), (grad - x.grad).abs().max()
-    for n, p in model.named_parameters():
-        got = sum(r[6][n] for r in results)
-        assert torch.allclose(got, p.grad, rtol=0, atol=1e-11), n
+    types = _check_layers("Shuffles", world)
+    assert (types["up"], types["up3"], types["down"]) == ("HaloPixelShuffle", "HaloPixelShuffle", "HaloPixelUnshuffle")
 
 
 class Pangu3d(nn.Module):
@@ -347,38 +361,7 @@ class Pangu3d(nn.Module):
         return self.up(self.recover(self.mix(self.embed(x))))
 
 
-def _pangu(rank, world):
-    import halo
-    from halo.nn import convert_to_domain_parallel
-
-    m = halo.initialize_domain_parallel(world, world)
-    torch.manual_seed(0)
-    model = convert_to_domain_parallel(Pangu3d().double(), m)
-    full = torch.randn(2, 2, 4, 22, W, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    offs = split_offsets(22, world)
-    x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
-    y = model(x)
-    y_full = halo.gather(y.detach())
-    wts = torch.randn(y_full.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
-    mo = split_offsets(y_full.shape[-2], world)
-    (y * wts[..., mo[rank]:mo[rank + 1], :]).sum().backward()
-    return (type(model.recover).__name__, type(model.up).__name__, y_full, halo.gather(x.grad), wts,
-            {n: p.grad for n, p in model.named_parameters()})
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_conv_transpose3d_is_exact(world):
-    results = run_on_ranks(_pangu, world, timeout=120)
-    torch.manual_seed(0)
-    model = Pangu3d().double()
-    x = torch.randn(2, 2, 4, 22, W, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    x.requires_grad_(True)
-    y = model(x)
-    (y * results[0][4]).sum().backward()
-    for kind_r, kind_u, got, grad, _, _ in results:
-        assert kind_r == kind_u == "HaloConvTranspose3d"
-        assert torch.allclose(got, y.detach(), rtol=0, atol=1e-12), (got - y).abs().max()
-        assert torch.allclose(grad, x.grad, rtol=0, atol=1e-12), (grad - x.grad).abs().max()
-    for n, p in model.named_parameters():
-        got = sum(r[5][n] for r in results)
-        assert torch.allclose(got, p.grad, rtol=0, atol=1e-11), n
+    types = _check_layers("Pangu3d", world)
+    assert types["recover"] == types["up"] == "HaloConvTranspose3d"
