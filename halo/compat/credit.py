@@ -21,6 +21,10 @@ manager, shard_dim, custom_converters)``  argument factories); records the manag
 manager)``                               gradients are averaged over the domain group: exact for even shards; for
                                          uneven ones multiply the loss by ``domain_loss_scale()`` (``P n_r / N``)
 ``get_domain_manager``, ``get_raw_model`` through DDP / FSDP wrappers
+``DomainParallelConv2d/Conv3d/           halo's layers under CREDIT's names and constructors (``halo_width`` too);
+ConvTranspose2d/ConvTranspose3d/         ``HaloExchange(halo_width, dim)``; ``DomainParallelPeriodicConv2d`` (circular
+GroupNorm``, ``HaloExchange``,           in longitude, reflect in latitude); helpers ``_needs_halo_conv2d`` ...
+``DomainParallelPeriodicConv2d``
 =======================================  ==============================================================================
 
 The convention differs from halo's own (``halo.reduce.domain_mean`` counts every row once and
@@ -41,9 +45,12 @@ from ..comm import all_reduce as _bounded_all_reduce
 from ..comm import comm_group
 from ..mesh import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 from ..partition import split_offsets, split_sizes
+from ..plans import Site
 
 __all__ = [
     "DomainParallelManager",
+    "DomainParallelPeriodicConv2d",
+    "HaloExchange",
     "convert_to_domain_parallel",
     "domain_loss_scale",
     "gather_spatial",
@@ -62,12 +69,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "_MANAGER":
-        return get_domain_parallel_manager()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _manager(manager: DomainParallelManager | None) -> DomainParallelManager | None:
     manager = manager if manager is not None else get_domain_parallel_manager()
     return manager if manager is not None and manager.domain_parallel_size > 1 else None
@@ -81,17 +82,156 @@ def _remember(local: int, total: int) -> None:
     _ROWS["last"] = (local, total)
 
 
+# -- CREDIT's layer names: halo's layers, with CREDIT's constructor and ``halo_width`` -------------------------------
+
+def _h(v: Any, index: int) -> int:
+    return v if isinstance(v, int) else v[index]
+
+
+def _needs_halo_conv2d(conv: nn.Module) -> bool:
+    """CREDIT's rule: a Conv2d reads other rows when its kernel spans more than one along H."""
+    return _h(conv.kernel_size, 0) > 1
+
+
+def _needs_halo_conv3d(conv: nn.Module) -> bool:
+    return _h(conv.kernel_size, 1) > 1  # (T, H, W)
+
+
+def _needs_halo_conv_transpose2d(conv: nn.Module) -> bool:
+    return _h(conv.kernel_size, 0) > _h(conv.stride, 0)
+
+
+def _needs_halo_conv_transpose3d(conv: nn.Module) -> bool:
+    return _h(conv.kernel_size, 1) > _h(conv.stride, 1)
+
+
+class _CreditWidth:
+    """CREDIT's ``halo_width``: the rows a shard needs from each neighbour (the padding along H; 0 for a transposed
+    conv whose windows do not overlap)."""
+
+    @property
+    def halo_width(self) -> int:
+        if isinstance(self, nn.modules.conv._ConvTransposeNd) and self.kernel_size[-2] <= self.stride[-2]:
+            return 0
+        pad = self.padding
+        if isinstance(pad, str):
+            return 0 if pad == "valid" else (self.dilation[-2] * (self.kernel_size[-2] - 1) + 1) // 2
+        return int(pad[-2])
+
+
+def _credit_layer(halo_cls: type, name: str) -> type:
+    def __init__(self, module: nn.Module, shard_dim: int = -2, *, group: Any | None = None) -> None:
+        if shard_dim not in (-2, 3):  # CREDIT passes 3 for H of (B, C, T, H, W)
+            raise ValueError(f"{name}: halo shards H (dim -2), got shard_dim={shard_dim}")
+        halo_cls.__init__(self, module, group=group)
+
+    return type(name, (_CreditWidth, halo_cls), {"__init__": __init__, "__doc__": f"CREDIT's ``{name}``: "
+                                                 f"halo's ``{halo_cls.__name__}`` (exact on any split)."})
+
+
+def _layers() -> dict[str, type]:
+    from ..nn import (
+        DomainGroupNorm,
+        HaloConv2d,
+        HaloConv3d,
+        HaloConvTranspose2d,
+        HaloConvTranspose3d,
+    )
+
+    made = {name: _credit_layer(cls, name) for name, cls in (
+        ("DomainParallelConv2d", HaloConv2d), ("DomainParallelConv3d", HaloConv3d),
+        ("DomainParallelConvTranspose2d", HaloConvTranspose2d), ("DomainParallelConvTranspose3d", HaloConvTranspose3d))}
+
+    def gn_init(self, module: nn.GroupNorm, *, group: Any | None = None) -> None:
+        DomainGroupNorm.__init__(self, module, group=group)
+
+    made["DomainParallelGroupNorm"] = type("DomainParallelGroupNorm", (DomainGroupNorm,), {"__init__": gn_init})
+    return made
+
+
+_LAYERS: dict[str, type] = {}
+
+
+def _credit_layers() -> dict[str, type]:
+    """CREDIT's layer classes, made on first use (halo.nn imports this package's parent lazily)."""
+    if not _LAYERS:
+        _LAYERS.update(_layers())
+    return _LAYERS
+
+
+class HaloExchange(nn.Module):
+    """CREDIT's ``HaloExchange(halo_width, dim=-2)``: the shard with ``halo_width`` rows of each neighbour (zeros
+    beyond the domain), differentiable — :func:`halo.halo_exchange`."""
+
+    def __init__(self, halo_width: int, dim: int = -2) -> None:
+        super().__init__()
+        self.halo_width, self.dim = int(halo_width), dim
+        self._halo_site = Site()  # a halo layer: the converter leaves it as it is
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..exchange import halo_exchange
+
+        if self.halo_width == 0:
+            return x
+        return halo_exchange(x, self.halo_width, self.dim, boundary="zeros")
+
+
+class DomainParallelPeriodicConv2d(nn.Module):
+    """CREDIT's ``DomainParallelPeriodicConv2d`` for its ``PeriodicConv2d`` (circular padding in longitude, reflect
+    in latitude, then an unpadded conv): the rows come from the neighbours, reflected at the domain's edges.
+    ``conv`` is the wrapped module's own conv (state-dict keys unchanged)."""
+
+    def __init__(self, module: nn.Module, shard_dim: int = -2) -> None:
+        super().__init__()
+        self.conv = module.conv
+        self.padding = int(module.padding)
+        self.halo_exchange = HaloExchange(self.padding, shard_dim)
+        self._halo_site = Site()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        from ..exchange import halo_exchange
+
+        p = self.padding
+        x = F.pad(x, (p, p, 0, 0), mode="circular")
+        return self.conv(halo_exchange(x, p, -2, boundary="reflect") if p else x)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_MANAGER":
+        return get_domain_parallel_manager()
+    if name in ("DomainParallelConv2d", "DomainParallelConv3d", "DomainParallelConvTranspose2d",
+                "DomainParallelConvTranspose3d", "DomainParallelGroupNorm"):
+        return _credit_layers()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def convert_to_domain_parallel(model: nn.Module, manager: DomainParallelManager | None = None, shard_dim: int = -2,
                                custom_converters: dict[type, Callable[[nn.Module], nn.Module]] | None = None,
                                **kwargs: Any) -> nn.Module:
-    """CREDIT's signature on halo's converter: ``custom_converters`` map a type to ``factory(module)``."""
+    """CREDIT's signature on halo's converter: ``custom_converters`` map a type to ``factory(module)``; the layers
+    it converts are CREDIT's names (``DomainParallelConv2d`` ...: halo's layers)."""
     from ..nn import convert_to_domain_parallel as convert
+    from ..nn.convert import _is_pointwise_conv
 
     manager = manager if manager is not None else get_domain_parallel_manager()
     if shard_dim != -2:
         raise ValueError(f"convert_to_domain_parallel: halo's layers shard latitude (shard_dim=-2), got {shard_dim}")
-    custom = {kind: (None if fn is None else (lambda m, ctx, fn=fn: fn(m))) for kind, fn in
-              (custom_converters or {}).items()}
+    layers = _credit_layers()
+
+    def conv_like(name):
+        return lambda m, ctx: m if _is_pointwise_conv(m) and "Transpose" not in name else layers[name](
+            m, group=ctx.group)
+
+    custom: dict[type, Any] = {
+        nn.Conv2d: conv_like("DomainParallelConv2d"), nn.Conv3d: conv_like("DomainParallelConv3d"),
+        nn.ConvTranspose2d: conv_like("DomainParallelConvTranspose2d"),
+        nn.ConvTranspose3d: conv_like("DomainParallelConvTranspose3d"),
+        nn.GroupNorm: lambda m, ctx: layers["DomainParallelGroupNorm"](m, group=ctx.group),
+    }
+    custom.update({kind: (None if fn is None else (lambda m, ctx, fn=fn: fn(m))) for kind, fn in
+                   (custom_converters or {}).items()})
     convert(model, manager, custom_converters=custom, **kwargs)
     model._domain_parallel_manager = manager
     return model

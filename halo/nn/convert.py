@@ -186,7 +186,8 @@ def convert_to_domain_parallel(
         model: any module tree; it is changed in place and returned.
         manager: whose groups to use; default the initialised manager (a clear error if there is none).
         custom_converters: ``{LayerType: fn(module, ctx) -> replacement}`` (checked before the built-ins, so
-            it can also override them), or ``{LayerType: None}`` to declare a layer pointwise in latitude.
+            it can also override them; the replacement is taken as complete: its children are not converted
+            again), or ``{LayerType: None}`` to declare a layer pointwise in latitude.
         boundary: what fills the latitude edges of converted convolutions, e.g. ``"pole"`` for a global
             lat-lon grid; default: each conv's own ``padding_mode``.
         grid: ``(H, W)`` of the global field, if you want to declare it: every tensor input of the model with at
@@ -216,6 +217,7 @@ def convert_to_domain_parallel(
     visited: set[int] = set()
     domain_size = manager.domain_world_size
     tails: list[nn.Module] = []  # modules after a global pool in a Sequential: kept as they are, on whole tensors
+    finished: set[int] = set()  # results of custom converters (their insides are theirs)
 
     def convert(child: nn.Module, path: str) -> nn.Module | None:
         """The replacement of ``child`` (itself: keep it), or ``None``: a container to convert inside."""
@@ -224,7 +226,11 @@ def convert_to_domain_parallel(
             fn = custom[kind]
             if fn is INSIDE:
                 return None
-            return child if fn is None else fn(child, ctx)
+            if fn is None:
+                return child
+            made = fn(child, ctx)
+            finished.add(id(made))  # a custom converter's result is complete: not converted inside again
+            return made
         if kind in builtin:
             return builtin[kind](child, ctx)
         adapter = _adapter(child)
@@ -281,7 +287,8 @@ def convert_to_domain_parallel(
                     replacement._halo_path = path  # its errors name where it sits
                 object.__setattr__(replacement, _ORIGINAL, child)
                 parent._modules[name] = replacement
-                if id(replacement) not in visited and next(replacement.children(), None) is not None:
+                if id(replacement) not in visited and id(replacement) not in finished \
+                        and next(replacement.children(), None) is not None:
                     visited.add(id(replacement))
                     visit(replacement, path + ".")  # children an adapter keeps (an activation after a norm)
 
