@@ -1,0 +1,118 @@
+"""Rank-local reads of a netCDF/HDF5 field (``halo.io.ShardedField``): each rank reads its rows only.
+
+A (time 3, level 2, lat 45, lon 64) float64 dataset with two variables (one with levels: 3 channels) is written
+with h5netcdf, contiguous storage. On 3 gloo ranks each rank opens it through a file object that counts the bytes
+read: every sample equals ``halo.shard`` of the whole field, the statistics equal the whole field's (float64,
+exact to rounding), and the samples each rank reads are its share of the data (its rows, rounded up to the read
+buffer) where a whole-field reader reads all of it; the file's metadata is read once on open by any reader.
+"""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from halo.partition import split_offsets
+from halo.testing import run_on_ranks
+
+xr = pytest.importorskip("xarray")
+pytest.importorskip("h5netcdf")
+
+T, L, H, W = 3, 2, 45, 64
+
+
+def _dataset():
+    rng = np.random.default_rng(0)
+    return xr.Dataset({"t": (("time", "level", "lat", "lon"), rng.standard_normal((T, L, H, W)) * 10 + 280),
+                       "u": (("time", "lat", "lon"), rng.standard_normal((T, H, W)) * 5)},
+                      coords={"lat": np.linspace(90, -90, H), "lon": np.arange(W) * 22.5})
+
+
+class Counting(io.RawIOBase):
+    """A read-only file that counts the bytes handed out."""
+
+    def __init__(self, data: bytes):
+        self.buf, self.pos, self.read_bytes = data, 0, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, offset, whence=0):
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else len(self.buf) + offset
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, b):
+        chunk = self.buf[self.pos:self.pos + len(b)]
+        b[:len(chunk)] = chunk
+        self.pos += len(chunk)
+        self.read_bytes += len(chunk)
+        return len(chunk)
+
+
+def _file_bytes(tmp_path):
+    path = tmp_path / "field.nc"
+    _dataset().to_netcdf(path, engine="h5netcdf")
+    return path.read_bytes()
+
+
+def _read(rank, world, data):
+    import halo
+    from halo.io import ShardedField
+
+    halo.initialize_domain_parallel(world, world)
+    f = Counting(data)
+    field = ShardedField(io.BufferedReader(f, buffer_size=512), engine="h5netcdf")
+    opened = f.read_bytes  # the file's metadata: the same for any reader
+    samples = [field.sample(t, dtype=torch.float64) for t in range(len(field))]
+    read_samples = f.read_bytes - opened
+    mean, std = field.stats()
+    return {"samples": samples, "mean": mean, "std": std, "bytes": read_samples, "channels": field.channels,
+            "rows": (field.rows.start, field.rows.stop)}
+
+
+def test_each_rank_reads_its_rows_only(tmp_path):
+    data = _file_bytes(tmp_path)
+    results = run_on_ranks(_read, 3, data, timeout=120)
+    ds = _dataset()
+    full = torch.from_numpy(np.concatenate([ds["t"].values, ds["u"].values[:, None]], axis=1))  # (T, 3, H, W)
+    offs = split_offsets(H, 3)
+    payload = full.numel() * 8
+    for rank, r in enumerate(results):
+        assert r["channels"] == ["t[0]", "t[1]", "u"]
+        assert r["rows"] == (offs[rank], offs[rank + 1])
+        for t in range(T):
+            assert torch.equal(r["samples"][t], full[t, :, offs[rank]:offs[rank + 1]])
+        mean = full.permute(1, 0, 2, 3).reshape(3, -1).mean(1)
+        std = full.permute(1, 0, 2, 3).reshape(3, -1).std(1, unbiased=False)
+        assert torch.allclose(r["mean"], mean, rtol=1e-12) and torch.allclose(r["std"], std, rtol=1e-10)
+        # A third of the data (whole rows of 64 columns; reads are rounded up to the 512-byte buffer), not all.
+        share = (offs[rank + 1] - offs[rank]) / H
+        assert share * payload <= r["bytes"] < (share + 0.05) * payload, (rank, r["bytes"], payload)
+    from halo.io import ShardedField
+
+    whole = Counting(data)  # one process, no torch.distributed: the whole field, all of the data
+    field = ShardedField(io.BufferedReader(whole, buffer_size=512), engine="h5netcdf")
+    opened = whole.read_bytes
+    for t in range(T):
+        field.sample(t)
+    assert whole.read_bytes - opened >= payload
+
+
+def test_granularity_and_errors(tmp_path):
+    from halo.io import ShardedField
+
+    path = tmp_path / "f.nc"
+    _dataset().to_netcdf(path, engine="h5netcdf")
+    with pytest.raises(ValueError, match="not a whole number of blocks of 4"):
+        ShardedField(str(path), engine="h5netcdf", granularity=4)
+    field = ShardedField(str(path), engine="h5netcdf", granularity=9, variables=["u"])
+    assert field.rows == slice(0, H) and field.sample(1).shape == (1, H, W)  # one process: the whole field
+    with pytest.raises(IndexError):
+        field.sample(T)
