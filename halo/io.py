@@ -139,5 +139,10 @@ def rechunk(source: Any, target: str, *, lat_chunk: int = 8, engine: str | None 
 
     ds = source if isinstance(source, xr.Dataset) else xr.open_dataset(source, engine=engine)
     lat = _dim(ds, LAT_NAMES, "lat")
-    chunks = {d: (lat_chunk if d == lat else (1 if d == "time" else -1)) for d in ds.dims}
-    ds.chunk(chunks).to_zarr(target, mode="w")
+
+    def chunks(var: Any) -> tuple[int, ...]:
+        return tuple(min(lat_chunk, n) if d == lat else (1 if d == "time" else n) for d, n in zip(var.dims, var.shape,
+                                                                                                 strict=True))
+
+    encoding = {v: {"chunks": chunks(ds[v])} for v in ds.data_vars if lat in ds[v].dims}
+    ds.to_zarr(target, mode="w", encoding=encoding)  # no dask needed: the chunking is the store's encoding

@@ -116,3 +116,16 @@ def test_granularity_and_errors(tmp_path):
     assert field.rows == slice(0, H) and field.sample(1).shape == (1, H, W)  # one process: the whole field
     with pytest.raises(IndexError):
         field.sample(T)
+
+
+def test_rechunk_writes_a_store_chunked_for_slabs(tmp_path):
+    pytest.importorskip("zarr")
+    from halo.io import ShardedField, rechunk
+
+    rechunk(_dataset(), str(tmp_path / "r.zarr"), lat_chunk=8)
+    ds = xr.open_zarr(tmp_path / "r.zarr")
+    assert ds["t"].encoding["chunks"] == (1, L, 8, W) and ds["u"].encoding["chunks"] == (1, 8, W)
+    field = ShardedField(ds)
+    want = _dataset()
+    got = field.sample(2, dtype=torch.float64)
+    assert np.array_equal(got[:2].numpy(), want["t"].values[2]) and np.array_equal(got[2].numpy(), want["u"].values[2])
