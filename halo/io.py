@@ -13,6 +13,9 @@ Chunking decides what a slab read costs. A netCDF/HDF5 variable stored contiguou
 rows reads ~1/P per rank; a store chunked **whole-globe per time step** (one chunk = all of lat x lon) makes every
 rank read and decompress every chunk for its rows: no I/O saved. :func:`rechunk` writes a copy chunked for slabs.
 
+Predictions go back per rank: :func:`write_rows` writes this rank's rows into one zarr array (chunks never span
+two ranks' rows), with no gather.
+
 Needs ``xarray`` and an engine (``h5netcdf``/``h5py`` or ``netCDF4``; ``zarr`` for zarr stores):
 ``pip install xarray h5netcdf`` (they are in the ``[io]`` and ``[test]`` extras).
 """
@@ -28,7 +31,7 @@ import torch
 from .comm import comm_group
 from .partition import split_offsets
 
-__all__ = ["ShardedField", "rechunk"]
+__all__ = ["ShardedField", "rechunk", "write_rows"]
 
 LAT_NAMES = ("lat", "latitude", "y")
 LON_NAMES = ("lon", "longitude", "x")
@@ -146,3 +149,44 @@ def rechunk(source: Any, target: str, *, lat_chunk: int = 8, engine: str | None 
 
     encoding = {v: {"chunks": chunks(ds[v])} for v in ds.data_vars if lat in ds[v].dims}
     ds.to_zarr(target, mode="w", encoding=encoding)  # no dask needed: the chunking is the store's encoding
+
+
+def write_rows(store: str, name: str, local: torch.Tensor, shape: tuple[int, ...], index: tuple[int, ...] = (), *,
+               group: Any | None = None) -> None:
+    """Write this rank's rows of a field into one zarr array shared by the domain group (predictions, per rank).
+
+    ``local``: this rank's ``(..., H_r, W)`` rows of a field whose whole array has ``shape`` (leading dims, e.g.
+    ``(time, channel, H, W)``); ``index``: where along the leading dims this field goes (``(t,)`` writes
+    ``array[t, :, rows, :]``). The array is created on first use by group rank 0 (others wait), chunked so that no
+    chunk spans two ranks' rows (its latitude chunk divides every rank's first row), so the ranks' writes never
+    touch the same chunk. Every rank of the group calls it; ``halo.gather`` is never needed.
+    """
+    import math
+
+    import zarr
+
+    cg = comm_group(group)
+    h = shape[-2]
+    offs = split_offsets(h, cg.size)
+    lat_chunk = 0
+    for o in offs[1:-1]:
+        lat_chunk = math.gcd(lat_chunk, o)
+    lat_chunk = lat_chunk or h
+    rows = slice(offs[cg.index], offs[cg.index + 1])
+    if tuple(local.shape[-2:]) != (rows.stop - rows.start, shape[-1]):
+        raise ValueError(f"halo.io.write_rows: rank {cg.index} holds rows {rows.start}..{rows.stop} of {h}, so "
+                         f"expects ({rows.stop - rows.start}, {shape[-1]}) at the end, got {tuple(local.shape)}")
+    chunks = (*([1] * len(index)), *shape[len(index):-2], lat_chunk, shape[-1])
+    dtype = str(local.dtype).removeprefix("torch.")
+    if cg.index == 0:
+        root = zarr.open_group(store, mode="a")
+        if name not in root:
+            root.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0)
+    if cg.size > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=cg.group)
+    arr = zarr.open_group(store, mode="a")[name]
+    arr[(*index, ..., rows, slice(None))] = local.detach().cpu().numpy()
+    if cg.size > 1:
+        dist.barrier(group=cg.group)  # every rank's rows are in the store when any rank returns

@@ -129,3 +129,25 @@ def test_rechunk_writes_a_store_chunked_for_slabs(tmp_path):
     want = _dataset()
     got = field.sample(2, dtype=torch.float64)
     assert np.array_equal(got[:2].numpy(), want["t"].values[2]) and np.array_equal(got[2].numpy(), want["u"].values[2])
+
+
+def _write(rank, world, store):
+    import halo
+    from halo.io import write_rows
+
+    halo.initialize_domain_parallel(world, world)
+    ds = _dataset()
+    full = torch.from_numpy(ds["t"].values)  # (T, L, H, W)
+    offs = split_offsets(H, world)
+    for t in range(T):
+        write_rows(store, "pred", full[t, :, offs[rank]:offs[rank + 1]], (T, L, H, W), (t,))
+    return True
+
+
+def test_ranks_write_their_rows_into_one_store(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    store = str(tmp_path / "pred.zarr")
+    assert all(run_on_ranks(_write, 3, store, timeout=120))
+    got = zarr.open_group(store, mode="r")["pred"]
+    assert np.array_equal(got[...], _dataset()["t"].values)
+    assert got.chunks[-2] == 15  # 45 rows on 3 ranks: chunk boundaries at every rank's first row
