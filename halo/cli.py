@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
                       "with GPUs, else gloo")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    demo.add_argument("--data", default=None, help="a netCDF/HDF5/zarr file (time, [level,] lat, lon): each rank "
+                      "reads its rows, and the demo runs a short sharded rollout with RMSE/ACC against the file")
+    demo.add_argument("--variables", default=None, help="with --data: comma-separated variables (default all)")
+    demo.add_argument("--leads", type=int, default=3, help="with --data: rollout steps (default 3)")
 
     check = sub.add_parser("check", help="is a model, converted, the same as unsharded? every module, fwd + bwd",
                            description="Build MODULE:FACTORY (a model, unconverted), run it unsharded and "
@@ -81,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.backend is None:
         args.backend = default_backend()
+    if args.command == "demo" and args.data:
+        from .demo_data import run_data_demo
+
+        return run_data_demo(args)
     if args.command == "demo":
         if args.quick and args.grid == (721, 1440):
             args.grid = (91, 180)

@@ -122,3 +122,27 @@ def test_check_command(tmp_path):
     assert ok.returncode == 0 and "OK: every module's output" in ok.stdout, ok.stdout + ok.stderr
     assert bad.returncode == 1 and "REFUSED: interpolate at zoo_cli.py:" in bad.stdout, bad.stdout + bad.stderr
     assert wrong.returncode != 0 and "cannot load 'zoo_cli:nothing'" in wrong.stderr, wrong.stdout + wrong.stderr
+
+
+def test_demo_with_a_netcdf_file(tmp_path):
+    np = pytest.importorskip("numpy")
+    xr = pytest.importorskip("xarray")
+    pytest.importorskip("h5netcdf")
+    t, h, w = 4, 37, 72
+    lat, lon = np.linspace(90, -90, h), np.arange(w) * 5.0
+    base = np.cos(np.deg2rad(lat))[:, None] * np.sin(np.deg2rad(lon))[None, :]
+    rng = np.random.default_rng(0)
+    data = {"t2m": (("time", "lat", "lon"), np.stack([280 + 10 * np.roll(base, k, 1) + rng.standard_normal((h, w))
+                                                       for k in range(t)])),
+            "u": (("time", "level", "lat", "lon"), rng.standard_normal((t, 2, h, w)))}
+    path = tmp_path / "era_like.nc"
+    xr.Dataset(data, coords={"lat": lat, "lon": lon}).to_netcdf(path, engine="h5netcdf")
+    out = tmp_path / "roll"
+    proc = _run(["demo", "--data", str(path), "--nproc", "3", "--leads", "2", "--dtype", "float64", "--out", str(out)],
+                tmp_path, timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    assert "channels ['t2m', 'u[0]', 'u[1]']" in proc.stdout and "RMSE t2m" in proc.stdout, log
+    assert "OK: the sharded rollout equals the unsharded one" in proc.stdout, log
+    for k in (1, 2):
+        assert (out / f"halo_rollout_lead{k}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
