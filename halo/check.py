@@ -133,7 +133,8 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
 
     Every rank gets the same report (the comparisons use gathered tensors).
     """
-    from .comm import unsharded
+    from .comm import all_reduce as bounded_all_reduce
+    from .comm import comm_group, unsharded
     from .mesh import get_domain_parallel_manager
     from .nn import convert_to_domain_parallel
     from .shard import gather, shard
@@ -231,8 +232,8 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         if want is None or want.grad is None:
             continue
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        if dist.is_initialized() and manager.domain_world_size > 1:
-            dist.all_reduce(g, group=group)  # each rank holds its rows' share of a parameter's gradient
+        if dist.is_initialized() and manager.domain_world_size > 1:  # each rank holds its rows' share
+            bounded_all_reduce(g, comm_group(group), "check_equivalence (parameter gradients)")
         report.checks.append(_compare(f"gradient of {name}", g, want.grad, rtol))
     if raise_on_failure and not report.ok:
         raise AssertionError(str(report))

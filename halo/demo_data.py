@@ -11,6 +11,7 @@ lead time: the target, the sharded prediction and their difference for the first
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
     boundary = pole_boundary(h)
     torch.manual_seed(opts["seed"])
     net = DemoNet(c, opts["hidden"], (h, w)).to(device, dtype)
-    model = convert_to_domain_parallel(__import__("copy").deepcopy(net), boundary=boundary, grid=(h, w))
+    model = convert_to_domain_parallel(copy.deepcopy(net), boundary=boundary, grid=(h, w))
     x0 = norm(field.sample(0))[None]
     targets = [norm(field.sample(k))[None] for k in range(1, leads + 1)]
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .comm import comm_group
+from .comm import all_reduce, comm_group
 from .partition import split_offsets
 
 __all__ = ["ShardedField", "rechunk", "write_rows"]
@@ -126,9 +126,7 @@ class ShardedField:
                                   slab.sum(axis=(0, 2, 3)), (slab ** 2).sum(axis=(0, 2, 3))], axis=1))
         table = torch.from_numpy(np.concatenate(sums, axis=0))  # (C, 3): count, sum, sum of squares
         if self.cg.size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(table, group=self.cg.group)
+            all_reduce(table, self.cg, "halo.io statistics")
         count, total, squares = table.unbind(1)
         mean = total / count
         var = (squares / count - mean ** 2).clamp_min(0)

@@ -46,6 +46,7 @@ import torch
 
 from . import kernels
 from .comm import CommGroup, gather_words
+from .kernels import philox
 from .kernels.philox import BITS
 from .plans import Site, carry, resolve
 
@@ -206,21 +207,15 @@ class _DropoutFn(torch.autograd.Function):
             return kernels.dropout(x, key, run, stride, offset, stream, threshold, scale)
         keep = (kernels.bits(key, x.numel(), run, stride, offset, stream, _TAG_DROP) >= threshold).view(x.shape)
         ctx.save_for_backward(keep)
-        return _masked(x, keep, scale)
+        return philox.masked(x, keep, scale)
 
     @staticmethod
     def backward(ctx, gy):
         if ctx.saved_tensors:
-            gx = _masked(gy, ctx.saved_tensors[0], ctx.scale)
+            gx = philox.masked(gy, ctx.saved_tensors[0], ctx.scale)
         else:
             gx = kernels.dropout(gy.contiguous(), *ctx.args)
         return gx, None, None, None, None, None, None, None
-
-
-def _masked(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-    """What ``kernels.dropout`` computes, from a mask: ``x * scale`` (rounded once) where kept, else 0."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return torch.where(keep, (x.to(acc) * scale).to(x.dtype), torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _bits(key: torch.Tensor, n: int, run: int, stride: int, offset: int, stream: int, tag: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["BITS", "bits", "dropout", "philox4x32"]
+__all__ = ["BITS", "bits", "dropout", "masked", "philox4x32"]
 
 BITS = 24  # bits kept per draw
 _MASK = 0xFFFFFFFF
@@ -89,5 +89,11 @@ def dropout(x: Tensor, key: Tensor, run: int, stride: int, offset: int, stream: 
             scale: float) -> Tensor:
     """``x * scale`` where the element's draw is ``>= threshold``, else 0 (``x`` read in row-major order)."""
     u = bits(key, x.numel(), run, stride, offset, stream, 0).reshape(x.shape)
-    y = (x.to(acc_dtype(x.dtype)) * scale).to(x.dtype)  # the scale rounded to the accumulation dtype once
-    return torch.where(u >= threshold, y, torch.zeros((), dtype=x.dtype, device=x.device))
+    return masked(x, u >= threshold, scale)
+
+
+def masked(x: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """``x * scale`` (the scale rounded to the accumulation dtype once, the product to ``x``'s) where ``keep``,
+    else 0: what every dropout path computes, so that they agree bitwise."""
+    y = (x.to(acc_dtype(x.dtype)) * scale).to(x.dtype)
+    return torch.where(keep, y, torch.zeros((), dtype=x.dtype, device=x.device))

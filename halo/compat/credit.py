@@ -41,8 +41,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import all_reduce as _bounded_all_reduce
-from ..comm import comm_group
 from ..mesh import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 from ..partition import split_offsets, split_sizes
 from ..plans import Site
@@ -329,20 +327,14 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     the mean over its own rows (times :func:`domain_loss_scale` on uneven shards). DTensor gradients (FSDP2 on the
     dp mesh) are averaged as their local shards."""
     from ..reduce import _local
+    from ..reduce import sync_domain_gradients as domain_sum
 
     manager = _manager(manager)
     if manager is None:
         return
-    cg = comm_group(manager.domain_group)
-    params = model.parameters() if isinstance(model, nn.Module) else model
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    by_dtype: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault((g.device, g.dtype), []).append(g)
-    for (_, dtype), gs in by_dtype.items():
-        acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        flat = torch.cat([g.reshape(-1).to(acc) for g in gs])
-        _bounded_all_reduce(flat, cg, "sync_domain_gradients (CREDIT convention)")
-        flat.div_(cg.size)
-        for g, piece in zip(gs, flat.split([g.numel() for g in gs]), strict=True):
-            g.copy_(piece.view_as(g))
+    params = [p for p in (model.parameters() if isinstance(model, nn.Module) else model) if p.requires_grad]
+    domain_sum(params, domain_group=manager.domain_group)  # halo's bucketed sum: the same gradients everywhere
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                _local(p.grad).div_(manager.domain_parallel_size)
