@@ -51,13 +51,38 @@ def check_boundary(boundary: str) -> str:
     return "circular" if boundary == "periodic" else boundary
 
 
-def split_sizes(n: int, parts: int) -> list[int]:
-    """Balanced split of ``n`` over ``parts``: ``n // parts + (r < n % parts)``, as ``torch.tensor_split``."""
+def split_sizes(n: int, parts: int, granularity: int = 1) -> list[int]:
+    """Balanced split of ``n`` over ``parts``: ``n // parts + (r < n % parts)``, as ``torch.tensor_split``.
+
+    ``granularity=g`` (``g > 1``): ``n`` is cut into ``n // g`` blocks of ``g`` rows (attention windows, patches)
+    and the *blocks* are split balanced, ``g * split_sizes(n // g, parts)``, so no block straddles two parts.
+    Raises a ``ValueError`` naming ``n``, ``g`` and ``parts`` when ``n`` is not a multiple of ``g`` or when some
+    part would get no block. With ``g == 1`` a part may be empty (as ``torch.tensor_split``).
+    """
     if parts <= 0:
         raise ValueError(f"cannot split over {parts} parts")
     if n < 0:
         raise ValueError(f"cannot split a negative extent {n}")
+    if granularity != 1:
+        return [granularity * s for s in _block_counts(n, parts, granularity)]
     q, rem = divmod(n, parts)
+    return [q + (r < rem) for r in range(parts)]
+
+
+def _block_counts(n: int, parts: int, g: int) -> list[int]:
+    """Blocks of ``g`` rows per part (``split_sizes`` with a granularity), checked."""
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ValueError(f"granularity must be a positive int, got {g!r}")
+    if n % g:
+        raise ValueError(f"cannot split {n} rows into blocks of granularity {g} over {parts} ranks: {n} is not a "
+                         f"multiple of {g} ({n} = {n // g} x {g} + {n % g}); a block (an attention window, a "
+                         f"patch) must not straddle two ranks")
+    blocks = n // g
+    if blocks < parts:
+        raise ValueError(f"cannot split {n} rows into blocks of granularity {g} over {parts} ranks: there are only "
+                         f"{blocks} blocks of {g} rows, so ranks {list(range(blocks, parts))} would get no block; "
+                         f"use at most {blocks} ranks, or a smaller granularity")
+    q, rem = divmod(blocks, parts)
     return [q + (r < rem) for r in range(parts)]
 
 
@@ -69,9 +94,10 @@ def offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def split_offsets(n: int, parts: int) -> list[int]:
-    """Start offsets of the balanced split, with ``n`` appended (length ``parts + 1``)."""
-    return offsets(split_sizes(n, parts))
+def split_offsets(n: int, parts: int, granularity: int = 1) -> list[int]:
+    """Start offsets of the balanced split (of blocks of ``granularity`` rows), with ``n`` appended (length
+    ``parts + 1``)."""
+    return offsets(split_sizes(n, parts, granularity))
 
 
 def local_range(n: int, parts: int, index: int) -> tuple[int, int]:

@@ -231,26 +231,44 @@ def _check_rank(value: Any, info: CommGroup, op: str, name: str) -> int:
     return value
 
 
-def _shard_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int) -> tuple[int, ...]:
+def _split(op: str, n: int, parts: int, granularity: int) -> tuple[int, ...]:
+    """The split of ``n`` rows over ``parts`` ranks (of blocks of ``granularity`` rows), errors naming ``op``."""
+    try:
+        return tuple(split_sizes(n, parts, granularity))
+    except ValueError as exc:
+        raise ValueError(f"{op}: {exc}") from None
+
+
+def _field_shape(shape: tuple[int, ...], granularity: int) -> tuple:
+    """What names a field's epoch: its global shape, and its granularity when that is not 1 (two splits of one
+    shape are two epochs: a layer's recorded plan holds for one split only)."""
+    return shape if granularity == 1 else (*shape, ("granularity", granularity))
+
+
+def _shard_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int,
+                granularity: int = 1) -> tuple[int, ...]:
     (sizes,) = extents
     if len(set(sizes)) != 1:
         raise ValueError(f"shard: x must be the same whole tensor on every rank of the group, but its extents "
                          f"along dim {dim} differ: {list(sizes)} (group ranks 0..{cg.size - 1}); "
                          f"use scatter() when only one rank holds it")
-    return tuple(split_sizes(sizes[0], cg.size))
+    return _split("shard", sizes[0], cg.size, granularity)
 
 
-def shard(x: torch.Tensor, dim: int = -2, *, group: Any | None = None) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, granularity: int = 1) -> torch.Tensor:
     """This rank's slice of ``x``, which every rank of ``group`` holds whole (the balanced split, group order).
 
     ``x`` is replicated: the same tensor on every rank, counted once (extents are checked, values are not).
     Backward: the full gradient on every rank is the concatenation of all ranks' slice gradients (all-gather).
+    ``granularity=g``: the balanced split of blocks of ``g`` rows (``g * split_sizes(N // g, P)``), so that
+    attention windows or patches of ``g`` rows never straddle two ranks; a ``ValueError`` on every rank when
+    ``N`` is not a multiple of ``g`` or a rank would get no block (:func:`halo.partition.split_sizes`).
     """
     info = comm_group(group)
-    sizes = resolve(x, info.group, "shard", _shard_plan, (dim % max(x.dim(), 1),), spec=(dim,), grad=False,
-                    allow_empty=True, replicated=True)
+    sizes = resolve(x, info.group, "shard", _shard_plan, (dim % max(x.dim(), 1), granularity), spec=(dim,),
+                    grad=False, allow_empty=True, replicated=True)
     out = _ShardFn.apply(x, sizes, dim % x.dim(), info)
-    tag(out, field_epoch(info, dim % x.dim(), tuple(x.shape)))
+    tag(out, field_epoch(info, dim % x.dim(), _field_shape(tuple(x.shape), granularity)))
     return out
 
 
@@ -293,13 +311,15 @@ def _broadcast_meta(x: Any, info: CommGroup, src: int, dim: int) -> list[int]:
     return row
 
 
-def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any | None = None) -> torch.Tensor:
+def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any | None = None,
+            granularity: int = 1) -> torch.Tensor:
     """Split the tensor held by group rank ``src`` over the ranks (balanced split); return this rank's slice.
 
     Other ranks pass ``None`` (anything they pass is ignored): shape, dtype, device type and whether it
     requires grad are broadcast from ``src``. Results live on the current CUDA device for a CUDA tensor, else on
     the CPU. Backward: the slice gradients are gathered onto ``src`` (``x.grad`` there); other ranks have no
-    input to give a gradient to, but must run backward through their slice.
+    input to give a gradient to, but must run backward through their slice. ``granularity=g``: the balanced
+    split of blocks of ``g`` rows, as :func:`shard` (its errors are raised on every rank alike).
     """
     info = comm_group(group)
     _check_rank(src, info, "scatter", "src")
@@ -329,9 +349,9 @@ def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any |
     anchor = None
     if grad == 1 and info.index != src:
         anchor = torch.empty(0, requires_grad=True)
-    sizes = tuple(split_sizes(shape[dim], info.size))
+    sizes = _split("scatter", shape[dim], info.size, granularity)
     out = _ScatterFn.apply(x if info.index == src else None, anchor, like, sizes, dim, info, src)
-    tag(out, field_epoch(info, dim, tuple(shape)))
+    tag(out, field_epoch(info, dim, _field_shape(tuple(shape), granularity)))
     return out
 
 

@@ -91,7 +91,20 @@ def conv_row_plan(sizes: Sequence[int], kernel: int, stride: int, dilation: int,
     ``sizes``: every rank's input rows (group order); ``pad``: ``(before, after)`` padding. Returns the
     balanced split of ``M = (N + before + after - d(k-1) - 1) // s + 1`` and, per rank, the virtual input rows
     ``(lo, hi)`` its output rows ``[o0, o1)`` read: ``[o0*s - before, (o1-1)*s - before + d(k-1) + 1)``.
+
+    A patch embedding (kernel == stride, no padding along H, undilated) whose input shards are all non-empty
+    multiples of the stride keeps its split instead: output ``sizes // stride``, each rank reading its own rows
+    (no message), so a block split (``halo.partition.split_sizes(..., granularity=)``) stays one. For a balanced
+    input this is the balanced split of ``M`` as well (shards that differ by at most one row and are multiples of
+    ``s`` are equal).
     """
+    if (kernel == stride > 1 and tuple(pad) == (0, 0) and (dilation == 1 or kernel == 1) and sizes
+            and all(s > 0 and s % stride == 0 for s in sizes)):
+        starts = [0]
+        for s in sizes:
+            starts.append(starts[-1] + s)
+        return (tuple(s // stride for s in sizes),
+                tuple((starts[r], starts[r + 1]) for r in range(len(sizes))))
     n, span = sum(sizes), dilation * (kernel - 1)
     m = (n + pad[0] + pad[1] - span - 1) // stride + 1
     if m < 1:

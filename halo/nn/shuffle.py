@@ -5,6 +5,9 @@ input rows ``[o0 // r, (o1 - 1) // r + 1)``. Pixel unshuffle makes output row ``
 ``[o * r, (o + 1) * r)``. Either way one planned exchange fetches exactly those rows (whichever ranks own them),
 the torch op runs on them, and the rows before ``o0`` are dropped: a copy of values, bitwise the unsharded op's;
 the backward is the exchange's exact adjoint. The global extents come from the plan (learned once per epoch).
+A split that is not the balanced one but made of whole blocks (``halo.shard(..., granularity=g)``) is kept: an
+unshuffle of shards that are multiples of ``r`` gives ``sizes // r``, a shuffle of such a split ``sizes * r``,
+each rank reading only its own rows (invariant 1's split granularity).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch import nn
 from ..comm import CommGroup
 from ..exchange import exchange, exchanger_id
 from ..mesh import group_attribute
-from ..partition import split_offsets
+from ..partition import offsets, split_offsets, split_sizes
 from ..plans import Site, carry, resolve
 from .pool import check_output_rows
 
@@ -43,6 +46,12 @@ def _shuffle_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], factor: i
     m = n * factor if up else n // factor
     check_output_rows(op, m, n, cg.size, f", factor {factor}")
     offs = split_offsets(m, cg.size)
+    if min(sizes) > 0 and (not up and all(s % factor == 0 for s in sizes)
+                           or up and list(sizes) != split_sizes(n, cg.size)):
+        # A block split stays one (the same for a balanced split when it coincides): every rank's output rows
+        # come from its own input rows alone, ``sizes // factor`` (unshuffle) or ``sizes * factor`` (shuffle of
+        # a split that is not the balanced one, e.g. windows or patches: halo.partition granularity).
+        offs = offsets([s * factor if up else s // factor for s in sizes])
     needs, crops = [], []
     for r in range(cg.size):
         o0, o1 = offs[r], offs[r + 1]
