@@ -11,6 +11,7 @@ from .dropout import (
     DomainDropPath,
     DomainFeatureAlphaDropout,
 )
+from .neighborhood import DomainNeighborhoodAttention2D, neighborhood_attention, neighborhood_attention_reference
 from .norm import DomainBatchNorm2d, DomainBatchNormAct2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
 from .pad import HaloPad2d, halo_pad, pad_like
 from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d, HaloAvgPool2d, HaloMaxPool2d
@@ -32,6 +33,7 @@ __all__ = [
     "DomainInstanceNorm2d",
     "DomainLayerNorm",
     "DomainLogSoftmax",
+    "DomainNeighborhoodAttention2D",
     "DomainSoftmax",
     "HaloAdaptiveAvgPool2d",
     "HaloAdaptiveMaxPool2d",
@@ -48,6 +50,8 @@ __all__ = [
     "convert_to_domain_parallel",
     "halo_interpolate",
     "halo_pad",
+    "neighborhood_attention",
+    "neighborhood_attention_reference",
     "pad_like",
     "revert_domain_parallel",
 ]
