@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..mesh import DomainParallelManager, GroupRef, get_domain_parallel_manager, mesh_2d
+from ..mesh import DomainParallelManager, GroupRef, get_domain_parallel_manager
 from ..plans import enter_root, exit_root
 
-__all__ = ["INSIDE", "MESH_2D", "ConvertContext", "convert_to_domain_parallel", "revert_domain_parallel"]
+__all__ = ["INSIDE", "ConvertContext", "convert_to_domain_parallel", "revert_domain_parallel"]
 
 
 @dataclass(frozen=True)
@@ -38,36 +38,20 @@ class ConvertContext:
     group: Any
     dp_group: Any
     boundary: str | None
-    mesh: Any = None  # a latitude x longitude DomainMesh (W sharded too), else None
 
 
-def _is_pointwise_conv(m: nn.Module, dims: int = 1) -> bool:
-    """A conv that keeps every sharded dim pointwise (kernel 1, stride 1, no padding): H, or H and W."""
-    for d in range(-2, -2 + dims):
-        k = m.kernel_size[d] if len(m.kernel_size) >= 2 else 1
-        s = m.stride[d] if len(m.stride) >= 2 else 1
-        pad = m.padding if isinstance(m.padding, str) else m.padding[d]
-        if not (k == 1 and s == 1 and pad in (0, "valid", "same")):
-            return False
-    return True
-
-
-#: Layers with a latitude x longitude form (``convert_to_domain_parallel(model, mesh=DomainMesh((ph, pw)))``);
-#: others that act on H or W are refused on such a mesh, naming the layer.
-MESH_2D = (nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.AvgPool2d, nn.Upsample, nn.GroupNorm, nn.BatchNorm2d,
-           nn.InstanceNorm2d)
+def _is_pointwise_conv(m: nn.Module) -> bool:
+    kh = m.kernel_size[-2] if len(m.kernel_size) >= 2 else 1
+    sh = m.stride[-2] if len(m.stride) >= 2 else 1
+    pad = m.padding if isinstance(m.padding, str) else m.padding[-2]
+    return kh == 1 and sh == 1 and pad in (0, "valid", "same")
 
 
 def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None]:
     from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample
 
     def c2d(m, ctx):
-        if ctx.mesh is not None:
-            return m if _is_pointwise_conv(m, 2) else conv.HaloConv2d(m, boundary=ctx.boundary, mesh=ctx.mesh)
         return m if _is_pointwise_conv(m) else conv.HaloConv2d(m, group=ctx.group, boundary=ctx.boundary)
-
-    def on_mesh(make2d, make1d):
-        return lambda m, ctx: make2d(m, ctx) if ctx.mesh is not None else make1d(m, ctx)
 
     def c3d(m, ctx):
         return m if _is_pointwise_conv(m) else conv.HaloConv3d(m, group=ctx.group, boundary=ctx.boundary)
@@ -80,23 +64,16 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
     return {
         nn.Conv2d: c2d,
         nn.Conv3d: c3d,
-        nn.ConvTranspose2d: on_mesh(lambda m, ctx: conv.HaloConvTranspose2d(m, mesh=ctx.mesh),
-                                    lambda m, ctx: conv.HaloConvTranspose2d(m, group=ctx.group)),
+        nn.ConvTranspose2d: lambda m, ctx: conv.HaloConvTranspose2d(m, group=ctx.group),
         nn.ConvTranspose3d: lambda m, ctx: conv.HaloConvTranspose3d(m, group=ctx.group),
-        nn.MaxPool2d: on_mesh(lambda m, ctx: pool.HaloMaxPool2d(m, mesh=ctx.mesh),
-                              lambda m, ctx: pool.HaloMaxPool2d(m, group=ctx.group)),
-        nn.AvgPool2d: on_mesh(lambda m, ctx: pool.HaloAvgPool2d(m, mesh=ctx.mesh),
-                              lambda m, ctx: pool.HaloAvgPool2d(m, group=ctx.group)),
+        nn.MaxPool2d: lambda m, ctx: pool.HaloMaxPool2d(m, group=ctx.group),
+        nn.AvgPool2d: lambda m, ctx: pool.HaloAvgPool2d(m, group=ctx.group),
         nn.AdaptiveAvgPool2d: lambda m, ctx: pool.HaloAdaptiveAvgPool2d(m, group=ctx.group),
         nn.AdaptiveMaxPool2d: lambda m, ctx: pool.HaloAdaptiveMaxPool2d(m, group=ctx.group),
-        nn.Upsample: on_mesh(lambda m, ctx: upsample.HaloUpsample(m, mesh=ctx.mesh),
-                             lambda m, ctx: upsample.HaloUpsample(m, group=ctx.group)),
-        nn.GroupNorm: on_mesh(lambda m, ctx: norm.DomainGroupNorm(m, mesh=ctx.mesh),
-                              lambda m, ctx: norm.DomainGroupNorm(m, group=ctx.group)),
-        nn.BatchNorm2d: on_mesh(lambda m, ctx: norm.DomainBatchNorm2d(m, mesh=ctx.mesh, dp_group=ctx.dp_group),
-                                lambda m, ctx: norm.DomainBatchNorm2d(m, group=ctx.group, dp_group=ctx.dp_group)),
-        nn.InstanceNorm2d: on_mesh(lambda m, ctx: norm.DomainInstanceNorm2d(m, mesh=ctx.mesh),
-                                   lambda m, ctx: norm.DomainInstanceNorm2d(m, group=ctx.group)),
+        nn.Upsample: lambda m, ctx: upsample.HaloUpsample(m, group=ctx.group),
+        nn.GroupNorm: lambda m, ctx: norm.DomainGroupNorm(m, group=ctx.group),
+        nn.BatchNorm2d: lambda m, ctx: norm.DomainBatchNorm2d(m, group=ctx.group, dp_group=ctx.dp_group),
+        nn.InstanceNorm2d: lambda m, ctx: norm.DomainInstanceNorm2d(m, group=ctx.group),
         nn.LayerNorm: layer_norm,
         nn.Softmax: lambda m, ctx: softmax.DomainSoftmax(m),
         nn.LogSoftmax: lambda m, ctx: softmax.DomainLogSoftmax(m),
@@ -207,7 +184,6 @@ def convert_to_domain_parallel(
     *,
     boundary: str | None = None,
     grid: tuple[int, int] | None = None,
-    mesh: Any | None = None,
 ) -> nn.Module:
     """Replace, in place, every layer of ``model`` that crosses latitude rows by its domain-parallel form.
 
@@ -225,49 +201,26 @@ def convert_to_domain_parallel(
             small agreement on host data (every rank's input shapes), which makes a changed input shape on any
             rank safe. Either way, every layer learns its extents once and a steady step sends only halo
             messages and the reductions the math needs (``halo.plans``).
-        mesh: a ``halo.DomainMesh((ph, pw))`` with two domain axes: shard latitude over ``ph`` ranks and longitude
-            over ``pw`` (instead of ``manager``). The layers in ``MESH_2D`` get their latitude x longitude forms
-            (H exchanged, then W; poles rolled across the W ranks); a layer acting on H or W without such a form
-            is refused, naming it — so is ``nn.Linear`` (on a ``(B, C, H, W)`` tensor it mixes the sharded W;
-            declare it with ``custom_converters={nn.Linear: None}`` where it acts on channels-last features).
-            Code in ``forward`` is watched along H only on such a mesh: run :func:`halo.check_equivalence`.
 
     Raises:
         ValueError: the manager shards something other than latitude (dim -2), or a layer has no
             domain-parallel form (naming the layer's path and type).
     """
-    mesh2 = mesh_2d(mesh)
-    if mesh is not None and mesh2 is None:
-        raise ValueError(f"convert_to_domain_parallel: mesh= takes a halo.DomainMesh with two domain axes (latitude "
-                         f"x longitude), got {mesh!r}; for latitude only pass a manager")
-    if mesh2 is not None:
-        if manager is not None:
-            raise ValueError("convert_to_domain_parallel: pass a manager (latitude only) or a mesh (latitude x "
-                             "longitude), not both")
-        if grid is not None:
-            raise ValueError("convert_to_domain_parallel: grid= declares latitude shards only; leave it unset "
-                             "with a latitude x longitude mesh")
-        if tuple(mesh2.shard_dims) not in ((-2, -1), (2, 3)):
-            raise ValueError(f"convert_to_domain_parallel: the mesh must shard dims (-2, -1), got "
-                             f"{mesh2.shard_dims}")
-        ctx = ConvertContext(mesh2.domain_group, mesh2.dp_group if mesh2.dp_size > 1 else None, boundary, mesh2)
-        domain_group, domain_size = mesh2.domain_group, mesh2.domain_size
-    else:
-        manager = manager if manager is not None else get_domain_parallel_manager()
-        if manager is None:
-            raise RuntimeError("convert_to_domain_parallel needs a manager: call "
-                               "halo.initialize_domain_parallel(world_size, domain_parallel_size) first or pass one")
-        if manager.shard_dim not in (-2,):
-            raise ValueError(f"the domain-parallel layers shard latitude (shard_dim=-2); the manager has "
-                             f"shard_dim={manager.shard_dim}")
-        dp_group = manager.data_parallel_group if manager.data_parallel_size > 1 else None
-        ctx = ConvertContext(manager.domain_group, dp_group, boundary)
-        domain_group, domain_size = manager.domain_group, manager.domain_world_size
+    manager = manager if manager is not None else get_domain_parallel_manager()
+    if manager is None:
+        raise RuntimeError("convert_to_domain_parallel needs a manager: call "
+                           "halo.initialize_domain_parallel(world_size, domain_parallel_size) first or pass one")
+    if manager.shard_dim not in (-2,):
+        raise ValueError(f"the domain-parallel layers shard latitude (shard_dim=-2); the manager has "
+                         f"shard_dim={manager.shard_dim}")
+    dp_group = manager.data_parallel_group if manager.data_parallel_size > 1 else None
+    ctx = ConvertContext(manager.domain_group, dp_group, boundary)
     custom = dict(custom_converters or {})
     builtin = _builtin_converters()
 
     replaced: dict[int, nn.Module] = {}  # id(original) -> its one replacement (a module used in several slots)
     visited: set[int] = set()
+    domain_size = manager.domain_world_size
     tails: list[nn.Module] = []  # modules after a global pool in a Sequential: kept as they are, on whole tensors
     finished: set[int] = set()  # results of custom converters (their insides are theirs)
 
@@ -283,8 +236,6 @@ def convert_to_domain_parallel(
             made = fn(child, ctx)
             finished.add(id(made))  # a custom converter's result is complete: not converted inside again
             return made
-        if ctx.mesh is not None:
-            _check_mesh_2d(child, path)
         if kind in builtin:
             return builtin[kind](child, ctx)
         adapter = _adapter(child)
@@ -354,47 +305,9 @@ def convert_to_domain_parallel(
                 f"module cannot be replaced in place: convert a module that holds it (nn.Sequential(layer)) or "
                 f"build the halo layer directly (e.g. halo.nn.HaloConv2d(conv))")
     visit(model, "")
-    _make_root(model, domain_group, grid)
+    _make_root(model, manager.domain_group, grid)
     _guard_whole(model, tails, domain_size)
     return model
-
-
-def _check_mesh_2d(child: nn.Module, path: str) -> None:
-    """On a latitude x longitude mesh: refuse a layer that would act on H or W without a 2-d form."""
-    kind = type(child)
-    base = next((b for b in kind.__mro__ if b in MESH_2D), None)
-    if base is not None:
-        if base is nn.Upsample and child.mode not in ("nearest", "nearest-exact", "bilinear", "bicubic", "area"):
-            raise ValueError(f"{path} ({_name(kind)}): mode {child.mode!r} has no latitude x longitude form")
-        if base is nn.Conv2d or _adapter(child) is None:
-            return
-        # a subclass recognised by name (timm's BatchNormAct2d): its adapter is latitude-only
-        if kind.__name__ != "BatchNormAct2d":
-            return
-    if isinstance(child, POINTWISE) and not isinstance(child, nn.Linear | nn.Bilinear):
-        return
-    if isinstance(child, nn.Conv3d | nn.ConvTranspose3d | nn.Conv1d) or next(child.children(), None) is not None \
-            and not (child._parameters or child._buffers):
-        if not isinstance(child, nn.Conv3d | nn.ConvTranspose3d | nn.Conv1d):
-            return  # a container: its children are checked
-    if not (child._parameters or child._buffers) and next(child.children(), None) is None \
-            and kind not in _builtin_kinds_2d_refused() and _adapter(child) is None and not isinstance(child, GLOBAL):
-        return  # an unknown stateless leaf: the usual rules refuse it
-    raise ValueError(
-        f"{path} ({_name(kind)}) has no latitude x longitude form in halo: on a mesh that shards both H and W, "
-        f"halo converts {', '.join(b.__name__ for b in MESH_2D)} and keeps pointwise layers; "
-        + ("nn.Linear on a (B, C, H, W) tensor mixes the sharded W (declare it with custom_converters="
-           "{nn.Linear: None} if it acts on channels-last features only); " if isinstance(child, nn.Linear | nn.Bilinear)
-           else "")
-        + "shard latitude only (a manager), or give custom_converters={" + kind.__name__ + ": fn}")
-
-
-def _builtin_kinds_2d_refused() -> tuple[type, ...]:
-    from . import pad
-
-    return (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.PixelShuffle, nn.PixelUnshuffle, nn.Softmax,
-            nn.LogSoftmax, nn.LayerNorm, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-            nn.FeatureAlphaDropout, *pad.PADDING_MODULES)
 
 
 def _global_pool(m: nn.Module, domain_size: int) -> bool:
