@@ -581,19 +581,87 @@ def _mesh_coords(shape: tuple[int, int]) -> tuple[tuple[int, int], ...]:
     return tuple(divmod(i, shape[1]) for i in range(shape[0] * shape[1]))
 
 
-class _Plan2d(NamedTuple):
-    h: HaloPlan
-    w: HaloPlan
+class Exchange2d(NamedTuple):
+    """An exchange of a latitude x longitude block as planned for this rank (:func:`plan_exchange_2d`): along H over
+    the mesh's H group (exchanger id, extended rows), the pole strips' roll by half the longitudes along W over the W
+    group (exchanger id; ``top`` / ``bottom``: the extended rows across the pole), then along W over the W group."""
+
+    h: int
+    h_rows: int
+    roll: int
+    top: int
+    bottom: int
+    w: int
+    w_rows: int
+    dims: tuple[int, int]
+
+
+def _pole_rows(need: tuple[int, int], n: int) -> tuple[int, int]:
+    lo, hi = need
+    return max(0, min(hi, 0) - lo), max(0, hi - max(lo, n))
+
+
+def plan_exchange_2d(groups: tuple[Any, Any], sizes: tuple[tuple[int, ...], tuple[int, ...]],
+                     needs: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]], boundaries: tuple[str, str],
+                     dims: tuple[int, int], op: str) -> Exchange2d:
+    """Plan an exchange along H then W of a 2-D mesh (pure in its agreed arguments: raises alike on every rank).
+
+    ``groups``: the H and W axis groups; ``sizes[k]`` / ``needs[k]``: the extents of the ranks of this rank's line
+    along axis ``k`` and the virtual rows each needs (as :func:`exchanger_id`); ``dims``: the tensor dims of H and
+    W (non-negative). Exchanging H first and then W of the H-extended block fills the corners right.
+
+    A pole boundary in H with W sharded: the rows across the pole are the mirrored rows (``reflect`` for
+    ``pole``, ``symmetric`` for ``pole_centered``) rolled by W/2 around the whole circle, which other ranks of the
+    W group hold; so H is exchanged with the mirror, and the strips of rows across the pole are then rolled along W
+    by one more exchange over the W group (a circular exchange whose rows are shifted by W/2). The ranks of a W
+    group share their H position, so they roll the same strips together.
+    """
+    cg_h, cg_w = comm_group(groups[0]), comm_group(groups[1])
+    bh, bw = check_boundary(boundaries[0]), check_boundary(boundaries[1])
+    roll, top, bottom = -1, 0, 0
+    if bh in POLE_MODES:
+        width = sum(sizes[1])
+        if width % 2:
+            raise ValueError(f"{op}: pole boundary needs an even number of longitudes to roll by W/2, got W={width}")
+        top, bottom = _pole_rows(tuple(needs[0][cg_h.index]), sum(sizes[0]))
+        offs, half = offsets(sizes[1]), width // 2
+        roll = exchanger_id(cg_w, dims[1], sizes[1], tuple((offs[j] + half, offs[j + 1] + half)
+                                                           for j in range(len(sizes[1]))), "circular", op)
+        bh = "reflect" if bh == "pole" else "symmetric"
+    lo_h, hi_h = needs[0][cg_h.index]
+    lo_w, hi_w = needs[1][cg_w.index]
+    return Exchange2d(exchanger_id(cg_h, dims[0], sizes[0], needs[0], bh, op), hi_h - lo_h, roll, top, bottom,
+                      exchanger_id(cg_w, dims[1], sizes[1], needs[1], bw, op), hi_w - lo_w, dims)
+
+
+def exchange_2d(x: torch.Tensor, plan: Exchange2d) -> torch.Tensor:
+    """Run a planned :class:`Exchange2d` with autograd (each step an exact-adjoint exchange)."""
+    dh, dw = plan.dims
+    t = exchange(x, plan.h, plan.h_rows, dh)
+    if plan.top or plan.bottom:
+        rows, cols = t.shape[dh], x.shape[dw]
+        parts = []
+        if plan.top:
+            parts.append(exchange(t.narrow(dh, 0, plan.top).contiguous(), plan.roll, cols, dw))
+        parts.append(t.narrow(dh, plan.top, rows - plan.top - plan.bottom))
+        if plan.bottom:
+            parts.append(exchange(t.narrow(dh, rows - plan.bottom, plan.bottom).contiguous(), plan.roll, cols, dw))
+        t = torch.cat(parts, dh)
+    return exchange(t, plan.w, plan.w_rows, dw)
 
 
 def _plan_2d(cg: CommGroup, extents: tuple, groups: tuple, dims: tuple, halos: tuple, boundaries: tuple,
-             ndim: int, width: int, mesh_w: int, op: str) -> _Plan2d:
-    if check_boundary(boundaries[0]) in POLE_MODES and mesh_w > 1:
-        raise ValueError(f"{op}: pole boundary needs the full longitude circle on every rank, but W is sharded "
-                         f"over {mesh_w} ranks; use a mesh with one W rank or another boundary")
-    plans = [_uniform_plan(comm_group(g), (sizes,), d, h, b, ndim, width, op)
-             for g, sizes, d, h, b in zip(groups, extents, dims, halos, boundaries, strict=True)]
-    return _Plan2d(*plans)
+             ndim: int, op: str) -> Exchange2d:
+    needs = []
+    for sizes, d, halo in zip(extents, dims, halos, strict=True):
+        before, after = (halo, halo) if isinstance(halo, int) else halo
+        total = sum(sizes)
+        if max(before, after) > total:
+            raise ValueError(f"{op}: a halo of {max(before, after)} rows is wider than the whole domain "
+                             f"({total} rows along dim {d} over {len(sizes)} ranks); expected at most {total}")
+        offs = offsets(sizes)
+        needs.append(tuple((offs[r] - before, offs[r + 1] + after) for r in range(len(sizes))))
+    return plan_exchange_2d(groups, extents, tuple(needs), boundaries, tuple(d % ndim for d in dims), op)
 
 
 def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int | Sequence[int], *,
@@ -601,10 +669,10 @@ def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int |
                      boundary_w: str | None = None) -> torch.Tensor:
     """Exchange along H over the mesh's first domain axis, then along W over the second, so corners are right.
 
-    ``boundary_w`` defaults to ``circular`` when the mesh's W axis is periodic, else ``zeros``. Pole
-    boundaries need the whole longitude circle on each rank, so they are refused when W is sharded. Both
-    exchanges are validated by one agreement over the whole domain group, so every rank of the domain
-    raises the same error.
+    ``boundary_w`` defaults to ``circular`` when the mesh's W axis is periodic, else ``zeros``. A pole boundary
+    in H works with W sharded too: the rows across the pole are rolled by W/2 around the whole circle by one more
+    exchange along W (:func:`plan_exchange_2d`). Both exchanges are validated by one agreement over the whole
+    domain group, so every rank of the domain raises the same error.
     """
     op = "halo_exchange_2d"
     if mesh is None:
@@ -623,11 +691,11 @@ def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int |
     coords = _mesh_coords(tuple(mesh.domain_shape))
     dims = mesh.shard_dims
     specs = ((dims[0], halo_h, boundary_h), (dims[1], halo_w, boundary_w))
-    extra = ((mesh.axis_group(0), mesh.axis_group(1)), dims, (halo_h, halo_w), (boundary_h, boundary_w), x.dim(),
-             x.shape[-1] if x.dim() else 0, mesh.domain_shape[1], op)
+    extra = ((mesh.axis_group(0), mesh.axis_group(1)), dims, (halo_h, halo_w), (boundary_h, boundary_w), x.dim(), op)
     plan = resolve(x, mesh.domain_group, op, _plan_2d, extra, spec=specs, coords=coords)
-    x = exchange(x, plan.h.ex, plan.h.rows, plan.h.dim)
-    return exchange(x, plan.w.ex, plan.w.rows, plan.w.dim)
+    out = exchange_2d(x, plan)
+    carry(out, x)
+    return out
 
 
 # -- kept for old callers -----------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ __all__ = [
     "initialize_domain_parallel",
     "get_domain_parallel_manager",
     "destroy_domain_parallel",
+    "mesh_2d",
     "mesh_layout",
     "resolve_group",
 ]
@@ -195,6 +196,12 @@ class DomainMesh:
             raise ValueError(f"domain axis {axis} out of range for {len(self.domain_shape)} axes")
         return axis % len(self.domain_shape)
 
+    def __deepcopy__(self, memo: dict) -> DomainMesh:
+        return self  # process groups are not copied: a deep copy of a model keeps using the same mesh
+
+    def __reduce__(self) -> tuple:
+        return (_no_mesh, ())  # pickled as None (torch.save of a converted model): pass mesh= again after loading
+
     def __repr__(self) -> str:
         return (f"DomainMesh(world={self.world_size}, dp={self.dp_size}, domain={self.domain_shape}, "
                 f"rank={self.rank}, coords={self.coords}, shard_dims={self.shard_dims}, periodic={self.periodic})")
@@ -327,6 +334,15 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
             "halo.initialize_domain_parallel(world_size, domain_parallel_size) on every rank first"
         )
     return _DEFAULT.domain_group
+
+
+def _no_mesh() -> None:
+    return None
+
+
+def mesh_2d(mesh: Any) -> DomainMesh | None:
+    """``mesh`` if it is a :class:`DomainMesh` with two domain axes (latitude x longitude), else ``None``."""
+    return mesh if isinstance(mesh, DomainMesh) and len(mesh.domain_shape) == 2 else None
 
 
 class GroupRef:

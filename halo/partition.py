@@ -40,7 +40,9 @@ __all__ = [
 #: Boundary modes: what fills rows beyond the first and last rank of a group.
 #: ``periodic`` is ``circular``; ``pole`` mirrors across a pole row that is on the grid (721-row ERA5: rows
 #: 1, 2, ... rolled by W/2), ``pole_centered`` across a pole between rows (cell-centred grids: rows 0, 1, ...).
-BOUNDARIES = ("zeros", "replicate", "reflect", "circular", "periodic", "pole", "pole_centered")
+#: ``symmetric`` mirrors including the edge row (numpy's ``symmetric``: ``pole_centered`` without the roll; on a
+#: latitude x longitude mesh the pole modes are this or ``reflect`` along H, then a roll along W across ranks).
+BOUNDARIES = ("zeros", "replicate", "reflect", "symmetric", "circular", "periodic", "pole", "pole_centered")
 POLE_MODES = ("pole", "pole_centered")
 
 
@@ -130,6 +132,12 @@ def source_row(v: int, n: int, boundary: str) -> tuple[int | None, bool]:
             raise ValueError(f"{boundary} boundary reaches {_reach(v, n)} rows beyond the edge of an extent "
                              f"of {n} rows; it supports at most {n - 1}")
         return g, boundary == "pole"
+    if boundary == "symmetric":  # mirrored including the edge row (pole_centered's rows without the roll)
+        g = -v - 1 if v < 0 else 2 * n - 1 - v
+        if not 0 <= g < n:
+            raise ValueError(f"{boundary} boundary reaches {_reach(v, n)} rows beyond the edge of an extent "
+                             f"of {n} rows; it supports at most {n}")
+        return g, False
     if boundary == "pole_centered":
         g = -v - 1 if v < 0 else 2 * n - 1 - v
         if not 0 <= g < n:

@@ -379,8 +379,12 @@ def _mesh_rank(mesh: DomainMesh, rank: int, op: str, name: str) -> tuple[int, in
 def shard_2d(x: torch.Tensor, *, mesh: DomainMesh | None = None) -> torch.Tensor:
     """This rank's block of the replicated ``x``: H over mesh axis 0, W over axis 1 (``mesh.shard_dims``)."""
     mesh = _mesh_2d(mesh, "shard_2d")
+    full = tuple(x.shape)
     x = shard(x, mesh.shard_dims[0], group=mesh.axis_group(0))
-    return shard(x, mesh.shard_dims[1], group=mesh.axis_group(1))
+    out = shard(x, mesh.shard_dims[1], group=mesh.axis_group(1))
+    # The block belongs to the whole field (one epoch over the domain group), not to the H-shard it was cut from.
+    tag(out, field_epoch(comm_group(mesh.domain_group), tuple(d % len(full) for d in mesh.shard_dims), full))
+    return out
 
 
 def scatter_2d(x: torch.Tensor | None, *, src: int = 0, mesh: DomainMesh | None = None) -> torch.Tensor:

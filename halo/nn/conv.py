@@ -53,11 +53,12 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..comm import CommGroup
-from ..exchange import exchange, exchanger_id, get_exchanger
+from ..exchange import Exchange2d, exchange, exchange_2d, exchanger_id, get_exchanger, plan_exchange_2d
 from ..kernels.reference import alloc_like as kernels_alloc_like
 from ..mesh import group_attribute
 from ..partition import check_boundary, split_offsets, split_sizes
 from ..plans import Site, carry, resolve
+from ._mesh2d import mesh_of, resolve_2d, set_mesh
 
 __all__ = [
     "HaloConv2d",
@@ -169,18 +170,20 @@ def _pads(conv: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
     return [(p, p) for p in conv.padding]
 
 
-def _crop_rows(y: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-    """Rows ``[t0, t1)`` of ``y`` along dim -2, zeros where that range leaves ``[0, len)``.
+def _crop_rows(y: torch.Tensor, t0: int, t1: int, dim: int = -2) -> torch.Tensor:
+    """Rows ``[t0, t1)`` of ``y`` along ``dim``, zeros where that range leaves ``[0, len)``.
 
     Always slices ``y`` (possibly to zero rows), so the result stays in ``y``'s autograd graph: every rank must
     run the exchange's backward, whose adjoint messages its peers wait for.
     """
-    length = y.shape[-2]
+    length = y.shape[dim]
     a, b = min(max(t0, 0), length), min(max(t1, 0), length)
     b = max(a, b)
     before, after = max(0, min(t1, 0) - t0), max(0, t1 - max(t0, length))
-    part = y.narrow(-2, a, b - a)
-    return F.pad(part, (0, 0, before, after)) if before or after else part
+    part = y.narrow(dim, a, b - a)
+    if not (before or after):
+        return part
+    return F.pad(part, (0, 0, before, after) if dim % y.dim() == y.dim() - 2 else (before, after))
 
 
 # -- wrapping an existing module ----------------------------------------------------------------------------
@@ -215,12 +218,12 @@ class _HaloConvMixin:
     _spatial: int
 
     def __init__(self, conv: Any, *args: Any, group: Any | None = None, boundary: str | None = None,
-                 overlap: bool | None = None, **kwargs: Any) -> None:
+                 overlap: bool | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         name = type(self).__name__
         if isinstance(conv, nn.Module):
             if args or kwargs:
-                raise TypeError(f"{name}(conv, ...) takes only group=, boundary=, overlap= besides the module; "
-                                f"got extra arguments {args} {sorted(kwargs)}")
+                raise TypeError(f"{name}(conv, ...) takes only group=, boundary=, overlap=, mesh= besides the "
+                                f"module; got extra arguments {args} {sorted(kwargs)}")
             _adopt(self, conv, self._base, name)
         else:
             super().__init__(conv, *args, **kwargs)  # built like the nn layer: fresh parameters
@@ -228,6 +231,12 @@ class _HaloConvMixin:
             boundary = check_boundary(boundary)
         self.group, self.boundary, self.overlap = group, boundary, overlap
         self._halo_site = Site()
+        set_mesh(self, mesh, name)
+        if mesh_of(self) is not None and self._spatial != 2:
+            raise ValueError(f"{name}: a latitude x longitude mesh is supported by the 2-d layers only; shard only "
+                             f"latitude (a one-axis mesh) for 3-d convolutions")
+        if mesh_of(self) is not None and group is not None and group is not mesh_of(self).domain_group:
+            raise ValueError(f"{name}: group= and mesh= name different groups; with a mesh leave group unset")
 
     @property
     def h_boundary(self) -> str:
@@ -239,7 +248,7 @@ class _HaloConvMixin:
         plain = self._base.__new__(self._base)
         nn.Module.__init__(plain)
         for key, value in self.__dict__.items():
-            if key not in ("_group_ref", "boundary", "overlap", "_halo_site"):
+            if key not in ("_group_ref", "boundary", "overlap", "_halo_site", "_halo_mesh"):
                 plain.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
         return plain
 
@@ -248,13 +257,22 @@ class _HaloConvMixin:
         extra += f", overlap={self.overlap}" if self.overlap is not None else ""
         return super().extra_repr() + extra
 
+    @property
+    def w_boundary(self) -> str:
+        """What fills W columns beyond the domain on a latitude x longitude mesh: the conv's ``padding_mode``."""
+        return _MODE_BOUNDARY[self.padding_mode]
+
     def _resolve(self, x: torch.Tensor, make: Any, extra: tuple) -> Any:
         """This call's plan (``halo.plans.resolve``): every rank's H extent is agreed on (or recalled) *before* any
         shape check, so that the checks after it fail identically on every rank and none waits alone."""
         name = type(self).__name__
         if x.dim() < 2:
             raise ValueError(f"{name}: expected a ({self._shape_names()}) shard, got shape {tuple(x.shape)}")
-        plan = resolve(x, self.group, name, make, extra, site=self._halo_site)
+        mesh = mesh_of(self)
+        if mesh is not None:
+            plan = resolve_2d(x, mesh, name, make, extra, self._halo_site)
+        else:
+            plan = resolve(x, self.group, name, make, extra, site=self._halo_site)
         self._check_input(x)
         return plan
 
@@ -297,6 +315,15 @@ def _conv_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], name: str, d
                    and min(sizes) >= pt) else 0
     lo, hi = needs[cg.index]
     return ConvPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, name), hi - lo, patch)
+
+
+def _conv_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, name: str,
+                  kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
+                  pads: tuple[tuple[int, int], ...], boundaries: tuple[str, str]) -> Exchange2d:
+    """A conv on a latitude x longitude mesh: each axis's needed rows from its own geometry (as along H alone)."""
+    needs = tuple(conv_row_plan(extents[k], kernel[k], stride[k], dilation[k], pads[k],
+                                op=f"{name} ({'H' if k == 0 else 'W'})")[1] for k in range(2))
+    return plan_exchange_2d(groups, extents, needs, boundaries, (2, 3), name)
 
 
 class _PatchConvFn(torch.autograd.Function):
@@ -426,6 +453,8 @@ class _HaloConvNd(_HaloConvMixin):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pads = tuple(_pads(self))
+        if mesh_of(self) is not None:
+            return self._forward_2d(x, pads)
         h = self._spatial - 2
         overlap = OVERLAP_DEFAULT if self.overlap is None else bool(self.overlap)
         extra = (type(self).__name__, self._spatial, self.kernel_size[h],
@@ -440,6 +469,19 @@ class _HaloConvNd(_HaloConvMixin):
                                    plan.patch)
         else:
             y = self._local_conv(exchange(xb, plan.ex, plan.rows, self._spatial), list(pads))
+        y = y.squeeze(0) if unbatched else y
+        carry(y, x)
+        return y
+
+    def _forward_2d(self, x: torch.Tensor, pads: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """Latitude x longitude mesh: exchange H then W (the boundary modes are the padding), conv unpadded."""
+        name = type(self).__name__
+        extra = (name, tuple(self.kernel_size), tuple(self.stride), tuple(self.dilation), pads,
+                 (self.h_boundary, self.w_boundary))
+        plan = self._resolve(x, _conv_plan_2d, extra)
+        unbatched = x.dim() == 3
+        xb = x.unsqueeze(0) if unbatched else x
+        y = self._conv(exchange_2d(xb, plan), (0, 0))
         y = y.squeeze(0) if unbatched else y
         carry(y, x)
         return y
@@ -559,7 +601,7 @@ class _HaloConvTransposeNd(_HaloConvMixin):
 
     def __init__(self, conv: Any, *args: Any, group: Any | None = None, boundary: str | None = None,
                  **kwargs: Any) -> None:
-        if "overlap" in kwargs:
+        if kwargs.get("overlap") is not None:
             raise TypeError(f"{type(self).__name__} has no overlap option (it always exchanges, then convolves)")
         if boundary not in (None, "zeros"):
             raise ValueError(f"{type(self).__name__}: boundary must be None or 'zeros' (a transposed conv reads "
@@ -571,9 +613,12 @@ class _HaloConvTransposeNd(_HaloConvMixin):
         if self.padding_mode != "zeros":
             raise ValueError(f"{name}: only padding_mode 'zeros' is supported (as nn.{self._base.__name__}), got "
                              f"{self.padding_mode!r}")
-        extra = (tuple(x.shape), None if output_size is None else tuple(int(v) for v in output_size),
-                 tuple(self.kernel_size), tuple(self.stride), tuple(self.dilation), tuple(self.padding),
-                 tuple(self.output_padding), nd, name)
+        size = None if output_size is None else tuple(int(v) for v in output_size)
+        geometry = (tuple(self.kernel_size), tuple(self.stride), tuple(self.dilation), tuple(self.padding),
+                    tuple(self.output_padding))
+        if mesh_of(self) is not None:
+            return self._forward_2d(x, size, geometry)
+        extra = (tuple(x.shape), size, *geometry, nd, name)
         plan = self._resolve(x, _conv_transpose_plan, extra)
         if plan.plain:
             return self._base.forward(self, x, output_size)
@@ -589,6 +634,25 @@ class _HaloConvTransposeNd(_HaloConvMixin):
         y = _crop_rows(y, plan.t0, plan.t1)
         if not plan.fused and self.bias is not None:
             y = y + self.bias.view(-1, *([1] * nd))
+        y = y.squeeze(0) if unbatched else y
+        carry(y, x)
+        return y
+
+
+    def _forward_2d(self, x: torch.Tensor, size: tuple[int, ...] | None, geometry: tuple) -> torch.Tensor:
+        """Latitude x longitude mesh: the rows and columns that reach this rank's output block, conv, crop."""
+        name = type(self).__name__
+        plan = self._resolve(x, _conv_transpose_plan_2d, (tuple(x.shape), size, *geometry, name))
+        unbatched = x.dim() == 3
+        xb = x.unsqueeze(0) if unbatched else x
+        (ex_h, rows_h, t0h, t1h, fused_h), (ex_w, rows_w, t0w, t1w, fused_w) = plan
+        ext = exchange(exchange(xb, ex_h, rows_h, 2), ex_w, rows_w, 3)
+        fused = fused_h and fused_w
+        y = F.conv_transpose2d(ext, self.weight, self.bias if fused else None, self.stride, 0, 0, self.groups,
+                               self.dilation)
+        y = _crop_rows(_crop_rows(y, t0h, t1h, -2), t0w, t1w, -1)
+        if not fused and self.bias is not None:
+            y = y + self.bias.view(-1, 1, 1)
         y = y.squeeze(0) if unbatched else y
         carry(y, x)
         return y
@@ -642,10 +706,15 @@ def _conv_transpose_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], sh
         types.SimpleNamespace(output_padding=output_padding), global_x,
         None if output_size is None else list(output_size), list(stride), list(padding), list(kernel), nd,
         list(dilation))
-    op_h = ops[-2]
-    k, s, d, p = kernel[-2], stride[-2], dilation[-2], padding[-2]
-    out_sizes, needs = conv_transpose_row_plan(sizes, k, s, d, p, op_h, op=name)
-    ex = exchanger_id(cg, nd, sizes, needs, "zeros", name)
+    out = _transpose_axis(cg, sizes, kernel[-2], stride[-2], dilation[-2], padding[-2], ops[-2], nd, name)
+    return ConvTransposePlan(False, *out, tuple(int(v) for v in ops), stride[-2], dilation[-2])
+
+
+def _transpose_axis(cg: CommGroup, sizes: tuple[int, ...], k: int, s: int, d: int, p: int, op_pad: int, dim: int,
+                    name: str) -> tuple[int, int, int, int, bool]:
+    """One sharded axis of a transposed conv: ``(exchanger id, extended rows, t0, t1, fused)``."""
+    out_sizes, needs = conv_transpose_row_plan(sizes, k, s, d, p, op_pad, op=name)
+    ex = exchanger_id(cg, dim, sizes, needs, "zeros", name)
     lo, hi = needs[cg.index]
     # Local output row t is global row lo*s - p + t; this rank's rows are [o0, o1).
     o0 = sum(out_sizes[:cg.index])
@@ -653,4 +722,28 @@ def _conv_transpose_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], sh
     t1 = t0 + out_sizes[cg.index]
     length = (hi - lo - 1) * s + d * (k - 1) + 1
     fused = t0 >= 0 and t1 <= length  # else bias must also land on the zero-extended rows
-    return ConvTransposePlan(False, ex, hi - lo, t0, t1, fused, tuple(int(v) for v in ops), s, d)
+    return ex, hi - lo, t0, t1, fused
+
+
+class ConvTranspose2dPlan(NamedTuple):
+    """A transposed conv on a latitude x longitude mesh: per axis ``(exchanger id, rows, t0, t1, fused)``."""
+
+    h: tuple[int, int, int, int, bool]
+    w: tuple[int, int, int, int, bool]
+
+
+def _conv_transpose_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple,
+                            shape: tuple[int, ...], output_size: tuple[int, ...] | None, kernel: tuple[int, ...],
+                            stride: tuple[int, ...], dilation: tuple[int, ...], padding: tuple[int, ...],
+                            output_padding: tuple[int, ...], name: str) -> ConvTranspose2dPlan:
+    from ..comm import comm_group
+
+    batched = shape if len(shape) == 4 else (1, *shape)
+    global_x = torch.empty((*batched[:-2], sum(extents[0]), sum(extents[1])), device="meta")
+    ops = nn.ConvTranspose2d._output_padding(
+        types.SimpleNamespace(output_padding=output_padding), global_x,
+        None if output_size is None else list(output_size), list(stride), list(padding), list(kernel), 2,
+        list(dilation))
+    axes = [_transpose_axis(comm_group(groups[a]), extents[a], kernel[a], stride[a], dilation[a], padding[a],
+                            ops[a], 2 + a, f"{name} ({'H' if a == 0 else 'W'})") for a in range(2)]
+    return ConvTranspose2dPlan(*axes)

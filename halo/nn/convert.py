@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..mesh import DomainParallelManager, GroupRef, get_domain_parallel_manager
+from ..mesh import DomainParallelManager, GroupRef, get_domain_parallel_manager, mesh_2d
 from ..plans import enter_root, exit_root
 
-__all__ = ["INSIDE", "ConvertContext", "convert_to_domain_parallel", "revert_domain_parallel"]
+__all__ = ["INSIDE", "MESH_2D", "ConvertContext", "convert_to_domain_parallel", "revert_domain_parallel"]
 
 
 @dataclass(frozen=True)
@@ -38,20 +38,36 @@ class ConvertContext:
     group: Any
     dp_group: Any
     boundary: str | None
+    mesh: Any = None  # a latitude x longitude DomainMesh (W sharded too), else None
 
 
-def _is_pointwise_conv(m: nn.Module) -> bool:
-    kh = m.kernel_size[-2] if len(m.kernel_size) >= 2 else 1
-    sh = m.stride[-2] if len(m.stride) >= 2 else 1
-    pad = m.padding if isinstance(m.padding, str) else m.padding[-2]
-    return kh == 1 and sh == 1 and pad in (0, "valid", "same")
+def _is_pointwise_conv(m: nn.Module, dims: int = 1) -> bool:
+    """A conv that keeps every sharded dim pointwise (kernel 1, stride 1, no padding): H, or H and W."""
+    for d in range(-2, -2 + dims):
+        k = m.kernel_size[d] if len(m.kernel_size) >= 2 else 1
+        s = m.stride[d] if len(m.stride) >= 2 else 1
+        pad = m.padding if isinstance(m.padding, str) else m.padding[d]
+        if not (k == 1 and s == 1 and pad in (0, "valid", "same")):
+            return False
+    return True
+
+
+#: Layers with a latitude x longitude form (``convert_to_domain_parallel(model, mesh=DomainMesh((ph, pw)))``);
+#: others that act on H or W are refused on such a mesh, naming the layer.
+MESH_2D = (nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.AvgPool2d, nn.Upsample, nn.GroupNorm, nn.BatchNorm2d,
+           nn.InstanceNorm2d)
 
 
 def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None]:
     from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample
 
     def c2d(m, ctx):
+        if ctx.mesh is not None:
+            return m if _is_pointwise_conv(m, 2) else conv.HaloConv2d(m, boundary=ctx.boundary, mesh=ctx.mesh)
         return m if _is_pointwise_conv(m) else conv.HaloConv2d(m, group=ctx.group, boundary=ctx.boundary)
+
+    def on_mesh(make2d, make1d):
+        return lambda m, ctx: make2d(m, ctx) if ctx.mesh is not None else make1d(m, ctx)
 
     def c3d(m, ctx):
         return m if _is_pointwise_conv(m) else conv.HaloConv3d(m, group=ctx.group, boundary=ctx.boundary)
@@ -64,16 +80,23 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
     return {
         nn.Conv2d: c2d,
         nn.Conv3d: c3d,
-        nn.ConvTranspose2d: lambda m, ctx: conv.HaloConvTranspose2d(m, group=ctx.group),
+        nn.ConvTranspose2d: on_mesh(lambda m, ctx: conv.HaloConvTranspose2d(m, mesh=ctx.mesh),
+                                    lambda m, ctx: conv.HaloConvTranspose2d(m, group=ctx.group)),
         nn.ConvTranspose3d: lambda m, ctx: conv.HaloConvTranspose3d(m, group=ctx.group),
-        nn.MaxPool2d: lambda m, ctx: pool.HaloMaxPool2d(m, group=ctx.group),
-        nn.AvgPool2d: lambda m, ctx: pool.HaloAvgPool2d(m, group=ctx.group),
+        nn.MaxPool2d: on_mesh(lambda m, ctx: pool.HaloMaxPool2d(m, mesh=ctx.mesh),
+                              lambda m, ctx: pool.HaloMaxPool2d(m, group=ctx.group)),
+        nn.AvgPool2d: on_mesh(lambda m, ctx: pool.HaloAvgPool2d(m, mesh=ctx.mesh),
+                              lambda m, ctx: pool.HaloAvgPool2d(m, group=ctx.group)),
         nn.AdaptiveAvgPool2d: lambda m, ctx: pool.HaloAdaptiveAvgPool2d(m, group=ctx.group),
         nn.AdaptiveMaxPool2d: lambda m, ctx: pool.HaloAdaptiveMaxPool2d(m, group=ctx.group),
-        nn.Upsample: lambda m, ctx: upsample.HaloUpsample(m, group=ctx.group),
-        nn.GroupNorm: lambda m, ctx: norm.DomainGroupNorm(m, group=ctx.group),
-        nn.BatchNorm2d: lambda m, ctx: norm.DomainBatchNorm2d(m, group=ctx.group, dp_group=ctx.dp_group),
-        nn.InstanceNorm2d: lambda m, ctx: norm.DomainInstanceNorm2d(m, group=ctx.group),
+        nn.Upsample: on_mesh(lambda m, ctx: upsample.HaloUpsample(m, mesh=ctx.mesh),
+                             lambda m, ctx: upsample.HaloUpsample(m, group=ctx.group)),
+        nn.GroupNorm: on_mesh(lambda m, ctx: norm.DomainGroupNorm(m, mesh=ctx.mesh),
+                              lambda m, ctx: norm.DomainGroupNorm(m, group=ctx.group)),
+        nn.BatchNorm2d: on_mesh(lambda m, ctx: norm.DomainBatchNorm2d(m, mesh=ctx.mesh, dp_group=ctx.dp_group),
+                                lambda m, ctx: norm.DomainBatchNorm2d(m, group=ctx.group, dp_group=ctx.dp_group)),
+        nn.InstanceNorm2d: on_mesh(lambda m, ctx: norm.DomainInstanceNorm2d(m, mesh=ctx.mesh),
+                                   lambda m, ctx: norm.DomainInstanceNorm2d(m, group=ctx.group)),
         nn.LayerNorm: layer_norm,
         nn.Softmax: lambda m, ctx: softmax.DomainSoftmax(m),
         nn.LogSoftmax: lambda m, ctx: softmax.DomainLogSoftmax(m),
@@ -163,7 +186,7 @@ def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Modu
     kind = type(module)
     if kind.__name__ == "BatchNormAct2d" and isinstance(module, nn.BatchNorm2d) \
             and {"drop", "act"} <= set(module._modules):  # timm.layers.BatchNormAct2d: batch norm, drop, act
-        return lambda m, ctx: norm.DomainBatchNormAct2d(m, group=ctx.group, dp_group=ctx.dp_group)
+        return lambda m, ctx: norm.DomainBatchNormAct2d(m, group=ctx.group, dp_group=ctx.dp_group, mesh=ctx.mesh)
     stateless = not module._parameters and not module._buffers and not module._modules
     if stateless and kind.__name__ == "DropPath" and hasattr(module, "drop_prob"):  # timm's and its copies
         return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group)
@@ -184,6 +207,7 @@ def convert_to_domain_parallel(
     *,
     boundary: str | None = None,
     grid: tuple[int, int] | None = None,
+    mesh: Any | None = None,
 ) -> nn.Module:
     """Replace, in place, every layer of ``model`` that crosses latitude rows by its domain-parallel form.
 
@@ -201,26 +225,49 @@ def convert_to_domain_parallel(
             small agreement on host data (every rank's input shapes), which makes a changed input shape on any
             rank safe. Either way, every layer learns its extents once and a steady step sends only halo
             messages and the reductions the math needs (``halo.plans``).
+        mesh: a ``halo.DomainMesh((ph, pw))`` with two domain axes: shard latitude over ``ph`` ranks and longitude
+            over ``pw`` (instead of ``manager``). The layers in ``MESH_2D`` get their latitude x longitude forms
+            (H exchanged, then W; poles rolled across the W ranks); a layer acting on H or W without such a form
+            is refused, naming it — so is ``nn.Linear`` (on a ``(B, C, H, W)`` tensor it mixes the sharded W;
+            declare it with ``custom_converters={nn.Linear: None}`` where it acts on channels-last features).
+            Code in ``forward`` is watched along H only on such a mesh: run :func:`halo.check_equivalence`.
 
     Raises:
         ValueError: the manager shards something other than latitude (dim -2), or a layer has no
             domain-parallel form (naming the layer's path and type).
     """
-    manager = manager if manager is not None else get_domain_parallel_manager()
-    if manager is None:
-        raise RuntimeError("convert_to_domain_parallel needs a manager: call "
-                           "halo.initialize_domain_parallel(world_size, domain_parallel_size) first or pass one")
-    if manager.shard_dim not in (-2,):
-        raise ValueError(f"the domain-parallel layers shard latitude (shard_dim=-2); the manager has "
-                         f"shard_dim={manager.shard_dim}")
-    dp_group = manager.data_parallel_group if manager.data_parallel_size > 1 else None
-    ctx = ConvertContext(manager.domain_group, dp_group, boundary)
+    mesh2 = mesh_2d(mesh)
+    if mesh is not None and mesh2 is None:
+        raise ValueError(f"convert_to_domain_parallel: mesh= takes a halo.DomainMesh with two domain axes (latitude "
+                         f"x longitude), got {mesh!r}; for latitude only pass a manager")
+    if mesh2 is not None:
+        if manager is not None:
+            raise ValueError("convert_to_domain_parallel: pass a manager (latitude only) or a mesh (latitude x "
+                             "longitude), not both")
+        if grid is not None:
+            raise ValueError("convert_to_domain_parallel: grid= declares latitude shards only; leave it unset "
+                             "with a latitude x longitude mesh")
+        if tuple(mesh2.shard_dims) not in ((-2, -1), (2, 3)):
+            raise ValueError(f"convert_to_domain_parallel: the mesh must shard dims (-2, -1), got "
+                             f"{mesh2.shard_dims}")
+        ctx = ConvertContext(mesh2.domain_group, mesh2.dp_group if mesh2.dp_size > 1 else None, boundary, mesh2)
+        domain_group, domain_size = mesh2.domain_group, mesh2.domain_size
+    else:
+        manager = manager if manager is not None else get_domain_parallel_manager()
+        if manager is None:
+            raise RuntimeError("convert_to_domain_parallel needs a manager: call "
+                               "halo.initialize_domain_parallel(world_size, domain_parallel_size) first or pass one")
+        if manager.shard_dim not in (-2,):
+            raise ValueError(f"the domain-parallel layers shard latitude (shard_dim=-2); the manager has "
+                             f"shard_dim={manager.shard_dim}")
+        dp_group = manager.data_parallel_group if manager.data_parallel_size > 1 else None
+        ctx = ConvertContext(manager.domain_group, dp_group, boundary)
+        domain_group, domain_size = manager.domain_group, manager.domain_world_size
     custom = dict(custom_converters or {})
     builtin = _builtin_converters()
 
     replaced: dict[int, nn.Module] = {}  # id(original) -> its one replacement (a module used in several slots)
     visited: set[int] = set()
-    domain_size = manager.domain_world_size
     tails: list[nn.Module] = []  # modules after a global pool in a Sequential: kept as they are, on whole tensors
     finished: set[int] = set()  # results of custom converters (their insides are theirs)
 
@@ -236,6 +283,8 @@ def convert_to_domain_parallel(
             made = fn(child, ctx)
             finished.add(id(made))  # a custom converter's result is complete: not converted inside again
             return made
+        if ctx.mesh is not None and not (kind.__name__ == "BatchNormAct2d" and isinstance(child, nn.BatchNorm2d)):
+            _check_mesh_2d(child, path, builtin)
         if kind in builtin:
             return builtin[kind](child, ctx)
         adapter = _adapter(child)
@@ -305,9 +354,28 @@ def convert_to_domain_parallel(
                 f"module cannot be replaced in place: convert a module that holds it (nn.Sequential(layer)) or "
                 f"build the halo layer directly (e.g. halo.nn.HaloConv2d(conv))")
     visit(model, "")
-    _make_root(model, manager.domain_group, grid)
+    _make_root(model, domain_group, grid)
     _guard_whole(model, tails, domain_size)
     return model
+
+
+def _check_mesh_2d(child: nn.Module, path: str, builtin: dict) -> None:
+    """On a latitude x longitude mesh: refuse a layer that would act on H or W without a 2-d form."""
+    kind = type(child)
+    base = next((b for b in kind.__mro__ if b in builtin), None)
+    if base in MESH_2D:
+        if base is nn.Upsample and child.mode not in ("nearest", "nearest-exact", "bilinear", "bicubic", "area"):
+            raise ValueError(f"{path} ({_name(kind)}): mode {child.mode!r} has no latitude x longitude form")
+        return
+    linear = isinstance(child, nn.Linear | nn.Bilinear)
+    if not linear and base is None and _adapter(child) is None:
+        return  # pointwise, a container, or unknown: the usual rules decide
+    raise ValueError(
+        f"{path} ({_name(kind)}) has no latitude x longitude form in halo: on a mesh that shards both H and W, halo "
+        f"converts {', '.join(b.__name__ for b in MESH_2D)} (and timm's BatchNormAct2d) and keeps pointwise layers; "
+        + ("nn.Linear on a (B, C, H, W) tensor mixes the sharded W (declare it with custom_converters="
+           "{nn.Linear: None} if it acts on channels-last features only); " if linear else "")
+        + "shard latitude only (a manager), or give custom_converters={" + kind.__name__ + ": fn}")
 
 
 def _global_pool(m: nn.Module, domain_size: int) -> bool:

@@ -53,6 +53,7 @@ from ..comm import all_reduce as bounded_all_reduce
 from ..mesh import GroupRef, get_domain_parallel_manager
 from ..plans import Site, device_tensor, resolve, shard_sizes
 from ..reduce import accumulation_dtype, all_reduce
+from ._mesh2d import mesh_of, resolve_2d, set_mesh
 
 __all__ = ["DomainBatchNorm2d", "DomainBatchNormAct2d", "DomainGroupNorm", "DomainInstanceNorm2d", "DomainLayerNorm",
            "domain_var_mean"]
@@ -80,7 +81,8 @@ def _combine(mean: torch.Tensor, var: torch.Tensor, counts: tuple[int, ...], inf
 
 def domain_var_mean(x: torch.Tensor, dims: tuple[int, ...], group: Any | None = None, *,
                     sizes: tuple[int, ...] | None = None, dp_group: Any | None = None,
-                    op: str = "domain_var_mean") -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
+                    op: str = "domain_var_mean", cols: tuple[int, ...] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
     """Biased variance and mean of ``x`` over ``dims`` (kept, size 1) across the whole domain, and the count.
 
     ``dims`` must include the sharded dim -2 (as ``x.dim() - 2``); with ``dp_group`` also dim 0 (the batch is
@@ -98,7 +100,13 @@ def domain_var_mean(x: torch.Tensor, dims: tuple[int, ...], group: Any | None = 
     var, mean = torch.var_mean(x.to(acc), dim=dims, correction=0, keepdim=True)
     per_row = math.prod(x.shape[d] for d in dims if d != h)
     count = per_row * x.shape[h]
-    if info.size > 1:
+    if cols is not None:  # W sharded too (a latitude x longitude mesh): every rank's grid points
+        if nd - 1 not in dims:
+            raise ValueError(f"{op}: with W sharded the dims {dims} must include W ({nd - 1})")
+        per_row //= x.shape[-1]
+        counts = tuple(per_row * s * c for s, c in zip(sizes, cols, strict=True))
+        mean, var, count = _combine(mean, var, counts, info)
+    elif info.size > 1:
         sizes = sizes if sizes is not None else shard_sizes(x, -2, info.group, op=op)
         mean, var, count = _combine(mean, var, tuple(per_row * s for s in sizes), info)
     dp = comm_group(dp_group) if dp_group is not None else None
@@ -143,6 +151,9 @@ def _plan(module: nn.Module, x: torch.Tensor, op: str) -> Any:
     locally (invariant 4)."""
     if x.dim() < 2:
         raise ValueError(f"{op}: expected (..., H_local, W), got shape {tuple(x.shape)}")
+    mesh = mesh_of(module)
+    if mesh is not None:
+        return resolve_2d(x, mesh, op, _norm_plan_2d, (mesh.domain_shape[1],), module._halo_site)
     return resolve(x, module._group_ref.group, op, _norm_plan, site=module._halo_site)
 
 
@@ -314,23 +325,39 @@ _gn_op.register_autograd(_gn_op_backward, setup_context=_gn_setup)
 
 
 class NormPlan(NamedTuple):
-    """Every rank's H extent and the domain group (by :func:`halo.comm.group_id`), as a norm call needs them."""
+    """Every rank's H extent and the domain group (by :func:`halo.comm.group_id`), as a norm call needs them;
+    ``cols``: every rank's W extent on a latitude x longitude mesh (``None``: W is whole, the same everywhere)."""
 
     sizes: tuple[int, ...]
     size: int
     index: int
     gid: int
+    cols: tuple[int, ...] | None = None
+
+    def cells(self, width: int) -> tuple[int, ...]:
+        """Every rank's grid points (``width``: the local W when W is not sharded)."""
+        if self.cols is None:
+            return tuple(h * width for h in self.sizes)
+        return tuple(h * w for h, w in zip(self.sizes, self.cols, strict=True))
 
 
 def _norm_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> NormPlan:
     return NormPlan(extents[0], cg.size, cg.index, group_id(cg))
 
 
+def _norm_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, width: int) -> NormPlan:
+    """Every rank of the domain group (row-major over the mesh) from the extents of this rank's H and W lines."""
+    sizes_h, sizes_w = extents
+    ranks = range(cg.size)
+    return NormPlan(tuple(sizes_h[r // width] for r in ranks), cg.size, cg.index, group_id(cg),
+                    tuple(sizes_w[r % width] for r in ranks))
+
+
 def _group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 eps: float, plan: NormPlan):
     """The fused domain GroupNorm: ``(y, mean, var)``, statistics float64 ``(B, groups)``."""
-    per_row = x[0, :x.shape[1] // groups].numel() // x.shape[-2]
-    count = tuple(per_row * s for s in plan.sizes)
+    per_cell = x[0, :x.shape[1] // groups].numel() // (x.shape[-2] * x.shape[-1])
+    count = tuple(per_cell * c for c in plan.cells(x.shape[-1]))
     if torch.compiler.is_compiling():
         y, mean, var, *_ = _gn_op(x, weight, bias, groups, eps, list(count), plan.gid)
         return y, mean, var
@@ -350,6 +377,19 @@ def _adopt(self: nn.Module, base: type, args: tuple, kwargs: dict) -> None:
         src = base(*args, **kwargs)
     # Every attribute of the source; containers copied (new dicts, same tensors) so the two stay separate.
     self.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in src.__dict__.items()})
+
+
+def _groups(self: nn.Module, group: Any | None, mesh: Any | None) -> None:
+    """The domain group (a latitude x longitude mesh's whole domain group when ``mesh`` is given) and the site."""
+    set_mesh(self, mesh, type(self).__name__)
+    mesh2 = mesh_of(self)
+    if mesh2 is not None:
+        if group is not None and group is not mesh2.domain_group:
+            raise ValueError(f"{type(self).__name__}: group= and mesh= name different groups; with a mesh leave "
+                             f"group unset")
+        group = mesh2.domain_group
+    self._group_ref = GroupRef(group)
+    self._halo_site = Site()
 
 
 class _DomainNorm:
@@ -381,10 +421,9 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
     Input ``(B, C, *spatial)`` with latitude at dim -2 (at least 4-d); statistics per (sample, group).
     """
 
-    def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.GroupNorm, args, kwargs)
-        self._group_ref = GroupRef(group)
-        self._halo_site = Site()
+        _groups(self, group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = _plan(self, x, "DomainGroupNorm")
@@ -414,10 +453,9 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
     """
 
     def __init__(self, *args: Any, group: Any | None = None, dp_group: Any | None = None,
-                 sync_dp: bool | None = None, **kwargs: Any) -> None:
+                 sync_dp: bool | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.BatchNorm2d, args, kwargs)
-        self._group_ref = GroupRef(group)
-        self._halo_site = Site()
+        _groups(self, group, mesh)
         self._dp_ref = GroupRef(dp_group)
         self.sync_dp = sync_dp
 
@@ -447,12 +485,12 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
         sizes = plan.sizes
         if x.shape[1] != self.num_features:
             raise ValueError(f"DomainBatchNorm2d: expected {self.num_features} channels, got shape {tuple(x.shape)}")
-        domain_count = x.shape[0] * x.shape[-1] * sum(sizes)
+        domain_count = x.shape[0] * sum(plan.cells(x.shape[-1]))
         if domain_count <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got {domain_count} over the "
                              f"whole domain (input shape {tuple(x.shape)})")
         var, mean, count = domain_var_mean(x, (0, 2, 3), self.group, sizes=sizes, dp_group=self._dp_group(),
-                                           op="DomainBatchNorm2d")
+                                           op="DomainBatchNorm2d", cols=plan.cols)
         if self.training and self.track_running_stats:
             _update_running(self, mean, var, count, factor)
         y = _normalize(x, var, mean, self.eps)
@@ -474,10 +512,9 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
     variance; ``momentum=None`` leaves them unchanged, as torch). Input ``(B, C, H_local, W)`` or ``(C, H_local, W)``.
     """
 
-    def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.InstanceNorm2d, args, kwargs)
-        self._group_ref = GroupRef(group)
-        self._halo_site = Site()
+        _groups(self, group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() not in (3, 4):
@@ -493,7 +530,7 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
         if not batch_stats:  # elementwise with the running statistics: no communication
             return F.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
                                    self.eps)
-        count = x.shape[-1] * sum(plan.sizes)
+        count = sum(plan.cells(x.shape[-1]))
         if count <= 1:
             raise ValueError(f"Expected more than 1 spatial element when training, got {count} over the whole "
                              f"domain (input shape {tuple(x.shape)})")
@@ -513,16 +550,18 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
     in latitude and runs ``F.layer_norm`` locally.
     """
 
-    def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.LayerNorm, args, kwargs)
-        self._group_ref = GroupRef(group)
-        self._halo_site = Site()
+        _groups(self, group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = len(self.normalized_shape)
         if k < 2:
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         shape = tuple(self.normalized_shape)
+        if mesh_of(self) is not None:
+            raise NotImplementedError(f"DomainLayerNorm over {shape} (H and W) is not implemented on a latitude x "
+                                      f"longitude mesh; shard latitude only, or normalise over channels")
         plan = _plan(self, x, "DomainLayerNorm")
         sizes = plan.sizes
         if x.dim() < k:

@@ -59,6 +59,7 @@ from ..mesh import group_attribute
 from ..partition import split_offsets
 from ..plans import Site, carry, mark_whole, resolve
 from ..reduce import all_reduce
+from ._mesh2d import mesh_of, resolve_2d, set_mesh
 
 __all__ = [
     "HaloAdaptiveAvgPool2d",
@@ -158,6 +159,41 @@ def _window_pool_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: s
     return PoolPlan(False, ex, hi - lo, lo, crop, rows)
 
 
+class PoolPlan2d(NamedTuple):
+    """A pool on a latitude x longitude mesh: per axis ``(exchanger id, rows, lo, crop, out)``."""
+
+    h: tuple[int, int, int, int, int]
+    w: tuple[int, int, int, int, int]
+    width: int  # the global W (max-pool indices are global flat indices h*W + w)
+
+
+def _window_pool_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, op: str, kind: str,
+                         shape: tuple, args: tuple, geometry: tuple[tuple[int, ...], ...], detail: str) -> PoolPlan2d:
+    from ..comm import comm_group
+
+    n = (sum(extents[0]), sum(extents[1]))
+    m = _global_shape(kind, (*shape[:-2], *n), args)[-2:]
+    axes = []
+    for a in range(2):
+        sub = comm_group(groups[a])
+        axis = "H" if a == 0 else "W"
+        check_output_rows(f"{op} ({axis})", m[a], n[a], sub.size, detail)
+        plan = window_plan(n[a], m[a], sub.size, *geometry[a])
+        lo, hi, crop, rows = plan[sub.index]
+        ex = exchanger_id(sub, len(shape) - 2 + a, extents[a], tuple((p0, p1) for p0, p1, _, _ in plan), "zeros", op)
+        axes.append((ex, hi - lo, lo, crop, rows))
+    return PoolPlan2d(axes[0], axes[1], n[1])
+
+
+def _run_2d(x: torch.Tensor, plan: PoolPlan2d) -> torch.Tensor:
+    d = x.dim() - 2
+    return exchange(exchange(x, plan.h[0], plan.h[1], d), plan.w[0], plan.w[1], d + 1)
+
+
+def _crop_2d(t: torch.Tensor, plan: PoolPlan2d) -> torch.Tensor:
+    return t.narrow(-2, plan.h[3], plan.h[4]).narrow(-1, plan.w[3], plan.w[4])
+
+
 def _run(x: torch.Tensor, plan: Any) -> torch.Tensor:
     """Rows ``[lo, lo + rows)`` of the global field, autograd-exact (the caller's op consumes them)."""
     return exchange(x, plan.ex, plan.rows, x.dim() - 2)
@@ -175,7 +211,7 @@ class HaloMaxPool2d(nn.MaxPool2d):
 
     group = group_attribute()
 
-    def __init__(self, pool: nn.MaxPool2d, *, group: Any | None = None) -> None:
+    def __init__(self, pool: nn.MaxPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.MaxPool2d):
             raise TypeError(f"HaloMaxPool2d wraps an nn.MaxPool2d, got {type(pool).__name__}"
                             + _adaptive_hint(pool))
@@ -183,12 +219,31 @@ class HaloMaxPool2d(nn.MaxPool2d):
                          return_indices=pool.return_indices, ceil_mode=pool.ceil_mode)
         self.group = group
         self._halo_site = Site()
+        set_mesh(self, mesh, "HaloMaxPool2d")
 
     def forward(self, x: torch.Tensor):
         op = "HaloMaxPool2d"
         k, s, p, d = (_pair(a)[0] for a in (self.kernel_size, self.stride, self.padding, self.dilation))
         args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
         detail = f", kernel {k}, stride {s}, padding {p}, dilation {d}, ceil_mode={self.ceil_mode}"
+        mesh = mesh_of(self)
+        if mesh is not None:
+            geometry = tuple(zip(*(_pair(a) for a in (self.kernel_size, self.stride, self.padding, self.dilation)),
+                                 strict=True))
+            plan = resolve_2d(x, mesh, op, _window_pool_plan_2d, (op, "max", tuple(x.shape), args, geometry, detail),
+                              self._halo_site)
+            out = F.max_pool2d(_run_2d(x, plan), self.kernel_size, self.stride, self.padding, self.dilation,
+                               ceil_mode=self.ceil_mode, return_indices=self.return_indices)
+            if self.return_indices:
+                out, idx = out
+                cols = plan.w[1]  # local flat index -> global: (lo_h + i // cols) * W + lo_w + i % cols
+                idx = _crop_2d(idx, plan)
+                idx = (idx // cols + plan.h[2]) * plan.width + idx % cols + plan.w[2]
+                out = _crop_2d(out, plan), idx
+            else:
+                out = _crop_2d(out, plan)
+            carry(out, x)
+            return out
         plan = resolve(x, self.group, op, _window_pool_plan, (op, "max", tuple(x.shape), args, (k, s, p, d), detail),
                        site=self._halo_site)
         if plan.plain:
@@ -213,7 +268,7 @@ class HaloAvgPool2d(nn.AvgPool2d):
 
     group = group_attribute()
 
-    def __init__(self, pool: nn.AvgPool2d, *, group: Any | None = None) -> None:
+    def __init__(self, pool: nn.AvgPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AvgPool2d):
             raise TypeError(f"HaloAvgPool2d wraps an nn.AvgPool2d, got {type(pool).__name__}"
                             + _adaptive_hint(pool))
@@ -221,6 +276,7 @@ class HaloAvgPool2d(nn.AvgPool2d):
                          count_include_pad=pool.count_include_pad, divisor_override=pool.divisor_override)
         self.group = group
         self._halo_site = Site()
+        set_mesh(self, mesh, "HaloAvgPool2d")
 
     def _pool(self, t: torch.Tensor) -> torch.Tensor:
         return F.avg_pool2d(t, self.kernel_size, self.stride, self.padding, self.ceil_mode,
@@ -232,6 +288,15 @@ class HaloAvgPool2d(nn.AvgPool2d):
         args = (self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
                 self.divisor_override)
         detail = f", kernel {k}, stride {s}, padding {p}, ceil_mode={self.ceil_mode}"
+        mesh = mesh_of(self)
+        if mesh is not None:
+            geometry = tuple((*kspd, 1) for kspd in zip(*(_pair(a) for a in (self.kernel_size, self.stride,
+                                                                             self.padding)), strict=True))
+            plan = resolve_2d(x, mesh, op, _window_pool_plan_2d, (op, "avg", tuple(x.shape), args, geometry, detail),
+                              self._halo_site)
+            out = _crop_2d(self._pool(_run_2d(x, plan)), plan)
+            carry(out, x)
+            return out
         plan = resolve(x, self.group, op, _window_pool_plan, (op, "avg", tuple(x.shape), args, (k, s, p, 1), detail),
                        site=self._halo_site)
         if plan.plain:

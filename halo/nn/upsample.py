@@ -52,9 +52,10 @@ from ..exchange import exchange, exchanger_id
 from ..mesh import group_attribute
 from ..partition import split_offsets
 from ..plans import Site, carry, device_tensor, resolve
+from ._mesh2d import mesh_of, set_mesh
 from .pool import adaptive_pool, check_output_rows
 
-__all__ = ["HaloUpsample", "halo_interpolate", "kernel_scales", "row_taps"]
+__all__ = ["HaloUpsample", "halo_interpolate", "interpolate_2d", "kernel_scales", "row_taps"]
 
 SUPPORTED_MODES = ("nearest", "nearest-exact", "bilinear", "bicubic", "area")
 
@@ -367,18 +368,61 @@ def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = 
     return out
 
 
+def _per_axis(v: Any) -> tuple[Any, Any]:
+    if v is None:
+        return None, None
+    if isinstance(v, (tuple, list)):
+        if len(v) != 2:
+            raise ValueError(f"interpolate_2d: expected one value or two (H, W), got {v!r}")
+        return v[0], v[1]
+    return v, v
+
+
+def interpolate_2d(x: torch.Tensor, mesh: Any, size=None, scale_factor=None, mode: str = "nearest",
+                   align_corners: bool | None = None, recompute_scale_factor: bool | None = None, *,
+                   sites: tuple[Site | None, Site | None] = (None, None)) -> torch.Tensor:
+    """``F.interpolate`` of a field sharded over a latitude x longitude mesh, as two one-axis passes.
+
+    The modes are separable: H is resized first (over the mesh's H group, W kept: scale 1 along W is torch's
+    identity map), then W (the transposed block, over the W group). Each pass is :func:`halo_interpolate`, exact
+    on its axis; the result equals the one-call 2-d interpolation but for the order of the weighted sums (nearest:
+    bitwise; bilinear / bicubic / area: within a few ulps).
+    """
+    if x.dim() != 4:
+        raise ValueError(f"interpolate_2d: expected a (B, C, H, W) block, got shape {tuple(x.shape)}")
+    (size_h, size_w), (scale_h, scale_w) = _per_axis(size), _per_axis(scale_factor)
+    groups = (mesh.axis_group(0), mesh.axis_group(1))
+
+    def one_pass(t: torch.Tensor, n_out: Any, scale: Any, group: Any, site: Site | None) -> torch.Tensor:
+        if n_out is not None:
+            return halo_interpolate(t, (int(n_out), t.shape[-1]), None, mode, align_corners, recompute_scale_factor,
+                                    group=group, site=site)
+        return halo_interpolate(t, None, (float(scale), 1.0), mode, align_corners, recompute_scale_factor,
+                                group=group, site=site)
+
+    y = one_pass(x, size_h, scale_h, groups[0], sites[0])
+    y = one_pass(y.transpose(-1, -2).contiguous(), size_w, scale_w, groups[1], sites[1])
+    return y.transpose(-1, -2)
+
+
 class HaloUpsample(nn.Upsample):
     """``nn.Upsample`` on an H-sharded field (same arguments and ``repr``; no state): see :func:`halo_interpolate`."""
 
     group = group_attribute()
 
-    def __init__(self, up: nn.Upsample, *, group: Any | None = None) -> None:
+    def __init__(self, up: nn.Upsample, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(up, nn.Upsample):
             raise TypeError(f"HaloUpsample wraps an nn.Upsample, got {type(up).__name__}")
         super().__init__(up.size, up.scale_factor, up.mode, up.align_corners, up.recompute_scale_factor)
         self.group = group
         self._halo_site = Site()
+        self._halo_site_w = Site()
+        set_mesh(self, mesh, "HaloUpsample")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mesh = mesh_of(self)
+        if mesh is not None:
+            return interpolate_2d(x, mesh, self.size, self.scale_factor, self.mode, self.align_corners,
+                                  self.recompute_scale_factor, sites=(self._halo_site, self._halo_site_w))
         return halo_interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners,
                                 self.recompute_scale_factor, group=self.group, site=self._halo_site)

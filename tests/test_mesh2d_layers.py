@@ -1,0 +1,202 @@
+"""Latitude x longitude layers: a model converted with ``mesh=DomainMesh((ph, pw))`` vs the unsharded model.
+
+Each rank holds a block of the field (H over the mesh's first axis, W over the second, both balanced splits at odd
+sizes). Compared in float64 with the unsharded model run in the same test: the forward (gathered), the input
+gradient, the parameter gradients summed over the domain group, BatchNorm's running statistics, and the model after
+optimizer steps. Single layers cover the pole boundary with W sharded (rows across the pole rolled by W/2 around the
+whole circle by the W ranks), max-pool indices, and every upsampling mode. Conversion refuses, on every rank alike,
+layers without a latitude x longitude form.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from halo.partition import local_range
+from halo.testing import run_on_ranks
+
+TOL = 1e-11
+
+
+def _block(t, mesh):
+    (h0, h1), (w0, w1) = (local_range(t.shape[d], mesh.axis_size(a), mesh.axis_rank(a)) for a, d in ((0, -2), (1, -1)))
+    return t[..., h0:h1, w0:w1]
+
+
+class Net(nn.Module):
+    """Every layer kind with a latitude x longitude form, at sizes that split unevenly: 23 x 30 -> 12 x 15 -> ..."""
+
+    def __init__(self, c: int = 3) -> None:
+        super().__init__()
+        self.inc = nn.Sequential(nn.Conv2d(c, 6, 3, padding=1, padding_mode="circular"), nn.GroupNorm(2, 6), nn.GELU())
+        self.down = nn.Conv2d(6, 8, (3, 5), stride=2, padding=(1, 2))  # 23 x 30 -> 12 x 15
+        self.bn = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(3, 2, 1, ceil_mode=True)  # -> 6 x 8
+        self.mid = nn.Sequential(nn.Conv2d(8, 8, 3, padding="same", padding_mode="reflect"), nn.InstanceNorm2d(8),
+                                 nn.Conv2d(8, 8, 1))
+        self.avg = nn.AvgPool2d((2, 3), (1, 2), (1, 1), count_include_pad=False)  # -> 7 x 4
+        self.up = nn.Upsample(size=(12, 15), mode="bilinear")
+        self.tconv = nn.ConvTranspose2d(8, 6, 3, stride=2, padding=1, output_padding=(0, 1))  # -> 23 x 30
+        self.near = nn.Upsample(scale_factor=1, mode="nearest")
+        self.out = nn.Conv2d(12, c, 5, padding=2)
+
+    def forward(self, x):
+        a = self.inc(x)
+        b = self.pool(torch.relu(self.bn(self.down(a))))
+        b = self.up(self.avg(self.mid(b)))
+        b = self.near(self.tconv(b))
+        return self.out(torch.cat([a, b], dim=1))
+
+
+def _model_ranks(rank, world, shape, steps):
+    os.environ["TRITON_INTERPRET"] = "0"
+    import torch.distributed as dist
+
+    from halo.mesh import DomainMesh
+    from halo.nn import convert_to_domain_parallel
+    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.shard import gather_2d
+
+    mesh = DomainMesh(shape, periodic=(False, True))
+    torch.manual_seed(0)
+    ref = Net().double()
+    model = convert_to_domain_parallel(Net().double(), mesh=mesh)
+    model.load_state_dict(ref.state_dict())
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {"fwd": [], "xgrad": [], "pgrad": [], "loss": []}
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(10 + step)
+        full = torch.randn(2, 3, 23, 30, generator=gen, dtype=torch.float64)
+        target = torch.randn(2, 3, 23, 30, generator=gen, dtype=torch.float64)
+        xf = full.clone().requires_grad_(True)
+        yr = ref(xf)
+        loss_ref = ((yr - target) ** 2).mean()
+        opt_ref.zero_grad()
+        loss_ref.backward()
+        x = _block(full, mesh).clone().requires_grad_(True)
+        y = model(x)
+        loss = domain_mean((y - _block(target, mesh)) ** 2, group=mesh.domain_group)
+        opt.zero_grad()
+        loss.backward()
+        sync_domain_gradients(model, domain_group=mesh.domain_group, dp_group=None)
+        yf = gather_2d(y.detach(), mesh=mesh)
+        out["fwd"].append(float((yf - yr.detach()).abs().max()) if yf.shape == yr.shape else float("inf"))
+        out["loss"].append(abs(float(loss.detach()) - float(loss_ref.detach())))
+        out["xgrad"].append(float((x.grad - _block(xf.grad, mesh)).abs().max()))
+        out["pgrad"].append(max(float((p.grad - q.grad).abs().max())
+                                for p, q in zip(model.parameters(), ref.parameters(), strict=True)))
+        opt_ref.step()
+        opt.step()
+    out["params"] = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    out["buffers"] = max(float((b.double() - c.double()).abs().max())
+                         for b, c in zip(model.buffers(), ref.buffers(), strict=True))
+    out["keys"] = list(model.state_dict()) == list(ref.state_dict())
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3)])
+def test_converted_model_equals_unsharded(shape):
+    results = run_on_ranks(_model_ranks, shape[0] * shape[1], shape, 2, timeout=300)
+    for r in results:
+        assert r["keys"]
+        for key in ("fwd", "loss", "xgrad", "pgrad"):
+            assert max(r[key]) < TOL, (key, r[key])
+        assert r["params"] < TOL and r["buffers"] < TOL, (r["params"], r["buffers"])
+
+
+def _pole_reference(x, conv, boundary):
+    k, n, w = (1 if boundary == "pole" else 0), x.shape[-2], x.shape[-1]
+    p = conv.padding[0]
+    north = x.narrow(-2, k, p).flip(-2).roll(w // 2, -1)
+    south = x.narrow(-2, n - k - p, p).flip(-2).roll(w // 2, -1)
+    xp = F.pad(torch.cat([north, x, south], dim=-2), (conv.padding[1], conv.padding[1], 0, 0), mode="circular")
+    return F.conv2d(xp, conv.weight, conv.bias, conv.stride, 0, conv.dilation)
+
+
+def _layer_ranks(rank, world, shape):
+    os.environ["TRITON_INTERPRET"] = "0"
+    import torch.distributed as dist
+
+    from halo.mesh import DomainMesh
+    from halo.nn import HaloConv2d, HaloMaxPool2d, HaloUpsample
+
+    mesh = DomainMesh(shape, periodic=(False, True))
+    out = {}
+
+    def compare(name, fn_ref, layer, full, params=()):
+        xf = full.clone().requires_grad_(True)
+        yr = fn_ref(xf)
+        g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        for p in params:
+            p.grad = None
+        (yr * g).sum().backward()
+        pref = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        x = _block(full, mesh).clone().requires_grad_(True)
+        y = layer(x)
+        (y * _block(g, mesh)).sum().backward()
+        pg = [p.grad.clone() for p in params]
+        for t in pg:
+            dist.all_reduce(t, group=mesh.domain_group)
+        want = _block(yr.detach(), mesh)
+        out[name] = max([float((y - want).abs().max()) if y.shape == want.shape else float("inf"),
+                         float((x.grad - _block(xf.grad, mesh)).abs().max())]
+                        + [float((a - b).abs().max()) for a, b in zip(pg, pref, strict=True)])
+
+    full = torch.randn(2, 3, 21, 26, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for boundary in ("pole", "pole_centered"):
+        for k, dil in ((3, 1), (5, 1), (3, 2)):
+            conv = nn.Conv2d(3, 4, k, padding=dil * (k // 2), dilation=dil, padding_mode="circular").double()
+            compare(f"{boundary} k{k} d{dil}", lambda t, c=conv, b=boundary: _pole_reference(t, c, b),
+                    HaloConv2d(conv, boundary=boundary, mesh=mesh), full, list(conv.parameters()))
+    pool = nn.MaxPool2d((3, 2), (2, 3), (1, 1), return_indices=True, ceil_mode=True)
+    yr, ir = pool(full)
+    y, i = HaloMaxPool2d(pool, mesh=mesh)(_block(full, mesh))
+    out["maxpool indices"] = float(torch.equal(y, _block(yr, mesh)) and torch.equal(i, _block(ir, mesh))) - 1.0
+    for kw in (dict(scale_factor=2, mode="nearest"), dict(size=(40, 11), mode="nearest"),
+               dict(size=(31, 40), mode="nearest-exact"), dict(scale_factor=(1.7, 0.6), mode="bilinear"),
+               dict(scale_factor=2, mode="bilinear", align_corners=True), dict(size=(30, 29), mode="bicubic"),
+               dict(size=(9, 12), mode="area")):
+        up = nn.Upsample(**kw)
+        compare(f"upsample {kw}", up, HaloUpsample(up, mesh=mesh), full)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3), (3, 1), (1, 3)])
+def test_layers_on_mesh(shape):
+    results = run_on_ranks(_layer_ranks, shape[0] * shape[1], shape, timeout=300)
+    for r in results:
+        for name, err in r.items():
+            assert (err == 0.0) if name == "maxpool indices" else (err <= TOL), (name, err)
+
+
+def _refusal_ranks(rank, world, layer):
+    os.environ["TRITON_INTERPRET"] = "0"
+    from halo.mesh import DomainMesh
+    from halo.nn import convert_to_domain_parallel
+
+    mesh = DomainMesh((2, 2))
+    try:
+        convert_to_domain_parallel(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), layer), mesh=mesh)
+    except ValueError as e:
+        return str(e)
+    return "converted"
+
+
+@pytest.mark.parametrize("layer, words", [
+    (nn.Linear(30, 30), "mixes the sharded W"),
+    (nn.Dropout(0.1), "no latitude x longitude form"),
+    (nn.AdaptiveAvgPool2d(1), "no latitude x longitude form"),
+    (nn.PixelShuffle(2), "no latitude x longitude form"),
+    (nn.Upsample(scale_factor=2, mode="trilinear"), "no latitude x longitude form"),
+])
+def test_layers_without_a_2d_form_are_refused(layer, words):
+    results = run_on_ranks(_refusal_ranks, 4, layer, timeout=120)
+    assert len(set(results)) == 1, results  # the same on every rank
+    assert words in results[0] and "1 (" in results[0], results[0]
