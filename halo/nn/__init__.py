@@ -18,6 +18,16 @@ from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d, HaloAvgPool2d, H
 from .shuffle import HaloPixelShuffle, HaloPixelUnshuffle
 from .softmax import DomainLogSoftmax, DomainSoftmax
 from .upsample import HaloUpsample, halo_interpolate
+from .window import (
+    HaloPatchEmbed,
+    HaloPatchMerging,
+    HaloSwinTransformerBlock,
+    HaloWindowAttention,
+    halo_roll,
+    window_attention_mask,
+    window_partition,
+    window_reverse,
+)
 
 __all__ = [
     "DomainAlphaDropout",
@@ -44,14 +54,22 @@ __all__ = [
     "HaloConvTranspose3d",
     "HaloMaxPool2d",
     "HaloPad2d",
+    "HaloPatchEmbed",
+    "HaloPatchMerging",
     "HaloPixelShuffle",
     "HaloPixelUnshuffle",
+    "HaloSwinTransformerBlock",
     "HaloUpsample",
+    "HaloWindowAttention",
     "convert_to_domain_parallel",
     "halo_interpolate",
     "halo_pad",
+    "halo_roll",
     "neighborhood_attention",
     "neighborhood_attention_reference",
     "pad_like",
     "revert_domain_parallel",
+    "window_attention_mask",
+    "window_partition",
+    "window_reverse",
 ]

@@ -197,7 +197,9 @@ def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Modu
         from .neighborhood import DomainNeighborhoodAttention2D
 
         return lambda m, ctx: DomainNeighborhoodAttention2D(m, group=ctx.group)
-    return None
+    from .window import swin_adapter  # timm's SwinTransformerBlock, PatchMerging (v1), PatchEmbed
+
+    return swin_adapter(module)
 
 
 def convert_to_domain_parallel(
