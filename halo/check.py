@@ -115,7 +115,7 @@ def _compare(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> M
 def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.Tensor, *,
                       manager: Any | None = None, dtype: torch.dtype = torch.float64, rtol: float = 1e-9,
                       convert_kwargs: dict[str, Any] | None = None, reference: nn.Module | None = None,
-                      seed: int = 0, raise_on_failure: bool = False) -> EquivalenceReport:
+                      seed: int = 0, raise_on_failure: bool = False, mesh: Any | None = None) -> EquivalenceReport:
     """Run ``model`` unsharded and converted (sharded along H over the domain group) on ``sample``; compare every
     module's output, the input gradient and the parameter gradients (module docstring).
 
@@ -130,22 +130,36 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
             do not have, such as ``"pole"``, written out by hand); modules are matched by name, those only one
             side has are skipped. Its parameters are set from ``model``'s state dict where the names agree.
         raise_on_failure: raise ``AssertionError`` with the report instead of returning a failed one.
+        mesh: a latitude x longitude ``halo.DomainMesh((ph, pw))`` instead of a manager: the sample is split into
+            blocks (``shard_2d``), the model converted with ``mesh=``, outputs gathered with ``gather_2d``.
 
     Every rank gets the same report (the comparisons use gathered tensors).
     """
     from .comm import all_reduce as bounded_all_reduce
     from .comm import comm_group, unsharded
-    from .mesh import get_domain_parallel_manager
+    from .mesh import get_domain_parallel_manager, mesh_2d
     from .nn import convert_to_domain_parallel
-    from .shard import gather, shard
+    from .shard import gather, gather_2d, shard, shard_2d
 
-    manager = manager if manager is not None else get_domain_parallel_manager()
-    if manager is None:
-        raise RuntimeError("check_equivalence needs a manager: call halo.initialize_domain_parallel first")
+    if mesh is not None:
+        if mesh_2d(mesh) is None:
+            raise ValueError(f"check_equivalence: mesh= takes a DomainMesh with two domain axes, got {mesh!r}")
+        manager = None
+    else:
+        manager = manager if manager is not None else get_domain_parallel_manager()
+        if manager is None:
+            raise RuntimeError("check_equivalence needs a manager: call halo.initialize_domain_parallel first")
     if not isinstance(sample, torch.Tensor) or sample.dim() < 2:
         raise ValueError(f"check_equivalence: sample must be the whole field (B, C, H, W), got "
                          f"{getattr(sample, 'shape', type(sample))}")
-    group = manager.domain_group
+    group = manager.domain_group if mesh is None else mesh.domain_group
+    ranks = manager.domain_world_size if mesh is None else mesh.domain_size
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return shard(t, dim=-2, group=group) if mesh is None else shard_2d(t, mesh=mesh)
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return gather(t, dim=-2, group=group) if mesh is None else gather_2d(t, mesh=mesh)
 
     def build() -> nn.Module:
         m = model() if callable(model) and not isinstance(model, nn.Module) else copy.deepcopy(model)
@@ -163,7 +177,10 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         ref.load_state_dict(par.state_dict())
     else:
         ref = copy.deepcopy(reference).to(dtype).train()
-    convert_to_domain_parallel(par, manager, **(convert_kwargs or {}))
+    if mesh is None:
+        convert_to_domain_parallel(par, manager, **(convert_kwargs or {}))
+    else:
+        convert_to_domain_parallel(par, mesh=mesh, **(convert_kwargs or {}))
     par_names = {id(m): n or "(model)" for n, m in par.named_modules()}
     both = set(par_names.values())
     names = {id(m): n or "(model)" for n, m in ref.named_modules() if (n or "(model)") in both}
@@ -188,15 +205,15 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
 
     par_log: list[tuple[str, Any]] = []
     handles = _record(par, par_names, par_log)
-    xp = shard(x_full, dim=-2, group=group).detach().requires_grad_(True)
+    xp = split(x_full).detach().requires_grad_(True)
     try:
         out_par = par(xp)
     finally:
         for h in handles:
             h.remove()
-    (out_par * shard(wts, dim=-2, group=group)).sum().backward()
+    (out_par * split(wts)).sum().backward()
 
-    report = EquivalenceReport(dtype=str(dtype).removeprefix("torch."), ranks=manager.domain_world_size, rtol=rtol)
+    report = EquivalenceReport(dtype=str(dtype).removeprefix("torch."), ranks=ranks, rtol=rtol)
     from .plans import whole_source
 
     seen: dict[str, int] = {}
@@ -217,12 +234,12 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
                 continue
             what = label + (f" [{i}]" if i else "")
             if w.dim() >= 2 and whole_source(g) is None:
-                g = _gather(g, group, gather)
+                g = _gather(g, whole)
                 if g is None:
                     report.checks.append(Mismatch(what, float("inf"), 0.0, 0.0, "could not be gathered along H"))
                     continue
             report.checks.append(_compare(what, g, w, rtol))
-    report.checks.append(_compare("input gradient", gather(xp.grad, dim=-2, group=group), xr.grad, rtol))
+    report.checks.append(_compare("input gradient", whole(xp.grad), xr.grad, rtol))
     ref_params = dict(ref.named_parameters())
     if reference is not None:  # parameters match by name or by order (a reference that wraps the layers)
         ref_params = {n: p for (n, _), p in zip(par.named_parameters(), ref.parameters(), strict=False)} \
@@ -232,7 +249,7 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         if want is None or want.grad is None:
             continue
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        if dist.is_initialized() and manager.domain_world_size > 1:  # each rank holds its rows' share
+        if dist.is_initialized() and ranks > 1:  # each rank holds its rows' share
             bounded_all_reduce(g, comm_group(group), "check_equivalence (parameter gradients)")
         report.checks.append(_compare(f"gradient of {name}", g, want.grad, rtol))
     if raise_on_failure and not report.ok:
@@ -240,9 +257,9 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
     return report
 
 
-def _gather(t: torch.Tensor, group: Any, gather: Callable) -> torch.Tensor | None:
+def _gather(t: torch.Tensor, whole: Callable) -> torch.Tensor | None:
     try:
-        return gather(t.contiguous(), dim=-2, group=group)
+        return whole(t.contiguous())
     except (ValueError, RuntimeError):
         return None
 

@@ -26,6 +26,16 @@ def _grid(text: str) -> tuple[int, int]:
     return h, w
 
 
+def _mesh(text: str) -> tuple[int, int]:
+    try:
+        ph, pw = (int(v) for v in text.lower().split("x"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"mesh must be PHxPW, e.g. 2x2, got {text!r}") from exc
+    if ph < 1 or pw < 1:
+        raise argparse.ArgumentTypeError(f"mesh sizes must be positive, got {text!r}")
+    return ph, pw
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halo", description="halo: exact domain parallelism for weather models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="halo_demo_out", help="folder for the PNG (default ./halo_demo_out)")
     demo.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl under torchrun "
                       "with GPUs, else gloo")
+    demo.add_argument("--mesh", type=_mesh, default=None, help="PHxPW: shard latitude over PH ranks and longitude "
+                      "over PW (a latitude x longitude mesh of PH*PW ranks; overrides --nproc)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
     demo.add_argument("--data", default=None, help="a netCDF/HDF5/zarr file (time, [level,] lat, lon): each rank "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import struct
 import time
 import zlib
@@ -218,9 +219,10 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
     from .bench import gather_times, median
     from .check import check_equivalence
     from .launch import rank_device
+    from .mesh import DomainMesh
     from .nn.convert import convert_to_domain_parallel
     from .reduce import latitude_weighted_mse, sync_domain_gradients
-    from .shard import gather, shard
+    from .shard import gather, gather_2d, shard, shard_2d
 
     def say(msg: str) -> None:
         if rank == 0:
@@ -229,15 +231,25 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
     device, dtype = rank_device(opts["backend"]), getattr(torch, opts["dtype"])
     h, w = opts["grid"]
     boundary = pole_boundary(h)
-    manager = initialize_domain_parallel(world, world)
-    group = manager.domain_group
+    if opts.get("mesh"):  # latitude x longitude blocks; longitude periodic, the poles rolled across the W ranks
+        manager, mesh = None, DomainMesh(opts["mesh"], periodic=(False, True))
+        group = mesh.domain_group
+        split, whole = (lambda t: shard_2d(t, mesh=mesh)), (lambda t: gather_2d(t, mesh=mesh))
+        on = {"mesh": mesh}
+    else:  # latitude rows
+        manager, mesh = initialize_domain_parallel(world, world), None
+        group = manager.domain_group
+        split, whole = (lambda t: shard(t, dim=-2)), (lambda t: gather(t, dim=-2))
+        on = {}
+    layout = f"a {opts['mesh'][0]}x{opts['mesh'][1]} latitude x longitude mesh" if mesh else "latitude rows"
 
-    say(f"building field {h}x{w}, {opts['channels']} channels, on {world} ranks ({opts['backend']}, {device})")
+    say(f"building field {h}x{w}, {opts['channels']} channels, on {world} ranks, {layout} ({opts['backend']}, "
+        f"{device})")
     field = make_field(h, w, opts["channels"], opts["seed"]).to(device, dtype)
     target = field.roll(max(1, w // 72), dims=-1)  # the field advected 5 degrees east
     lat = latitudes(h).to(device)
-    x_local = shard(field, dim=-2).detach().requires_grad_(True)  # this rank's latitude rows
-    y_local = shard(target, dim=-2)
+    x_local = split(field).detach().requires_grad_(True)  # this rank's latitude rows (and longitudes)
+    y_local = split(target)
 
     torch.manual_seed(opts["seed"])
     net = DemoNet(opts["channels"], opts["hidden"], (h, w)).to(device, dtype)
@@ -246,27 +258,30 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
     # module, forward and backward (float64, so any difference is a bug and not rounding)?
     say("halo.check_equivalence (every module's output and the gradients, float64)...")
     report = check_equivalence(net, field, reference=reference_model(net, boundary),
-                               convert_kwargs={"boundary": boundary})
+                               convert_kwargs={"boundary": boundary}, **on)
     for line in str(report).splitlines():
         say(line)
     if not report.ok:
         raise RuntimeError(f"halo demo: the converted model differs from the unsharded one:\n{report}")
 
-    model = convert_to_domain_parallel(copy.deepcopy(net), manager, boundary=boundary)
+    model = convert_to_domain_parallel(copy.deepcopy(net), manager, boundary=boundary, **on)
 
     def sharded_step() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         x_local.grad = None
         out = model(x_local)
-        loss = latitude_weighted_mse(out, y_local)
+        loss = latitude_weighted_mse(out, y_local, **on)
         loss.backward()
-        sync_domain_gradients(model, manager)
+        if mesh is None:
+            sync_domain_gradients(model, manager)
+        else:
+            sync_domain_gradients(model, domain_group=group, dp_group=None)
         return out
 
     say("sharded step (checked against the unsharded model)...")
     out_local = sharded_step()
-    out_full = gather(out_local.detach(), dim=-2)
-    grad_x_full = gather(x_local.grad, dim=-2)
+    out_full = whole(out_local.detach())
+    grad_x_full = whole(x_local.grad)
     grads = [p.grad.detach().clone() for p in model.parameters()]
 
     times: list[float] = []
@@ -311,7 +326,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
             "step_sharded": median(step_max), "step_unsharded": median(ref_times[1:]),
             "traffic": traffic_all,
             "n_params": sum(p.numel() for p in net.parameters()),
-            "offsets": split_offsets(h, world),
+            "offsets": split_offsets(h, opts["mesh"][0] if mesh else world), "mesh": opts.get("mesh"),
+            "col_offsets": split_offsets(w, opts["mesh"][1]) if mesh else [0, w],
             "lat": lat.cpu().numpy(), "field": field[0, 0].float().cpu().numpy(),
             "output": out_full[0, 0].float().cpu().numpy(),
             "diff": (out_full[0, 0] - ref_out[0, 0].detach()).abs().float().cpu().numpy(),
@@ -323,7 +339,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
 def print_report(res: dict) -> bool:
     """Print the result table; True if every error is within tolerance."""
     h, w = res["grid"]
-    print(f"\nhalo demo: {h}x{w} grid, {res['dtype']}, {res['boundary']} boundary, {res['world']} ranks "
+    layout = f" as a {res['mesh'][0]}x{res['mesh'][1]} latitude x longitude mesh" if res.get("mesh") else ""
+    print(f"\nhalo demo: {h}x{w} grid, {res['dtype']}, {res['boundary']} boundary, {res['world']} ranks{layout} "
           f"({res['backend']}, {res['device']}), model of {res['n_params']} parameters")
     yard = res["yardstick"]
     head = f"{'check (sharded vs unsharded)':<30}{'max error':>12}{'max |ref|':>12}{'relative':>12}"
@@ -412,6 +429,8 @@ def write_png(res: dict, path: Path) -> Path:
         fig.colorbar(im, ax=ax, shrink=0.8)
     for row in offs:
         axes[0].axhline(float(lat[row - 1] + lat[row]) / 2, color="k", lw=1.2, ls="--")
+    for col in res.get("col_offsets", [0, 0])[1:-1]:
+        axes[0].axvline(360.0 * col / field.shape[1], color="k", lw=1.2, ls="--")
     fig.suptitle(f"halo demo: {res['grid'][0]}x{res['grid'][1]} grid, {res['world']} ranks, {res['dtype']}")
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -424,9 +443,22 @@ def run_demo(args: argparse.Namespace) -> int:
     from .launch import is_printer, launch, under_torchrun
 
     opts = {k: getattr(args, k) for k in ("grid", "channels", "hidden", "steps", "dtype", "seed", "backend")}
+    opts["mesh"] = getattr(args, "mesh", None)
     if args.hidden < 1 or args.channels < 1 or args.steps < 1 or args.nproc < 1:
         raise SystemExit("halo demo: --hidden, --channels, --steps and --nproc must be positive")
-    if args.nproc > args.grid[0] // 4 and not under_torchrun():
+    if opts["mesh"]:
+        ph, pw = opts["mesh"]
+        if ph < 1 or pw < 1:
+            raise SystemExit(f"halo demo: --mesh needs positive sizes, got {ph}x{pw}")
+        if ph > args.grid[0] // 4 or pw > args.grid[1] // 4:
+            raise SystemExit(f"halo demo: a {args.grid[0]}x{args.grid[1]} grid is too small for a {ph}x{pw} mesh "
+                             f"(the stride-2 level needs >= 2 rows and columns per rank); use a larger --grid")
+        if under_torchrun():
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            if world != ph * pw:
+                raise SystemExit(f"halo demo: --mesh {ph}x{pw} needs {ph * pw} ranks, torchrun started {world}")
+        args.nproc = ph * pw
+    elif args.nproc > args.grid[0] // 4 and not under_torchrun():
         raise SystemExit(f"halo demo: {args.grid[0]} rows are too few for {args.nproc} ranks "
                          f"(the stride-2 level needs >= 2 rows per rank); use a larger --grid")
     started = time.perf_counter()

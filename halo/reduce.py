@@ -46,9 +46,9 @@ from torch import nn
 
 from .comm import CommGroup, all_gather_object, comm_group, gather_words
 from .comm import all_reduce as bounded_all_reduce
-from .mesh import DomainParallelManager, get_domain_parallel_manager
+from .mesh import DomainParallelManager, get_domain_parallel_manager, mesh_2d
 from .partition import local_range
-from .plans import shard_sizes
+from .plans import resolve, shard_sizes
 
 __all__ = [
     "accumulation_dtype",
@@ -153,7 +153,7 @@ class _ReplicatedSumFn(torch.autograd.Function):
         return buf.to(ctx.dtype).view(ctx.shape), None, None
 
 
-def _dims(x: torch.Tensor, dim: int | Sequence[int] | None, op: str) -> tuple[int, ...]:
+def _dims(x: torch.Tensor, dim: int | Sequence[int] | None, op: str, w_sharded: bool = False) -> tuple[int, ...]:
     if dim is None:  # everything: any shape, the shards need not even agree
         return tuple(range(x.dim()))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
@@ -164,15 +164,22 @@ def _dims(x: torch.Tensor, dim: int | Sequence[int] | None, op: str) -> tuple[in
     if x.dim() < 2 or x.dim() - 2 not in dims:  # kept rows would mix different rows of the ranks
         raise ValueError(f"{op}: dim={dim} must include the sharded latitude dim -2 (a domain reduction); "
                          f"got a {x.dim()}-d tensor")
+    if w_sharded and x.dim() - 1 not in dims:  # kept columns would mix different columns of the ranks
+        raise ValueError(f"{op}: dim={dim} must include the sharded longitude dim -1 too on a latitude x "
+                         f"longitude mesh")
     return dims
 
 
 def _reduce(x: torch.Tensor, dim, keepdim: bool, group: Any | None, mean: bool, op: str,
-            validated: bool = False) -> torch.Tensor:
+            validated: bool = False, mesh: Any | None = None) -> torch.Tensor:
+    if mesh is not None:
+        group = mesh.domain_group
+        if dim is not None and not validated:
+            _mesh_rows(x, mesh, op)  # kept dims must agree on every rank, else all raise
     info = comm_group(group)
-    if dim is not None and info.size > 1 and not validated:
+    if dim is not None and info.size > 1 and not validated and mesh is None:
         shard_sizes(x, -2, info.group, op=op)  # kept dims must agree on every rank, else all raise
-    dims = _dims(x, dim, op)
+    dims = _dims(x, dim, op, mesh is not None)
     acc = accumulation_dtype(x.dtype)
     local = x.sum(dim=dims, keepdim=keepdim, dtype=acc)
     count = math.prod(x.shape[d] for d in dims)
@@ -182,20 +189,44 @@ def _reduce(x: torch.Tensor, dim, keepdim: bool, group: Any | None, mean: bool, 
 
 
 def domain_sum(x: torch.Tensor, group: Any | None = None, *, dim: int | Sequence[int] | None = None,
-               keepdim: bool = False) -> torch.Tensor:
+               keepdim: bool = False, mesh: Any | None = None) -> torch.Tensor:
     """Sum of the global field whose shard is ``x``, replicated on every rank of ``group`` (counted once).
 
     ``dim``: reduce only these dims (they must include the sharded dim -2; the others, kept, must agree on every
     rank and are checked): e.g. ``dim=(0, 2, 3)`` gives per-channel sums. Default: everything, a scalar.
+    ``mesh``: a latitude x longitude ``DomainMesh`` (``x`` a block; ``dim`` must then include -1 too).
     """
-    return _reduce(x, dim, keepdim, group, False, "domain_sum")
+    return _reduce(x, dim, keepdim, group, False, "domain_sum", mesh=_mesh_arg(mesh, "domain_sum"))
 
 
 def domain_mean(x: torch.Tensor, group: Any | None = None, *, dim: int | Sequence[int] | None = None,
-                keepdim: bool = False) -> torch.Tensor:
+                keepdim: bool = False, mesh: Any | None = None) -> torch.Tensor:
     """Mean of the global field: local sum, all-reduce, divided by the *global* element count (uneven shards
-    weigh by their size). Replicated on every rank, counted once in backward. ``dim`` as in :func:`domain_sum`."""
-    return _reduce(x, dim, keepdim, group, True, "domain_mean")
+    weigh by their size). Replicated on every rank, counted once in backward. ``dim``, ``mesh`` as in
+    :func:`domain_sum`."""
+    return _reduce(x, dim, keepdim, group, True, "domain_mean", mesh=_mesh_arg(mesh, "domain_mean"))
+
+
+def _mesh_arg(mesh: Any | None, op: str) -> Any | None:
+    if mesh is None:
+        return None
+    if mesh_2d(mesh) is None:
+        raise ValueError(f"{op}: mesh= takes a DomainMesh with two domain axes (latitude x longitude), got {mesh!r}; "
+                         f"for latitude only pass group=")
+    return mesh
+
+
+def _rows_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], width: int) -> tuple[int, int, int]:
+    sizes_h = extents[0]
+    h = cg.index // width
+    return sum(sizes_h), sum(sizes_h[:h]), sizes_h[h]
+
+
+def _mesh_rows(x: torch.Tensor, mesh: Any, op: str) -> tuple[int, int, int]:
+    """``(global latitude rows, this rank's first row, its rows)`` of a block on a latitude x longitude mesh."""
+    shape = tuple(mesh.domain_shape)
+    coords = tuple(divmod(i, shape[1]) for i in range(shape[0] * shape[1]))
+    return resolve(x, mesh.domain_group, op, _rows_2d, (shape[1],), spec=((-2,), (-1,)), coords=coords)
 
 
 # -- latitude weights ------------------------------------------------------------------------------------------
@@ -286,7 +317,7 @@ def local_latitude_weights(n_lat: int, group: Any | None = None, **kwargs: Any) 
 
 
 def latitude_weighted_mean(x: torch.Tensor, group: Any | None = None, *, dim: int | Sequence[int] | None = None,
-                           keepdim: bool = False, weights: torch.Tensor | None = None,
+                           keepdim: bool = False, weights: torch.Tensor | None = None, mesh: Any | None = None,
                            **weight_kwargs: Any) -> torch.Tensor:
     """Mean over the global field of ``w(lat) * x``, replicated on every rank (counted once in backward).
 
@@ -294,19 +325,25 @@ def latitude_weighted_mean(x: torch.Tensor, group: Any | None = None, *, dim: in
     ranks once per epoch: ``halo.plans``). ``weights``: the global per-row weights (length H; a tensor on ``x``'s
     device costs no copy per call); default :func:`latitude_weights` of the global H with ``weight_kwargs``
     (``poles_included``, ``lat_range``, ``latitudes``, ``method``), made once per grid and device. ``dim`` as in
-    :func:`domain_sum`.
+    :func:`domain_sum`. ``mesh``: a latitude x longitude ``DomainMesh`` (``x`` a block of it).
     """
-    return _latitude_weighted(x, x, group, dim, keepdim, weights, weight_kwargs, "latitude_weighted_mean")
+    return _latitude_weighted(x, x, group, dim, keepdim, weights, weight_kwargs, "latitude_weighted_mean",
+                              _mesh_arg(mesh, "latitude_weighted_mean"))
 
 
 def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None, dim: Any, keepdim: bool,
-                       weights: torch.Tensor | None, weight_kwargs: dict, op: str) -> torch.Tensor:
+                       weights: torch.Tensor | None, weight_kwargs: dict, op: str, mesh: Any | None = None
+                       ) -> torch.Tensor:
     """The weighted mean of ``values``, whose rows are those of the shard ``x`` (its extents name the rows)."""
-    info = comm_group(group)
     if x.dim() < 2:
         raise ValueError(f"{op}: x must be (..., H, W), got shape {tuple(x.shape)}")
-    sizes = shard_sizes(x, -2, info.group, op=op)
-    n_lat, start = sum(sizes), sum(sizes[:info.index])
+    if mesh is not None:
+        info = comm_group(mesh.domain_group)
+        n_lat, start, rows = _mesh_rows(x, mesh, op)
+    else:
+        info = comm_group(group)
+        sizes = shard_sizes(x, -2, info.group, op=op)
+        n_lat, start, rows = sum(sizes), sum(sizes[:info.index]), sizes[info.index]
     acc = accumulation_dtype(values.dtype)
     if weights is not None:
         if weight_kwargs:
@@ -322,8 +359,8 @@ def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None,
         weights = latitude_weights(n_lat, **weight_kwargs)
     if weights.dim() != 1 or weights.numel() != n_lat:
         raise ValueError(f"weights must be one per global latitude row ({n_lat}), got shape {tuple(weights.shape)}")
-    w = weights.narrow(0, start, sizes[info.index]).to(device=values.device, dtype=acc).unsqueeze(-1)
-    return _reduce(values.to(acc) * w, dim, keepdim, info.group, True, op, validated=True)
+    w = weights.narrow(0, start, rows).to(device=values.device, dtype=acc).unsqueeze(-1)
+    return _reduce(values.to(acc) * w, dim, keepdim, info.group, True, op, validated=True, mesh=mesh)
 
 
 def latitude_weighted_mse(pred: torch.Tensor, target: torch.Tensor, group: Any | None = None,
@@ -335,7 +372,8 @@ def latitude_weighted_mse(pred: torch.Tensor, target: torch.Tensor, group: Any |
     acc = accumulation_dtype(torch.promote_types(pred.dtype, target.dtype))
     err = (pred.to(acc) - target.to(acc)).square()
     dim, keepdim, weights = kwargs.pop("dim", None), kwargs.pop("keepdim", False), kwargs.pop("weights", None)
-    return _latitude_weighted(pred, err, group, dim, keepdim, weights, kwargs, "latitude_weighted_mse")
+    mesh = _mesh_arg(kwargs.pop("mesh", None), "latitude_weighted_mse")
+    return _latitude_weighted(pred, err, group, dim, keepdim, weights, kwargs, "latitude_weighted_mse", mesh)
 
 
 # -- gradients ------------------------------------------------------------------------------------------------

@@ -35,6 +35,16 @@ def test_demo_small_grid_two_ranks(tmp_path):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", log
 
 
+def test_demo_on_a_latitude_longitude_mesh(tmp_path):
+    out = tmp_path / "demo2d"
+    proc = _run(["demo", "--grid", "37x72", "--mesh", "2x2", "--steps", "1", "--dtype", "float64",
+                 "--out", str(out)], tmp_path, timeout=90)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    assert "4 ranks as a 2x2 latitude x longitude mesh" in proc.stdout, log
+    assert "within tolerance" in proc.stdout and "OK: every module's output" in proc.stdout, log
+
+
 def test_bench_quick_writes_csvs(tmp_path):
     out = tmp_path / "bench"
     proc = _run(["bench", "--quick", "--nproc", "2", "--only", "bandwidth,conv,scaling", "--out", str(out)],
@@ -68,7 +78,9 @@ def test_png_writer_without_matplotlib(tmp_path):
     assert len(zlib.decompress(data[idat + 4:idat + 4 + length])) == 4 * (1 + 15)
 
 
-@pytest.mark.parametrize("argv", [["demo", "--grid", "10x"], ["demo", "--grid", "37x71"], ["bench", "--only", "x"]])
+@pytest.mark.parametrize("argv", [["demo", "--grid", "10x"], ["demo", "--grid", "37x71"], ["bench", "--only", "x"],
+                                  ["demo", "--mesh", "2x0"], ["demo", "--mesh", "2"],
+                                  ["demo", "--grid", "37x72", "--mesh", "10x2"]])
 def test_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)

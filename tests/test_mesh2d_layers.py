@@ -200,3 +200,47 @@ def test_layers_without_a_2d_form_are_refused(layer, words):
     results = run_on_ranks(_refusal_ranks, 4, layer, timeout=120)
     assert len(set(results)) == 1, results  # the same on every rank
     assert words in results[0] and "1 (" in results[0], results[0]
+
+
+def _loss_ranks(rank, world, shape):
+    os.environ["TRITON_INTERPRET"] = "0"
+    from halo.comm import unsharded
+    from halo.mesh import DomainMesh
+    from halo.reduce import domain_mean, domain_sum, latitude_weighted_mean, latitude_weighted_mse
+
+    mesh = DomainMesh(shape)
+    gen = torch.Generator().manual_seed(5)
+    pred = torch.randn(2, 3, 21, 26, generator=gen, dtype=torch.float64)
+    target = torch.randn(2, 3, 21, 26, generator=gen, dtype=torch.float64)
+    out = {}
+    for name, fn in (("mse", lambda p, t, **kw: latitude_weighted_mse(p, t, **kw)),
+                     ("wmean per channel", lambda p, t, **kw: latitude_weighted_mean(p * t, dim=(0, 2, 3), **kw)),
+                     ("mean", lambda p, t, **kw: domain_mean((p - t) ** 3, **kw)),
+                     ("sum per sample", lambda p, t, **kw: domain_sum(p * t, dim=(1, 2, 3), **kw))):
+        pf = pred.clone().requires_grad_(True)
+        if name.startswith(("mse", "wmean")):
+            with unsharded():  # halo's own function on this process's whole field: the reference
+                want = fn(pf, target)
+        else:  # plain reductions: the torch op itself
+            want = ((pf - target) ** 3).mean() if name == "mean" else (pf * target).sum(dim=(1, 2, 3))
+        want.sum().backward()
+        p = _block(pred, mesh).clone().requires_grad_(True)
+        got = fn(p, _block(target, mesh), mesh=mesh)
+        got.sum().backward()
+        out[name] = max(float((got - want).abs().max()), float((p.grad - _block(pf.grad, mesh)).abs().max()))
+    try:  # a reduction that keeps W would mix different longitudes of the ranks
+        domain_sum(_block(pred, mesh), dim=(0, 2), mesh=mesh)
+        out["keeps W"] = "no error"
+    except ValueError as e:
+        out["keeps W"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3, 2)])
+def test_losses_on_mesh(shape):
+    """Latitude weights come from the rank's global rows on the H axis, reductions run over the whole domain."""
+    results = run_on_ranks(_loss_ranks, shape[0] * shape[1], shape, timeout=120)
+    for r in results:
+        assert "must include the sharded longitude dim -1" in r.pop("keeps W")
+        for name, err in r.items():
+            assert err <= TOL, (name, err)
