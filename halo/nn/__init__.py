@@ -11,6 +11,7 @@ from .dropout import (
     DomainDropPath,
     DomainFeatureAlphaDropout,
 )
+from .longrange import DomainCrossFormerAttention, regroup
 from .neighborhood import DomainNeighborhoodAttention2D, neighborhood_attention, neighborhood_attention_reference
 from .norm import DomainBatchNorm2d, DomainBatchNormAct2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
 from .pad import HaloPad2d, halo_pad, pad_like
@@ -33,6 +34,7 @@ __all__ = [
     "DomainAlphaDropout",
     "DomainBatchNorm2d",
     "DomainBatchNormAct2d",
+    "DomainCrossFormerAttention",
     "DomainDropPath",
     "DomainDropout",
     "DomainDropout1d",
@@ -68,6 +70,7 @@ __all__ = [
     "neighborhood_attention",
     "neighborhood_attention_reference",
     "pad_like",
+    "regroup",
     "revert_domain_parallel",
     "window_attention_mask",
     "window_partition",

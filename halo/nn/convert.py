@@ -197,6 +197,17 @@ def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Modu
         from .neighborhood import DomainNeighborhoodAttention2D
 
         return lambda m, ctx: DomainNeighborhoodAttention2D(m, group=ctx.group)
+    if kind.__module__ == "credit.models.crossformer":  # NCAR CREDIT's CrossFormer / WXFormer
+        if kind.__name__ == "Attention" and all(hasattr(module, a) for a in (
+                "attn_type", "window_size", "heads", "scale", "norm", "to_qkv", "to_out", "dpb", "rel_pos_indices")):
+            from .longrange import DomainCrossFormerAttention
+
+            return lambda m, ctx: DomainCrossFormerAttention(m, group=ctx.group)
+        if kind.__name__ == "LayerNorm" and set(module._parameters) == {"g", "b"} \
+                and tuple(module.g.shape[2:]) == (1, 1):  # over channels (dim 1): pointwise in latitude
+            return lambda m, ctx: m
+        if kind.__name__ == "DynamicPositionBias" and hasattr(module, "layers"):  # an MLP of relative positions
+            return lambda m, ctx: m
     from .window import swin_adapter  # timm's SwinTransformerBlock, PatchMerging (v1), PatchEmbed
 
     return swin_adapter(module)

@@ -1,0 +1,338 @@
+"""Long-range attention on H-shards: regroup the rows across ranks (an all-to-all), attend locally, regroup back.
+
+Attention whose token groups span the whole latitude range cannot run on a shard: CrossFormer's *long-distance*
+attention (NCAR CREDIT's WXFormer, ``credit.models.crossformer.Attention(attn_type="long")``) groups the tokens
+that lie ``H / window`` rows apart, ``"b d (l1 h) (l2 w) -> (b h w) d l1 l2"`` with ``l1 = l2 = window``: group
+``(h, w)`` takes rows ``h, h + H/window, h + 2H/window, ...``, one from every part of the field. Axial attention
+over H needs whole columns. Both become local after a *regroup*: a permutation of the global rows along the
+sharded dim, from the balanced split of the rows to a split in which every rank holds whole groups.
+
+``regroup(x, plan)`` is that permutation as an autograd Function. Forward: each rank packs the rows each peer
+gets into one contiguous buffer (one ``index_select``), the ranks exchange them with ``batch_isend_irecv``
+(gloo has no ``all_to_all``; one point-to-point message per pair that shares rows, bounded waits naming the
+peers), and each rank places what arrives (one ``index_copy_``). A permutation's adjoint is its inverse, so the
+backward is the same code with the plan reversed: the gradient rows travel back to where the rows came from
+(dot-product tested). Nothing is summed or duplicated: forward and backward are exact copies.
+
+``DomainCrossFormerAttention`` is CREDIT's ``Attention`` with the same parameters and attribute names
+(``norm``, ``to_qkv``, ``to_out``, ``dpb``, ``heads``, ``scale``, ``attn_type``, ``window_size``,
+``rel_pos_indices``), so state_dict keys stay:
+
+* ``"short"``: windows of ``window_size`` consecutive rows, ``"b d (h s1) (w s2) -> (b h w) d s1 s2"``: local on
+  every rank when each rank's rows are a multiple of the window (then no window straddles two ranks); otherwise
+  every rank raises the same error naming the sizes (shard with a granularity of ``window_size`` rows).
+* ``"long"``: the prenorm (pointwise), a regroup to ranks holding whole groups ``h`` (groups split balanced over
+  the ranks; all ``window`` rows of each), the attention of CREDIT on the local groups, the output projection
+  (pointwise), the inverse regroup. ``H`` and ``W`` must be multiples of the window (CREDIT's rearrange requires
+  it): an error on every rank otherwise.
+
+Parameter gradients on each rank are the contribution of its groups (the dynamic position bias MLP is evaluated
+on every rank for its own groups): their sum over the domain group is the unsharded gradient. Dropout of the
+attention weights in training is refused (it would need sharding-invariant draws keyed on the groups).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import CommGroup, comm_error, comm_group, keep_alive, wait_all
+from ..mesh import group_attribute
+from ..partition import offsets, split_sizes
+from ..plans import Site, carry, device_tensor, resolve
+
+__all__ = [
+    "DomainCrossFormerAttention",
+    "RegroupPlan",
+    "crossformer_attention_reference",
+    "long_range_plan",
+    "regroup",
+    "regroup_plan",
+]
+
+
+# -- the plan: a permutation of global rows, from one split to another ------------------------------------------
+
+class RegroupPlan(NamedTuple):
+    """One rank's part of a row permutation along ``dim``. ``sends[k] = (peer, local input rows)`` and
+    ``recvs[k] = (peer, local output rows)``, both in the order of the output positions (so a sender's and a
+    receiver's lists pair up); ``rows_in`` / ``rows_out``: this rank's extents before and after. ``group`` is the
+    process group (``None``: one process)."""
+
+    group: Any
+    dim: int
+    rows_in: int
+    rows_out: int
+    sends: tuple[tuple[int, tuple[int, ...]], ...]
+    recvs: tuple[tuple[int, tuple[int, ...]], ...]
+    op: str
+
+    def inverse(self) -> RegroupPlan:
+        """The reverse permutation (the adjoint): what was received is sent back, and placed where it came from."""
+        return RegroupPlan(self.group, self.dim, self.rows_out, self.rows_in, self.recvs, self.sends,
+                           f"{self.op} (backward)")
+
+
+def regroup_plan(cg: CommGroup, dim: int, sizes_in: Sequence[int], sizes_out: Sequence[int],
+                 source: Sequence[int], op: str = "regroup") -> RegroupPlan:
+    """This rank's plan of the permutation ``out[p] = in[source[p]]`` of global rows along ``dim``: the input is
+    split over the ranks as ``sizes_in``, the output as ``sizes_out`` (group order, contiguous blocks each).
+
+    A pure function of its arguments: every rank computes the same permutation (it raises alike on every rank)."""
+    total = sum(sizes_in)
+    if sum(sizes_out) != total or len(source) != total or sorted(source) != list(range(total)):
+        raise ValueError(f"{op}: not a permutation of {total} rows (sizes in {list(sizes_in)}, out "
+                         f"{list(sizes_out)}, {len(source)} sources)")
+    off_in, off_out = offsets(sizes_in), offsets(sizes_out)
+    me = cg.index
+
+    def owner(g: int, offs: list[int]) -> int:
+        r = 0
+        while offs[r + 1] <= g:
+            r += 1
+        return r
+
+    sends: dict[int, list[int]] = {}
+    recvs: dict[int, list[int]] = {}
+    for s in range(len(sizes_out)):
+        for p in range(off_out[s], off_out[s + 1]):
+            g = source[p]
+            r = owner(g, off_in)
+            if r == me:
+                sends.setdefault(s, []).append(g - off_in[me])
+            if s == me:
+                recvs.setdefault(r, []).append(p - off_out[me])
+    return RegroupPlan(cg.group, dim, sizes_in[me], sizes_out[me],
+                       tuple((q, tuple(v)) for q, v in sorted(sends.items())),
+                       tuple((q, tuple(v)) for q, v in sorted(recvs.items())), op)
+
+
+# -- the messages ------------------------------------------------------------------------------------------------
+
+def _run(x: torch.Tensor, plan: RegroupPlan) -> torch.Tensor:
+    """Apply ``plan`` to ``x`` (no autograd): pack, post every message, place own rows while they travel, wait,
+    place the received rows. Returns a tensor with ``plan.rows_out`` rows along ``plan.dim``.
+
+    Runs with torch-function handling off: the result is a field split along ``plan.dim`` as any other, and the
+    guard of functional ops (``halo.guard``), which follows H through the row moves in here, must not take the
+    regrouped rows for a different layout."""
+    with torch._C.DisableTorchFunction():
+        return _run_plain(x, plan)
+
+
+def _run_plain(x: torch.Tensor, plan: RegroupPlan) -> torch.Tensor:
+    dim = plan.dim
+    xm = x.movedim(dim, 0)
+    rest = tuple(xm.shape[1:])
+    out = xm.new_empty((plan.rows_out, *rest))
+    device = x.device
+    cg = comm_group(plan.group) if plan.group is not None else None
+    me = cg.index if cg is not None else 0
+    send_idx = [i for q, rows in plan.sends if q != me for i in rows]
+    recv_idx = [i for q, rows in plan.recvs if q != me for i in rows]
+    send = xm.index_select(0, device_tensor(tuple(send_idx), torch.int64, device)) if send_idx else None
+    recv = xm.new_empty((len(recv_idx), *rest)) if recv_idx else None
+    ops, labels = [], []
+    if cg is not None:
+        at = 0
+        for q, rows in plan.sends:
+            if q != me:
+                ops.append(dist.P2POp(dist.isend, send[at:at + len(rows)], group=cg.group, group_peer=q))
+                labels.append(("send to", cg.ranks[q]))
+                at += len(rows)
+        at = 0
+        for q, rows in plan.recvs:
+            if q != me:
+                ops.append(dist.P2POp(dist.irecv, recv[at:at + len(rows)], group=cg.group, group_peer=q))
+                labels.append(("recv from", cg.ranks[q]))
+                at += len(rows)
+    works: list = []
+    posted = time.monotonic()
+    if ops:
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as exc:  # noqa: BLE001 - a peer already gone can fail the post itself
+            keep_alive((send, recv))
+            raise comm_error([tuple(labels)], 0, cg, f"{plan.op} (posting)", posted, posted, exc) from exc
+        if len(works) != len(ops):  # coalesced (NCCL): one request for the whole batch
+            labels = [tuple(labels)] * len(works)
+    own_src = next((rows for q, rows in plan.sends if q == me), ())
+    own_dst = next((rows for q, rows in plan.recvs if q == me), ())
+    if own_src:
+        out.index_copy_(0, device_tensor(own_dst, torch.int64, device),
+                        xm.index_select(0, device_tensor(own_src, torch.int64, device)))
+    if works:
+        wait_all(works, labels, cg, plan.op, posted, (send, recv))
+    if recv is not None:
+        out.index_copy_(0, device_tensor(tuple(recv_idx), torch.int64, device), recv)
+    return out.movedim(0, dim)
+
+
+class _RegroupFn(torch.autograd.Function):
+    """Forward: the permutation. Backward: the inverse permutation (a permutation's exact adjoint)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: RegroupPlan) -> torch.Tensor:
+        ctx.plan = plan
+        return _run(x, plan)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _run(grad, ctx.plan.inverse()), None
+
+
+def regroup(x: torch.Tensor, plan: RegroupPlan) -> torch.Tensor:
+    """Permute the global rows of the H-sharded ``x`` along ``plan.dim`` as planned (:func:`regroup_plan`), with
+    autograd; its backward is the inverse permutation. Every rank of the plan's group must call it (and run its
+    backward) with the plan made from the same agreed sizes."""
+    if x.shape[plan.dim] != plan.rows_in:
+        raise ValueError(f"{plan.op}: the plan expects {plan.rows_in} rows along dim {plan.dim}, got "
+                         f"{x.shape[plan.dim]} in shape {tuple(x.shape)}")
+    out = _RegroupFn.apply(x, plan)
+    carry(out, x)
+    return out
+
+
+# -- CrossFormer ---------------------------------------------------------------------------------------------------
+
+def long_range_plan(cg: CommGroup, dim: int, sizes: Sequence[int], window: int, op: str = "long-range attention"
+                    ) -> RegroupPlan:
+    """The regroup of CrossFormer's long-distance attention: global row ``t * (H / window) + h`` (``t < window``)
+    goes to the rank holding group ``h`` (groups split balanced), at local row ``(h - h0) * window + t``."""
+    height = sum(sizes)
+    if window < 1 or height % window:
+        raise ValueError(f"{op}: the field has {height} rows along H, not a multiple of window_size={window} "
+                         f"(CrossFormer's long-distance rearrange needs whole groups)")
+    groups = height // window
+    per = split_sizes(groups, cg.size)
+    source = [t * groups + h for h in range(groups) for t in range(window)]
+    return regroup_plan(cg, dim, sizes, [n * window for n in per], source, op)
+
+
+class _CFPlan(NamedTuple):
+    forward: RegroupPlan | None  # long: the regroup (None: short, local)
+
+
+def _cf_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], attn_type: str, window: int, width: int,
+             op: str) -> _CFPlan:
+    (sizes,) = extents
+    if width % window:
+        raise ValueError(f"{op}: the field has {width} columns along W, not a multiple of window_size={window}")
+    if attn_type == "short":
+        bad = [r for r, n in enumerate(sizes) if n % window]
+        if bad:
+            raise ValueError(
+                f"{op}: short-distance attention takes windows of {window} rows, so every rank's rows must be a "
+                f"multiple of {window}, but the shards hold {list(sizes)} rows (group ranks {bad} do not); shard "
+                f"the field with a granularity of {window} rows, or use a height and a number of ranks that give "
+                f"such shards")
+        return _CFPlan(None)
+    return _CFPlan(long_range_plan(cg, -2, sizes, window, op))
+
+
+def _short_windows(x: torch.Tensor, w: int) -> torch.Tensor:
+    """``"b d (h s1) (w s2) -> (b h w) d s1 s2"``."""
+    b, d, hh, ww = x.shape
+    return x.reshape(b, d, hh // w, w, ww // w, w).permute(0, 2, 4, 1, 3, 5).reshape(b * (hh // w) * (ww // w), d, w, w)
+
+
+def _short_back(y: torch.Tensor, b: int, hh: int, ww: int, w: int) -> torch.Tensor:
+    """``"(b h w) d s1 s2 -> b d (h s1) (w s2)"``."""
+    d = y.shape[1]
+    return y.reshape(b, hh // w, ww // w, d, w, w).permute(0, 3, 1, 4, 2, 5).reshape(b, d, hh, ww)
+
+
+def _long_groups(x: torch.Tensor, w: int) -> torch.Tensor:
+    """Regrouped rows ``(h, l1)`` and CREDIT's columns ``(l2 w)``: ``"b d (h l1) (l2 w) -> (b h w) d l1 l2"``."""
+    b, d, hh, ww = x.shape
+    return x.reshape(b, d, hh // w, w, w, ww // w).permute(0, 2, 5, 1, 3, 4).reshape(b * (hh // w) * (ww // w), d, w, w)
+
+
+def _long_back(y: torch.Tensor, b: int, hh: int, ww: int, w: int) -> torch.Tensor:
+    d = y.shape[1]
+    return y.reshape(b, hh // w, ww // w, d, w, w).permute(0, 3, 1, 4, 5, 2).reshape(b, d, hh, ww)
+
+
+def _attend(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """CREDIT's ``Attention.forward`` between the rearranges, on groups ``x`` (N, dim, w, w) already normalised:
+    qkv, heads, scaled dot products plus the dynamic position bias, softmax, values, output projection."""
+    n, _, w, _ = x.shape
+    heads = m.heads
+    q, k, v = m.to_qkv(x).chunk(3, dim=1)
+    dh = q.shape[1] // heads
+    q, k, v = (t.reshape(n, heads, dh, w * w).transpose(-1, -2) for t in (q, k, v))  # b (h d) x y -> b h (x y) d
+    q = q * m.scale
+    sim = q @ k.transpose(-1, -2)
+    pos = torch.arange(-w, w + 1, device=x.device)
+    rel_pos = torch.stack(torch.meshgrid(pos, pos, indexing="ij")).reshape(2, -1).t().to(x.dtype)
+    sim = sim + m.dpb(rel_pos)[m.rel_pos_indices]
+    out = sim.softmax(dim=-1) @ v
+    out = out.transpose(-1, -2).reshape(n, heads * dh, w, w)  # b h (x y) d -> b (h d) x y
+    return m.to_out(out)
+
+
+def crossformer_attention_reference(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """CREDIT's ``Attention(attn_type, window_size)`` forward on the whole field ``(B, dim, H, W)`` (one process),
+    written with reshapes (no einops); ``m`` holds CREDIT's submodules."""
+    b, d, hh, ww = x.shape
+    w = m.window_size
+    x = m.norm(x)
+    if m.attn_type == "short":
+        return _short_back(_attend(m, _short_windows(x, w)), b, hh, ww, w)
+    # "b d (l1 h) (l2 w) -> (b h w) d l1 l2" and back
+    g = x.reshape(b, d, w, hh // w, w, ww // w).permute(0, 3, 5, 1, 2, 4).reshape(-1, d, w, w)
+    y = _attend(m, g)
+    return y.reshape(b, hh // w, ww // w, -1, w, w).permute(0, 3, 4, 1, 5, 2).reshape(b, -1, hh, ww)
+
+
+class DomainCrossFormerAttention(nn.Module):
+    """CREDIT's CrossFormer ``Attention`` (short or long distance) on an H-shard ``(B, dim, H_r, W)`` (module
+    docstring): the same numbers, the same state_dict keys. Wraps an existing module (its Parameters and buffers
+    are shared)."""
+
+    group = group_attribute()
+
+    def __init__(self, attention: nn.Module, *, group: Any | None = None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        need = ("attn_type", "window_size", "heads", "scale", "norm", "to_qkv", "to_out", "dpb", "rel_pos_indices")
+        missing = [a for a in need if not hasattr(attention, a)]
+        if missing:
+            raise TypeError(f"{name} wraps credit.models.crossformer.Attention; {type(attention).__name__} lacks "
+                            f"{missing}")
+        if attention.attn_type not in ("short", "long"):
+            raise ValueError(f"{name}: attn_type must be 'short' or 'long', got {attention.attn_type!r}")
+        for key, value in attention.__dict__.items():  # shares Parameters; keeps names (state_dict keys unchanged)
+            self.__dict__[key] = dict(value) if isinstance(value, dict) else value
+        self.group = group
+        self._halo_site = Site()
+
+    def extra_repr(self) -> str:
+        return f"attn_type={self.attn_type!r}, window_size={self.window_size}, heads={self.heads}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        name = type(self).__name__
+        drop = getattr(self, "dropout", None)
+        if self.training and isinstance(drop, nn.Dropout) and drop.p > 0:
+            raise ValueError(f"{name}: attention dropout in training (p={drop.p}) is not supported on H-shards; set "
+                             f"it to 0 or call eval()")
+        w = self.window_size
+        width = x.shape[-1] if x.dim() else 0
+        plan = resolve(x, self.group, name, _cf_plan, (self.attn_type, w, width, name), site=self._halo_site)
+        if x.dim() != 4:  # after the agreement: every rank has the same number of dims
+            raise ValueError(f"{name}: expected a (B, dim, H, W) shard, got shape {tuple(x.shape)}")
+        b, _, hh, ww = x.shape
+        y = self.norm(x)
+        if plan.forward is None:
+            out = _short_back(_attend(self, _short_windows(y, w)), b, hh, ww, w)
+        else:
+            g = regroup(y, plan.forward)
+            z = _long_back(_attend(self, _long_groups(g, w)), b, g.shape[-2], ww, w)
+            out = regroup(z, plan.forward.inverse())
+        carry(out, x)
+        return out
