@@ -8,6 +8,8 @@
 ``conv``                 ``benchmarks/conv_overhead.py``   HaloConv2d fwd + bwd vs nn.Conv2d, same local shape
 ``scaling``              ``benchmarks/scaling.py``         the demo model's step on 1..N ranks
 ``pack``                 ``benchmarks/pack_kernels.py``    pack/unpack kernels vs torch reference vs copy
+``mesh``                 ``benchmarks/mesh2d.py``          the demo step on P ranks as latitude rows vs as a
+                                                          ``--mesh PHxPW`` latitude x longitude mesh
 =======================  ===============================  ===============================================
 
 Timing rule for distributed steps (DESIGN.md, "Performance model"): every iteration starts after a barrier,
@@ -40,7 +42,8 @@ import torch
 __all__ = ["BENCHMARKS", "append_csv", "benchmark_parser", "gather_times", "load_benchmark", "median",
            "paired_ratio", "plot_panels", "print_table", "rank_entry", "run_bench", "run_meta", "time_iterations"]
 
-BENCHMARKS = {"bandwidth": "halo_bandwidth", "conv": "conv_overhead", "scaling": "scaling", "pack": "pack_kernels"}
+BENCHMARKS = {"bandwidth": "halo_bandwidth", "conv": "conv_overhead", "scaling": "scaling", "pack": "pack_kernels",
+              "mesh": "mesh2d"}
 
 
 def median(values: Sequence[float]) -> float:
@@ -219,8 +222,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else default_out()
     opts = {"quick": args.quick, "nproc": args.nproc, "out": out, "backend": args.backend,
-            "timeout": args.timeout}
+            "timeout": args.timeout, "mesh": getattr(args, "mesh", None)}
     names = [n.strip() for n in args.only.split(",") if n.strip()]
+    if opts["mesh"] and "mesh" not in names:
+        names.append("mesh")  # --mesh PHxPW: also compare rows with blocks on PH*PW ranks
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         raise SystemExit(f"halo bench: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")

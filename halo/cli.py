@@ -87,8 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                        "else ./benchmarks_out)")
     bench.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     bench.add_argument("--only", default="bandwidth,conv,scaling,pack",
-                       help="comma-separated subset of bandwidth,conv,scaling,pack (default all)")
+                       help="comma-separated subset of bandwidth,conv,scaling,pack,mesh (default all but mesh)")
     bench.add_argument("--timeout", type=float, default=900.0, help="seconds per benchmark before ranks are killed")
+    bench.add_argument("--mesh", type=_mesh, default=None, help="PHxPW: also time the demo step on PH*PW ranks as "
+                       "latitude rows vs as a latitude x longitude mesh (benchmarks/mesh2d.py)")
     return parser
 
 
