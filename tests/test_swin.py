@@ -16,6 +16,8 @@ the relative position bias and ``attn_mask``, reverses, crops and rolls back; ``
   summed over the domain group equal the unsharded block's (1e-12).
 - A converted small Swin (PatchEmbed -> stage of 2 blocks -> PatchMerging + stage of 2 blocks), 2 and 3 ranks:
   ``state_dict`` keys unchanged, exact forward and backward, then 3 SGD-with-momentum steps match the unsharded model's.
+- Pixel unshuffle / shuffle keep a block split (8, 8, 4 rows -> 4, 4, 2 -> 8, 8, 4), bitwise, with the gradient; the
+  converted model's output gathers to the unsharded one.
 - Errors on every rank alike: ``shard(granularity=)`` with N % g != 0; a shard not made of whole windows; a
   ``strict_img_size`` height that is not the global one.
 """
@@ -480,6 +482,7 @@ def _model_worker(rank, world, img, dynamic_mask, steps):
         (y * weights[:, o[rank]:o[rank + 1]]).sum().backward()
         sync_domain_gradients(model, manager)
         errs.append({"fwd": rel_err(y.detach(), yf.detach()[:, o[rank]:o[rank + 1]]),
+                     "gather": rel_err(halo.gather(y.detach(), 1), yf.detach()),  # a block split gathers
                      "dw": max(rel_err(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(),
                                                                      strict=True))})
         opt_ref.step()
@@ -499,7 +502,7 @@ def test_converted_small_swin_trains_like_unsharded(world, img, dynamic_mask):
                               "HaloWindowAttention"], r["types"]
         assert r["keys"]
         for e in r["errs"]:
-            assert max(e["fwd"], e["dw"]) < 1e-12, r["errs"]
+            assert max(e["fwd"], e["gather"], e["dw"]) < 1e-12, r["errs"]
         assert r["params"] < 1e-12, r["params"]
 
 
@@ -541,3 +544,33 @@ def test_errors_are_the_same_on_every_rank():
     assert scatter_err.startswith("scatter: cannot split 42 rows"), scatter_err
     assert "Input height (48, all ranks' rows) doesn't match model (40)" in height_err, height_err
     assert "whole attention windows of 4 rows" in window_err and "[7, 7, 6]" in window_err, window_err
+
+
+# -- pixel (un)shuffle keep a block split ------------------------------------------------------------------------
+
+def _shuffle_worker(rank, world):
+    import halo
+    from halo.nn import HaloPixelShuffle, HaloPixelUnshuffle
+
+    halo.initialize_domain_parallel(world, world)
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(2, 4, 20, 6, generator=gen, dtype=torch.float64)
+    x = halo.shard(full, -2, granularity=4).requires_grad_(True)  # 8, 8, 4 rows
+    down = HaloPixelUnshuffle(nn.PixelUnshuffle(2))(x)  # 4, 4, 2
+    up = HaloPixelShuffle(nn.PixelShuffle(2))(down * 2)  # 8, 8, 4 again
+    xf = full.clone().requires_grad_(True)
+    ref_down = F.pixel_unshuffle(xf, 2)
+    ref_up = F.pixel_shuffle(ref_down * 2, 2)
+    weights = torch.randn(ref_up.shape, generator=gen, dtype=torch.float64)
+    o_in, o_down = offsets(split_sizes(20, world, 4)), offsets(split_sizes(10, world, 2))
+    (ref_up * weights).sum().backward()
+    (up * weights[..., o_in[rank]:o_in[rank + 1], :]).sum().backward()
+    return {"down": (tuple(down.shape), torch.equal(down, ref_down[..., o_down[rank]:o_down[rank + 1], :])),
+            "up": torch.equal(up, ref_up[..., o_in[rank]:o_in[rank + 1], :]),
+            "grad": torch.equal(x.grad, xf.grad[..., o_in[rank]:o_in[rank + 1], :])}
+
+
+def test_pixel_shuffles_keep_a_block_split():
+    res = run_on_ranks(_shuffle_worker, 3, timeout=TIMEOUT)
+    assert [r["down"] for r in res] == [((2, 16, 4, 3), True), ((2, 16, 4, 3), True), ((2, 16, 2, 3), True)], res
+    assert all(r["up"] and r["grad"] for r in res), res
