@@ -11,6 +11,9 @@
   keeps its state_dict keys and trains for three SGD steps equal to the unsharded one.
 - Errors: shards that are not multiples of the short window, and a height that is not a multiple of the long
   window, raise the same error naming the sizes on every rank.
+- Axial attention over H: ``rows_to_columns`` (H-shards -> W-shards, a regroup) gives every rank whole columns
+  (bitwise), passes the dot-product test, ``columns_to_rows`` undoes it; ``nn.MultiheadAttention`` along H of every
+  column between the two equals the unsharded one forward and backward (parameter grads summed) on 2 and 3 ranks.
 """
 
 import random
@@ -362,3 +365,59 @@ def test_errors_are_the_same_on_every_rank(attn_type, window, h, match):
     msgs = run_on_ranks(_errors, 3, attn_type, window, h, timeout=120)
     assert len(set(msgs)) == 1, msgs
     assert match in msgs[0], msgs[0]
+
+
+# -- axial attention over H: rows <-> columns ---------------------------------------------------------------------
+
+def _axial_apply(mha, x):
+    """Self-attention along H of every column of ``x`` (B, C, H, W)."""
+    b, c, h, w = x.shape
+    t = x.permute(0, 3, 2, 1).reshape(b * w, h, c)
+    return mha(t, t, t, need_weights=False)[0].reshape(b, w, h, c).permute(0, 3, 2, 1)
+
+
+def _axial(rank, world, h, w):
+    import torch.distributed as dist
+
+    import halo
+    from halo.nn.longrange import columns_to_rows, rows_to_columns
+
+    halo.initialize_domain_parallel(world, world)
+    gen = torch.Generator().manual_seed(h)
+    full = torch.randn(2, 6, h, w, generator=gen, dtype=torch.float64)
+    ys = torch.randn(2, 6, h, w, generator=gen, dtype=torch.float64)
+    ro, co = split_offsets(h, world), split_offsets(w, world)
+    x = full[:, :, ro[rank]:ro[rank + 1]].clone().requires_grad_(True)
+    cols = rows_to_columns(x)
+    same = torch.equal(cols.detach(), full[..., co[rank]:co[rank + 1]])
+    y = ys[..., co[rank]:co[rank + 1]]
+    (cols * y).sum().backward()
+    dots = torch.tensor([(cols.detach() * y).sum().item(), (x.detach() * x.grad).sum().item()], dtype=torch.float64)
+    dist.all_reduce(dots)
+    back = columns_to_rows(cols.detach())
+    same = same and torch.equal(back, full[:, :, ro[rank]:ro[rank + 1]])
+    # axial attention over H: attention along whole columns, local after the regroup
+    torch.manual_seed(0)
+    ref = _perturb(nn.MultiheadAttention(6, 2, batch_first=True).double(), 3)
+    mha = _perturb(nn.MultiheadAttention(6, 2, batch_first=True).double(), 3)
+    xf = full.clone().requires_grad_(True)
+    out_ref = _axial_apply(ref, xf)
+    (out_ref * ys).sum().backward()
+    xs = full[:, :, ro[rank]:ro[rank + 1]].clone().requires_grad_(True)
+    out = columns_to_rows(_axial_apply(mha, rows_to_columns(xs)))
+    (out * ys[:, :, ro[rank]:ro[rank + 1]]).sum().backward()
+    errs = [rel(out.detach(), out_ref.detach()[:, :, ro[rank]:ro[rank + 1]]),
+            rel(xs.grad, xf.grad[:, :, ro[rank]:ro[rank + 1]])]
+    for p, q in zip(mha.parameters(), ref.parameters(), strict=True):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        errs.append(rel(g, q.grad))
+    return same, dots[0].item(), dots[1].item(), max(errs)
+
+
+@pytest.mark.parametrize("world,h,w", [(3, 23, 7), (2, 10, 5)])
+def test_axial_attention_over_h(world, h, w):
+    for same, ax_y, x_aty, err in run_on_ranks(_axial, world, h, w, timeout=120):
+        assert same
+        assert abs(ax_y - x_aty) <= 1e-12 * max(1.0, abs(ax_y)), (ax_y, x_aty)
+        assert err < TOL, err

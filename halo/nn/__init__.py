@@ -11,7 +11,7 @@ from .dropout import (
     DomainDropPath,
     DomainFeatureAlphaDropout,
 )
-from .longrange import DomainCrossFormerAttention, regroup
+from .longrange import DomainCrossFormerAttention, columns_to_rows, regroup, rows_to_columns
 from .neighborhood import DomainNeighborhoodAttention2D, neighborhood_attention, neighborhood_attention_reference
 from .norm import DomainBatchNorm2d, DomainBatchNormAct2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
 from .pad import HaloPad2d, halo_pad, pad_like
@@ -63,6 +63,7 @@ __all__ = [
     "HaloSwinTransformerBlock",
     "HaloUpsample",
     "HaloWindowAttention",
+    "columns_to_rows",
     "convert_to_domain_parallel",
     "halo_interpolate",
     "halo_pad",
@@ -72,6 +73,7 @@ __all__ = [
     "pad_like",
     "regroup",
     "revert_domain_parallel",
+    "rows_to_columns",
     "window_attention_mask",
     "window_partition",
     "window_reverse",

@@ -26,6 +26,10 @@ backward is the same code with the plan reversed: the gradient rows travel back 
   (pointwise), the inverse regroup. ``H`` and ``W`` must be multiples of the window (CREDIT's rearrange requires
   it): an error on every rank otherwise.
 
+Axial attention over H: :func:`rows_to_columns` regroups H-shards ``(..., H_r, W)`` into W-shards ``(..., H, W_s)``
+(every rank holds whole columns: attention along H is local), :func:`columns_to_rows` goes back; both are regroups
+of the flattened ``H * W`` positions (index maps of ``H_r * W`` entries, made once per plan).
+
 Parameter gradients on each rank are the contribution of its groups (the dynamic position bias MLP is evaluated
 on every rank for its own groups): their sum over the domain group is the unsharded gradient. Dropout of the
 attention weights in training is refused (it would need sharding-invariant draws keyed on the groups).
@@ -49,10 +53,12 @@ from ..plans import Site, carry, device_tensor, resolve
 __all__ = [
     "DomainCrossFormerAttention",
     "RegroupPlan",
+    "columns_to_rows",
     "crossformer_attention_reference",
     "long_range_plan",
     "regroup",
     "regroup_plan",
+    "rows_to_columns",
 ]
 
 
@@ -196,6 +202,56 @@ def regroup(x: torch.Tensor, plan: RegroupPlan) -> torch.Tensor:
     out = _RegroupFn.apply(x, plan)
     carry(out, x)
     return out
+
+
+# -- axial attention over H: rows <-> columns ----------------------------------------------------------------------
+
+class _AxialPlan(NamedTuple):
+    regroup: RegroupPlan
+    height: int  # global H
+    rows: int  # this rank's rows (H-shards)
+    cols: int  # this rank's columns (W-shards)
+
+
+def _columns_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], width: int, op: str) -> _AxialPlan:
+    """The regroup of :func:`rows_to_columns` on the ``(..., H * W)`` view: rank ``s`` gets columns ``[w0, w1)`` of
+    every row, column-major (``(W_s, H)``, transposed afterwards)."""
+    (sizes,) = extents
+    height = sum(sizes)
+    if width < cg.size:
+        raise ValueError(f"{op}: {width} columns cannot be split over {cg.size} ranks (a rank would get none)")
+    cols = split_sizes(width, cg.size)
+    c_off = offsets(cols)
+    source = [h * width + w for s in range(cg.size) for w in range(c_off[s], c_off[s + 1]) for h in range(height)]
+    plan = regroup_plan(cg, -1, [n * width for n in sizes], [n * height for n in cols], source, op)
+    return _AxialPlan(plan, height, sizes[cg.index], cols[cg.index])
+
+
+def _rows_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], height: int, op: str) -> _AxialPlan:
+    (cols,) = extents
+    fwd = _columns_plan(cg, (tuple(split_sizes(height, cg.size)),), sum(cols), op)
+    return fwd._replace(regroup=fwd.regroup.inverse()._replace(op=op))
+
+
+def rows_to_columns(x: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
+    """From H-shards ``(..., H_r, W)`` to W-shards ``(..., H, W_s)`` (``W`` split balanced over the group): every
+    rank then holds whole columns, so attention (or any op) along H is local: axial attention over H. A regroup
+    (autograd: its backward is the inverse regroup). Inverse: :func:`columns_to_rows`."""
+    op = "rows_to_columns"
+    width = x.shape[-1] if x.dim() >= 2 else 0
+    plan = resolve(x, group, op, _columns_plan, (width, op), spec=(-2,))
+    flat = regroup(x.flatten(-2), plan.regroup)  # (..., W_s * H), column-major
+    return flat.unflatten(-1, (plan.cols, plan.height)).transpose(-1, -2)
+
+
+def columns_to_rows(y: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
+    """The inverse of :func:`rows_to_columns`: from W-shards ``(..., H, W_s)`` back to the balanced H-shards
+    ``(..., H_r, W)``."""
+    op = "columns_to_rows"
+    height = y.shape[-2] if y.dim() >= 2 else 0
+    plan = resolve(y, group, op, _rows_plan, (height, op), spec=(-1,))
+    flat = regroup(y.transpose(-1, -2).flatten(-2), plan.regroup)  # (..., H_r * W), row-major
+    return flat.unflatten(-1, (plan.rows, -1))
 
 
 # -- CrossFormer ---------------------------------------------------------------------------------------------------
