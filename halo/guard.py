@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import sys
 import zlib
 from collections.abc import Callable
@@ -151,17 +152,23 @@ def _whole_interpolate(args, kwargs, x, h):
             f"size and keep this rank's rows (gather, or halo.shard of the resized map), or pool to 1 row")
 
 
+#: Which entry of a kernel / stride / padding / size the window rules read: -2 (H), or -1 while W is checked (a
+#: latitude x longitude mesh shards W too).
+_AXIS = [-2]
+
+
+def _entry(v: Any) -> Any:
+    """``v``'s entry for the axis being checked (an int or a string applies to every axis)."""
+    if v is None or isinstance(v, (int, str)):
+        return v
+    v = list(v)
+    return v[_AXIS[0]] if len(v) >= 2 else v[0]
+
+
 def _window(args, kwargs, x, h, kernel_at, stride_at, padding_at, what):
     """A conv or pool: refuse unless its window, stride and padding along H are 1, 1, 0."""
     def along_h(v, default):
-        if v is None:
-            return default
-        if isinstance(v, str):
-            return v
-        if isinstance(v, int):
-            return v
-        v = list(v)
-        return v[-2] if len(v) >= 2 else v[0]
+        return default if v is None else _entry(v)
 
     k = kernel_at(args, kwargs)
     s = along_h(stride_at(args, kwargs), None)
@@ -176,27 +183,26 @@ def _window(args, kwargs, x, h, kernel_at, stride_at, padding_at, what):
 
 def _conv(args, kwargs, x, h):
     weight = _arg(args, kwargs, 1, "weight")
-    return _window(args, kwargs, x, h, lambda a, k: int(weight.shape[-2]),
+    return _window(args, kwargs, x, h, lambda a, k: int(weight.shape[_AXIS[0]]),
                    lambda a, k: _arg(a, k, 3, "stride", 1), lambda a, k: _arg(a, k, 4, "padding", 0), "a convolution")
 
 
 def _conv_t(args, kwargs, x, h):
     weight = _arg(args, kwargs, 1, "weight")
-    k = int(weight.shape[-2])
+    k = int(weight.shape[_AXIS[0]])
     return (f"a transposed convolution (kernel {k} along H) on a shard; use nn.ConvTranspose2d in the model "
             f"(converted to halo.nn.HaloConvTranspose2d)") if k != 1 or _arg(args, kwargs, 3, "stride", 1) not in (
         1, (1, 1), [1, 1]) else None
 
 
 def _pool(args, kwargs, x, h):
-    return _window(args, kwargs, x, h, lambda a, k: (lambda v: v if isinstance(v, int) else list(v)[0])(
-        _arg(a, k, 1, "kernel_size")), lambda a, k: _arg(a, k, 2, "stride"), lambda a, k: _arg(a, k, 3, "padding", 0),
-        "a pool")
+    return _window(args, kwargs, x, h, lambda a, k: _entry(_arg(a, k, 1, "kernel_size")),
+                   lambda a, k: _arg(a, k, 2, "stride"), lambda a, k: _arg(a, k, 3, "padding", 0), "a pool")
 
 
 def _adaptive(args, kwargs, x, h):
     size = _arg(args, kwargs, 1, "output_size")
-    rows = size if isinstance(size, int) or size is None else list(size)[0]
+    rows = _entry(size)
     if rows is not None and rows != x.shape[h]:
         return (f"an adaptive pool to {rows} rows along H on a shard; use nn.AdaptiveAvgPool2d / AdaptiveMaxPool2d "
                 f"in the model (converted: exact, and whole on every rank for a global pool)")
@@ -388,11 +394,25 @@ class trusted:  # noqa: N801 - a context manager, named like one
         _TRUSTED[0] -= 1
 
 
+def _on_w(rule: Callable, args: tuple, kwargs: dict, x: torch.Tensor) -> str | None:
+    """The rule applied to W (the last dim) of a field on a latitude x longitude mesh, worded for W."""
+    _AXIS[0] = -1
+    try:
+        problem = rule(args, kwargs, x, x.dim() - 1)
+    finally:
+        _AXIS[0] = -2
+    if problem is None:
+        return None
+    problem = re.sub(r"\bH\b", "W", problem).replace("rows", "columns").replace("halo.gather", "halo.gather_2d")
+    return f"acts on W, which a latitude x longitude mesh shards too: {problem}"
+
+
 class SpatialGuard(TorchFunctionMode):
     """The guard of one converted model's first call (module docstring). ``names``: id(module) -> path."""
 
-    def __init__(self, names: dict[int, str], cg: CommGroup, epoch: int) -> None:
+    def __init__(self, names: dict[int, str], cg: CommGroup, epoch: int, w_sharded: bool = False) -> None:
         super().__init__()
+        self.w_sharded = w_sharded  # a latitude x longitude mesh: the last dim of an untracked field is W, sharded
         self.names = names
         self.cg = cg
         self.epoch = epoch
@@ -427,6 +447,9 @@ class SpatialGuard(TorchFunctionMode):
                 self._carry(tracked, out)
             return out
         problem = rule(args, kwargs, x, h) if rule is not None else self._matmul(args) if matmul else None
+        if problem is None and rule is not None and self.w_sharded and isinstance(x, torch.Tensor) and x.dim() >= 3 \
+                and self.dims.get(x) is None:
+            problem = _on_w(rule, args, kwargs, x)
         out = None
         if problem is None:
             out = func(*args, **kwargs)

@@ -368,7 +368,7 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         from .guard import SpatialGuard
 
         names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
-        _STATE.guard = SpatialGuard(names, cg, epoch)
+        _STATE.guard = SpatialGuard(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
         _STATE.guard.__enter__()
 
 

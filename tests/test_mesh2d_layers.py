@@ -244,3 +244,57 @@ def test_losses_on_mesh(shape):
         assert "must include the sharded longitude dim -1" in r.pop("keeps W")
         for name, err in r.items():
             assert err <= TOL, (name, err)
+
+
+class _Forward(nn.Module):
+    """A conv, then one functional op on the block in ``forward``."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.op = op
+
+    def forward(self, x):
+        return self.op(self.conv(x))
+
+
+FORWARD_OPS = {
+    "periodic pad by hand": (lambda t: F.pad(t, (1, 1, 0, 0), mode="circular"), "pads W"),
+    "roll in longitude": (lambda t: torch.roll(t, 3, dims=-1), "rolls along W"),
+    "zonal mean": (lambda t: t - t.mean(dim=-1, keepdim=True), "W"),
+    "conv over W": (lambda t: F.conv2d(t, torch.ones(3, 3, 1, 3, dtype=t.dtype), padding=(0, 1)), "kernel 3"),
+    "channel pad": (lambda t: F.pad(t, (0, 0, 0, 0, 1, 1)), None),  # pointwise in H and W: allowed
+    "channel mean": (lambda t: t - t.mean(dim=1, keepdim=True), None),
+}
+
+
+def _forward_ranks(rank, world, name):
+    os.environ["TRITON_INTERPRET"] = "0"
+    from halo.mesh import DomainMesh
+    from halo.nn import convert_to_domain_parallel
+    from halo.shard import gather_2d
+
+    mesh = DomainMesh((2, 2))
+    torch.manual_seed(0)
+    ref = _Forward(FORWARD_OPS[name][0]).double()
+    model = convert_to_domain_parallel(_Forward(FORWARD_OPS[name][0]).double(), mesh=mesh)
+    model.load_state_dict(ref.state_dict())
+    full = torch.randn(1, 3, 11, 14, dtype=torch.float64)
+    try:
+        y = model(_block(full, mesh))
+    except ValueError as e:
+        return str(e)
+    return float((gather_2d(y.detach(), mesh=mesh) - ref(full).detach()).abs().max())
+
+
+@pytest.mark.parametrize("name", list(FORWARD_OPS))
+def test_functional_ops_on_w_are_watched(name):
+    """Code in forward that acts on the sharded W (hand-written periodic padding, a roll in longitude, a zonal
+    mean, a conv over W) is refused on every rank alike; ops on other dims run and are exact."""
+    results = run_on_ranks(_forward_ranks, 4, name, timeout=120)
+    words = FORWARD_OPS[name][1]
+    if words is None:
+        assert all(isinstance(r, float) and r <= TOL for r in results), results
+    else:
+        assert len(set(results)) == 1 and isinstance(results[0], str), results
+        assert "latitude x longitude mesh shards too" in results[0] and words in results[0], results[0]

@@ -58,8 +58,8 @@ def _padded_index(n, lo, hi, boundary):
             out.append((v % n, False))
         elif boundary in ("reflect", "pole"):
             out.append((abs(v) if v < 0 else 2 * n - 2 - v, boundary == "pole"))
-        else:  # pole_centered: mirror about the half-row beyond the edge
-            out.append((-1 - v if v < 0 else 2 * n - 1 - v, True))
+        else:  # symmetric, pole_centered: mirror about the half-row beyond the edge (the pole's rows rolled)
+            out.append((-1 - v if v < 0 else 2 * n - 1 - v, boundary == "pole_centered"))
     return out
 
 
@@ -69,7 +69,7 @@ def layouts(draw):
     sizes = draw(st.lists(st.integers(1, 12), min_size=p, max_size=p))
     n = sum(sizes)
     boundary = draw(st.sampled_from(BOUNDARIES))
-    limit = n - 1 if boundary in ("reflect", "pole") else n if boundary == "pole_centered" else 3 * n
+    limit = n - 1 if boundary in ("reflect", "pole") else n if boundary in ("symmetric", "pole_centered") else 3 * n
     offs = [0]
     for s in sizes:
         offs.append(offs[-1] + s)

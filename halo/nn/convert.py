@@ -243,7 +243,8 @@ def convert_to_domain_parallel(
             (H exchanged, then W; poles rolled across the W ranks); a layer acting on H or W without such a form
             is refused, naming it — so is ``nn.Linear`` (on a ``(B, C, H, W)`` tensor it mixes the sharded W;
             declare it with ``custom_converters={nn.Linear: None}`` where it acts on channels-last features).
-            Code in ``forward`` is watched along H only on such a mesh: run :func:`halo.check_equivalence`.
+            Code in ``forward`` is watched along W too (``F.pad``/``roll``/``cat``/reductions/windows of a field's
+            last dim are refused, naming the line); run :func:`halo.check_equivalence` for what it cannot see.
 
     Raises:
         ValueError: the manager shards something other than latitude (dim -2), or a layer has no
@@ -367,7 +368,7 @@ def convert_to_domain_parallel(
                 f"module cannot be replaced in place: convert a module that holds it (nn.Sequential(layer)) or "
                 f"build the halo layer directly (e.g. halo.nn.HaloConv2d(conv))")
     visit(model, "")
-    _make_root(model, domain_group, grid)
+    _make_root(model, domain_group, grid, w_sharded=ctx.mesh is not None)
     _guard_whole(model, tails, domain_size)
     return model
 
@@ -468,20 +469,21 @@ class RootConfig:
 
     group_ref: GroupRef
     grid: tuple[int, int] | None
+    w_sharded: bool = False  # a latitude x longitude mesh: the guard watches W too
 
     @property
     def group(self) -> Any:
         return self.group_ref.group
 
 
-def _make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None) -> None:
+def _make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_sharded: bool = False) -> None:
     """Make ``model`` a converted model's root: its calls start (or join) a step's epoch (``halo.plans``)."""
     if grid is not None:
         if len(grid) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in grid):
             raise ValueError(f"grid must be (H, W), two positive ints, got {grid!r}")
         grid = (int(grid[0]), int(grid[1]))
     had = "_halo_root" in model.__dict__
-    model.__dict__["_halo_root"] = RootConfig(GroupRef(group), grid)
+    model.__dict__["_halo_root"] = RootConfig(GroupRef(group), grid, w_sharded)
     if not had:
         model.register_forward_pre_hook(enter_root, with_kwargs=True)
         model.register_forward_hook(exit_root, with_kwargs=True, always_call=True)
