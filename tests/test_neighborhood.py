@@ -272,7 +272,11 @@ def _errors(rank, world, case):
     q = torch.zeros(1, 2, sizes[rank], 12, 4)
     k = q if not (case == "shape" and rank == 1) else torch.zeros(1, 2, sizes[rank], 12, 3)
     try:
-        neighborhood_attention(q, k, q, 5, 2)
+        if case == "module":  # rank 1 passes an input without its batch dim
+            x = torch.zeros(1, sizes[rank], 12, 8)
+            DomainNeighborhoodAttention2D(NeighborhoodAttention2D(8, 2, 3))(x[0] if rank == 1 else x)
+        else:
+            neighborhood_attention(q, k, q, 5, 2)
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -281,6 +285,7 @@ def _errors(rank, world, case):
 @pytest.mark.parametrize("case,match", [
     ("small", "the field has 9 positions along H, fewer than kernel size x dilation = 5 x 2 = 10"),
     ("shape", "disagree on the number of dims"),
+    ("module", "disagree on the number of dims"),
 ])
 def test_errors_are_the_same_on_every_rank(case, match):
     msgs = run_on_ranks(_errors, 3, case, timeout=120)

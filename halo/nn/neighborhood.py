@@ -225,6 +225,11 @@ def _sharded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: tuple[in
     return _attend(q * scale if scale != 1.0 else q, ke, ve, rows, rows_pb, cols, cols_pb, rpb)
 
 
+def _input_ok(cg: CommGroup, extents: tuple[tuple[int, ...], ...], name: str, channels: int) -> None:
+    """Nothing to plan; called with agreed extents only, after the ranks' shapes were found to agree."""
+    return None
+
+
 def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int | Sequence[int],
                            dilation: int | Sequence[int] = 1, rpb: torch.Tensor | None = None, scale: float = 1.0,
                            *, group: Any | None = None) -> torch.Tensor:
@@ -308,8 +313,12 @@ class DomainNeighborhoodAttention2D(nn.Module):
         if self.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in (self.attn_drop, self.proj_drop)):
             raise ValueError(f"{name}: dropout in training (attn_drop={self.attn_drop.p}, proj_drop="
                              f"{self.proj_drop.p}) is not supported on H-shards; set them to 0 or call eval()")
-        if x.dim() != 4:
-            raise ValueError(f"{name} expected a rank-4 input (B, H, W, C); got {x.dim()=}")
+        # Agree on every rank's input first (recorded once per epoch), so that a bad input raises on every rank.
+        resolve(x, self.group, name, _input_ok, (name, self.qkv.in_features), site=self._halo_site, spec=(min(
+            1, x.dim() - 1),))
+        if x.dim() != 4 or x.shape[-1] != self.qkv.in_features:  # the same on every rank (agreed)
+            raise ValueError(f"{name} expected a (B, H, W, C={self.qkv.in_features}) input sharded on H; got shape "
+                             f"{tuple(x.shape)}")
         b, h, w, c = x.shape
         qkv = self.qkv(x).reshape(b, h, w, 3, self.num_heads, self.head_dim).permute(3, 0, 4, 1, 2, 5)
         q, k, v = qkv[0], qkv[1], qkv[2]
