@@ -52,12 +52,15 @@ class ShardedField:
         variables: the data variables to read, in channel order (default: every variable with lat and lon).
         group: the domain group (default: the manager's; none without torch.distributed: the whole field).
         granularity: rows come in blocks of this many (windows that must not straddle ranks).
+        mesh: a latitude x longitude ``halo.DomainMesh((ph, pw))`` instead of ``group``: this rank reads its block,
+            rows over the mesh's first axis and longitudes over the second (both balanced splits), ``(C, H_r, W_r)``
+            as ``halo.shard_2d`` would cut it.
         engine, time_dim, lat_dim, lon_dim: passed to / used with xarray (defaults: guessed).
     """
 
     def __init__(self, source: Any, variables: Sequence[str] | None = None, *, group: Any | None = None,
                  granularity: int = 1, engine: str | None = None, time_dim: str = "time", lat_dim: str | None = None,
-                 lon_dim: str | None = None) -> None:
+                 lon_dim: str | None = None, mesh: Any | None = None) -> None:
         import xarray as xr
 
         ds = source if isinstance(source, xr.Dataset) else xr.open_dataset(source, engine=engine, cache=False)
@@ -69,13 +72,16 @@ class ShardedField:
         if not names:
             raise ValueError(f"halo.io: no variable with dims ({self.lat}, {self.lon}) in {list(ds.data_vars)}")
         self.ds, self.variables = ds, names
-        self.cg = comm_group(group)
-        h = ds.sizes[self.lat]
+        h, w = ds.sizes[self.lat], ds.sizes[self.lon]
         if granularity < 1 or h % granularity:
             raise ValueError(f"halo.io: {h} latitude rows are not a whole number of blocks of {granularity}")
-        offs = [o * granularity for o in split_offsets(h // granularity, self.cg.size)]
-        self.rows = slice(offs[self.cg.index], offs[self.cg.index + 1])
-        self.shape = (h, ds.sizes[self.lon])
+        parts_h, index_h, self.cols = _layout(group, mesh, w)
+        self.cg = comm_group(group if mesh is None else mesh.domain_group)
+        if parts_h is None:
+            parts_h, index_h = self.cg.size, self.cg.index
+        offs = [o * granularity for o in split_offsets(h // granularity, parts_h)]
+        self.rows = slice(offs[index_h], offs[index_h + 1])
+        self.shape = (h, w)
 
     def __len__(self) -> int:
         return self.ds.sizes[self.time] if self.time else 1
@@ -94,7 +100,7 @@ class ShardedField:
 
     def _slab(self, var: str, t: int | slice | None) -> np.ndarray:
         a = self.ds[var]
-        sel = {self.lat: self.rows}
+        sel = {self.lat: self.rows, self.lon: self.cols}
         if self.time is not None and t is not None:
             sel[self.time] = t
         a = a.isel(sel)  # lazy: only these rows are read
@@ -133,6 +139,21 @@ class ShardedField:
         return mean, var.sqrt()
 
 
+def _layout(group: Any | None, mesh: Any | None, w: int) -> tuple[int | None, int, slice]:
+    """``(parts along H, this rank's H index, its longitudes)``; ``parts`` ``None``: H over the whole group."""
+    if mesh is None:
+        return None, 0, slice(0, w)
+    from .mesh import mesh_2d
+
+    if mesh_2d(mesh) is None:
+        raise ValueError(f"halo.io: mesh= takes a DomainMesh with two domain axes, got {mesh!r}")
+    if group is not None:
+        raise ValueError("halo.io: pass group= (latitude rows) or mesh= (latitude x longitude blocks), not both")
+    offs = split_offsets(w, mesh.axis_size(1))
+    j = mesh.axis_rank(1)
+    return mesh.axis_size(0), mesh.axis_rank(0), slice(offs[j], offs[j + 1])
+
+
 def rechunk(source: Any, target: str, *, lat_chunk: int = 8, engine: str | None = None) -> None:
     """Write ``source`` (a path or ``xarray.Dataset``) to the zarr store ``target`` chunked ``lat_chunk`` rows by
     the whole longitude circle per time step: slab reads then cost ~1/P (needs ``zarr``)."""
@@ -150,31 +171,41 @@ def rechunk(source: Any, target: str, *, lat_chunk: int = 8, engine: str | None 
 
 
 def write_rows(store: str, name: str, local: torch.Tensor, shape: tuple[int, ...], index: tuple[int, ...] = (), *,
-               group: Any | None = None) -> None:
+               group: Any | None = None, mesh: Any | None = None) -> None:
     """Write this rank's rows of a field into one zarr array shared by the domain group (predictions, per rank).
 
     ``local``: this rank's ``(..., H_r, W)`` rows of a field whose whole array has ``shape`` (leading dims, e.g.
     ``(time, channel, H, W)``); ``index``: where along the leading dims this field goes (``(t,)`` writes
     ``array[t, :, rows, :]``). The array is created on first use by group rank 0 (others wait), chunked so that no
     chunk spans two ranks' rows (its latitude chunk divides every rank's first row), so the ranks' writes never
-    touch the same chunk. Every rank of the group calls it; ``halo.gather`` is never needed.
+    touch the same chunk. Every rank of the group calls it; ``halo.gather`` is never needed. With ``mesh=`` (a
+    latitude x longitude ``DomainMesh``) each rank writes its block, chunks split along longitude the same way.
     """
     import math
 
     import zarr
 
-    cg = comm_group(group)
-    h = shape[-2]
-    offs = split_offsets(h, cg.size)
-    lat_chunk = 0
-    for o in offs[1:-1]:
-        lat_chunk = math.gcd(lat_chunk, o)
-    lat_chunk = lat_chunk or h
-    rows = slice(offs[cg.index], offs[cg.index + 1])
-    if tuple(local.shape[-2:]) != (rows.stop - rows.start, shape[-1]):
-        raise ValueError(f"halo.io.write_rows: rank {cg.index} holds rows {rows.start}..{rows.stop} of {h}, so "
-                         f"expects ({rows.stop - rows.start}, {shape[-1]}) at the end, got {tuple(local.shape)}")
-    chunks = (*([1] * len(index)), *shape[len(index):-2], lat_chunk, shape[-1])
+    h, w = shape[-2], shape[-1]
+    parts_h, index_h, cols = _layout(group, mesh, w)
+    cg = comm_group(group if mesh is None else mesh.domain_group)
+    if parts_h is None:
+        parts_h, index_h = cg.size, cg.index
+    offs = split_offsets(h, parts_h)
+
+    def chunk(starts: list[int], n: int) -> int:  # divides every rank's first row (column): no chunk spans two ranks
+        c = 0
+        for o in starts:
+            c = math.gcd(c, o)
+        return c or n
+
+    lat_chunk = chunk(offs[1:-1], h)
+    lon_chunk = chunk(split_offsets(w, mesh.axis_size(1))[1:-1], w) if mesh is not None else w
+    rows = slice(offs[index_h], offs[index_h + 1])
+    if tuple(local.shape[-2:]) != (rows.stop - rows.start, cols.stop - cols.start):
+        raise ValueError(f"halo.io.write_rows: rank {cg.index} holds rows {rows.start}..{rows.stop} of {h} and "
+                         f"columns {cols.start}..{cols.stop} of {w}, so expects ({rows.stop - rows.start}, "
+                         f"{cols.stop - cols.start}) at the end, got {tuple(local.shape)}")
+    chunks = (*([1] * len(index)), *shape[len(index):-2], lat_chunk, lon_chunk)
     dtype = str(local.dtype).removeprefix("torch.")
     if cg.index == 0:
         root = zarr.open_group(store, mode="a")
@@ -185,6 +216,6 @@ def write_rows(store: str, name: str, local: torch.Tensor, shape: tuple[int, ...
 
         dist.barrier(group=cg.group)
     arr = zarr.open_group(store, mode="a")[name]
-    arr[(*index, ..., rows, slice(None))] = local.detach().cpu().numpy()
+    arr[(*index, ..., rows, cols)] = local.detach().cpu().numpy()
     if cg.size > 1:
         dist.barrier(group=cg.group)  # every rank's rows are in the store when any rank returns

@@ -151,3 +151,46 @@ def test_ranks_write_their_rows_into_one_store(tmp_path):
     got = zarr.open_group(store, mode="r")["pred"]
     assert np.array_equal(got[...], _dataset()["t"].values)
     assert got.chunks[-2] == 15  # 45 rows on 3 ranks: chunk boundaries at every rank's first row
+
+
+def _read_blocks(rank, world, data, store):
+    from halo.io import ShardedField, write_rows
+    from halo.mesh import DomainMesh
+
+    mesh = DomainMesh((2, 2))
+    f = Counting(data)
+    field = ShardedField(io.BufferedReader(f, buffer_size=512), engine="h5netcdf", mesh=mesh)
+    opened = f.read_bytes
+    samples = [field.sample(t, dtype=torch.float64) for t in range(len(field))]
+    read_samples = f.read_bytes - opened
+    mean, std = field.stats()
+    for t in range(T):  # each rank writes back its block of the first variable
+        write_rows(store, "pred", samples[t][:L].float(), (T, L, H, W), (t,), mesh=mesh)
+    return {"samples": samples, "mean": mean, "std": std, "bytes": read_samples,
+            "block": (field.rows.start, field.rows.stop, field.cols.start, field.cols.stop)}
+
+
+def test_latitude_longitude_blocks(tmp_path):
+    """On a 2 x 2 mesh each rank reads its block (about a quarter of the data), the statistics are the whole
+    field's, and the ranks write their blocks into one store whose chunks never span two ranks."""
+    zarr = pytest.importorskip("zarr")
+    data = _file_bytes(tmp_path)
+    store = str(tmp_path / "blocks.zarr")
+    results = run_on_ranks(_read_blocks, 4, data, store, timeout=120)
+    ds = _dataset()
+    full = torch.from_numpy(np.concatenate([ds["t"].values, ds["u"].values[:, None]], axis=1))
+    oh, ow = split_offsets(H, 2), split_offsets(W, 2)
+    payload = full.numel() * 8
+    for rank, r in enumerate(results):
+        i, j = divmod(rank, 2)
+        assert r["block"] == (oh[i], oh[i + 1], ow[j], ow[j + 1])
+        for t in range(T):
+            assert torch.equal(r["samples"][t], full[t, :, oh[i]:oh[i + 1], ow[j]:ow[j + 1]])
+        mean = full.permute(1, 0, 2, 3).reshape(3, -1).mean(1)
+        assert torch.allclose(r["mean"], mean, rtol=1e-12)
+        # About a quarter of the payload: its rows, half of each row (row-major storage: contiguous half-rows).
+        share = (oh[i + 1] - oh[i]) * (ow[j + 1] - ow[j]) / (H * W)
+        assert share * payload <= r["bytes"] < (2 * share + 0.05) * payload, (rank, r["bytes"], payload)
+    got = zarr.open_group(store, mode="r")["pred"]
+    assert np.array_equal(got[...], ds["t"].values.astype(np.float32))
+    assert got.chunks[-2:] == (23, 32)
