@@ -24,7 +24,7 @@ from .mesh import (
 from .parallel import parallelize
 from .plans import set_validation
 from .random import manual_seed
-from .shard import gather, gather_2d, scatter, scatter_2d, shard, shard_2d
+from .shard import gather, gather_2d, local_rows, scatter, scatter_2d, shard, shard_2d
 
 __version__ = "0.1.0"
 
@@ -36,6 +36,7 @@ __all__ = [
     "destroy_domain_parallel",
     "gather",
     "gather_2d",
+    "local_rows",
     "get_domain_parallel_manager",
     "get_timeout",
     "halo_exchange",

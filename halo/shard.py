@@ -48,7 +48,7 @@ from .mesh import DomainMesh, get_domain_parallel_manager
 from .partition import split_sizes
 from .plans import field_epoch, resolve, shard_sizes, tag
 
-__all__ = ["shard", "scatter", "gather", "shard_2d", "scatter_2d", "gather_2d"]
+__all__ = ["shard", "scatter", "gather", "shard_2d", "scatter_2d", "gather_2d", "local_rows"]
 
 
 # -- primitives (no autograd): x is a tensor with extent sizes[index] along dim on each rank --------------------
@@ -408,3 +408,52 @@ def gather_2d(x: torch.Tensor, *, mesh: DomainMesh | None = None, dst: int | Non
     if mesh.axis_rank(1) != dst_w:  # rows of this column end on dst's column; nothing more to assemble here
         return x
     return gather(x, dim_h, group=mesh.axis_group(0), dst=dst_h)
+
+
+# -- a whole tensor's part that matches a shard ---------------------------------------------------------------------
+
+def _local_part(cg: CommGroup, extents: tuple[tuple[int, ...], ...], width: int) -> tuple[tuple[int, int, int], ...]:
+    """Per sharded axis ``(start, extent, total)`` of this rank (``width``: the mesh's W size; 0 for one axis)."""
+    if not width:
+        (sizes,) = extents
+        return ((sum(sizes[:cg.index]), sizes[cg.index], sum(sizes)),)
+    index = divmod(cg.index, width)
+    return tuple((sum(sizes[:i]), sizes[i], sum(sizes)) for sizes, i in zip(extents, index, strict=True))
+
+
+def local_rows(t: torch.Tensor, like: torch.Tensor, *, dim: int | tuple[int, int] = -2,
+               like_dim: int | tuple[int, int] = -2, group: Any | None = None,
+               mesh: DomainMesh | None = None) -> torch.Tensor:
+    """The part of ``t`` (whole on every rank: a learned absolute positional embedding of the global grid, a
+    land-sea mask, latitude features) that lines up with this rank's shard ``like``: rows ``[off_r, off_r + n_r)``
+    of ``t`` along ``dim``, where ``like`` holds rows ``off_r ...`` of its global extent along ``like_dim``.
+
+    Differentiable: ``t``'s gradient lands in this rank's rows only, so :func:`halo.reduce.sync_domain_gradients`'s
+    sum over the domain group assembles a parameter's full gradient. ``mesh``: a latitude x longitude
+    ``DomainMesh``; ``dim`` / ``like_dim`` are then pairs (H, W) (default ``(-2, -1)``). Every rank's extent is
+    agreed on once per epoch (``halo.plans``); ``t``'s extent must be the global one (a clear error otherwise).
+    Use it in a model's ``forward``: ``x = x + halo.local_rows(self.pos_embed, x)``.
+    """
+    from .plans import resolve
+
+    op = "local_rows"
+    two = mesh is not None and len(mesh.domain_shape) == 2
+    if two:
+        dims = dim if isinstance(dim, tuple) else (-2, -1)
+        like_dims = like_dim if isinstance(like_dim, tuple) else (-2, -1)
+        coords = tuple(divmod(i, mesh.domain_shape[1]) for i in range(mesh.domain_size))
+        parts = resolve(like, mesh.domain_group, op, _local_part, (mesh.domain_shape[1],),
+                        spec=tuple((d,) for d in like_dims), coords=coords, grad=False)
+    else:
+        if isinstance(dim, tuple) or isinstance(like_dim, tuple):
+            raise ValueError(f"{op}: dim / like_dim pairs are for a latitude x longitude mesh (mesh=); got {dim}, "
+                             f"{like_dim}")
+        dims = (dim,)
+        parts = resolve(like, group, op, _local_part, (0,), spec=(like_dim,), grad=False)
+    for d, (start, n, total) in zip(dims, parts, strict=True):
+        if not -t.dim() <= d < t.dim() or t.shape[d] != total:
+            got = t.shape[d] if -t.dim() <= d < t.dim() else "no such dim"
+            raise ValueError(f"{op}: t must hold the whole global extent {total} along dim {d} (the shards' "
+                             f"{like_dims if two else like_dim} add up to it), got {got} in shape {tuple(t.shape)}")
+        t = t.narrow(d, start, n)
+    return t

@@ -121,7 +121,8 @@ BAD_INPUT = {
     "grad_differs": ("ValueError", ["disagree on whether the exchange records a backward",
                                     "group rank 1 (global 1) has an input that requires grad"]),
     "boundary_unknown": ("ValueError", ["on group rank 1 (global 1), unknown boundary 'zero'; expected one of "
-                                        "zeros, replicate, reflect, symmetric, circular, periodic, pole, pole_centered"]),
+                                        "zeros, replicate, reflect, symmetric, circular, periodic, pole, "
+                                        "pole_centered"]),
     "boundary_differs": ("ValueError", ["disagree on the boundary", "'zeros'", "'circular'"]),
     "pole_odd_width": ("ValueError", ["pole boundary needs an even number of longitudes", "got W=5"]),
     "pole_on_last_dim": ("ValueError", ["cannot exchange the last dim itself"]),
