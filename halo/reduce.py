@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import CommGroup, all_gather_object, comm_group, gather_words
+from .comm import CommGroup, all_gather_object, comm_group, gather_words, group_by_id, group_id
 from .comm import all_reduce as bounded_all_reduce
 from .mesh import DomainParallelManager, get_domain_parallel_manager, mesh_2d
 from .partition import local_range
@@ -117,10 +117,48 @@ def all_reduce(x: torch.Tensor, op: str = "sum", group: Any | None = None) -> to
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
+    if torch.compiler.is_compiling() and op in ("sum", "mean"):  # a custom op: one node of the graph
+        gid, size = _group_of(group)
+        return x if size == 1 else _all_reduce_op(x, op, gid)
     info = comm_group(group)
     if info.size == 1:
         return x
     return _AllReduceFn.apply(x, op, info)
+
+
+@torch._dynamo.assume_constant_result
+def _group_of(group: Any | None) -> tuple[int, int]:
+    cg = comm_group(group)
+    return group_id(cg), cg.size
+
+
+@torch.library.custom_op("halo::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, op: str, gid: int) -> torch.Tensor:
+    """:func:`all_reduce` (sum or mean) under ``torch.compile``: the same bounded all-reduce, accumulated in fp32 or
+    wider; its backward is the same op on the gradient (the plain adjoint)."""
+    info = group_by_id(gid)
+    acc = accumulation_dtype(x.dtype)
+    buf = x.detach().to(acc, copy=True)
+    bounded_all_reduce(buf, info, "all_reduce")
+    if op == "mean":
+        buf.div_(info.size)
+    return buf.to(x.dtype)
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor, op: str, gid: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _all_reduce_setup(ctx, inputs, output) -> None:
+    ctx.op, ctx.gid = inputs[1], inputs[2]
+
+
+def _all_reduce_backward(ctx, grad: torch.Tensor):
+    return _all_reduce_op(grad, ctx.op, ctx.gid), None, None
+
+
+_all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
 
 
 # -- replicated reductions (a loss counted once) ---------------------------------------------------------------

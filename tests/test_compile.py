@@ -13,6 +13,8 @@ Tolerance: the compiled graph may reorder the float64 arithmetic of the local co
 """
 
 import pytest
+import torch
+import torch.nn as nn
 from _helpers import SteadyNet
 
 from halo.partition import split_offsets
@@ -64,3 +66,46 @@ def test_compiled_converted_model_equals_eager(world, backend):
         for step, errs in enumerate(steps):
             assert max(errs.values()) < 1e-12, (rank, step, errs)
         assert graphs == 1, (rank, graphs)  # one graph of the whole forward (fullgraph), reused by later calls
+
+
+def _sequential(rank, world, mesh_shape):
+    import pickle
+
+    import halo
+    from halo.nn import convert_to_domain_parallel, revert_domain_parallel
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"), nn.BatchNorm2d(4), nn.GELU(),
+                        nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.GroupNorm(2, 4), nn.MaxPool2d(2),
+                        nn.Upsample(scale_factor=4, mode="bilinear"), nn.ConvTranspose2d(4, 3, 3, padding=1)).double()
+    full = torch.randn(2, 3, 21, 26, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    if mesh_shape is None:
+        model = convert_to_domain_parallel(net, halo.initialize_domain_parallel(world, world), boundary="pole")
+        x = halo.shard(full)
+    else:
+        mesh = halo.DomainMesh(mesh_shape, periodic=(False, True))
+        model = convert_to_domain_parallel(net, mesh=mesh, boundary="pole")
+        x = halo.shard_2d(full, mesh=mesh)
+    out = {"repr": repr(model).startswith("Sequential("), "isinstance": isinstance(model, nn.Sequential)}
+    results = []
+    for fn in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi)
+        y.square().sum().backward()
+        results.append((y.detach(), xi.grad, [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    (ye, gxe, gpe), (yc, gxc, gpc) = results
+    out["err"] = max([float((yc - ye).abs().max()), float((gxc - gxe).abs().max())]
+                     + [float((a - b).abs().max()) for a, b in zip(gpc, gpe, strict=True)])
+    out["pickles"] = isinstance(pickle.loads(pickle.dumps(model)), nn.Sequential)
+    out["reverted"] = type(revert_domain_parallel(model)) is nn.Sequential
+    return out
+
+
+@pytest.mark.parametrize("world, mesh_shape", [(2, None), (4, (2, 2))])
+def test_sequential_root_compiles_fullgraph(world, mesh_shape):
+    """A converted nn.Sequential (torch traces a torch.nn container's hooks with its call) compiles with
+    fullgraph=True, BatchNorm's domain statistics included, on latitude rows and on a latitude x longitude mesh."""
+    for r in run_on_ranks(_sequential, world, mesh_shape, timeout=300):
+        assert r["err"] <= 1e-12, r
+        assert r["repr"] and r["isinstance"] and r["pickles"] and r["reverted"], r

@@ -24,9 +24,22 @@ def set_mesh(module: nn.Module, mesh: DomainMesh | None, name: str) -> None:
     """Store ``mesh`` on ``module`` (not a parameter, buffer or submodule: the ``state_dict`` is unchanged)."""
     if mesh is not None and not isinstance(mesh, DomainMesh):
         raise TypeError(f"{name}: mesh= takes a halo.DomainMesh, got {type(mesh).__name__}")
-    if mesh is not None and len(mesh.domain_shape) == 2 and tuple(mesh.shard_dims) not in ((-2, -1), (2, 3)):
-        raise ValueError(f"{name}: a latitude x longitude mesh must shard dims (-2, -1), got {mesh.shard_dims}")
+    if mesh is not None and len(mesh.domain_shape) == 2:
+        if tuple(mesh.shard_dims) not in ((-2, -1), (2, 3)):
+            raise ValueError(f"{name}: a latitude x longitude mesh must shard dims (-2, -1), got {mesh.shard_dims}")
+        _layout(mesh)  # its groups looked up now, outside any traced forward
     module.__dict__["_halo_mesh"] = mesh
+
+
+def _layout(mesh: DomainMesh) -> tuple[Any, tuple[Any, Any], tuple[tuple[int, int], ...], int]:
+    """The domain group, the axis groups, the coordinates and the W size of a mesh, looked up once per mesh (not in a
+    traced forward: ``torch.compile`` sees constants)."""
+    cached = mesh.__dict__.get("_halo_layout")
+    if cached is None:
+        cached = (mesh.domain_group, (mesh.axis_group(0), mesh.axis_group(1)),
+                  _mesh_coords(tuple(mesh.domain_shape)), mesh.domain_shape[1])
+        mesh.__dict__["_halo_layout"] = cached
+    return cached
 
 
 def mesh_of(module: nn.Module) -> DomainMesh | None:
@@ -37,6 +50,5 @@ def mesh_of(module: nn.Module) -> DomainMesh | None:
 def resolve_2d(x: torch.Tensor, mesh: DomainMesh, op: str, make: Any, extra: tuple, site: Site | None) -> Any:
     """``make(domain CommGroup, (H extents of this rank's H line, W extents of its W line), (H group, W group),
     *extra)``, agreed over the domain group (or recalled under the call's epoch)."""
-    coords = _mesh_coords(tuple(mesh.domain_shape))
-    groups = (mesh.axis_group(0), mesh.axis_group(1))
-    return resolve(x, mesh.domain_group, op, make, (groups, *extra), site=site, spec=((-2,), (-1,)), coords=coords)
+    domain_group, groups, coords, _ = _layout(mesh)
+    return resolve(x, domain_group, op, make, (groups, *extra), site=site, spec=((-2,), (-1,)), coords=coords)

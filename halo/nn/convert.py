@@ -484,12 +484,45 @@ def _make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_sha
         grid = (int(grid[0]), int(grid[1]))
     had = "_halo_root" in model.__dict__
     model.__dict__["_halo_root"] = RootConfig(GroupRef(group), grid, w_sharded)
+    if type(model).__module__.startswith("torch.nn"):
+        # torch.compile traces a torch.nn container's call *with* its hooks (and the entry hook runs outside any
+        # graph: fullgraph=True would fail); the same class under a forward of halo's own makes dynamo run the
+        # hooks eagerly and trace the forward, as for a user's model. isinstance, state_dict and repr are unchanged.
+        model.__class__ = _rooted(type(model))
     if not had:
         model.register_forward_pre_hook(enter_root, with_kwargs=True)
         model.register_forward_hook(exit_root, with_kwargs=True, always_call=True)
 
 
+_ROOTED: dict[type, type] = {}
+
+
+def _rooted(kind: type) -> type:
+    """``kind`` with a ``forward`` defined here (module-level, so a model holding it pickles)."""
+    cls = _ROOTED.get(kind)
+    if cls is None:
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return kind.forward(self, *args, **kwargs)
+
+        name = f"_Rooted{kind.__name__}"
+        cls = type(kind.__name__, (kind,), {"forward": forward, "__module__": __name__, "__qualname__": name,
+                                             "_halo_unrooted": kind})
+        _ROOTED[kind] = globals()[name] = cls
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    """``_RootedSequential`` and friends made on demand: a pickled converted model loads in a fresh process."""
+    kind = getattr(nn, name.removeprefix("_Rooted"), None) if name.startswith("_Rooted") else None
+    if isinstance(kind, type) and issubclass(kind, nn.Module):
+        return _rooted(kind)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _drop_root(model: nn.Module) -> None:
+    unrooted = type(model).__dict__.get("_halo_unrooted")
+    if unrooted is not None:
+        model.__class__ = unrooted
     if model.__dict__.pop("_halo_root", None) is None:
         return
     for hooks, fn in ((model._forward_pre_hooks, enter_root), (model._forward_hooks, exit_root)):

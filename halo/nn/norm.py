@@ -98,7 +98,7 @@ def domain_var_mean(x: torch.Tensor, dims: tuple[int, ...], group: Any | None = 
     info = comm_group(group)
     acc = accumulation_dtype(x.dtype)
     var, mean = torch.var_mean(x.to(acc), dim=dims, correction=0, keepdim=True)
-    per_row = math.prod(x.shape[d] for d in dims if d != h)
+    per_row = math.prod([x.shape[d] for d in dims if d != h])  # a list: torch.compile traces no generators
     count = per_row * x.shape[h]
     if cols is not None:  # W sharded too (a latitude x longitude mesh): every rank's grid points
         if nd - 1 not in dims:

@@ -228,8 +228,8 @@ class HaloMaxPool2d(nn.MaxPool2d):
         detail = f", kernel {k}, stride {s}, padding {p}, dilation {d}, ceil_mode={self.ceil_mode}"
         mesh = mesh_of(self)
         if mesh is not None:
-            geometry = tuple(zip(*(_pair(a) for a in (self.kernel_size, self.stride, self.padding, self.dilation)),
-                                 strict=True))
+            k2, s2, p2, d2 = _pair(self.kernel_size), _pair(self.stride), _pair(self.padding), _pair(self.dilation)
+            geometry = ((k2[0], s2[0], p2[0], d2[0]), (k2[1], s2[1], p2[1], d2[1]))
             plan = resolve_2d(x, mesh, op, _window_pool_plan_2d, (op, "max", tuple(x.shape), args, geometry, detail),
                               self._halo_site)
             out = F.max_pool2d(_run_2d(x, plan), self.kernel_size, self.stride, self.padding, self.dilation,
@@ -290,8 +290,8 @@ class HaloAvgPool2d(nn.AvgPool2d):
         detail = f", kernel {k}, stride {s}, padding {p}, ceil_mode={self.ceil_mode}"
         mesh = mesh_of(self)
         if mesh is not None:
-            geometry = tuple((*kspd, 1) for kspd in zip(*(_pair(a) for a in (self.kernel_size, self.stride,
-                                                                             self.padding)), strict=True))
+            k2, s2, p2 = _pair(self.kernel_size), _pair(self.stride), _pair(self.padding)
+            geometry = ((k2[0], s2[0], p2[0], 1), (k2[1], s2[1], p2[1], 1))
             plan = resolve_2d(x, mesh, op, _window_pool_plan_2d, (op, "avg", tuple(x.shape), args, geometry, detail),
                               self._halo_site)
             out = _crop_2d(self._pool(_run_2d(x, plan)), plan)

@@ -52,7 +52,7 @@ from ..exchange import exchange, exchanger_id
 from ..mesh import group_attribute
 from ..partition import split_offsets
 from ..plans import Site, carry, device_tensor, resolve
-from ._mesh2d import mesh_of, set_mesh
+from ._mesh2d import _layout, mesh_of, set_mesh
 from .pool import adaptive_pool, check_output_rows
 
 __all__ = ["HaloUpsample", "halo_interpolate", "interpolate_2d", "kernel_scales", "row_taps"]
@@ -391,7 +391,7 @@ def interpolate_2d(x: torch.Tensor, mesh: Any, size=None, scale_factor=None, mod
     if x.dim() != 4:
         raise ValueError(f"interpolate_2d: expected a (B, C, H, W) block, got shape {tuple(x.shape)}")
     (size_h, size_w), (scale_h, scale_w) = _per_axis(size), _per_axis(scale_factor)
-    groups = (mesh.axis_group(0), mesh.axis_group(1))
+    groups = _layout(mesh)[1]
 
     def one_pass(t: torch.Tensor, n_out: Any, scale: Any, group: Any, site: Site | None) -> torch.Tensor:
         if n_out is not None:
