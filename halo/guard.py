@@ -54,7 +54,7 @@ from torch.overrides import TorchFunctionMode
 from .comm import CommGroup, all_gather_object, gather_words
 from .plans import _TensorMap, whole_source
 
-__all__ = ["SpatialGuard", "trusted"]
+__all__ = ["SpatialGuard", "place", "trusted"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HALO_DIRS = (os.path.dirname(os.path.abspath(__file__)),
@@ -380,6 +380,21 @@ def _user_frame():
 
 
 _TRUSTED = [0]
+
+
+def place(t: Any, dim: int, rows: int | None = None) -> None:
+    """Tell the guard of a converted model's first call where ``t``, a halo layer's output, holds the sharded rows:
+    at ``dim`` (``rows`` of them; more when later dims are merged into it, as tokens). For layers whose output is
+    not ``(..., H, W)`` with H at -2: channels-last blocks (Swin, NATTEN), tokens, W-shards (``rows_to_columns``).
+    Without it the guard would take dim -2 for H and pass a reduction over the real H (silently wrong). A no-op when
+    no guard is watching."""
+    from .plans import _STATE
+
+    guard = _STATE.guard
+    if guard is None or not isinstance(t, torch.Tensor) or torch.compiler.is_compiling():
+        return
+    d = dim % t.dim()
+    guard.dims[t] = (d, int(t.shape[d]) if rows is None else int(rows))
 
 
 class trusted:  # noqa: N801 - a context manager, named like one

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import CommGroup, comm_error, comm_group, keep_alive, wait_all
+from ..guard import place
 from ..mesh import group_attribute
 from ..partition import offsets, split_sizes
 from ..plans import Site, carry, device_tensor, resolve
@@ -241,7 +242,9 @@ def rows_to_columns(x: torch.Tensor, *, group: Any | None = None) -> torch.Tenso
     width = x.shape[-1] if x.dim() >= 2 else 0
     plan = resolve(x, group, op, _columns_plan, (width, op), spec=(-2,))
     flat = regroup(x.flatten(-2), plan.regroup)  # (..., W_s * H), column-major
-    return flat.unflatten(-1, (plan.cols, plan.height)).transpose(-1, -2)
+    out = flat.unflatten(-1, (plan.cols, plan.height)).transpose(-1, -2)
+    place(out, -1)  # now sharded along W: the guard must refuse ops along W and let those along H pass
+    return out
 
 
 def columns_to_rows(y: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
@@ -251,7 +254,9 @@ def columns_to_rows(y: torch.Tensor, *, group: Any | None = None) -> torch.Tenso
     height = y.shape[-2] if y.dim() >= 2 else 0
     plan = resolve(y, group, op, _rows_plan, (height, op), spec=(-1,))
     flat = regroup(y.transpose(-1, -2).flatten(-2), plan.regroup)  # (..., H_r * W), row-major
-    return flat.unflatten(-1, (plan.rows, -1))
+    out = flat.unflatten(-1, (plan.rows, -1))
+    place(out, -2)
+    return out
 
 
 # -- CrossFormer ---------------------------------------------------------------------------------------------------
@@ -391,4 +396,5 @@ class DomainCrossFormerAttention(nn.Module):
             z = _long_back(_attend(self, _long_groups(g, w)), b, g.shape[-2], ww, w)
             out = regroup(z, plan.forward.inverse())
         carry(out, x)
+        place(out, -2)
         return out

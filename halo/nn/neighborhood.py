@@ -45,6 +45,7 @@ from torch import nn
 
 from ..comm import CommGroup
 from ..exchange import exchange, exchanger_id
+from ..guard import place
 from ..mesh import group_attribute
 from ..partition import offsets
 from ..plans import Site, carry, device_tensor, resolve
@@ -327,4 +328,5 @@ class DomainNeighborhoodAttention2D(nn.Module):
         y = y.permute(0, 2, 3, 1, 4).reshape(b, h, w, c)
         out = self.proj_drop(self.proj(y))
         carry(out, x)
+        place(out, 1)  # channels-last: the sharded rows are dim 1
         return out

@@ -50,6 +50,7 @@ from torch import nn
 
 from ..comm import CommGroup
 from ..exchange import exchange, exchanger_id
+from ..guard import place
 from ..mesh import group_attribute
 from ..partition import offsets, split_offsets, split_sizes
 from ..plans import Site, carry, resolve
@@ -350,6 +351,7 @@ class HaloSwinTransformerBlock(nn.Module):
         y = y + self.drop_path2(self.mlp(self.norm2(y)))
         y = y.reshape(b, h, w, c)
         carry(y, x)
+        place(y, 1)  # channels-last: the sharded rows are dim 1 (the guard must not take W for H)
         return y
 
 
@@ -403,6 +405,7 @@ class HaloPatchMerging(nn.Module):
         y = y.reshape(b, h2 // 2, 2, w2 // 2, 2, c).permute(0, 1, 3, 4, 2, 5).flatten(3)
         y = self.reduction(self.norm(y))
         carry(y, x)
+        place(y, 1)
         return y
 
 
@@ -455,6 +458,7 @@ class HaloPatchEmbed(nn.Module):
         if dynamic:
             x = F.pad(x, (0, (pw - w % pw) % pw, 0, plan.pad))
         y = self.proj(x)
+        rows = y.shape[-2]
         fmt = getattr(self.output_fmt, "value", self.output_fmt)
         if self.flatten:
             y = y.flatten(2).transpose(1, 2)
@@ -466,6 +470,10 @@ class HaloPatchEmbed(nn.Module):
             y = y.flatten(2)
         y = self.norm(y)
         carry(y, x)
+        if self.flatten or fmt in ("NHWC", "NLC"):  # channels-last or tokens: the rows lead dim 1
+            place(y, 1, rows)
+        elif fmt == "NCL":
+            place(y, 2, rows)
         return y
 
 

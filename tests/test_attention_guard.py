@@ -1,0 +1,91 @@
+"""The guard knows where halo's attention layers leave the sharded rows: a channels-last Swin or NATTEN output has
+them at dim 1, ``rows_to_columns`` output is sharded along W. A reduction over the real H after them is refused on
+every rank (taking dim -2 for H would pass it: silently wrong), one over the unsharded dim runs and is exact."""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from halo.testing import run_on_ranks
+
+
+class SwinHead(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        from test_swin import SmallSwin
+
+        self.body = SmallSwin((32, 16))
+        self.dim = dim
+
+    def forward(self, x):
+        return self.body(x).mean(self.dim)  # (B, H, W, C) channels-last
+
+
+class NattenHead(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        from test_neighborhood import NeighborhoodAttention2D
+
+        self.inp = nn.Conv2d(3, 8, 3, padding=1)
+        self.na = NeighborhoodAttention2D(8, 2, 3)
+        self.dim = dim
+
+    def forward(self, x):
+        return self.na(self.inp(x).permute(0, 2, 3, 1)).mean(self.dim)
+
+
+class AxialHead(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.inp = nn.Conv2d(3, 4, 3, padding=1)
+        self.dim = dim
+
+    def forward(self, x):
+        from halo.nn import rows_to_columns
+
+        return rows_to_columns(self.inp(x)).mean(self.dim)  # sharded along W now: a mean over H is local
+
+
+CASES = [(SwinHead, 1, False), (SwinHead, 2, True), (NattenHead, 1, False), (NattenHead, 2, True),
+         (AxialHead, -1, False), (AxialHead, -2, True)]
+
+
+def _ranks(rank, world, kind, dim):
+    os.environ["TRITON_INTERPRET"] = "0"
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import halo
+    from halo.comm import unsharded
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    ref = kind(dim).double()
+    model = convert_to_domain_parallel(kind(dim).double(), manager)
+    model.load_state_dict(ref.state_dict())
+    full = torch.randn(1, 3, 32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    x = halo.shard(full, granularity=8)
+    try:
+        y = model(x)
+    except ValueError as e:
+        return str(e)
+    with unsharded():
+        want = ref(full)
+    if kind is AxialHead:  # W-sharded result: each rank holds its columns
+        got = halo.gather(y.detach(), dim=-1)
+    else:  # the mean over W leaves the rows sharded along dim 1
+        got = halo.gather(y.detach(), dim=1)
+    return float((got - want.detach()).abs().max())
+
+
+@pytest.mark.parametrize("kind, dim, allowed", CASES)
+def test_guard_follows_attention_layouts(kind, dim, allowed):
+    results = run_on_ranks(_ranks, 2, kind, dim, timeout=180)
+    if allowed:
+        assert all(isinstance(r, float) and r <= 1e-12 for r in results), results
+    else:
+        assert len(set(results)) == 1 and isinstance(results[0], str), results
+        assert "reduces over H" in results[0], results[0]
