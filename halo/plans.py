@@ -83,7 +83,7 @@ class _State:
     """The epoch of the converted model whose forward is running (``None`` outside one), the mode, and the guard
     of functional ops active during a model's first call of an epoch (``halo.guard``)."""
 
-    __slots__ = ("depth", "epoch", "guard", "calls", "validation")
+    __slots__ = ("depth", "epoch", "guard", "calls", "validation", "mesh_group")
 
     def __init__(self) -> None:
         self.epoch: int | None = None
@@ -91,6 +91,7 @@ class _State:
         self.validation = "first"
         self.guard: Any = None
         self.calls = 0  # site-less calls so far in this forward (their site: their place in the sequence)
+        self.mesh_group: Any = None  # the domain group of a model converted on a latitude x longitude mesh
 
 
 _STATE = _State()
@@ -251,6 +252,11 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     NamedTuples). ``source``: the tensor whose epoch the call belongs to, when not ``x`` itself (a view of it).
     """
     specs = spec if isinstance(spec[0], tuple) else (spec,)
+    if _STATE.mesh_group is not None and len(specs) == 1 and not replicated \
+            and (group is None or group is _STATE.mesh_group):
+        raise ValueError(f"{op} shards latitude only, but it runs in the forward of a model converted on a latitude "
+                         f"x longitude mesh, whose blocks it would take for latitude rows (silently wrong); use a "
+                         f"layer with a mesh form (halo.nn.convert.MESH_2D), or convert on latitude rows")
     local = local_key(x, grad)
     if group is None and unsharded_default():
         replicated = True  # one process (no torch.distributed, or halo.comm.unsharded()): local shapes are global
@@ -361,6 +367,7 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         table = gather_words([_ENTRY, int(words[0]), int(words[1])], cg, op)  # host data only
         epoch = _intern(("entry", cg.ranks, tuple(table.ravel().tolist())))
     _STATE.epoch, _STATE.depth = epoch, 1
+    _STATE.mesh_group = config.group if getattr(config, "w_sharded", False) else None
     guarded = module.__dict__.setdefault("_halo_guarded", set())
     if (epoch not in guarded or _STATE.validation == "always") and _GUARD[0] and not _called_by_dynamo():
         # The first call of this epoch: watch the ops its forward calls itself (``halo.guard``). Not for a compiled
@@ -383,6 +390,7 @@ def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> N
             if output is not None:  # the call completed: this epoch's ops were checked
                 module.__dict__.setdefault("_halo_guarded", set()).add(guard.epoch)
         epoch, _STATE.epoch = _STATE.epoch, None
+        _STATE.mesh_group = None
         for t in pytree.tree_leaves(output):
             tag(t, epoch)
 
