@@ -25,6 +25,10 @@ manager)``                               gradients are averaged over the domain 
 ConvTranspose2d/ConvTranspose3d/         ``HaloExchange(halo_width, dim)``; ``DomainParallelPeriodicConv2d`` (circular
 GroupNorm``, ``HaloExchange``,           in longitude, reflect in latitude); helpers ``_needs_halo_conv2d`` ...
 ``DomainParallelPeriodicConv2d``
+``credit.models.crossformer.             ``TensorPadding`` (same constructor, ``pad`` / ``unpad``): CrossFormer's
+TensorPadding``                          "earth" (across the poles, rolled by W/2) and "mirror" padding of the *global*
+                                         field on its H-shards; ``convert_to_domain_parallel`` swaps a model's CREDIT
+                                         instances
 =======================================  ==============================================================================
 
 The convention differs from halo's own (``halo.reduce.domain_mean`` counts every row once and
@@ -41,14 +45,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..exchange import exchange
 from ..mesh import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 from ..partition import split_offsets, split_sizes
-from ..plans import Site
+from ..plans import Site, carry, resolve
 
 __all__ = [
     "DomainParallelManager",
     "DomainParallelPeriodicConv2d",
     "HaloExchange",
+    "TensorPadding",
     "convert_to_domain_parallel",
     "domain_loss_scale",
     "gather_spatial",
@@ -65,6 +71,85 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class TensorPadding:
+    """CREDIT's ``TensorPadding`` (``credit.models.crossformer``; a plain object with ``pad`` / ``unpad``) on H-shards.
+
+    ``pad`` pads the *global* field ``(..., lat, lon)`` by ``pad_lat`` rows (``"earth"``: across the poles, rows
+    0, 1, ... mirrored and rolled by half the longitudes, as CREDIT's flip of its rolled field; ``"mirror"``:
+    reflected) and ``pad_lon`` columns (circular; W is whole on each rank); the result is the balanced split of the
+    padded field, so the layers after it see the same rows as on one device. ``unpad`` crops back, re-split. Both
+    are exact and differentiable (halo exchanges); with one rank (or no torch.distributed) they are CREDIT's code.
+    """
+
+    def __init__(self, mode: str = "earth", pad_lat: Any = (40, 40), pad_lon: Any = (40, 40), *,
+                 group: Any | None = None, **kwargs: Any) -> None:
+        if mode not in ("earth", "mirror"):
+            raise ValueError(f"TensorPadding: mode must be 'earth' or 'mirror', got {mode!r}")
+        self.mode, self.pad_NS, self.pad_WE, self.group = mode, tuple(pad_lat), tuple(pad_lon), group
+        self._sites = (Site(), Site())
+
+    def _rows(self, x: torch.Tensor, top: int, bottom: int, boundary: str, site: Site, op: str) -> torch.Tensor:
+        from ..nn.pad import _pad_plan
+
+        plan = resolve(x, self.group, op, _pad_plan, (x.dim() - 2, top, bottom, boundary, op), site=site)
+        if plan.plain:
+            return self._local_rows(x, top, bottom)
+        out = exchange(x, plan.ex, plan.rows, x.dim() - 2)
+        carry(out, x)
+        return out
+
+    def _local_rows(self, x: torch.Tensor, top: int, bottom: int) -> torch.Tensor:
+        """One rank: CREDIT's own arithmetic (and its crop for negative amounts)."""
+        if top < 0 or bottom < 0:
+            return x[..., -top:x.shape[-2] + bottom, :]
+        if self.mode == "mirror":
+            return torch.nn.functional.pad(x, (0, 0, top, bottom, 0, 0)[:2 * (x.dim() - 2)], mode="reflect")
+        xroll = torch.roll(x, shifts=int(x.shape[-1] // 2), dims=-1)
+        return torch.cat([torch.flip(xroll[..., :top, :], (-2,)), x,
+                          torch.flip(xroll[..., x.shape[-2] - bottom:, :], (-2,))], dim=-2)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        top, bottom = self.pad_NS
+        left, right = self.pad_WE
+        op = f"TensorPadding.pad ({self.mode})"
+        if self.mode == "mirror" and (left > 0 or right > 0):  # CREDIT's order: longitude first
+            x = torch.nn.functional.pad(x, (left, right, 0, 0, 0, 0)[:2 * (x.dim() - 2)], mode="circular")
+        if top > 0 or bottom > 0:
+            x = self._rows(x, top, bottom, "pole_centered" if self.mode == "earth" else "reflect", self._sites[0], op)
+        if self.mode == "earth" and (left > 0 or right > 0):
+            x = torch.nn.functional.pad(x, (left, right, 0, 0, 0, 0)[:2 * (x.dim() - 2)], mode="circular")
+        return x
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        top, bottom = self.pad_NS
+        left, right = self.pad_WE
+        if top > 0 or bottom > 0:
+            x = self._rows(x, -top, -bottom, "zeros", self._sites[1], f"TensorPadding.unpad ({self.mode})")
+        if left > 0 or right > 0:
+            x = x[..., :, left:x.shape[-1] - right]
+        return x
+
+
+def swap_tensor_padding(model: nn.Module, group: Any | None) -> None:
+    """Replace CREDIT ``TensorPadding`` objects held by ``model``'s modules by :class:`TensorPadding` (the converter
+    calls this; ``revert_domain_parallel`` puts the originals back)."""
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            kind = type(value)
+            if kind.__name__ == "TensorPadding" and kind.__module__.startswith("credit.") \
+                    and hasattr(value, "pad_NS") and hasattr(value, "pad_WE"):
+                twin = TensorPadding(value.mode, value.pad_NS, value.pad_WE, group=group)
+                twin._halo_original = value
+                module.__dict__[name] = twin
+
+
+def unswap_tensor_padding(model: nn.Module) -> None:
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, TensorPadding) and hasattr(value, "_halo_original"):
+                module.__dict__[name] = value._halo_original
 
 
 def _manager(manager: DomainParallelManager | None) -> DomainParallelManager | None:

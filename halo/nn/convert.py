@@ -368,6 +368,10 @@ def convert_to_domain_parallel(
                 f"module cannot be replaced in place: convert a module that holds it (nn.Sequential(layer)) or "
                 f"build the halo layer directly (e.g. halo.nn.HaloConv2d(conv))")
     visit(model, "")
+    from ..compat.credit import swap_tensor_padding  # CREDIT CrossFormer's padding object (not a module)
+
+    if ctx.mesh is None:  # on a mesh W is sharded too: CREDIT's own pad() stays, and the guard refuses it
+        swap_tensor_padding(model, domain_group)
     _make_root(model, domain_group, grid, w_sharded=ctx.mesh is not None)
     _guard_whole(model, tails, domain_size)
     return model
@@ -536,6 +540,9 @@ def _drop_root(model: nn.Module) -> None:
 def revert_domain_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`convert_to_domain_parallel` in place; parameters and buffers carry over to the originals."""
     _drop_root(model)
+    from ..compat.credit import unswap_tensor_padding
+
+    unswap_tensor_padding(model)
     for handle in model.__dict__.pop("_halo_whole_hooks", []):
         handle.remove()
     done: set[int] = set()
