@@ -365,12 +365,22 @@ _MATMUL = {torch.matmul, T.matmul, T.__matmul__, torch.bmm, T.bmm}
 _STACK = {torch.stack}
 
 
+#: torch's files of user-facing functions and their dispatch: a call through them is the caller's. A call from any
+#: other torch file is torch's own work (a module's internals, spectral norm's or a parametrization's weight
+#: arithmetic): not a field op of the user's. The converter keeps only torch modules that are pointwise in latitude.
+_TORCH_API = tuple(os.path.join(_TORCH_DIR, *p) for p in (("overrides.py",), ("functional.py",), ("_tensor.py",),
+                                                          ("nn", "functional.py"), ("_jit_internal.py",),
+                                                          ("_compile.py",), ("_dynamo",)))
+
+
 def _user_frame():
     """The innermost frame of user code that led to this call (``None``: torch's or halo's own code called it)."""
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
         if name.startswith(_TORCH_DIR):
+            if not name.startswith(_TORCH_API):
+                return None  # torch's own code (module internals, weight hooks) made this call
             f = f.f_back
             continue
         if name.startswith(_HALO_DIRS):

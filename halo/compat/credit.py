@@ -132,10 +132,36 @@ class TensorPadding:
         return x
 
 
+def _is_crossformer(module: nn.Module) -> bool:
+    kind = type(module)
+    return any(k.__module__.startswith("credit.models.crossformer") and k.__name__ == "CrossFormer"
+               for k in kind.__mro__) and all(hasattr(module, a) for a in (
+                   "use_interp", "image_height", "image_width", "use_post_block"))
+
+
+def _interp_hook(module: nn.Module, args: Any, output: Any) -> Any:
+    """CrossFormer's last step, ``F.interpolate(x, size=(image_height, image_width), mode="bilinear")`` of its
+    ``(B, C, H, W)`` result before the ``unsqueeze(2)``, as :func:`halo.nn.halo_interpolate` on the shards."""
+    from ..nn.upsample import halo_interpolate
+
+    site = module.__dict__["_halo_interp_site"]
+    y = halo_interpolate(output.squeeze(2), size=(module.image_height, module.image_width), mode="bilinear",
+                         group=module.__dict__["_halo_interp_group"], site=site)
+    return y.unsqueeze(2)
+
+
 def swap_tensor_padding(model: nn.Module, group: Any | None) -> None:
-    """Replace CREDIT ``TensorPadding`` objects held by ``model``'s modules by :class:`TensorPadding` (the converter
-    calls this; ``revert_domain_parallel`` puts the originals back)."""
+    """Make CREDIT's objects in ``model`` domain-parallel (the converter calls this; ``revert_domain_parallel``
+    undoes it): ``TensorPadding`` objects held by its modules become :class:`TensorPadding`, and a CrossFormer's final
+    ``F.interpolate`` to the image size (``interp=True``, no post block) runs as ``halo_interpolate`` in a forward hook
+    (its ``use_interp`` is set to False meanwhile: CREDIT's own call would resize each shard to the whole image)."""
     for module in model.modules():
+        if _is_crossformer(module) and module.use_interp and not module.use_post_block \
+                and "_halo_interp" not in module.__dict__:
+            module.__dict__["_halo_interp_site"] = Site()
+            module.__dict__["_halo_interp_group"] = group
+            module.__dict__["_halo_interp"] = module.register_forward_hook(_interp_hook)
+            module.use_interp = False
         for name, value in list(vars(module).items()):
             kind = type(value)
             if kind.__name__ == "TensorPadding" and kind.__module__.startswith("credit.") \
@@ -147,6 +173,12 @@ def swap_tensor_padding(model: nn.Module, group: Any | None) -> None:
 
 def unswap_tensor_padding(model: nn.Module) -> None:
     for module in model.modules():
+        handle = module.__dict__.pop("_halo_interp", None)
+        if handle is not None:
+            handle.remove()
+            module.use_interp = True
+            module.__dict__.pop("_halo_interp_site", None)
+            module.__dict__.pop("_halo_interp_group", None)
         for name, value in list(vars(module).items()):
             if isinstance(value, TensorPadding) and hasattr(value, "_halo_original"):
                 module.__dict__[name] = value._halo_original

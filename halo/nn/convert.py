@@ -197,7 +197,7 @@ def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Modu
         from .neighborhood import DomainNeighborhoodAttention2D
 
         return lambda m, ctx: DomainNeighborhoodAttention2D(m, group=ctx.group)
-    if kind.__module__ == "credit.models.crossformer":  # NCAR CREDIT's CrossFormer / WXFormer
+    if kind.__module__.startswith("credit.models.crossformer"):  # NCAR CREDIT's CrossFormer / WXFormer
         if kind.__name__ == "Attention" and all(hasattr(module, a) for a in (
                 "attn_type", "window_size", "heads", "scale", "norm", "to_qkv", "to_out", "dpb", "rel_pos_indices")):
             from .longrange import DomainCrossFormerAttention
