@@ -40,7 +40,7 @@ def rollout(model: nn.Module, state: torch.Tensor, steps: int,
 
 
 def scores(predictions: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
-           climatology: torch.Tensor | None = None, *, group: Any | None = None,
+           climatology: torch.Tensor | None = None, *, group: Any | None = None, mesh: Any | None = None,
            **weight_kwargs: Any) -> dict[str, torch.Tensor]:
     """Latitude-weighted RMSE and ACC of sharded forecasts, every lead time.
 
@@ -49,7 +49,8 @@ def scores(predictions: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
     Returns ``rmse`` and ``acc`` of shape ``(leads, B, C)`` — per lead, sample and variable, the same on every rank:
     ``rmse = sqrt(mean_w (p - t)^2)``, ``acc = mean_w(p' t') / sqrt(mean_w(p'^2) mean_w(t'^2))`` with ``'`` the
     anomaly from the climatology and ``mean_w`` the latitude-weighted mean over the global field
-    (:func:`halo.reduce.latitude_weighted_mean`; its keywords choose the weights).
+    (:func:`halo.reduce.latitude_weighted_mean`; its keywords choose the weights). ``mesh``: a latitude x longitude
+    ``DomainMesh`` (each tensor is then this rank's block).
     """
     if len(predictions) != len(targets):
         raise ValueError(f"scores: {len(predictions)} predictions but {len(targets)} targets")
@@ -63,7 +64,7 @@ def scores(predictions: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
         pa, ta = p - clim, t - clim
         # One weighted reduction for the four sums a lead needs (stacked along a leading dim).
         stacked = torch.stack([(p - t).square(), pa * ta, pa.square(), ta.square()])
-        means = latitude_weighted_mean(stacked, group, dim=(-2, -1), **weight_kwargs)  # (4, B, C)
+        means = latitude_weighted_mean(stacked, group, dim=(-2, -1), mesh=mesh, **weight_kwargs)  # (4, B, C)
         rmse.append(means[0].sqrt())
         acc.append(means[1] / (means[2] * means[3]).sqrt())
     return {"rmse": torch.stack(rmse), "acc": torch.stack(acc)}

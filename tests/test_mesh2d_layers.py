@@ -313,3 +313,25 @@ def test_functional_ops_on_w_are_watched(name):
         assert len(set(results)) == 1 and isinstance(results[0], str), results
         assert words in results[0], results[0]
         assert "latitude x longitude mesh" in results[0], results[0]
+
+
+def _scores_ranks(rank, world):
+    os.environ["TRITON_INTERPRET"] = "0"
+    from halo.comm import unsharded
+    from halo.mesh import DomainMesh
+    from halo.rollout import scores
+
+    mesh = DomainMesh((2, 2))
+    gen = torch.Generator().manual_seed(7)
+    preds = [torch.randn(2, 3, 21, 26, generator=gen, dtype=torch.float64) for _ in range(2)]
+    targets = [p + 0.3 * torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in preds]
+    clim = torch.randn(3, 21, 26, generator=gen, dtype=torch.float64)
+    with unsharded():
+        want = scores(preds, targets, clim)
+    got = scores([_block(p, mesh) for p in preds], [_block(t, mesh) for t in targets], _block(clim, mesh), mesh=mesh)
+    return max(float((got[k] - want[k]).abs().max()) for k in ("rmse", "acc"))
+
+
+def test_rollout_scores_on_mesh():
+    """Latitude-weighted RMSE and ACC of blocks equal the whole field's."""
+    assert max(run_on_ranks(_scores_ranks, 4, timeout=120)) <= TOL
