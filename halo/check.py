@@ -281,15 +281,20 @@ def _load(target: str) -> Callable[[], nn.Module]:
 
 def _check_rank(rank: int, world: int, opts: dict) -> str:
     from . import initialize_domain_parallel
+    from .mesh import DomainMesh
 
-    initialize_domain_parallel(world, world)
+    on: dict[str, Any] = {}
+    if opts.get("mesh"):
+        on["mesh"] = DomainMesh(opts["mesh"], periodic=(False, True))
+    else:
+        initialize_domain_parallel(world, world)
     factory = _load(opts["target"])
     sample = torch.randn(opts["shape"], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     convert_kwargs = {"boundary": opts["boundary"]} if opts["boundary"] else {}
     dtype = getattr(torch, opts["dtype"])
     rtol = opts["rtol"] if opts["rtol"] is not None else (1e-9 if dtype == torch.float64 else 1e-4)
     try:
-        report = check_equivalence(factory, sample, dtype=dtype, rtol=rtol, convert_kwargs=convert_kwargs)
+        report = check_equivalence(factory, sample, dtype=dtype, rtol=rtol, convert_kwargs=convert_kwargs, **on)
     except ValueError as exc:  # refused by the converter or the guard: the same on every rank
         return f"REFUSED: {exc}"
     return str(report)
@@ -303,11 +308,17 @@ def run_check(args: Any) -> int:
         shape = tuple(int(v) for v in args.shape.split(","))
     except ValueError as exc:
         raise SystemExit(f"halo check: --shape must be B,C,H,W integers, got {args.shape!r}") from exc
-    if len(shape) < 3 or shape[-2] < args.nproc:
+    mesh = getattr(args, "mesh", None)
+    if mesh:
+        if len(shape) < 3 or shape[-2] < mesh[0] or shape[-1] < mesh[1]:
+            raise SystemExit(f"halo check: --shape {shape} needs at least 3 dims, H >= {mesh[0]} and W >= {mesh[1]} "
+                             f"for a {mesh[0]}x{mesh[1]} mesh")
+        args.nproc = mesh[0] * mesh[1]
+    elif len(shape) < 3 or shape[-2] < args.nproc:
         raise SystemExit(f"halo check: --shape {shape} needs at least 3 dims and H >= --nproc ({args.nproc})")
     _load(args.target)  # a bad target fails here, before any rank starts
     opts = {"target": args.target, "shape": shape, "boundary": args.boundary, "dtype": args.dtype,
-            "rtol": args.rtol}
+            "rtol": args.rtol, "mesh": mesh}
     results = launch(_check_rank, args.nproc, opts, backend=args.backend, timeout=args.timeout)
     if not is_printer():
         return 0

@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--shape", required=True, help="input shape B,C,H,W (e.g. 2,3,73,144)")
     check.add_argument("--nproc", type=int, default=2, help="CPU ranks when not under torchrun (default 2)")
     check.add_argument("--boundary", default=None, help="latitude boundary for the converted convs (e.g. pole)")
+    check.add_argument("--mesh", type=_mesh, default=None, help="PHxPW: check on a latitude x longitude mesh of "
+                       "PH*PW ranks instead (overrides --nproc)")
     check.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     check.add_argument("--rtol", type=float, default=None, help="tolerance relative to each tensor's max |value| "
                        "(default 1e-9 in float64, 1e-4 in float32)")

@@ -126,6 +126,7 @@ def test_check_command(tmp_path):
         ok = _run(["check", "zoo_cli:good", "--shape", "2,3,24,16", "--nproc", "3"], tmp_path, timeout=90)
         bad = _run(["check", "zoo_cli:resized", "--shape", "2,3,24,16", "--nproc", "2"], tmp_path, timeout=90)
         wrong = _run(["check", "zoo_cli:nothing", "--shape", "2,3,24,16"], tmp_path, timeout=60)
+        mesh = _run(["check", "zoo_cli:good", "--shape", "2,3,23,17", "--mesh", "2x2"], tmp_path, timeout=90)
     finally:
         if env_path:
             os.environ["PYTHONPATH"] = env_path
@@ -134,6 +135,8 @@ def test_check_command(tmp_path):
     assert ok.returncode == 0 and "OK: every module's output" in ok.stdout, ok.stdout + ok.stderr
     assert bad.returncode == 1 and "REFUSED: interpolate at zoo_cli.py:" in bad.stdout, bad.stdout + bad.stderr
     assert wrong.returncode != 0 and "cannot load 'zoo_cli:nothing'" in wrong.stderr, wrong.stdout + wrong.stderr
+    assert mesh.returncode == 0 and "4 ranks" in mesh.stdout and "OK: every module's output" in mesh.stdout, \
+        mesh.stdout + mesh.stderr
 
 
 def test_demo_with_a_netcdf_file(tmp_path):
