@@ -34,6 +34,15 @@ __all__ = ["DATA_PARALLEL", "data_parallel_mesh", "parallelize"]
 DATA_PARALLEL = ("none", "ddp", "fsdp", "hsdp", "fsdp-all")
 
 
+class _MeshView:
+    """A latitude x longitude ``DomainMesh`` seen through the manager attributes this module uses."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh, self.device_mesh = mesh, mesh.device_mesh
+        self.dp_world_size, self.domain_world_size = mesh.dp_size, mesh.domain_size
+        self.domain_group, self.data_parallel_group = mesh.domain_group, mesh.dp_group
+
+
 def data_parallel_mesh(manager: Any, data_parallel: str, hsdp_shards: int | None = None) -> Any:
     """The ``DeviceMesh`` FSDP2 shards over in mode ``data_parallel`` (module docstring)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -55,21 +64,30 @@ def data_parallel_mesh(manager: Any, data_parallel: str, hsdp_shards: int | None
 
 
 def parallelize(model: nn.Module, manager: Any | None = None, *, data_parallel: str = "fsdp",
-                mp_policy: Any | None = None, hsdp_shards: int | None = None, **convert_kwargs: Any) -> nn.Module:
+                mp_policy: Any | None = None, hsdp_shards: int | None = None, mesh: Any | None = None,
+                **convert_kwargs: Any) -> nn.Module:
     """Convert ``model`` for the domain group and wrap it for data parallelism (module docstring); returns the
     model to train (the DDP wrapper, or the FSDP2-sharded model itself). ``convert_kwargs`` go to
-    ``convert_to_domain_parallel`` (``boundary=``, ``grid=``, ``custom_converters=``)."""
-    from .mesh import get_domain_parallel_manager
+    ``convert_to_domain_parallel`` (``boundary=``, ``grid=``, ``custom_converters=``). ``mesh``: a latitude x
+    longitude ``DomainMesh((ph, pw))`` instead of ``manager`` (its dp axis is the data-parallel group)."""
+    from .mesh import get_domain_parallel_manager, mesh_2d
     from .nn import convert_to_domain_parallel
 
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"parallelize: data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+    if mesh is not None:
+        if mesh_2d(mesh) is None or manager is not None:
+            raise ValueError("parallelize: mesh= takes a DomainMesh with two domain axes, instead of a manager")
+        manager = _MeshView(mesh)
     manager = manager if manager is not None else get_domain_parallel_manager()
     if manager is None:
         raise RuntimeError("parallelize needs a manager: call halo.initialize_domain_parallel first")
     if mp_policy is not None and not data_parallel.endswith("sdp") and data_parallel != "fsdp-all":
         raise ValueError(f"parallelize: mp_policy applies to the FSDP modes, not {data_parallel!r}")
-    convert_to_domain_parallel(model, manager, **convert_kwargs)
+    if mesh is not None:
+        convert_to_domain_parallel(model, mesh=mesh, **convert_kwargs)
+    else:
+        convert_to_domain_parallel(model, manager, **convert_kwargs)
     wrapped: nn.Module = model
     if data_parallel == "ddp":
         wrapped = nn.parallel.DistributedDataParallel(model, process_group=manager.data_parallel_group)
@@ -89,4 +107,6 @@ def parallelize(model: nn.Module, manager: Any | None = None, *, data_parallel: 
                 model.set_gradient_divide_factor(float(manager.dp_world_size))
     for m in {id(model): model, id(wrapped): wrapped}.values():
         m.__dict__["_halo_data_parallel"] = data_parallel
+        m.__dict__["_halo_groups"] = (manager.domain_group, manager.data_parallel_group
+                                      if manager.dp_world_size > 1 else None)
     return wrapped

@@ -471,9 +471,15 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
                     if p.grad is not None:
                         _local(p.grad).mul_(scale)
         return
+    groups = model.__dict__.get("_halo_groups") if isinstance(model, nn.Module) else None
     if mode in ("ddp", "fsdp", "hsdp") and domain_group is None and dp_group is None:
-        manager = manager if manager is not None else get_domain_parallel_manager()
-        domain_group, manager = manager.domain_group, None  # the wrapper averaged over dp already
+        if groups is not None and manager is None:
+            domain_group = groups[0]  # the groups halo.parallelize set it up with (a manager's or a mesh's)
+        else:
+            manager = manager if manager is not None else get_domain_parallel_manager()
+            domain_group, manager = manager.domain_group, None  # the wrapper averaged over dp already
+    elif mode == "none" and domain_group is None and dp_group is None and manager is None and groups is not None:
+        domain_group, dp_group = groups
     if domain_group is None and dp_group is None:
         manager = manager if manager is not None else get_domain_parallel_manager()
         if manager is None:

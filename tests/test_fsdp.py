@@ -194,3 +194,32 @@ def test_distributed_checkpoint_moves_between_rank_counts(tmp_path):
     for got in run_on_ranks(_load_converted, 3, path, timeout=120):  # 3 domain ranks, another layout
         for k, v in got.items():
             assert torch.equal(v, saved[k]), k
+
+
+def _parallelized_mesh(rank, world, shape, mode):
+    import halo
+    from halo.reduce import sync_domain_gradients
+
+    mesh = halo.DomainMesh(shape)
+    torch.manual_seed(0)
+    model = halo.parallelize(Net().double(), mesh=mesh, data_parallel=mode)
+    xs, ws = _samples(mesh.dp_size)
+    dp = mesh.dp_rank
+    x, w = halo.shard_2d(xs[dp], mesh=mesh), halo.shard_2d(ws[dp], mesh=mesh)
+    (model(x) * w).sum().backward()
+    sync_domain_gradients(model)  # the groups parallelize set it up with: the mesh's
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        grads[name.replace("module.", "")] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+    return grads
+
+
+@pytest.mark.parametrize("shape, mode", [((1, 2), "ddp"), ((2, 1), "fsdp"), ((1, 2), "fsdp-all"), ((1, 2), "none")])
+def test_parallelize_on_a_latitude_longitude_mesh(shape, mode):
+    """dp 2 x a (ph, pw) mesh on 4 ranks: the gradient of the mean loss over the global batch, as one process."""
+    results = run_on_ranks(_parallelized_mesh, 4, shape, mode, timeout=240)
+    want = _reference(2)
+    for r in results:
+        for name, g in want.items():
+            assert torch.allclose(r[name], g, rtol=0, atol=1e-12), (mode, name, (r[name] - g).abs().max())
