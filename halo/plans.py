@@ -305,14 +305,26 @@ def carry(out: Any, x: torch.Tensor) -> None:
 
 # -- the entry of a converted model --------------------------------------------------------------------------
 
-def _describe_inputs(args: Any, kwargs: Any, grid: tuple[int, int] | None, cg: CommGroup, op: str) -> bytes:
+def _describe_inputs(args: Any, kwargs: Any, grid: tuple[int, int] | None, cg: CommGroup, op: str,
+                     mesh_shape: tuple[int, int] | None = None) -> bytes:
     """This rank's inputs as bytes (shapes, dtypes, grad flags, simple values); with a declared ``grid``, fields'
-    H extents replaced by the global one after checking that this rank holds its balanced share."""
+    H extents replaced by the global one after checking that this rank holds its balanced share (on a latitude x
+    longitude mesh, its block: rows and columns)."""
     parts: list[Any] = [torch.is_grad_enabled()]
+    if grid is not None and mesh_shape is not None:
+        i, j = divmod(cg.index, mesh_shape[1])
+        block = (split_sizes(grid[0], mesh_shape[0])[i], split_sizes(grid[1], mesh_shape[1])[j])
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor):
             shape = tuple(leaf.shape)
-            if grid is not None and leaf.dim() >= 2 and shape[-1] == grid[1]:
+            if grid is not None and mesh_shape is not None and leaf.dim() >= 2 and shape[-1] in (block[1], grid[1]):
+                if shape[-2:] != block:  # a field (its last dim is a block's or the grid's width), cut wrongly
+                    raise ValueError(
+                        f"{op}: the model was converted with grid={grid} on a {mesh_shape[0]}x{mesh_shape[1]} "
+                        f"latitude x longitude mesh, so {cg.describe()} expects its block of {block[0]} rows x "
+                        f"{block[1]} columns, got shape {shape}; pass this rank's block (halo.shard_2d)")
+                shape = (*shape[:-2], *grid)
+            elif grid is not None and mesh_shape is None and leaf.dim() >= 2 and shape[-1] == grid[1]:
                 want = split_sizes(grid[0], cg.size)[cg.index]
                 if shape[-2] != want:
                     raise ValueError(
@@ -359,7 +371,8 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     config = module.__dict__["_halo_root"]
     cg = comm_group(config.group)
     op = f"{type(module).__name__} (converted model entry)"
-    digest = hashlib.blake2b(_describe_inputs(args, kwargs, config.grid, cg, op), digest_size=16).digest()
+    digest = hashlib.blake2b(_describe_inputs(args, kwargs, config.grid, cg, op, getattr(config, "mesh_shape", None)),
+                             digest_size=16).digest()
     words = np.frombuffer(digest, dtype=np.int64)
     if config.grid is not None or cg.size == 1:
         epoch = _intern(("grid", config.grid, tuple(int(w) for w in words)))

@@ -335,3 +335,37 @@ def _scores_ranks(rank, world):
 def test_rollout_scores_on_mesh():
     """Latitude-weighted RMSE and ACC of blocks equal the whole field's."""
     assert max(run_on_ranks(_scores_ranks, 4, timeout=120)) <= TOL
+
+
+def _grid_ranks(rank, world, how):
+    os.environ["TRITON_INTERPRET"] = "0"
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    mesh = halo.DomainMesh((2, 2))
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.GroupNorm(1, 3)).double()
+    model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.GroupNorm(1, 3)).double(),
+                                       mesh=mesh, grid=(21, 26))
+    model.load_state_dict(ref.state_dict())
+    full = torch.randn(2, 3, 21, 26, dtype=torch.float64)
+    if how == "rows only":  # a latitude shard with every longitude: the mistake the declared grid catches
+        x = halo.shard(full, group=mesh.axis_group(0))
+    else:
+        x = halo.shard_2d(full, mesh=mesh)
+    try:
+        y = model(x)
+    except ValueError as e:
+        return str(e)
+    return float((halo.gather_2d(y.detach(), mesh=mesh) - ref(full).detach()).abs().max())
+
+
+@pytest.mark.parametrize("how", ["blocks", "rows only"])
+def test_declared_grid_on_mesh(how):
+    """grid=(H, W) on a mesh: a call starts with no agreement, and an input that is not this rank's block (a
+    latitude shard with all longitudes, which the layers would otherwise take for a field twice as wide) raises."""
+    results = run_on_ranks(_grid_ranks, 4, how, timeout=120)
+    if how == "blocks":
+        assert all(isinstance(r, float) and r <= TOL for r in results), results
+    else:
+        assert all(isinstance(r, str) and "expects its block of" in r for r in results), results

@@ -237,7 +237,9 @@ def convert_to_domain_parallel(
             each rank), and a call starts without any communication. Default: each call's first act is one
             small agreement on host data (every rank's input shapes), which makes a changed input shape on any
             rank safe. Either way, every layer learns its extents once and a steady step sends only halo
-            messages and the reductions the math needs (``halo.plans``).
+            messages and the reductions the math needs (``halo.plans``). With ``mesh=``, every input whose last
+            dim is a block's or the grid's width must be this rank's block (checked on each rank: a latitude
+            shard with all longitudes is refused, where the layers would take it for a field ``pw`` times wider).
         mesh: a ``halo.DomainMesh((ph, pw))`` with two domain axes: shard latitude over ``ph`` ranks and longitude
             over ``pw`` (instead of ``manager``). The layers in ``MESH_2D`` get their latitude x longitude forms
             (H exchanged, then W; poles rolled across the W ranks); a layer acting on H or W without such a form
@@ -258,9 +260,6 @@ def convert_to_domain_parallel(
         if manager is not None:
             raise ValueError("convert_to_domain_parallel: pass a manager (latitude only) or a mesh (latitude x "
                              "longitude), not both")
-        if grid is not None:
-            raise ValueError("convert_to_domain_parallel: grid= declares latitude shards only; leave it unset "
-                             "with a latitude x longitude mesh")
         if tuple(mesh2.shard_dims) not in ((-2, -1), (2, 3)):
             raise ValueError(f"convert_to_domain_parallel: the mesh must shard dims (-2, -1), got "
                              f"{mesh2.shard_dims}")
@@ -372,7 +371,8 @@ def convert_to_domain_parallel(
 
     if ctx.mesh is None:  # on a mesh W is sharded too: CREDIT's own pad() stays, and the guard refuses it
         swap_tensor_padding(model, domain_group)
-    _make_root(model, domain_group, grid, w_sharded=ctx.mesh is not None)
+    _make_root(model, domain_group, grid, w_sharded=ctx.mesh is not None,
+               mesh_shape=tuple(ctx.mesh.domain_shape) if ctx.mesh is not None else None)
     _guard_whole(model, tails, domain_size)
     return model
 
@@ -474,20 +474,22 @@ class RootConfig:
     group_ref: GroupRef
     grid: tuple[int, int] | None
     w_sharded: bool = False  # a latitude x longitude mesh: the guard watches W too
+    mesh_shape: tuple[int, int] | None = None  # with a declared grid: the mesh whose blocks the inputs are
 
     @property
     def group(self) -> Any:
         return self.group_ref.group
 
 
-def _make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_sharded: bool = False) -> None:
+def _make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_sharded: bool = False,
+               mesh_shape: tuple[int, int] | None = None) -> None:
     """Make ``model`` a converted model's root: its calls start (or join) a step's epoch (``halo.plans``)."""
     if grid is not None:
         if len(grid) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in grid):
             raise ValueError(f"grid must be (H, W), two positive ints, got {grid!r}")
         grid = (int(grid[0]), int(grid[1]))
     had = "_halo_root" in model.__dict__
-    model.__dict__["_halo_root"] = RootConfig(GroupRef(group), grid, w_sharded)
+    model.__dict__["_halo_root"] = RootConfig(GroupRef(group), grid, w_sharded, mesh_shape)
     if type(model).__module__.startswith("torch.nn"):
         # torch.compile traces a torch.nn container's call *with* its hooks (and the entry hook runs outside any
         # graph: fullgraph=True would fail); the same class under a forward of halo's own makes dynamo run the
