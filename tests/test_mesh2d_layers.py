@@ -192,7 +192,7 @@ def _refusal_ranks(rank, world, layer):
 @pytest.mark.parametrize("layer, words", [
     (nn.Linear(30, 30), "mixes the sharded W"),
     (nn.Dropout(0.1), "no latitude x longitude form"),
-    (nn.AdaptiveAvgPool2d(1), "no latitude x longitude form"),
+    (nn.AdaptiveAvgPool2d(2), "no latitude x longitude form"),
     (nn.PixelShuffle(2), "no latitude x longitude form"),
     (nn.Upsample(scale_factor=2, mode="trilinear"), "no latitude x longitude form"),
 ])
@@ -369,3 +369,77 @@ def test_declared_grid_on_mesh(how):
         assert all(isinstance(r, float) and r <= TOL for r in results), results
     else:
         assert all(isinstance(r, str) and "expects its block of" in r for r in results), results
+
+
+class SqueezeExcite(nn.Module):
+    """A conv, a squeeze-excitation gate (global average pool -> 1x1 convs -> sigmoid, in a Sequential) and a CBAM
+    channel gate (average and max pools): the global pools of U-Net decoders (scSE) and ResNet blocks."""
+
+    def __init__(self, c=6):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 3, padding=1)
+        self.se = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, 3, 1), nn.ReLU(), nn.Conv2d(3, c, 1),
+                                nn.Sigmoid())
+        self.max = nn.AdaptiveMaxPool2d((1, 1))
+        self.mlp = nn.Sequential(nn.Conv2d(c, 3, 1), nn.ReLU(), nn.Conv2d(3, c, 1))
+        self.out = nn.Conv2d(c, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))  # ReLU zeros: ties for the max pool's winner
+        y = y * self.se(y)
+        y = y * torch.sigmoid(self.mlp(self.max(y)))
+        return self.out(y)
+
+
+def _global_ranks(rank, world, shape):
+    os.environ["TRITON_INTERPRET"] = "0"
+    import torch.distributed as dist
+
+    import halo
+    from halo.nn import HaloAdaptiveMaxPool2d, convert_to_domain_parallel
+
+    mesh = halo.DomainMesh(shape)
+    torch.manual_seed(0)
+    ref = SqueezeExcite().double()
+    model = convert_to_domain_parallel(SqueezeExcite().double(), mesh=mesh)
+    model.load_state_dict(ref.state_dict())
+    full = torch.randn(2, 3, 21, 26, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    xf = full.clone().requires_grad_(True)
+    yr = ref(xf)
+    g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (yr * g).sum().backward()
+    x = _block(full, mesh).clone().requires_grad_(True)
+    y = model(x)
+    (y * _block(g, mesh)).sum().backward()
+    errs = [float((y - _block(yr.detach(), mesh)).abs().max()), float((x.grad - _block(xf.grad, mesh)).abs().max())]
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        gp = p.grad.clone()
+        dist.all_reduce(gp, group=mesh.domain_group)
+        errs.append(float((gp - q.grad).abs().max()))
+    # Ties across ranks: a constant channel's maximum is everywhere; torch's winner is global index 0.
+    t = full.clone()
+    t[:, 1] = 3.0
+    pool = nn.AdaptiveMaxPool2d(1, return_indices=True)
+    vr, ir = pool(t)
+    v, i = HaloAdaptiveMaxPool2d(pool, mesh=mesh)(_block(t, mesh))
+    ties = torch.equal(v, vr) and torch.equal(i, ir)
+    try:
+        convert_to_domain_parallel(nn.Sequential(nn.Conv2d(3, 3, 3), nn.AdaptiveAvgPool2d(2)), mesh=mesh)(
+            _block(full, mesh))
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    return max(errs), ties, refused
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3)])
+def test_global_pools_on_mesh(shape):
+    """Global average and max pools of blocks are whole on every rank and exact (the max's winner is torch's, ties
+    across ranks included); the modules after the pool in its Sequential compute on the whole result; a pool to
+    more than 1 x 1 is refused at conversion, on every rank."""
+    results = run_on_ranks(_global_ranks, shape[0] * shape[1], shape, timeout=180)
+    for err, ties, refused in results:
+        assert err <= TOL, err
+        assert ties
+        assert "no latitude x longitude form" in refused and "global adaptive pools" in refused, refused
+    assert len({r[2] for r in results}) == 1

@@ -52,8 +52,8 @@ def _is_pointwise_conv(m: nn.Module, dims: int = 1) -> bool:
     return True
 
 
-#: Layers with a latitude x longitude form (``convert_to_domain_parallel(model, mesh=DomainMesh((ph, pw)))``);
-#: others that act on H or W are refused on such a mesh, naming the layer.
+#: Layers with a latitude x longitude form (``convert_to_domain_parallel(model, mesh=DomainMesh((ph, pw)))``),
+#: and global adaptive pools (output 1 x 1); others that act on H or W are refused on such a mesh, naming the layer.
 MESH_2D = (nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.AvgPool2d, nn.Upsample, nn.GroupNorm, nn.BatchNorm2d,
            nn.InstanceNorm2d)
 
@@ -87,8 +87,10 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
                               lambda m, ctx: pool.HaloMaxPool2d(m, group=ctx.group)),
         nn.AvgPool2d: on_mesh(lambda m, ctx: pool.HaloAvgPool2d(m, mesh=ctx.mesh),
                               lambda m, ctx: pool.HaloAvgPool2d(m, group=ctx.group)),
-        nn.AdaptiveAvgPool2d: lambda m, ctx: pool.HaloAdaptiveAvgPool2d(m, group=ctx.group),
-        nn.AdaptiveMaxPool2d: lambda m, ctx: pool.HaloAdaptiveMaxPool2d(m, group=ctx.group),
+        nn.AdaptiveAvgPool2d: on_mesh(lambda m, ctx: pool.HaloAdaptiveAvgPool2d(m, mesh=ctx.mesh),
+                                      lambda m, ctx: pool.HaloAdaptiveAvgPool2d(m, group=ctx.group)),
+        nn.AdaptiveMaxPool2d: on_mesh(lambda m, ctx: pool.HaloAdaptiveMaxPool2d(m, mesh=ctx.mesh),
+                                      lambda m, ctx: pool.HaloAdaptiveMaxPool2d(m, group=ctx.group)),
         nn.Upsample: on_mesh(lambda m, ctx: upsample.HaloUpsample(m, mesh=ctx.mesh),
                              lambda m, ctx: upsample.HaloUpsample(m, group=ctx.group)),
         nn.GroupNorm: on_mesh(lambda m, ctx: norm.DomainGroupNorm(m, mesh=ctx.mesh),
@@ -385,12 +387,15 @@ def _check_mesh_2d(child: nn.Module, path: str, builtin: dict) -> None:
         if base is nn.Upsample and child.mode not in ("nearest", "nearest-exact", "bilinear", "bicubic", "area"):
             raise ValueError(f"{path} ({_name(kind)}): mode {child.mode!r} has no latitude x longitude form")
         return
+    if base in (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d) and child.output_size in (1, (1, 1)):
+        return  # a global pool (squeeze-excitation, scSE, CBAM): whole on every rank
     linear = isinstance(child, nn.Linear | nn.Bilinear)
     if not linear and base is None and _adapter(child) is None:
         return  # pointwise, a container, or unknown: the usual rules decide
     raise ValueError(
         f"{path} ({_name(kind)}) has no latitude x longitude form in halo: on a mesh that shards both H and W, halo "
-        f"converts {', '.join(b.__name__ for b in MESH_2D)} (and timm's BatchNormAct2d) and keeps pointwise layers; "
+        f"converts {', '.join(b.__name__ for b in MESH_2D)}, global adaptive pools (output 1 x 1) and timm's "
+        f"BatchNormAct2d, and keeps pointwise layers; "
         + ("nn.Linear on a (B, C, H, W) tensor mixes the sharded W (declare it with custom_converters="
            "{nn.Linear: None} if it acts on channels-last features only); " if linear else "")
         + "shard latitude only (a manager), or give custom_converters={" + kind.__name__ + ": fn}")

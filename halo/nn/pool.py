@@ -450,6 +450,90 @@ def _whole_pool(x: torch.Tensor, plan: AdaptivePlan, group: Any | None, is_max: 
     return all_reduce(torch.cat(parts, dim=-2), "sum", group)
 
 
+# -- global pools on a latitude x longitude mesh -------------------------------------------------------------------
+
+class MeshPoolPlan(NamedTuple):
+    """A global pool (output 1 x 1) of a block: its first row and column, the global extents, the domain group."""
+
+    h0: int
+    w0: int
+    height: int
+    width: int
+    gid: int
+
+
+def _mesh_pool_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, op: str, kind: str,
+                    shape: tuple, output_size: Any, pw: int) -> MeshPoolPlan:
+    from ..comm import group_id
+
+    height, width = sum(extents[0]), sum(extents[1])
+    out = _global_shape(kind, (*shape[:-2], height, width), (output_size,))[-2:]
+    if tuple(out) != (1, 1):
+        raise ValueError(f"{op}: on a latitude x longitude mesh only a global pool (output 1 x 1) has a form here; "
+                         f"output_size={output_size} gives {tuple(out)} of a {height} x {width} field: shard latitude "
+                         f"only (a manager), or pool to 1 x 1")
+    i, j = divmod(cg.index, pw)
+    return MeshPoolPlan(sum(extents[0][:i]), sum(extents[1][:j]), height, width, group_id(cg))
+
+
+class _MeshMaxFn(torch.autograd.Function):
+    """A global max pool of blocks: each block's maximum and its global flat index ``h*W + w``, the maximum over the
+    domain, the winner as torch picks it (the smallest global index among the maxima); backward: the gradient, summed
+    over the ranks (each rank's consumers contributed their part), goes to the winner's element on its rank."""
+
+    @staticmethod
+    def forward(ctx, x, plan, info):
+        h, w = x.shape[-2:]
+        v, i = F.adaptive_max_pool2d(x, 1, True)
+        index = (i // w + plan.h0) * plan.width + i % w + plan.w0
+        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype  # exact widening
+        local = v.to(acc)
+        best = bounded_all_reduce(local.clone(), info, "global max pool", dist.ReduceOp.MAX)
+        winner = torch.where(local == best, index, torch.full_like(index, _NO_INDEX))
+        bounded_all_reduce(winner, info, "global max pool", dist.ReduceOp.MIN)
+        mine = (index == winner) & (local == best)
+        ctx.save_for_backward(i, mine)
+        ctx.info, ctx.shape = info, x.shape
+        ctx.mark_non_differentiable(winner)
+        return best.to(x.dtype), winner
+
+    @staticmethod
+    def backward(ctx, grad, _gidx):
+        i, mine = ctx.saved_tensors
+        acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+        g = bounded_all_reduce(grad.to(acc, copy=True), ctx.info, "global max pool (backward)")
+        gx = torch.zeros(ctx.shape, dtype=acc, device=grad.device).flatten(-2)
+        gx.scatter_add_(-1, i.flatten(-2), torch.where(mine, g, torch.zeros_like(g)).flatten(-2))
+        return gx.view(ctx.shape).to(grad.dtype), None, None
+
+
+@torch._dynamo.disable  # collectives with bounded waits: run eagerly (a graph break under torch.compile)
+def _mesh_pool(x: torch.Tensor, plan: MeshPoolPlan, is_max: bool, return_indices: bool) -> Any:
+    from ..comm import group_by_id
+
+    info = group_by_id(plan.gid)
+    if is_max:
+        out, index = _MeshMaxFn.apply(x, plan, info)
+        return (out, index) if return_indices else out
+    share = x.shape[-2] * x.shape[-1] / (plan.height * plan.width)  # the block's share of the global mean
+    return all_reduce(torch.ops.aten._adaptive_avg_pool2d(x, [1, 1]) * share, "sum", info.group)
+
+
+def mesh_global_pool(x: torch.Tensor, output_size: Any, mesh: Any, is_max: bool, return_indices: bool, op: str,
+                     site: Site | None = None) -> Any:
+    """A global adaptive pool (output 1 x 1: squeeze-excitation, scSE, CBAM) of a field sharded in blocks of a
+    latitude x longitude mesh; the result is whole on every rank, as on latitude rows."""
+    if x.dim() != 4:
+        raise ValueError(f"{op}: expected a (B, C, H, W) block, got shape {tuple(x.shape)}")
+    kind = "adaptive_max" if is_max else "adaptive_avg"
+    plan = resolve_2d(x, mesh, op, _mesh_pool_plan, (op, kind, tuple(x.shape), output_size, mesh.domain_shape[1]),
+                      site)
+    result = _mesh_pool(x, plan, is_max, return_indices)
+    for t in result if isinstance(result, tuple) else (result,):
+        mark_whole(t, op)
+    return result
+
+
 def halo_adaptive_avg_pool2d(x: torch.Tensor, output_size, *, group: Any | None = None) -> torch.Tensor:
     """``F.adaptive_avg_pool2d`` of the global field, on its H-shards (output: balanced split of its rows)."""
     return adaptive_pool(x, output_size, group, "halo_adaptive_avg_pool2d", False, False)
@@ -470,14 +554,18 @@ class HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
 
     group = group_attribute()
 
-    def __init__(self, pool: nn.AdaptiveAvgPool2d, *, group: Any | None = None) -> None:
+    def __init__(self, pool: nn.AdaptiveAvgPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AdaptiveAvgPool2d):
             raise TypeError(f"HaloAdaptiveAvgPool2d wraps an nn.AdaptiveAvgPool2d, got {type(pool).__name__}")
         super().__init__(pool.output_size)
         self.group = group
         self._halo_site = Site()
+        set_mesh(self, mesh, "HaloAdaptiveAvgPool2d")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mesh = mesh_of(self)
+        if mesh is not None:
+            return mesh_global_pool(x, self.output_size, mesh, False, False, "HaloAdaptiveAvgPool2d", self._halo_site)
         return adaptive_pool(x, self.output_size, self.group, "HaloAdaptiveAvgPool2d", False, False, self._halo_site)
 
 
@@ -486,14 +574,19 @@ class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
 
     group = group_attribute()
 
-    def __init__(self, pool: nn.AdaptiveMaxPool2d, *, group: Any | None = None) -> None:
+    def __init__(self, pool: nn.AdaptiveMaxPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AdaptiveMaxPool2d):
             raise TypeError(f"HaloAdaptiveMaxPool2d wraps an nn.AdaptiveMaxPool2d, got {type(pool).__name__}")
         super().__init__(pool.output_size, pool.return_indices)
         self.group = group
         self._halo_site = Site()
+        set_mesh(self, mesh, "HaloAdaptiveMaxPool2d")
 
     def forward(self, x: torch.Tensor):
+        mesh = mesh_of(self)
+        if mesh is not None:
+            return mesh_global_pool(x, self.output_size, mesh, True, self.return_indices, "HaloAdaptiveMaxPool2d",
+                                    self._halo_site)
         return adaptive_pool(x, self.output_size, self.group, "HaloAdaptiveMaxPool2d", True, self.return_indices,
                          self._halo_site)
 
