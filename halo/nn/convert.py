@@ -110,7 +110,8 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         nn.Dropout3d: lambda m, ctx: dropout.DomainDropout3d(m, group=ctx.group),
         nn.AlphaDropout: lambda m, ctx: dropout.DomainAlphaDropout(m, group=ctx.group),
         nn.FeatureAlphaDropout: lambda m, ctx: dropout.DomainFeatureAlphaDropout(m, group=ctx.group),
-        **{kind: (lambda m, ctx: pad.HaloPad2d(m, group=ctx.group)) for kind in pad.PADDING_MODULES},
+        **{kind: on_mesh(lambda m, ctx: pad.HaloPad2d(m, mesh=ctx.mesh),
+                         lambda m, ctx: pad.HaloPad2d(m, group=ctx.group)) for kind in pad.PADDING_MODULES},
     }
 
 
@@ -389,13 +390,17 @@ def _check_mesh_2d(child: nn.Module, path: str, builtin: dict) -> None:
         return
     if base in (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d) and child.output_size in (1, (1, 1)):
         return  # a global pool (squeeze-excitation, scSE, CBAM): whole on every rank
+    from .pad import PADDING_MODULES
+
+    if base in PADDING_MODULES:
+        return  # padding modules: H over the H ranks, W over the W ranks
     linear = isinstance(child, nn.Linear | nn.Bilinear)
     if not linear and base is None and _adapter(child) is None:
         return  # pointwise, a container, or unknown: the usual rules decide
     raise ValueError(
         f"{path} ({_name(kind)}) has no latitude x longitude form in halo: on a mesh that shards both H and W, halo "
-        f"converts {', '.join(b.__name__ for b in MESH_2D)}, global adaptive pools (output 1 x 1) and timm's "
-        f"BatchNormAct2d, and keeps pointwise layers; "
+        f"converts {', '.join(b.__name__ for b in MESH_2D)}, padding modules, global adaptive pools (output 1 x 1) "
+        f"and timm's BatchNormAct2d, and keeps pointwise layers; "
         + ("nn.Linear on a (B, C, H, W) tensor mixes the sharded W (declare it with custom_converters="
            "{nn.Linear: None} if it acts on channels-last features only); " if linear else "")
         + "shard latitude only (a manager), or give custom_converters={" + kind.__name__ + ": fn}")

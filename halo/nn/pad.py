@@ -25,6 +25,7 @@ from ..exchange import exchange, exchanger_id
 from ..mesh import group_attribute
 from ..partition import split_offsets
 from ..plans import Site, carry, resolve, shard_sizes
+from ._mesh2d import mesh_of, resolve_2d, set_mesh
 from .pool import check_output_rows
 
 __all__ = ["PADDING_MODULES", "HaloPad2d", "halo_pad", "pad_like"]
@@ -71,7 +72,7 @@ class HaloPad2d(nn.Module):
 
     group = group_attribute()
 
-    def __init__(self, pad: nn.Module, *, group: Any | None = None) -> None:
+    def __init__(self, pad: nn.Module, *, group: Any | None = None, mesh: Any | None = None) -> None:
         super().__init__()
         kind = type(pad)
         if kind not in PADDING_MODULES:
@@ -83,12 +84,16 @@ class HaloPad2d(nn.Module):
         self.kind = kind.__name__
         self.group = group
         self._halo_site = Site()
+        set_mesh(self, mesh, "HaloPad2d")
 
     def extra_repr(self) -> str:
         value = f", value={self.value}" if self.value else ""
         return f"{self.kind}, padding={self.padding}{value}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mesh = mesh_of(self)
+        if mesh is not None:
+            return _pad_2d(x, self.padding, self.boundary, self.value, mesh, self._halo_site, f"HaloPad2d({self.kind})")
         return halo_pad(x, self.padding, self.boundary, self.value, group=self.group, site=self._halo_site,
                         op=f"HaloPad2d({self.kind})")
 
@@ -112,6 +117,40 @@ def halo_pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str 
         out = F.pad(inner, (left, right, plan.lead, plan.trail), value=value)
     elif left or right:  # W is not sharded: pad it as the module does
         out = F.pad(out, (left, right, 0, 0), mode=_W_MODE[boundary])
+    carry(out, x)
+    return out
+
+
+def _pad_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, pads: tuple[int, int, int, int],
+                 boundary: str, op: str) -> tuple[PadPlan, PadPlan]:
+    from ..comm import comm_group
+
+    left, right, top, bottom = pads
+    return (_pad_plan(comm_group(groups[0]), (extents[0],), 2, top, bottom, boundary, f"{op} (H)"),
+            _pad_plan(comm_group(groups[1]), (extents[1],), 3, left, right, boundary, f"{op} (W)"))
+
+
+def _pad_2d(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str, value: float, mesh: Any,
+            site: Site | None, op: str) -> torch.Tensor:
+    """A padding module on a block of a latitude x longitude mesh: H over the H ranks, then W over the W ranks (each
+    the one-axis plan: the output is the padded field's balanced split along both); a constant's value as torch."""
+    if x.dim() != 4:
+        raise ValueError(f"{op}: expected a (B, C, H, W) block, got shape {tuple(x.shape)}")
+    left, right, top, bottom = (int(p) for p in padding)
+    plans = resolve_2d(x, mesh, op, _pad_plan_2d, ((left, right, top, bottom), boundary, op), site)
+    out, lead, trail = x, [0, 0], [0, 0]
+    for k, (plan, (a, b)) in enumerate(zip(plans, ((top, bottom), (left, right)), strict=True)):
+        d = 2 + k
+        if plan.plain:  # one rank along this axis: torch's pad of it (zeros here, the value below)
+            flat = (0, 0, a, b) if d == 2 else (a, b, 0, 0)
+            out = F.pad(out, flat, mode=_W_MODE[boundary]) if boundary != "zeros" else F.pad(out, flat)
+            lead[k], trail[k] = max(a, 0), max(b, 0)
+        else:
+            out = exchange(out, plan.ex, plan.rows, d)
+            lead[k], trail[k] = plan.lead, plan.trail
+    if boundary == "zeros" and value != 0:  # the padding rows and columns take the value
+        inner = out[..., lead[0]:out.shape[-2] - trail[0], lead[1]:out.shape[-1] - trail[1]]
+        out = F.pad(inner, (lead[1], trail[1], lead[0], trail[0]), value=value)
     carry(out, x)
     return out
 
