@@ -89,6 +89,8 @@ class RandomPlan(NamedTuple):
     total: int
     offset: int
     stream: int
+    width: int = 0  # a latitude x longitude mesh: the global W (0: W whole on every rank)
+    col0: int = 0  # ... and this rank's first column
 
 
 _AGREE_RNG = 0x524E4721  # "RNG!"
@@ -123,9 +125,37 @@ def _random_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: st
     return RandomPlan(sum(sizes), sum(sizes[:cg.index]), _stream())
 
 
-def _plan(x: torch.Tensor, dim: int, group: Any, op: str, site: Site | None) -> RandomPlan:
+def _random_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: str, op: str,
+                    pw: int) -> RandomPlan:
+    """On a latitude x longitude mesh: this rank's rows within its H line and columns within its W line."""
+    sizes_h, sizes_w = extents
+    plan = _random_plan(cg, (sizes_h,), device, op)  # the generator check over the whole domain group
+    i, j = divmod(cg.index, pw)
+    return RandomPlan(sum(sizes_h), sum(sizes_h[:i]), plan.stream, sum(sizes_w), sum(sizes_w[:j]))
+
+
+def _plan(x: torch.Tensor, dim: int, group: Any, op: str, site: Site | None, mesh: Any | None = None) -> RandomPlan:
+    if mesh is not None:
+        if dim % max(x.dim(), 1) != x.dim() - 2:
+            raise ValueError(f"{op}: on a latitude x longitude mesh the field's H and W are its last two dims")
+        pw = mesh.domain_shape[1]
+        coords = tuple(divmod(i, pw) for i in range(mesh.domain_size))
+        return resolve(x, mesh.domain_group, op, _random_plan_2d, (str(x.device), op, pw), site=site,
+                       spec=((-2,), (-1,)), coords=coords, grad=False, allow_empty=True)
     return resolve(x, group, op, _random_plan, (str(x.device), op), site=site, spec=(dim,), grad=False,
                    allow_empty=True)
+
+
+def _field_bits(x: torch.Tensor, d: int, plan: RandomPlan, key: torch.Tensor, tag: int) -> torch.Tensor:
+    """The draws of ``x``'s elements, of ``x``'s shape. On a mesh, the draws of this rank's rows over the *whole*
+    width (the index space of a row slab), then its columns: a block's elements are not one strided run."""
+    if not plan.width:
+        run, stride, offset = _space(x, d, plan)
+        return _bits(key, x.numel(), run, stride, offset, plan.stream, tag).view(x.shape)
+    h, w = int(x.shape[-2]), int(x.shape[-1])
+    n = x.numel() // max(w, 1) * plan.width
+    u = _bits(key, n, h * plan.width, plan.total * plan.width, plan.offset * plan.width, plan.stream, tag)
+    return u.view(*x.shape[:-1], plan.width).narrow(-1, plan.col0, w)
 
 
 def _key(device: torch.device) -> torch.Tensor:
@@ -240,21 +270,25 @@ def _finish(out: torch.Tensor, x: torch.Tensor, inplace: bool) -> torch.Tensor:
 # -- the public ops -------------------------------------------------------------------------------------------------
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, dim: int = -2,
-            group: Any | None = None, site: Site | None = None) -> torch.Tensor:
+            group: Any | None = None, site: Site | None = None, mesh: Any | None = None) -> torch.Tensor:
     """``F.dropout`` on a shard of a field split along ``dim`` over ``group``, with draws keyed on global indices:
     every element of the whole field is kept or dropped the same way on any number of ranks (module docstring).
 
     ``x``: this rank's rows; the other dims whole and equal on every rank. Returns ``x * mask / (1 - p)``; its
     backward draws the mask again (nothing stored but a one-element key). ``group``: the domain group (default the
-    initialised manager's; none: one process, the whole field)."""
+    initialised manager's; none: one process, the whole field). ``mesh``: a latitude x longitude ``DomainMesh``
+    (``x`` a block; its mask is stored for the backward)."""
     op = "halo.random.dropout"
     p = _check_p(p, op)
     if not training or p == 0.0:
         return x
     d = _field_dim(x, dim, op)
-    plan = _plan(x, d, group, op, site)
-    run, stride, offset = _space(x, d, plan)
+    plan = _plan(x, d, group, op, site, mesh)
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    if plan.width:
+        keep = _field_bits(x, d, plan, _key(x.device), _TAG_DROP) >= _threshold(p)
+        return _finish(philox.masked(x, keep, scale), x, inplace)
+    run, stride, offset = _space(x, d, plan)
     out = _fused_dropout(x, _key(x.device), run, stride, offset, plan.stream, _threshold(p), scale)
     return _finish(out.view(x.shape), x, inplace)
 
@@ -269,22 +303,25 @@ def _unit_mask(x: torch.Tensor, shape: tuple[int, ...], p: float, stream: int) -
     return (u >= _threshold(p)).view(shape)
 
 
-def _check_group(x: torch.Tensor, group: Any, op: str, site: Site | None) -> int:
+def _check_group(x: torch.Tensor, group: Any, op: str, site: Site | None, mesh: Any | None = None) -> int:
     """The stream, after the one-time check that the domain ranks' generators agree (a plan on ``x``)."""
     if x.dim() == 0:
         return _stream()
+    if mesh is not None and x.dim() >= 2:
+        return _plan(x, -2, None, op, site, mesh).stream
     return _plan(x, -2 if x.dim() >= 2 else 0, group, op, site).stream
 
 
 def feature_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,
-                    batched: bool = True, group: Any | None = None, site: Site | None = None) -> torch.Tensor:
+                    batched: bool = True, group: Any | None = None, site: Site | None = None,
+                    mesh: Any | None = None) -> torch.Tensor:
     """Channel dropout (``F.dropout1d/2d/3d``): whole channels of a sample are zeroed, the same channels on every
     domain rank. ``batched``: ``x`` is ``(B, C, ...)`` (else ``(C, ...)``)."""
     op = "halo.random.feature_dropout"
     p = _check_p(p, op)
     if not training or p == 0.0:
         return x
-    stream = _check_group(x, group, op, site)
+    stream = _check_group(x, group, op, site, mesh)
     lead = 2 if batched else 1
     if x.dim() < lead + 1:
         raise ValueError(f"{op}: expected ({'B, ' if batched else ''}C, ...) with spatial dims, got shape "
@@ -297,7 +334,8 @@ def feature_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inpl
 
 
 def drop_path(x: torch.Tensor, p: float = 0.0, training: bool = False, scale_by_keep: bool = True, *,
-              mode: str = "row", group: Any | None = None, site: Site | None = None) -> torch.Tensor:
+              mode: str = "row", group: Any | None = None, site: Site | None = None,
+              mesh: Any | None = None) -> torch.Tensor:
     """Stochastic depth (timm's ``drop_path``, torchvision's ``stochastic_depth``): each sample's residual branch
     (``mode="row"``) or the whole batch's (``"batch"``) is dropped with probability ``p``, kept ones scaled by
     ``1 / (1 - p)`` if ``scale_by_keep``; the same draw on every domain rank, another on each replica."""
@@ -307,7 +345,7 @@ def drop_path(x: torch.Tensor, p: float = 0.0, training: bool = False, scale_by_
     p = _check_p(p, op)
     if not training or p == 0.0:
         return x
-    stream = _check_group(x, group, op, site)
+    stream = _check_group(x, group, op, site, mesh)
     shape = (int(x.shape[0]) if mode == "row" and x.dim() else 1,) + (1,) * max(x.dim() - 1, 0)
     keep = _unit_mask(x, shape, p, stream).to(x.dtype)
     if p < 1.0 and scale_by_keep:
@@ -322,7 +360,7 @@ _ALPHA = 1.7580993408473766  # -scale * alpha of SELU: where SELU saturates
 
 def alpha_dropout(x: torch.Tensor, p: float = 0.5, training: bool = False, inplace: bool = False, *,
                   feature: bool = False, dim: int = -2, group: Any | None = None,
-                  site: Site | None = None) -> torch.Tensor:
+                  site: Site | None = None, mesh: Any | None = None) -> torch.Tensor:
     """``F.alpha_dropout`` (``feature=True``: ``F.feature_alpha_dropout``, whole channels) with draws keyed on
     global indices: dropped values are set to SELU's negative saturation and the result affinely restored to zero
     mean and unit variance, as torch does."""
@@ -331,14 +369,12 @@ def alpha_dropout(x: torch.Tensor, p: float = 0.5, training: bool = False, inpla
     if not training or p == 0.0:
         return x
     if feature:
-        stream = _check_group(x, group, op, site)
+        stream = _check_group(x, group, op, site, mesh)
         keep = _unit_mask(x, (*x.shape[:2], *([1] * (x.dim() - 2))), p, stream)
     else:
         d = _field_dim(x, dim, op)
-        plan = _plan(x, d, group, op, site)
-        run, stride, offset = _space(x, d, plan)
-        u = _bits(_key(x.device), x.numel(), run, stride, offset, plan.stream, _TAG_DROP)
-        keep = (u >= _threshold(p)).view(x.shape)
+        plan = _plan(x, d, group, op, site, mesh)
+        keep = _field_bits(x, d, plan, _key(x.device), _TAG_DROP) >= _threshold(p)
     if p == 1.0:
         return _finish(x * 0, x, inplace)
     a = 1.0 / ((_ALPHA * _ALPHA * p + 1) * (1 - p)) ** 0.5
@@ -348,32 +384,30 @@ def alpha_dropout(x: torch.Tensor, p: float = 0.5, training: bool = False, inpla
 
 
 def _uniform(x: torch.Tensor, tag: int, dim: int, group: Any, op: str, site: Site | None,
-             key: torch.Tensor) -> torch.Tensor:
+             key: torch.Tensor, mesh: Any | None = None) -> torch.Tensor:
     d = _field_dim(x, dim, op)
-    plan = _plan(x, d, group, op, site)
-    run, stride, offset = _space(x, d, plan)
-    return _bits(key, x.numel(), run, stride, offset, plan.stream, tag).view(x.shape)
+    return _field_bits(x, d, _plan(x, d, group, op, site, mesh), key, tag)
 
 
 def rand_like(x: torch.Tensor, *, dim: int = -2, group: Any | None = None, dtype: torch.dtype | None = None,
-              site: Site | None = None) -> torch.Tensor:
+              site: Site | None = None, mesh: Any | None = None) -> torch.Tensor:
     """Uniform noise on ``[0, 1)`` (multiples of 2**-24) for a shard of a field: each element's value depends only
     on its global index, so the noise is the same however the field is split."""
-    u = _uniform(x, _TAG_UNIFORM, dim, group, "halo.random.rand_like", site, _key(x.device))
+    u = _uniform(x, _TAG_UNIFORM, dim, group, "halo.random.rand_like", site, _key(x.device), mesh)
     out = u.to(dtype or x.dtype) * (1.0 / _ONE)
     carry(out, x)
     return out
 
 
 def randn_like(x: torch.Tensor, *, dim: int = -2, group: Any | None = None, dtype: torch.dtype | None = None,
-               site: Site | None = None) -> torch.Tensor:
+               site: Site | None = None, mesh: Any | None = None) -> torch.Tensor:
     """Standard normal noise for a shard of a field (Box-Muller on two 24-bit draws per element, in float64 then
     rounded): each element's value depends only on its global index, so it is the same however the field is split.
     """
     op = "halo.random.randn_like"
     key = _key(x.device)
-    u1 = _uniform(x, _TAG_NORMAL_1, dim, group, op, site, key).to(torch.float64).add_(1.0).mul_(1.0 / _ONE)
-    u2 = _uniform(x, _TAG_NORMAL_2, dim, group, op, site, key).to(torch.float64).mul_(2.0 * np.pi / _ONE)
+    u1 = _uniform(x, _TAG_NORMAL_1, dim, group, op, site, key, mesh).to(torch.float64).add_(1.0).mul_(1.0 / _ONE)
+    u2 = _uniform(x, _TAG_NORMAL_2, dim, group, op, site, key, mesh).to(torch.float64).mul_(2.0 * np.pi / _ONE)
     out = (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(u2)).to(dtype or x.dtype)
     carry(out, x)
     return out

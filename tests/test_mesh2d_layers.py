@@ -191,7 +191,7 @@ def _refusal_ranks(rank, world, layer):
 
 @pytest.mark.parametrize("layer, words", [
     (nn.Linear(30, 30), "mixes the sharded W"),
-    (nn.Dropout(0.1), "no latitude x longitude form"),
+    (nn.LayerNorm((3, 21, 26)), "no latitude x longitude form"),
     (nn.AdaptiveAvgPool2d(2), "no latitude x longitude form"),
     (nn.PixelShuffle(2), "no latitude x longitude form"),
     (nn.Softmax(dim=-1), "no latitude x longitude form"),

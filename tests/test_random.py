@@ -474,3 +474,39 @@ def test_reference_path_equals_the_kernel_path(monkeypatch):
         results.append((y.detach(), xi.grad))
     assert hk.backend_for(x, "dropout") == "reference"
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def _mesh_equivalence(rank, world, shape, name):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    mesh = halo.DomainMesh(shape)
+    torch.manual_seed(0)
+    model = BUILDS[name]().double()
+    convert_to_domain_parallel(model, mesh=mesh)
+    types = {n: type(m).__name__ for n, m in model.named_children()}
+    full, wts = _inputs()
+    x = halo.shard_2d(full, mesh=mesh).requires_grad_(True)
+    w = halo.shard_2d(wts, mesh=mesh)
+    results = []
+    halo.manual_seed(5)
+    for _ in range(2):
+        out = model(x)
+        (out * w).sum().backward()
+        results.append({"out": halo.gather_2d(out.detach(), mesh=mesh), "grad": halo.gather_2d(x.grad, mesh=mesh),
+                        "params": {n: p.grad.clone() for n, p in model.named_parameters()}})
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+    return {"types": types, "steps": results}
+
+
+@pytest.mark.parametrize("name, shape", [("RandomOnly", (2, 2)), ("RandomOnly", (3, 2)), ("ConvRandom", (2, 3))])
+def test_converted_model_draws_the_same_on_a_latitude_longitude_mesh(name, shape):
+    """On blocks of a latitude x longitude mesh every element, channel and sample draws what it draws in one
+    process: the random layers alone bitwise, with convolutions around them to rounding."""
+    ref = _single_process(name)
+    world = shape[0] * shape[1]
+    results = run_on_ranks(_mesh_equivalence, world, shape, name, timeout=180)
+    for r in results:
+        assert all(r["types"][k] == v for k, v in TYPES.items() if k in r["types"]), r["types"]
+    _check(results, ref, name == "RandomOnly", world)

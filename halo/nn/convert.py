@@ -104,12 +104,12 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         nn.LogSoftmax: lambda m, ctx: softmax.DomainLogSoftmax(m),
         nn.PixelShuffle: lambda m, ctx: shuffle.HaloPixelShuffle(m, group=ctx.group),
         nn.PixelUnshuffle: lambda m, ctx: shuffle.HaloPixelUnshuffle(m, group=ctx.group),
-        nn.Dropout: lambda m, ctx: dropout.DomainDropout(m, group=ctx.group),
-        nn.Dropout1d: lambda m, ctx: dropout.DomainDropout1d(m, group=ctx.group),
-        nn.Dropout2d: lambda m, ctx: dropout.DomainDropout2d(m, group=ctx.group),
-        nn.Dropout3d: lambda m, ctx: dropout.DomainDropout3d(m, group=ctx.group),
-        nn.AlphaDropout: lambda m, ctx: dropout.DomainAlphaDropout(m, group=ctx.group),
-        nn.FeatureAlphaDropout: lambda m, ctx: dropout.DomainFeatureAlphaDropout(m, group=ctx.group),
+        nn.Dropout: lambda m, ctx: dropout.DomainDropout(m, group=ctx.group, mesh=ctx.mesh),
+        nn.Dropout1d: lambda m, ctx: dropout.DomainDropout1d(m, group=ctx.group, mesh=ctx.mesh),
+        nn.Dropout2d: lambda m, ctx: dropout.DomainDropout2d(m, group=ctx.group, mesh=ctx.mesh),
+        nn.Dropout3d: lambda m, ctx: dropout.DomainDropout3d(m, group=ctx.group, mesh=ctx.mesh),
+        nn.AlphaDropout: lambda m, ctx: dropout.DomainAlphaDropout(m, group=ctx.group, mesh=ctx.mesh),
+        nn.FeatureAlphaDropout: lambda m, ctx: dropout.DomainFeatureAlphaDropout(m, group=ctx.group, mesh=ctx.mesh),
         **{kind: on_mesh(lambda m, ctx: pad.HaloPad2d(m, mesh=ctx.mesh),
                          lambda m, ctx: pad.HaloPad2d(m, group=ctx.group)) for kind in pad.PADDING_MODULES},
     }
@@ -192,9 +192,9 @@ def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Modu
         return lambda m, ctx: norm.DomainBatchNormAct2d(m, group=ctx.group, dp_group=ctx.dp_group, mesh=ctx.mesh)
     stateless = not module._parameters and not module._buffers and not module._modules
     if stateless and kind.__name__ == "DropPath" and hasattr(module, "drop_prob"):  # timm's and its copies
-        return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group)
+        return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group, mesh=ctx.mesh)
     if stateless and kind.__name__ == "StochasticDepth" and hasattr(module, "p") and hasattr(module, "mode"):
-        return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group)  # torchvision.ops
+        return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group, mesh=ctx.mesh)  # torchvision.ops
     if kind.__name__ == "NeighborhoodAttention2D" and all(  # natten.NeighborhoodAttention2D (any version)
             hasattr(module, a) for a in ("qkv", "proj", "rpb", "num_heads", "kernel_size", "dilation", "scale")):
         from .neighborhood import DomainNeighborhoodAttention2D
@@ -394,13 +394,16 @@ def _check_mesh_2d(child: nn.Module, path: str, builtin: dict) -> None:
 
     if base in PADDING_MODULES:
         return  # padding modules: H over the H ranks, W over the W ranks
+    random = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+    if base in random or (kind.__name__ in ("DropPath", "StochasticDepth") and _adapter(child) is not None):
+        return  # draws keyed on global (row, column) indices
     linear = isinstance(child, nn.Linear | nn.Bilinear)
     if not linear and base is None and _adapter(child) is None:
         return  # pointwise, a container, or unknown: the usual rules decide
     raise ValueError(
         f"{path} ({_name(kind)}) has no latitude x longitude form in halo: on a mesh that shards both H and W, halo "
-        f"converts {', '.join(b.__name__ for b in MESH_2D)}, padding modules, global adaptive pools (output 1 x 1) "
-        f"and timm's BatchNormAct2d, and keeps pointwise layers; "
+        f"converts {', '.join(b.__name__ for b in MESH_2D)}, padding modules, dropouts, global adaptive pools "
+        f"(output 1 x 1) and timm's BatchNormAct2d, and keeps pointwise layers; "
         + ("nn.Linear on a (B, C, H, W) tensor mixes the sharded W (declare it with custom_converters="
            "{nn.Linear: None} if it acts on channels-last features only); " if linear else "")
         + "shard latitude only (a manager), or give custom_converters={" + kind.__name__ + ": fn}")

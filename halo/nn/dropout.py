@@ -21,6 +21,7 @@ from torch import nn
 from .. import random as hr
 from ..mesh import GroupRef
 from ..plans import Site
+from ._mesh2d import mesh_of, set_mesh
 
 __all__ = [
     "DomainAlphaDropout",
@@ -38,10 +39,16 @@ class _DomainRandom:
 
     _group_ref: GroupRef
 
-    def _init_halo(self, group: Any | None) -> None:
+    def _init_halo(self, group: Any | None, mesh: Any | None = None) -> None:
         self._group_ref = GroupRef(group)
         self._halo_site = Site()
         self._halo_path = ""
+        set_mesh(self, mesh, type(self).__name__)
+
+    @property
+    def _mesh(self) -> Any | None:
+        """A latitude x longitude mesh (blocks), else ``None``."""
+        return mesh_of(self)
 
     @property
     def group(self) -> Any | None:
@@ -79,31 +86,31 @@ class DomainDropout(_DomainRandom, nn.Dropout):
     """``nn.Dropout`` with masks keyed on global indices: ``DomainDropout(dropout, group=...)`` or
     ``DomainDropout(p, inplace, group=...)``."""
 
-    def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt_dropout(self, nn.Dropout, args, kwargs)
-        self._init_halo(group)
+        self._init_halo(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         _check_tokens(self, x)
-        return hr.dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site)
+        return hr.dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site, mesh=self._mesh)
 
 
 class _FeatureDropout(_DomainRandom):
     _base: type
     _batched_dims: int  # the dims of a batched input; one fewer is an unbatched one
 
-    def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt_dropout(self, self._base, args, kwargs)
-        self._init_halo(group)
+        self._init_halo(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         batched = x.dim() != self._batched_dims - 1 or self._base is nn.Dropout2d  # torch: 3-d is (N, C, L) there
         return hr.feature_dropout(x, self.p, True, self.inplace, batched=batched, group=self.group,
-                                  site=self._halo_site)
+                                  site=self._halo_site, mesh=self._mesh)
 
 
 class DomainDropout1d(_FeatureDropout, nn.Dropout1d):
@@ -127,29 +134,29 @@ class DomainDropout3d(_FeatureDropout, nn.Dropout3d):
 class DomainAlphaDropout(_DomainRandom, nn.AlphaDropout):
     """``nn.AlphaDropout`` with masks keyed on global indices."""
 
-    def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt_dropout(self, nn.AlphaDropout, args, kwargs)
-        self._init_halo(group)
+        self._init_halo(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         _check_tokens(self, x)
-        return hr.alpha_dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site)
+        return hr.alpha_dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site, mesh=self._mesh)
 
 
 class DomainFeatureAlphaDropout(_DomainRandom, nn.FeatureAlphaDropout):
     """``nn.FeatureAlphaDropout``: whole channels, the same on every domain rank."""
 
-    def __init__(self, *args: Any, group: Any | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt_dropout(self, nn.FeatureAlphaDropout, args, kwargs)
-        self._init_halo(group)
+        self._init_halo(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         return hr.alpha_dropout(x, self.p, True, self.inplace, feature=True, group=self.group,
-                                site=self._halo_site)
+                                site=self._halo_site, mesh=self._mesh)
 
 
 class DomainDropPath(_DomainRandom, nn.Module):
@@ -161,27 +168,27 @@ class DomainDropPath(_DomainRandom, nn.Module):
     ``mode``)."""
 
     def __init__(self, drop_prob: float = 0.0, scale_by_keep: bool = True, mode: str = "row", *,
-                 group: Any | None = None) -> None:
+                 group: Any | None = None, mesh: Any | None = None) -> None:
         super().__init__()
         if mode not in ("row", "batch"):
             raise ValueError(f"DomainDropPath: mode must be 'row' or 'batch', got {mode!r}")
         self.drop_prob = float(drop_prob or 0.0)
         self.scale_by_keep = bool(scale_by_keep)
         self.mode = mode
-        self._init_halo(group)
+        self._init_halo(group, mesh)
 
     @classmethod
-    def adopt(cls, module: nn.Module, group: Any | None = None) -> DomainDropPath:
+    def adopt(cls, module: nn.Module, group: Any | None = None, mesh: Any | None = None) -> DomainDropPath:
         if hasattr(module, "drop_prob"):  # timm's DropPath and its many copies
-            new = cls(module.drop_prob, getattr(module, "scale_by_keep", True), group=group)
+            new = cls(module.drop_prob, getattr(module, "scale_by_keep", True), group=group, mesh=mesh)
         else:  # torchvision.ops.StochasticDepth(p, mode)
-            new = cls(module.p, True, module.mode, group=group)
+            new = cls(module.p, True, module.mode, group=group, mesh=mesh)
         new.train(module.training)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return hr.drop_path(x, self.drop_prob, self.training, self.scale_by_keep, mode=self.mode, group=self.group,
-                            site=self._halo_site)
+                            site=self._halo_site, mesh=self._mesh)
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob}, scale_by_keep={self.scale_by_keep}, mode={self.mode!r}, " \
