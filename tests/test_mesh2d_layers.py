@@ -123,7 +123,7 @@ def _layer_ranks(rank, world, shape):
     import torch.distributed as dist
 
     from halo.mesh import DomainMesh
-    from halo.nn import HaloConv2d, HaloMaxPool2d, HaloUpsample
+    from halo.nn import HaloConv2d, HaloMaxPool2d, HaloUpsample, convert_to_domain_parallel
 
     mesh = DomainMesh(shape, periodic=(False, True))
     out = {}
@@ -159,6 +159,10 @@ def _layer_ranks(rank, world, shape):
     yr, ir = pool(full)
     y, i = HaloMaxPool2d(pool, mesh=mesh)(_block(full, mesh))
     out["maxpool indices"] = float(torch.equal(y, _block(yr, mesh)) and torch.equal(i, _block(ir, mesh))) - 1.0
+    for layer in (nn.PixelShuffle(2), nn.PixelUnshuffle(2)):  # 21 x 26 -> 42 x 52; 20 x 26 -> 10 x 13
+        src = full if isinstance(layer, nn.PixelShuffle) else full[..., :20, :].contiguous()
+        compare(repr(layer), layer, convert_to_domain_parallel(nn.Sequential(layer), mesh=mesh)[0],
+                src.repeat(1, 4, 1, 1) if isinstance(layer, nn.PixelShuffle) else src)
     for kw in (dict(scale_factor=2, mode="nearest"), dict(size=(40, 11), mode="nearest"),
                dict(size=(31, 40), mode="nearest-exact"), dict(scale_factor=(1.7, 0.6), mode="bilinear"),
                dict(scale_factor=2, mode="bilinear", align_corners=True), dict(size=(30, 29), mode="bicubic"),
@@ -193,7 +197,7 @@ def _refusal_ranks(rank, world, layer):
     (nn.Linear(30, 30), "mixes the sharded W"),
     (nn.LayerNorm((3, 21, 26)), "no latitude x longitude form"),
     (nn.AdaptiveAvgPool2d(2), "no latitude x longitude form"),
-    (nn.PixelShuffle(2), "no latitude x longitude form"),
+    (nn.Conv3d(3, 3, 3, padding=1), "no latitude x longitude form"),
     (nn.Softmax(dim=-1), "no latitude x longitude form"),
     (nn.Upsample(scale_factor=2, mode="trilinear"), "no latitude x longitude form"),
 ])

@@ -55,7 +55,7 @@ def _is_pointwise_conv(m: nn.Module, dims: int = 1) -> bool:
 #: Layers with a latitude x longitude form (``convert_to_domain_parallel(model, mesh=DomainMesh((ph, pw)))``),
 #: and global adaptive pools (output 1 x 1); others that act on H or W are refused on such a mesh, naming the layer.
 MESH_2D = (nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.AvgPool2d, nn.Upsample, nn.GroupNorm, nn.BatchNorm2d,
-           nn.InstanceNorm2d)
+           nn.InstanceNorm2d, nn.PixelShuffle, nn.PixelUnshuffle)
 
 
 def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None]:
@@ -102,8 +102,10 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         nn.LayerNorm: layer_norm,
         nn.Softmax: lambda m, ctx: softmax.DomainSoftmax(m),
         nn.LogSoftmax: lambda m, ctx: softmax.DomainLogSoftmax(m),
-        nn.PixelShuffle: lambda m, ctx: shuffle.HaloPixelShuffle(m, group=ctx.group),
-        nn.PixelUnshuffle: lambda m, ctx: shuffle.HaloPixelUnshuffle(m, group=ctx.group),
+        nn.PixelShuffle: on_mesh(lambda m, ctx: shuffle.HaloPixelShuffle(m, mesh=ctx.mesh),
+                                 lambda m, ctx: shuffle.HaloPixelShuffle(m, group=ctx.group)),
+        nn.PixelUnshuffle: on_mesh(lambda m, ctx: shuffle.HaloPixelUnshuffle(m, mesh=ctx.mesh),
+                                   lambda m, ctx: shuffle.HaloPixelUnshuffle(m, group=ctx.group)),
         nn.Dropout: lambda m, ctx: dropout.DomainDropout(m, group=ctx.group, mesh=ctx.mesh),
         nn.Dropout1d: lambda m, ctx: dropout.DomainDropout1d(m, group=ctx.group, mesh=ctx.mesh),
         nn.Dropout2d: lambda m, ctx: dropout.DomainDropout2d(m, group=ctx.group, mesh=ctx.mesh),

@@ -23,6 +23,7 @@ from ..exchange import exchange, exchanger_id
 from ..mesh import group_attribute
 from ..partition import offsets, split_offsets, split_sizes
 from ..plans import Site, carry, resolve
+from ._mesh2d import mesh_of, resolve_2d, set_mesh
 from .pool import check_output_rows
 
 __all__ = ["HaloPixelShuffle", "HaloPixelUnshuffle"]
@@ -36,13 +37,15 @@ class ShufflePlan(NamedTuple):
     out: int = 0  # this rank's output rows
 
 
-def _shuffle_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], factor: int, up: bool, op: str) -> ShufflePlan:
+def _shuffle_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], factor: int, up: bool, op: str,
+                  dim: int = 2) -> ShufflePlan:
     (sizes,) = extents
     if cg.size == 1:
         return ShufflePlan(True)
     n = sum(sizes)
     if not up and n % factor:
-        raise ValueError(f"{op}: the field has {n} rows along H, not divisible by the downscale factor {factor}")
+        raise ValueError(f"{op}: the field has {n} rows along {'H' if dim == 2 else 'W'}, not divisible by the "
+                         f"downscale factor {factor}")
     m = n * factor if up else n // factor
     check_output_rows(op, m, n, cg.size, f", factor {factor}")
     offs = split_offsets(m, cg.size)
@@ -63,15 +66,36 @@ def _shuffle_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], factor: i
             crops.append(0)
         needs.append((lo, hi))
     lo, hi = needs[cg.index]
-    ex = exchanger_id(cg, 2, sizes, tuple(needs), "zeros", op)
+    ex = exchanger_id(cg, dim, sizes, tuple(needs), "zeros", op)
     return ShufflePlan(False, ex, hi - lo, crops[cg.index], offs[cg.index + 1] - offs[cg.index])
+
+
+def _shuffle_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, factor: int, up: bool,
+                     op: str) -> tuple[ShufflePlan, ShufflePlan]:
+    from ..comm import comm_group
+
+    return tuple(_shuffle_plan(comm_group(groups[a]), (extents[a],), factor, up, f"{op} ({'HW'[a]})", 2 + a)
+                 for a in range(2))
 
 
 def _run(module: nn.Module, x: torch.Tensor, factor: int, up: bool, op: str) -> torch.Tensor:
     if x.dim() != 4:
         raise ValueError(f"{op}: expected a (B, C, H_local, W) shard, got shape {tuple(x.shape)}")
-    plan = resolve(x, module.group, op, _shuffle_plan, (factor, up, op), site=module._halo_site)
     fn = F.pixel_shuffle if up else F.pixel_unshuffle
+    mesh = mesh_of(module)
+    if mesh is not None:  # a latitude x longitude mesh: each axis as H alone is (rows, then columns)
+        plans = resolve_2d(x, mesh, op, _shuffle_plan_2d, (factor, up, op), module._halo_site)
+        t = x
+        for a, plan in enumerate(plans):
+            if not plan.plain:
+                t = exchange(t, plan.ex, plan.rows, 2 + a)
+        out = fn(t, factor)
+        for a, plan in enumerate(plans):
+            if not plan.plain:
+                out = out.narrow(2 + a, plan.crop, plan.out)
+        carry(out, x)
+        return out
+    plan = resolve(x, module.group, op, _shuffle_plan, (factor, up, op), site=module._halo_site)
     if plan.plain:
         return fn(x, factor)
     rows = exchange(x, plan.ex, plan.rows, 2)
@@ -85,10 +109,11 @@ class HaloPixelShuffle(nn.PixelShuffle):
 
     group = group_attribute()
 
-    def __init__(self, shuffle: nn.PixelShuffle, *, group: Any | None = None) -> None:
+    def __init__(self, shuffle: nn.PixelShuffle, *, group: Any | None = None, mesh: Any | None = None) -> None:
         super().__init__(shuffle.upscale_factor)
         self.group = group
         self._halo_site = Site()
+        set_mesh(self, mesh, "HaloPixelShuffle")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _run(self, x, self.upscale_factor, True, "HaloPixelShuffle")
@@ -99,10 +124,11 @@ class HaloPixelUnshuffle(nn.PixelUnshuffle):
 
     group = group_attribute()
 
-    def __init__(self, unshuffle: nn.PixelUnshuffle, *, group: Any | None = None) -> None:
+    def __init__(self, unshuffle: nn.PixelUnshuffle, *, group: Any | None = None, mesh: Any | None = None) -> None:
         super().__init__(unshuffle.downscale_factor)
         self.group = group
         self._halo_site = Site()
+        set_mesh(self, mesh, "HaloPixelUnshuffle")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _run(self, x, self.downscale_factor, False, "HaloPixelUnshuffle")
