@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from . import kernels
 from .comm import CommGroup, HaloCommError, comm_error, comm_group, get_timeout, keep_alive, set_timeout, wait_all
-from .mesh import DomainMesh, get_domain_parallel_manager
+from .mesh import DomainMesh, get_domain_parallel_manager, mesh_coords
 from .partition import POLE_MODES, RankPlan, check_boundary, offsets, plan_exchange
 from .plans import carry, device_tensor, resolve, set_validation
 
@@ -146,6 +146,46 @@ def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return device_tensor(tuple(values), torch.int64, device)
 
 
+def post_messages(cg: CommGroup, op: str, send: torch.Tensor | None, send_list: Sequence[tuple[int, int]],
+                  recv: torch.Tensor | None, recv_list: Sequence[tuple[int, int]]) -> tuple[list, list]:
+    """Post point-to-point messages: consecutive row slices of ``send`` to the ``(peer, rows)`` of ``send_list``,
+    into consecutive slices of ``recv`` from those of ``recv_list`` (peers are group indices; a message to this rank
+    itself is copied inline). Returns the requests and, per request, who it talks to (global ranks, for the error
+    messages of :func:`halo.comm.wait_all`); a failed post raises :class:`HaloCommError` naming the peers."""
+    me, ranks = cg.index, cg.ranks
+    ops, labels = [], []
+    own = None
+    at = 0
+    for peer, n in send_list:
+        buf = send[at:at + n]
+        at += n
+        if peer == me:
+            own = buf
+        elif n:
+            ops.append(dist.P2POp(dist.isend, buf, group=cg.group, group_peer=peer))
+            labels.append(("send to", ranks[peer]))
+    at = 0
+    for peer, n in recv_list:
+        buf = recv[at:at + n]
+        at += n
+        if peer == me:
+            buf.copy_(own)
+        elif n:
+            ops.append(dist.P2POp(dist.irecv, buf, group=cg.group, group_peer=peer))
+            labels.append(("recv from", ranks[peer]))
+    if not ops:
+        return [], []
+    posted = time.monotonic()
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except Exception as exc:  # noqa: BLE001 - a peer already gone can fail the post itself
+        keep_alive((send, recv))
+        raise comm_error([tuple(labels)], 0, cg, f"{op} (posting)", posted, posted, exc) from exc
+    if len(works) != len(ops):  # coalesced (NCCL): one request for the whole batch
+        labels = [tuple(labels)] * len(works)
+    return works, labels
+
+
 class Exchanger:
     """One rank's part of one exchange plan: pack, post, finish; and the adjoint. No autograd here.
 
@@ -202,42 +242,7 @@ class Exchanger:
         return kernels.unpack(mid, self._assemble(recv, 0), self._assemble(recv, 1), dim, out)
 
     def _post(self, send: torch.Tensor, send_list, recv: torch.Tensor, recv_list) -> tuple[list, list[str]]:
-        """Post messages (slices of ``send`` to send_list peers, into slices of ``recv``); self-copies inline.
-
-        Returns the requests and, per request, who it talks to (global ranks, for error messages).
-        """
-        me, ranks = self.cg.index, self.cg.ranks
-        ops, labels = [], []
-        own = None
-        at = 0
-        for peer, n in send_list:
-            buf = send[at:at + n]
-            at += n
-            if peer == me:
-                own = buf
-            elif n:
-                ops.append(dist.P2POp(dist.isend, buf, group=self.cg.group, group_peer=peer))
-                labels.append(("send to", ranks[peer]))
-        at = 0
-        for peer, n in recv_list:
-            buf = recv[at:at + n]
-            at += n
-            if peer == me:
-                buf.copy_(own)
-            elif n:
-                ops.append(dist.P2POp(dist.irecv, buf, group=self.cg.group, group_peer=peer))
-                labels.append(("recv from", ranks[peer]))
-        if not ops:
-            return [], []
-        posted = time.monotonic()
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except Exception as exc:  # noqa: BLE001 - a peer already gone can fail the post itself
-            keep_alive((send, recv))
-            raise comm_error([tuple(labels)], 0, self.cg, f"{self.op} (posting)", posted, posted, exc) from exc
-        if len(works) != len(ops):  # coalesced (NCCL): one request for the whole batch
-            labels = [tuple(labels)] * len(works)
-        return works, labels
+        return post_messages(self.cg, self.op, send, send_list, recv, recv_list)
 
     def _assemble(self, recv: torch.Tensor, k: int) -> torch.Tensor:
         """Halo rows of side ``k`` (dim-major) from the receive buffer: a slice, or a gather by a cached map."""
@@ -575,12 +580,6 @@ def halo_exchange_async(x: torch.Tensor, halo: int | Sequence[int], dim: int = -
     return HaloHandle(x, plan.ex)
 
 
-@functools.lru_cache(maxsize=64)
-def _mesh_coords(shape: tuple[int, int]) -> tuple[tuple[int, int], ...]:
-    """``(h, w)`` of every member of a 2-D mesh's domain group in group order (row-major over ``(h, w)``)."""
-    return tuple(divmod(i, shape[1]) for i in range(shape[0] * shape[1]))
-
-
 class Exchange2d(NamedTuple):
     """An exchange of a latitude x longitude block as planned for this rank (:func:`plan_exchange_2d`): along H over
     the mesh's H group (exchanger id, extended rows), the pole strips' roll by half the longitudes along W over the W
@@ -688,7 +687,7 @@ def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int |
     if boundary_w is None:
         boundary_w = "circular" if mesh.periodic[1] else "zeros"
     halo_h, halo_w = _halo_arg(halo_h), _halo_arg(halo_w)
-    coords = _mesh_coords(tuple(mesh.domain_shape))
+    coords = mesh_coords(tuple(mesh.domain_shape))
     dims = mesh.shard_dims
     specs = ((dims[0], halo_h, boundary_h), (dims[1], halo_w, boundary_w))
     extra = ((mesh.axis_group(0), mesh.axis_group(1)), dims, (halo_h, halo_w), (boundary_h, boundary_w), x.dim(), op)

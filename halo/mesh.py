@@ -17,6 +17,7 @@ never the only way in: every function that communicates also takes a ``group`` o
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "get_domain_parallel_manager",
     "destroy_domain_parallel",
     "mesh_2d",
+    "mesh_coords",
     "mesh_layout",
     "resolve_group",
 ]
@@ -334,6 +336,12 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
             "halo.initialize_domain_parallel(world_size, domain_parallel_size) on every rank first"
         )
     return _DEFAULT.domain_group
+
+
+@functools.lru_cache(maxsize=64)
+def mesh_coords(shape: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """``(h, w)`` of every member of a latitude x longitude mesh's domain group, in group order (row-major)."""
+    return tuple(divmod(i, shape[1]) for i in range(shape[0] * shape[1]))
 
 
 def _no_mesh() -> None:

@@ -48,6 +48,7 @@ from . import kernels
 from .comm import CommGroup, gather_words
 from .kernels import philox
 from .kernels.philox import BITS
+from .mesh import mesh_coords
 from .plans import Site, carry, resolve
 
 __all__ = [
@@ -139,9 +140,9 @@ def _plan(x: torch.Tensor, dim: int, group: Any, op: str, site: Site | None, mes
         if dim % max(x.dim(), 1) != x.dim() - 2:
             raise ValueError(f"{op}: on a latitude x longitude mesh the field's H and W are its last two dims")
         pw = mesh.domain_shape[1]
-        coords = tuple(divmod(i, pw) for i in range(mesh.domain_size))
         return resolve(x, mesh.domain_group, op, _random_plan_2d, (str(x.device), op, pw), site=site,
-                       spec=((-2,), (-1,)), coords=coords, grad=False, allow_empty=True)
+                       spec=((-2,), (-1,)), coords=mesh_coords(tuple(mesh.domain_shape)), grad=False,
+                       allow_empty=True)
     return resolve(x, group, op, _random_plan, (str(x.device), op), site=site, spec=(dim,), grad=False,
                    allow_empty=True)
 

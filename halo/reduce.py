@@ -46,7 +46,7 @@ from torch import nn
 
 from .comm import CommGroup, all_gather_object, comm_group, gather_words, group_by_id, group_id
 from .comm import all_reduce as bounded_all_reduce
-from .mesh import DomainParallelManager, get_domain_parallel_manager, mesh_2d
+from .mesh import DomainParallelManager, get_domain_parallel_manager, mesh_2d, mesh_coords
 from .partition import local_range
 from .plans import resolve, shard_sizes
 
@@ -263,8 +263,7 @@ def _rows_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], width: int) ->
 def _mesh_rows(x: torch.Tensor, mesh: Any, op: str) -> tuple[int, int, int]:
     """``(global latitude rows, this rank's first row, its rows)`` of a block on a latitude x longitude mesh."""
     shape = tuple(mesh.domain_shape)
-    coords = tuple(divmod(i, shape[1]) for i in range(shape[0] * shape[1]))
-    return resolve(x, mesh.domain_group, op, _rows_2d, (shape[1],), spec=((-2,), (-1,)), coords=coords)
+    return resolve(x, mesh.domain_group, op, _rows_2d, (shape[1],), spec=((-2,), (-1,)), coords=mesh_coords(shape))
 
 
 # -- latitude weights ------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .agree import DEVICES, DTYPES, MAX_NDIM, ROW_WORDS, SHAPE_AT, Meta, Spec
 from .comm import CommGroup, comm_group, wait_all
-from .mesh import DomainMesh, get_domain_parallel_manager
+from .mesh import DomainMesh, get_domain_parallel_manager, mesh_coords
 from .partition import split_sizes
 from .plans import field_epoch, resolve, shard_sizes, tag
 
@@ -441,7 +441,7 @@ def local_rows(t: torch.Tensor, like: torch.Tensor, *, dim: int | tuple[int, int
     if two:
         dims = dim if isinstance(dim, tuple) else (-2, -1)
         like_dims = like_dim if isinstance(like_dim, tuple) else (-2, -1)
-        coords = tuple(divmod(i, mesh.domain_shape[1]) for i in range(mesh.domain_size))
+        coords = mesh_coords(tuple(mesh.domain_shape))
         parts = resolve(like, mesh.domain_group, op, _local_part, (mesh.domain_shape[1],),
                         spec=tuple((d,) for d in like_dims), coords=coords, grad=False)
     else:

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..exchange import _mesh_coords
-from ..mesh import DomainMesh, mesh_2d
+from ..mesh import DomainMesh, mesh_2d, mesh_coords
 from ..plans import Site, resolve
 
 __all__ = ["mesh_of", "resolve_2d", "set_mesh"]
@@ -37,7 +36,7 @@ def _layout(mesh: DomainMesh) -> tuple[Any, tuple[Any, Any], tuple[tuple[int, in
     cached = mesh.__dict__.get("_halo_layout")
     if cached is None:
         cached = (mesh.domain_group, (mesh.axis_group(0), mesh.axis_group(1)),
-                  _mesh_coords(tuple(mesh.domain_shape)), mesh.domain_shape[1])
+                  mesh_coords(tuple(mesh.domain_shape)), mesh.domain_shape[1])
         mesh.__dict__["_halo_layout"] = cached
     return cached
 

@@ -61,13 +61,13 @@ MESH_2D = (nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.AvgPool2d, nn.Upsampl
 def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None]:
     from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample
 
-    def c2d(m, ctx):
-        if ctx.mesh is not None:
-            return m if _is_pointwise_conv(m, 2) else conv.HaloConv2d(m, boundary=ctx.boundary, mesh=ctx.mesh)
-        return m if _is_pointwise_conv(m) else conv.HaloConv2d(m, group=ctx.group, boundary=ctx.boundary)
+    def on(cls, **extra):  # the domain group, and the mesh when W is sharded too (None: latitude rows)
+        return lambda m, ctx: cls(m, group=ctx.group, mesh=ctx.mesh, **extra)
 
-    def on_mesh(make2d, make1d):
-        return lambda m, ctx: make2d(m, ctx) if ctx.mesh is not None else make1d(m, ctx)
+    def c2d(m, ctx):
+        if _is_pointwise_conv(m, 2 if ctx.mesh is not None else 1):
+            return m
+        return conv.HaloConv2d(m, group=ctx.group, boundary=ctx.boundary, mesh=ctx.mesh)
 
     def c3d(m, ctx):
         return m if _is_pointwise_conv(m) else conv.HaloConv3d(m, group=ctx.group, boundary=ctx.boundary)
@@ -80,40 +80,28 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
     return {
         nn.Conv2d: c2d,
         nn.Conv3d: c3d,
-        nn.ConvTranspose2d: on_mesh(lambda m, ctx: conv.HaloConvTranspose2d(m, mesh=ctx.mesh),
-                                    lambda m, ctx: conv.HaloConvTranspose2d(m, group=ctx.group)),
+        nn.ConvTranspose2d: on(conv.HaloConvTranspose2d),
         nn.ConvTranspose3d: lambda m, ctx: conv.HaloConvTranspose3d(m, group=ctx.group),
-        nn.MaxPool2d: on_mesh(lambda m, ctx: pool.HaloMaxPool2d(m, mesh=ctx.mesh),
-                              lambda m, ctx: pool.HaloMaxPool2d(m, group=ctx.group)),
-        nn.AvgPool2d: on_mesh(lambda m, ctx: pool.HaloAvgPool2d(m, mesh=ctx.mesh),
-                              lambda m, ctx: pool.HaloAvgPool2d(m, group=ctx.group)),
-        nn.AdaptiveAvgPool2d: on_mesh(lambda m, ctx: pool.HaloAdaptiveAvgPool2d(m, mesh=ctx.mesh),
-                                      lambda m, ctx: pool.HaloAdaptiveAvgPool2d(m, group=ctx.group)),
-        nn.AdaptiveMaxPool2d: on_mesh(lambda m, ctx: pool.HaloAdaptiveMaxPool2d(m, mesh=ctx.mesh),
-                                      lambda m, ctx: pool.HaloAdaptiveMaxPool2d(m, group=ctx.group)),
-        nn.Upsample: on_mesh(lambda m, ctx: upsample.HaloUpsample(m, mesh=ctx.mesh),
-                             lambda m, ctx: upsample.HaloUpsample(m, group=ctx.group)),
-        nn.GroupNorm: on_mesh(lambda m, ctx: norm.DomainGroupNorm(m, mesh=ctx.mesh),
-                              lambda m, ctx: norm.DomainGroupNorm(m, group=ctx.group)),
-        nn.BatchNorm2d: on_mesh(lambda m, ctx: norm.DomainBatchNorm2d(m, mesh=ctx.mesh, dp_group=ctx.dp_group),
-                                lambda m, ctx: norm.DomainBatchNorm2d(m, group=ctx.group, dp_group=ctx.dp_group)),
-        nn.InstanceNorm2d: on_mesh(lambda m, ctx: norm.DomainInstanceNorm2d(m, mesh=ctx.mesh),
-                                   lambda m, ctx: norm.DomainInstanceNorm2d(m, group=ctx.group)),
+        nn.MaxPool2d: on(pool.HaloMaxPool2d),
+        nn.AvgPool2d: on(pool.HaloAvgPool2d),
+        nn.AdaptiveAvgPool2d: on(pool.HaloAdaptiveAvgPool2d),
+        nn.AdaptiveMaxPool2d: on(pool.HaloAdaptiveMaxPool2d),
+        nn.Upsample: on(upsample.HaloUpsample),
+        nn.GroupNorm: on(norm.DomainGroupNorm),
+        nn.BatchNorm2d: lambda m, ctx: norm.DomainBatchNorm2d(m, group=ctx.group, mesh=ctx.mesh, dp_group=ctx.dp_group),
+        nn.InstanceNorm2d: on(norm.DomainInstanceNorm2d),
         nn.LayerNorm: layer_norm,
         nn.Softmax: lambda m, ctx: softmax.DomainSoftmax(m),
         nn.LogSoftmax: lambda m, ctx: softmax.DomainLogSoftmax(m),
-        nn.PixelShuffle: on_mesh(lambda m, ctx: shuffle.HaloPixelShuffle(m, mesh=ctx.mesh),
-                                 lambda m, ctx: shuffle.HaloPixelShuffle(m, group=ctx.group)),
-        nn.PixelUnshuffle: on_mesh(lambda m, ctx: shuffle.HaloPixelUnshuffle(m, mesh=ctx.mesh),
-                                   lambda m, ctx: shuffle.HaloPixelUnshuffle(m, group=ctx.group)),
-        nn.Dropout: lambda m, ctx: dropout.DomainDropout(m, group=ctx.group, mesh=ctx.mesh),
-        nn.Dropout1d: lambda m, ctx: dropout.DomainDropout1d(m, group=ctx.group, mesh=ctx.mesh),
-        nn.Dropout2d: lambda m, ctx: dropout.DomainDropout2d(m, group=ctx.group, mesh=ctx.mesh),
-        nn.Dropout3d: lambda m, ctx: dropout.DomainDropout3d(m, group=ctx.group, mesh=ctx.mesh),
-        nn.AlphaDropout: lambda m, ctx: dropout.DomainAlphaDropout(m, group=ctx.group, mesh=ctx.mesh),
-        nn.FeatureAlphaDropout: lambda m, ctx: dropout.DomainFeatureAlphaDropout(m, group=ctx.group, mesh=ctx.mesh),
-        **{kind: on_mesh(lambda m, ctx: pad.HaloPad2d(m, mesh=ctx.mesh),
-                         lambda m, ctx: pad.HaloPad2d(m, group=ctx.group)) for kind in pad.PADDING_MODULES},
+        nn.PixelShuffle: on(shuffle.HaloPixelShuffle),
+        nn.PixelUnshuffle: on(shuffle.HaloPixelUnshuffle),
+        nn.Dropout: on(dropout.DomainDropout),
+        nn.Dropout1d: on(dropout.DomainDropout1d),
+        nn.Dropout2d: on(dropout.DomainDropout2d),
+        nn.Dropout3d: on(dropout.DomainDropout3d),
+        nn.AlphaDropout: on(dropout.DomainAlphaDropout),
+        nn.FeatureAlphaDropout: on(dropout.DomainFeatureAlphaDropout),
+        **{kind: on(pad.HaloPad2d) for kind in pad.PADDING_MODULES},
     }
 
 

@@ -42,10 +42,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..comm import CommGroup, comm_error, comm_group, keep_alive, wait_all
+from ..comm import CommGroup, comm_group, wait_all
+from ..exchange import post_messages
 from ..guard import place
 from ..mesh import group_attribute
 from ..partition import offsets, split_sizes
@@ -78,11 +78,31 @@ class RegroupPlan(NamedTuple):
     sends: tuple[tuple[int, tuple[int, ...]], ...]
     recvs: tuple[tuple[int, tuple[int, ...]], ...]
     op: str
+    me: int = 0
+    # Derived once (not per call): the rows to pack and to place, message sizes, this rank's own rows.
+    send_index: tuple[int, ...] = ()
+    recv_index: tuple[int, ...] = ()
+    send_counts: tuple[tuple[int, int], ...] = ()
+    recv_counts: tuple[tuple[int, int], ...] = ()
+    own_src: tuple[int, ...] = ()
+    own_dst: tuple[int, ...] = ()
+
+    @staticmethod
+    def make(group: Any, dim: int, rows_in: int, rows_out: int, sends: tuple, recvs: tuple, op: str,
+             me: int) -> RegroupPlan:
+        def moved(pairs: tuple) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
+            index = tuple(i for q, rows in pairs if q != me for i in rows)
+            counts = tuple((q, len(rows)) for q, rows in pairs if q != me)
+            return index, counts, next((rows for q, rows in pairs if q == me), ())
+
+        (si, sc, src), (ri, rc, dst) = moved(sends), moved(recvs)
+        return RegroupPlan(group, dim, rows_in, rows_out, sends, recvs, op, me, si, ri, sc, rc, src, dst)
 
     def inverse(self) -> RegroupPlan:
         """The reverse permutation (the adjoint): what was received is sent back, and placed where it came from."""
         return RegroupPlan(self.group, self.dim, self.rows_out, self.rows_in, self.recvs, self.sends,
-                           f"{self.op} (backward)")
+                           f"{self.op} (backward)", self.me, self.recv_index, self.send_index, self.recv_counts,
+                           self.send_counts, self.own_dst, self.own_src)
 
 
 def regroup_plan(cg: CommGroup, dim: int, sizes_in: Sequence[int], sizes_out: Sequence[int],
@@ -114,9 +134,9 @@ def regroup_plan(cg: CommGroup, dim: int, sizes_in: Sequence[int], sizes_out: Se
                 sends.setdefault(s, []).append(g - off_in[me])
             if s == me:
                 recvs.setdefault(r, []).append(p - off_out[me])
-    return RegroupPlan(cg.group, dim, sizes_in[me], sizes_out[me],
-                       tuple((q, tuple(v)) for q, v in sorted(sends.items())),
-                       tuple((q, tuple(v)) for q, v in sorted(recvs.items())), op)
+    return RegroupPlan.make(cg.group, dim, sizes_in[me], sizes_out[me],
+                            tuple((q, tuple(v)) for q, v in sorted(sends.items())),
+                            tuple((q, tuple(v)) for q, v in sorted(recvs.items())), op, me)
 
 
 # -- the messages ------------------------------------------------------------------------------------------------
@@ -139,44 +159,18 @@ def _run_plain(x: torch.Tensor, plan: RegroupPlan) -> torch.Tensor:
     out = xm.new_empty((plan.rows_out, *rest))
     device = x.device
     cg = comm_group(plan.group) if plan.group is not None else None
-    me = cg.index if cg is not None else 0
-    send_idx = [i for q, rows in plan.sends if q != me for i in rows]
-    recv_idx = [i for q, rows in plan.recvs if q != me for i in rows]
-    send = xm.index_select(0, device_tensor(tuple(send_idx), torch.int64, device)) if send_idx else None
-    recv = xm.new_empty((len(recv_idx), *rest)) if recv_idx else None
-    ops, labels = [], []
+    send = xm.index_select(0, device_tensor(plan.send_index, torch.int64, device)) if plan.send_index else None
+    recv = xm.new_empty((len(plan.recv_index), *rest)) if plan.recv_index else None
+    works, labels, posted = [], [], time.monotonic()
     if cg is not None:
-        at = 0
-        for q, rows in plan.sends:
-            if q != me:
-                ops.append(dist.P2POp(dist.isend, send[at:at + len(rows)], group=cg.group, group_peer=q))
-                labels.append(("send to", cg.ranks[q]))
-                at += len(rows)
-        at = 0
-        for q, rows in plan.recvs:
-            if q != me:
-                ops.append(dist.P2POp(dist.irecv, recv[at:at + len(rows)], group=cg.group, group_peer=q))
-                labels.append(("recv from", cg.ranks[q]))
-                at += len(rows)
-    works: list = []
-    posted = time.monotonic()
-    if ops:
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except Exception as exc:  # noqa: BLE001 - a peer already gone can fail the post itself
-            keep_alive((send, recv))
-            raise comm_error([tuple(labels)], 0, cg, f"{plan.op} (posting)", posted, posted, exc) from exc
-        if len(works) != len(ops):  # coalesced (NCCL): one request for the whole batch
-            labels = [tuple(labels)] * len(works)
-    own_src = next((rows for q, rows in plan.sends if q == me), ())
-    own_dst = next((rows for q, rows in plan.recvs if q == me), ())
-    if own_src:
-        out.index_copy_(0, device_tensor(own_dst, torch.int64, device),
-                        xm.index_select(0, device_tensor(own_src, torch.int64, device)))
+        works, labels = post_messages(cg, plan.op, send, plan.send_counts, recv, plan.recv_counts)
+    if plan.own_src:
+        out.index_copy_(0, device_tensor(plan.own_dst, torch.int64, device),
+                        xm.index_select(0, device_tensor(plan.own_src, torch.int64, device)))
     if works:
         wait_all(works, labels, cg, plan.op, posted, (send, recv))
     if recv is not None:
-        out.index_copy_(0, device_tensor(tuple(recv_idx), torch.int64, device), recv)
+        out.index_copy_(0, device_tensor(plan.recv_index, torch.int64, device), recv)
     return out.movedim(0, dim)
 
 

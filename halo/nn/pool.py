@@ -395,12 +395,7 @@ class _WholeMaxFn(torch.autograd.Function):
             else:  # no rows of this window here
                 vals.append(x.new_full((b, c, 1, plan.w_out), float("-inf")))
                 idxs.append(torch.full((b, c, 1, plan.w_out), _NO_INDEX, dtype=torch.int64, device=x.device))
-        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype  # exact widening
-        local, index = torch.cat(vals, dim=-2).to(acc), torch.cat(idxs, dim=-2)
-        best = bounded_all_reduce(local.clone(), info, "global max pool", dist.ReduceOp.MAX)
-        winner = torch.where(local == best, index, torch.full_like(index, _NO_INDEX))
-        bounded_all_reduce(winner, info, "global max pool", dist.ReduceOp.MIN)
-        mine = (index == winner) & (local == best)
+        best, winner, mine = _max_winner(torch.cat(vals, dim=-2), torch.cat(idxs, dim=-2), info)
         ctx.save_for_backward(winner, mine)
         ctx.info, ctx.shape, ctx.row0 = info, x.shape, _row0(plan)
         ctx.mark_non_differentiable(winner)
@@ -409,16 +404,35 @@ class _WholeMaxFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _gidx):
         winner, mine = ctx.saved_tensors
-        acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-        g = bounded_all_reduce(grad.to(acc, copy=True), ctx.info, "global max pool (backward)")
         width = ctx.shape[-1]
         local = (winner - ctx.row0 * width).clamp(0, ctx.shape[-2] * width - 1)
-        gx = torch.zeros(ctx.shape, dtype=acc, device=grad.device).flatten(-2)
-        gx.scatter_add_(-1, local.flatten(-2), torch.where(mine, g, torch.zeros_like(g)).flatten(-2))
-        return gx.view(ctx.shape).to(grad.dtype), None, None, None
+        return _max_grad(grad, ctx.info, local, mine, ctx.shape), None, None, None
 
 
 _NO_INDEX = torch.iinfo(torch.int64).max
+
+
+def _max_winner(values: torch.Tensor, index: torch.Tensor, info: CommGroup
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A max over the ranks and its winner as torch picks it: ``(maximum, the smallest global index among the ranks
+    holding it, whether this rank holds the winner)``; ``index``: each local maximum's global flat index."""
+    acc = torch.float32 if values.dtype in (torch.float16, torch.bfloat16) else values.dtype  # exact widening
+    local = values.to(acc)
+    best = bounded_all_reduce(local.clone(), info, "global max pool", dist.ReduceOp.MAX)
+    winner = torch.where(local == best, index, torch.full_like(index, _NO_INDEX))
+    bounded_all_reduce(winner, info, "global max pool", dist.ReduceOp.MIN)
+    return best, winner, (index == winner) & (local == best)
+
+
+def _max_grad(grad: torch.Tensor, info: CommGroup, positions: torch.Tensor, mine: torch.Tensor,
+              shape: torch.Size) -> torch.Tensor:
+    """The adjoint of :func:`_max_winner`: the gradient summed over the ranks (each rank's consumers contributed
+    their part) lands on the winner's local flat ``positions`` on the rank that holds it (``mine``)."""
+    acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    g = bounded_all_reduce(grad.to(acc, copy=True), info, "global max pool (backward)")
+    gx = torch.zeros(shape, dtype=acc, device=grad.device).flatten(-2)
+    gx.scatter_add_(-1, positions.flatten(-2), torch.where(mine, g, torch.zeros_like(g)).flatten(-2))
+    return gx.view(shape).to(grad.dtype)
 
 
 def _row0(plan: AdaptivePlan) -> int:
@@ -483,15 +497,9 @@ class _MeshMaxFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, plan, info):
-        h, w = x.shape[-2:]
+        w = x.shape[-1]
         v, i = F.adaptive_max_pool2d(x, 1, True)
-        index = (i // w + plan.h0) * plan.width + i % w + plan.w0
-        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype  # exact widening
-        local = v.to(acc)
-        best = bounded_all_reduce(local.clone(), info, "global max pool", dist.ReduceOp.MAX)
-        winner = torch.where(local == best, index, torch.full_like(index, _NO_INDEX))
-        bounded_all_reduce(winner, info, "global max pool", dist.ReduceOp.MIN)
-        mine = (index == winner) & (local == best)
+        best, winner, mine = _max_winner(v, (i // w + plan.h0) * plan.width + i % w + plan.w0, info)
         ctx.save_for_backward(i, mine)
         ctx.info, ctx.shape = info, x.shape
         ctx.mark_non_differentiable(winner)
@@ -500,11 +508,7 @@ class _MeshMaxFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _gidx):
         i, mine = ctx.saved_tensors
-        acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-        g = bounded_all_reduce(grad.to(acc, copy=True), ctx.info, "global max pool (backward)")
-        gx = torch.zeros(ctx.shape, dtype=acc, device=grad.device).flatten(-2)
-        gx.scatter_add_(-1, i.flatten(-2), torch.where(mine, g, torch.zeros_like(g)).flatten(-2))
-        return gx.view(ctx.shape).to(grad.dtype), None, None
+        return _max_grad(grad, ctx.info, i, mine, ctx.shape), None, None
 
 
 @torch._dynamo.disable  # collectives with bounded waits: run eagerly (a graph break under torch.compile)
