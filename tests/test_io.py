@@ -72,7 +72,7 @@ def _read(rank, world, data):
     opened = f.read_bytes  # the file's metadata: the same for any reader
     samples = [field.sample(t, dtype=torch.float64) for t in range(len(field))]
     read_samples = f.read_bytes - opened
-    mean, std = field.stats()
+    mean, std = field.stats(torch.float64)
     return {"samples": samples, "mean": mean, "std": std, "bytes": read_samples, "channels": field.channels,
             "rows": (field.rows.start, field.rows.stop)}
 
@@ -163,7 +163,7 @@ def _read_blocks(rank, world, data, store):
     opened = f.read_bytes
     samples = [field.sample(t, dtype=torch.float64) for t in range(len(field))]
     read_samples = f.read_bytes - opened
-    mean, std = field.stats()
+    mean, std = field.stats(torch.float64)
     for t in range(T):  # each rank writes back its block of the first variable
         write_rows(store, "pred", samples[t][:L].float(), (T, L, H, W), (t,), mesh=mesh)
     return {"samples": samples, "mean": mean, "std": std, "bytes": read_samples,
@@ -194,3 +194,91 @@ def test_latitude_longitude_blocks(tmp_path):
     got = zarr.open_group(store, mode="r")["pred"]
     assert np.array_equal(got[...], ds["t"].values.astype(np.float32))
     assert got.chunks[-2:] == (23, 32)
+
+
+def _two_orders(tmp_path):
+    """The same physical field stored north to south (input) and south to north (target), with a static field."""
+    ds = _dataset()
+    ds["lsm"] = (("lat", "lon"), np.random.default_rng(1).random((H, W)))  # no time dim: the same every step
+    ds["other"] = (("lat2", "lon"), np.zeros((H + 1, W)))  # on another grid
+    north, south = tmp_path / "north.nc", tmp_path / "south.nc"
+    ds.to_netcdf(north, engine="h5netcdf")
+    ds.isel(lat=slice(None, None, -1)).to_netcdf(south, engine="h5netcdf")
+    return str(north), str(south)
+
+
+def _pairs(rank, world, north, south):
+    import torch.distributed as dist
+
+    import halo
+    from halo.io import ShardedField
+
+    halo.initialize_domain_parallel(world, world)
+
+    def refuse(*a, **k):
+        raise AssertionError("ShardedField.stats must not all-reduce on the domain group (NCCL: CPU table)")
+
+    dist.all_reduce = refuse
+    x = ShardedField(north, ["t", "u", "lsm"], engine="h5netcdf")
+    y = ShardedField(south, ["t", "u", "lsm"], engine="h5netcdf")  # default: rows north to south too
+    stored = ShardedField(south, ["t", "u", "lsm"], engine="h5netcdf", latitude="file")
+    up = ShardedField(north, ["u"], engine="h5netcdf", latitude="ascending")
+    mean, std = y.stats()
+    mean64, _ = y.stats(torch.float64)
+    try:
+        ShardedField(north, ["t", "other"], engine="h5netcdf")
+        grid_error = None
+    except ValueError as exc:
+        grid_error = str(exc)
+    sample = x.sample(1)
+    return {"x": [x.sample(t, torch.float64) for t in range(T)], "y": [y.sample(t, torch.float64) for t in range(T)],
+            "stored": stored.sample(0, torch.float64), "up": up.sample(0, torch.float64),
+            "lat": (x.latitudes, y.latitudes, stored.latitudes, up.latitudes), "dtypes": (mean.dtype, std.dtype),
+            "norm_dtype": ((sample - mean[:, None, None]) / std[:, None, None]).dtype, "mean64": mean64,
+            "pinned": sample.is_pinned(), "grid_error": grid_error, "channels": x.channels}
+
+
+def test_latitude_order_static_fields_and_dtypes(tmp_path):
+    """An input stored 90..-90 and a target stored -90..90 give the same rows on every rank (north to south); a
+    static field is the same channel at every step; a variable on another grid is named in the error; stats come
+    in the samples' dtype, added on the host group; no pinning without CUDA."""
+    north, south = _two_orders(tmp_path)
+    results = run_on_ranks(_pairs, 2, north, south, timeout=120)
+    ds = _dataset()
+    lsm = np.random.default_rng(1).random((H, W))
+    full = np.concatenate([ds["t"].values, ds["u"].values[:, None], np.broadcast_to(lsm, (T, 1, H, W))], axis=1)
+    lats = np.linspace(90, -90, H)
+    offs = split_offsets(H, 2)
+    for rank, r in enumerate(results):
+        rows = slice(offs[rank], offs[rank + 1])
+        assert r["channels"] == ["t[0]", "t[1]", "u", "lsm"]
+        for t in range(T):
+            assert np.array_equal(r["x"][t].numpy(), full[t, :, rows]) and torch.equal(r["x"][t], r["y"][t])
+        assert np.array_equal(r["stored"].numpy(), full[0, :, ::-1][:, rows])  # latitude="file": as stored
+        assert np.array_equal(r["up"].numpy(), full[0, 2:3, ::-1][:, rows])  # latitude="ascending"
+        x_lat, y_lat, stored_lat, up_lat = r["lat"]
+        assert np.array_equal(x_lat, lats[rows]) and np.array_equal(y_lat, lats[rows])
+        assert np.array_equal(stored_lat, lats[::-1][rows]) and np.array_equal(up_lat, lats[::-1][rows])
+        assert r["dtypes"] == (torch.float32, torch.float32) and r["norm_dtype"] == torch.float32
+        means = [full[:, c].mean() for c in range(3)] + [lsm.mean()]
+        assert np.allclose(r["mean64"].numpy(), means, rtol=1e-12)
+        assert r["pinned"] is False  # no CUDA here: pageable (with CUDA: pinned, for non_blocking copies)
+        assert "variable 'other' has dims ('lat2', 'lon'), not on the grid (lat: 45, lon: 64)" in r["grid_error"]
+
+
+def test_zarr_store_rewritten_while_read_is_refused(tmp_path):
+    pytest.importorskip("zarr")
+    from halo.io import ShardedField, rechunk
+
+    store = str(tmp_path / "live.zarr")
+    rechunk(_dataset(), store, lat_chunk=8)
+    field = ShardedField(store, engine="zarr")
+    first = field.sample(0, torch.float64)
+    assert np.array_equal(first[2].numpy(), _dataset()["u"].values[0])
+    changed = _dataset()
+    changed["u"] = changed["u"] + 1
+    rechunk(changed, store, lat_chunk=8)  # another process rewrites the store
+    with pytest.raises(RuntimeError, match="changed since it was opened"):
+        field.sample(0)
+    with pytest.raises(ValueError, match="latitude= takes one of"):
+        ShardedField(store, engine="zarr", latitude="north")
