@@ -2,8 +2,14 @@
 
 ``CommGroup`` is a process group as halo sees it: its size, this rank's position, the members' global ranks, and a
 *host* group over the same members on which ranks agree on metadata (shapes, arguments) with CPU tensors, so an
-agreement never syncs a GPU. With gloo the host group is the group itself; with NCCL it is a gloo group over the
-same ranks, created on first use by the members alone (``use_local_synchronization``).
+agreement never syncs a GPU. With gloo (or a ``"cpu:gloo,cuda:nccl"`` group) the host group is the group itself;
+with NCCL alone it is a gloo group over the same ranks *in the same order*, made eagerly where the device group is
+made (:class:`halo.DomainMesh`, :func:`new_group`, the ``halo.groups`` initializers): every rank of the world creates
+every host group, in one order, in the same collective call that creates the device groups. Never lazily by the
+members alone: torch names a group made with ``use_local_synchronization`` from the number of groups this process
+made before, so members that made different numbers of groups would meet on different store prefixes and hang.
+A group spanning the whole world gets its host group on first use (all its members are every rank, so that first
+use is collective); any other NCCL-only group halo was not told about raises a clear error on every member.
 
 Every wait is bounded (invariant 4): by :func:`set_timeout` where set, else by the process group's own timeout.
 A peer that died, stalls, or called a different collective makes this rank raise :class:`HaloCommError` naming
@@ -14,6 +20,7 @@ still write into them.
 from __future__ import annotations
 
 import collections
+import inspect
 import math
 import re
 import time
@@ -39,7 +46,11 @@ __all__ = [
     "get_timeout",
     "group_by_id",
     "group_id",
+    "carries_cpu",
+    "create_host_groups",
+    "first_ops",
     "keep_alive",
+    "new_group",
     "set_timeout",
     "wait_all",
 ]
@@ -61,8 +72,15 @@ def set_timeout(seconds: float | timedelta | None) -> float | None:
     Applies to agreements, halo messages (forward and backward) and the reductions inside layers and losses; all
     messages of one operation share the deadline. Past it this rank raises :class:`HaloCommError` naming this
     rank, the peers still pending and the time waited. Per process: call it on every rank. Returns the previous
-    value. On NCCL a set timeout makes each wait block the CPU until the messages arrive (``Work.wait(timeout)``);
-    ``None`` keeps the stream-ordered wait and leaves timeouts to the NCCL watchdog.
+    value.
+
+    On NCCL: a set timeout makes each wait block the CPU until the messages arrive (``Work.wait(timeout)`` polls the
+    work's CUDA event from the host), which costs the overlap of host and device and is illegal while a CUDA graph
+    is being captured — so under capture (``torch.cuda.is_current_stream_capturing()``) halo waits without a
+    timeout (stream-ordered, capturable), and a replayed graph is bounded only by the NCCL watchdog. ``None`` (the
+    default, and what a sync-free or captured step wants on NCCL) keeps the stream-ordered wait: nothing blocks the
+    host, and a dead or stuck peer is caught by the NCCL watchdog after the process group's ``timeout=`` (set it in
+    ``init_process_group``; ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` decides whether it aborts the process).
     """
     if isinstance(seconds, timedelta):
         seconds = seconds.total_seconds()
@@ -97,23 +115,124 @@ class CommGroup:
     size: int
     index: int  # this rank's position in the group
     ranks: tuple[int, ...]  # global ranks in group order
-    _host: list = field(default_factory=list, repr=False)  # the host group, made on first use
+    _host: list = field(default_factory=list, repr=False)  # the host group, looked up on first use
 
     @property
     def host(self) -> Any:
-        """The group on which ranks agree on metadata with CPU tensors (see the module docstring)."""
+        """The group on which ranks agree on metadata with CPU tensors, its ranks in this group's order (see the
+        module docstring): the group itself where it carries CPU tensors, else the gloo group made with it."""
         if not self._host:
-            backend = str(dist.get_backend(self.group)).lower()
-            if backend == "gloo" or ("cpu:gloo" in backend and "cuda" not in backend):
-                self._host.append(self.group)
-            else:
-                self._host.append(dist.new_group(list(self.ranks), backend="gloo", use_local_synchronization=True))
+            self._host.append(_host_of(self))
         return self._host[0]
 
     def describe(self, r: int | None = None) -> str:
         """``group rank r (global g)``; this rank when ``r`` is None."""
         r = self.index if r is None else r
         return f"group rank {r} (global {self.ranks[r]})"
+
+
+# -- host groups: made eagerly, in one order, on every rank (module docstring) ---------------------------------
+
+_HOSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # device group -> its gloo host group
+_WORLD_HOST: list = []  # the host group of a group spanning the whole world, made on first (collective) use
+_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def carries_cpu(backend: str) -> bool:
+    """Whether a process group of ``backend`` (``dist.get_backend(group)``) runs collectives of CPU tensors itself:
+    ``gloo``, or a multi-backend string with a CPU entry (``"cpu:gloo,cuda:nccl"``)."""
+    b = str(backend).lower().replace(" ", "")
+    return b == "gloo" or any(part.startswith("cpu:") for part in b.split(","))
+
+
+def _host_needed() -> bool:
+    """Whether groups of this job need a separate gloo host group: the default backend does not carry CPU tensors
+    (NCCL alone). The same answer on every rank (one backend string for the job)."""
+    return not carries_cpu(dist.get_backend())
+
+
+def _new_host(ranks: Sequence[int]) -> Any:
+    """A gloo group over ``ranks``, group rank ``i`` = ``ranks[i]`` (not sorted: the host table is read in the device
+    group's order). Collective over the world (not ``use_local_synchronization``: names from the world-wide count)."""
+    ranks = [int(r) for r in ranks]
+    if ranks == sorted(ranks):
+        return dist.new_group(ranks, backend="gloo")
+    if not _SORT_RANKS:
+        raise ValueError(f"a group with ranks {ranks} (not ascending) needs torch.distributed.new_group("
+                         f"sort_ranks=False) for its gloo host group, which this torch ({torch.__version__}) lacks")
+    return dist.new_group(ranks, backend="gloo", sort_ranks=False)
+
+
+def create_host_groups(blocks: Sequence[Sequence[int]], group: Any | None) -> None:
+    """Make the host group of every group in ``blocks`` (each a group's global ranks, in group order; the blocks of
+    one kind, e.g. every domain group of a mesh), in this order, and register this rank's one as ``group``'s.
+
+    Collective: every rank of the world calls it with the same ``blocks``, where the device groups are made
+    (``group``: this rank's device group among them, ``None`` if it is in none). A no-op where the job's backend
+    carries CPU tensors itself (gloo, ``"cpu:gloo,cuda:nccl"``)."""
+    if not _host_needed():
+        return
+    me = dist.get_rank()
+    for block in blocks:
+        host = _new_host(block)
+        if group is not None and me in block:
+            _HOSTS[group] = host
+
+
+def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
+    """``torch.distributed.new_group(ranks, **kwargs)`` and, where the job's backend needs one (NCCL alone), its gloo
+    host group, made in the same call: call it on every rank, in the same order, as torch's ``new_group``. Use it for
+    an NCCL group you hand to halo yourself (a mesh's groups are made with their host groups already)."""
+    group = dist.new_group(list(ranks), **kwargs)
+    order = [int(r) for r in ranks] if kwargs.get("sort_ranks", True) is False else sorted(int(r) for r in ranks)
+    if _host_needed():
+        host = _new_host(order)
+        if dist.get_rank() in order:
+            _HOSTS[group] = host
+    if dist.get_rank() in order:
+        first_ops([group])
+    return group
+
+
+def _needs_first_op(backend: str, bound_device: Any) -> bool:
+    """Whether NCCL groups need a first op that includes every member: NCCL in the backend and no device bound at
+    ``init_process_group(device_id=...)`` (then torch makes each communicator on its group's first op, and batched
+    point-to-point ops may be that first op only if every member takes part)."""
+    return "nccl" in str(backend).lower() and bound_device is None
+
+
+def first_ops(groups: Sequence[Any]) -> None:
+    """Where NCCL runs without a bound device: one tiny all-reduce on each of ``groups`` (this rank's), in order, so
+    that the first NCCL op on each includes every member. A halo exchange posts nothing on a rank that has no
+    messages, which would be undefined as the group's first op. Call it where the groups are made (every member,
+    the same order); a no-op with ``device_id=`` given to ``init_process_group`` (``halo.launch`` gives it)."""
+    if not _needs_first_op(dist.get_backend(), getattr(dist.group.WORLD, "bound_device_id", None)):
+        return
+    one = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    seen: set[int] = set()
+    for group in groups:
+        if group is not None and id(group) not in seen:
+            seen.add(id(group))
+            dist.all_reduce(one, group=group)
+
+
+def _host_of(cg: CommGroup) -> Any:
+    if carries_cpu(dist.get_backend(cg.group)):
+        return cg.group
+    host = _HOSTS.get(cg.group)
+    if host is not None:
+        return host
+    if cg.size == dist.get_world_size():
+        # Every rank is a member: this first use is collective over the world, like the creation of a group.
+        if not _WORLD_HOST or dist.get_process_group_ranks(_WORLD_HOST[0]) != list(cg.ranks):
+            _WORLD_HOST[:] = [_new_host(cg.ranks)]
+            first_ops([cg.group])
+        return _WORLD_HOST[0]
+    raise ValueError(
+        f"halo: the {dist.get_backend(cg.group)} group of global ranks {list(cg.ranks)} has no gloo host group for "
+        f"halo's agreements (CPU tensors). Make it with halo.comm.new_group(ranks) instead of "
+        f"torch.distributed.new_group (on every rank, in the same order), use the groups of a halo.DomainMesh, or "
+        f"initialise with init_process_group(backend=\"cpu:gloo,cuda:nccl\"), whose groups carry CPU tensors")
 
 
 _SINGLE = CommGroup(None, 1, 0, (0,))
@@ -183,6 +302,8 @@ def wait_all(works: Sequence[Any], labels: Sequence[Any], cg: CommGroup, what: s
     freed memory.
     """
     limit = _TIMEOUT[0]
+    if limit is not None and _capturing():
+        limit = None  # a host-side wait (polling the work's CUDA event) is illegal during capture: stream-ordered
     began = time.monotonic()
     for i, work in enumerate(works):
         exc: BaseException | None = None
@@ -197,6 +318,11 @@ def wait_all(works: Sequence[Any], labels: Sequence[Any], cg: CommGroup, what: s
         if done is False:
             keep_alive(keep)
             raise comm_error(labels, i, cg, what, began, posted, exc) from exc
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph (never on a CPU-only build)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _label(label: Any) -> str:

@@ -35,7 +35,8 @@ Differences from ColossalAI, on purpose:
 
 * No CPU group. ColossalAI >= 0.3 returns a 6-tuple with a gloo ``cpu_group`` in position 3; we return the
   5-tuple above (the pre-0.3 shape), as a :class:`GroupInfo`. If you need a gloo group next to an NCCL one,
-  create it yourself with ``new_group(info.ranks_in_group, backend="gloo")`` (on every rank, in order).
+  create it yourself with ``new_group(info.ranks_in_group, backend="gloo")`` (on every rank, in order). (With
+  NCCL alone, ``init_dist_group`` does make halo's own gloo host groups of its groups, for halo's agreements.)
 * No global side effects: ColossalAI records ``summa_dim``, ``tesseract_dim``/``tesseract_dep`` and
   ``depth_3d`` in a process-wide ``tensor_parallel_env``; here they are attributes of the initializer.
 * Invalid sizes raise ``ValueError`` naming the rule and the numbers, at construction (ColossalAI asserts, or
@@ -53,6 +54,8 @@ from enum import Enum
 from typing import Any, ClassVar, NamedTuple
 
 import torch.distributed as dist
+
+from .comm import create_host_groups, first_ops
 
 __all__ = [
     "GroupInfo",
@@ -213,6 +216,10 @@ class ProcessGroupInitializer(abc.ABC):
                     mine = GroupInfo(ranks.index(self.rank), len(ranks), group, ranks, mode)
             if mine is None:  # cannot happen: every layout partitions the world
                 raise RuntimeError(f"rank {self.rank} is in no {mode} group")
+            # With NCCL alone, halo's gloo host groups of these groups, made here in the same order on every rank
+            # (halo.comm: never lazily by the members), each in its device group's (sorted) order.
+            create_host_groups([sorted(ranks) for ranks in groups], mine.process_group)
+            first_ops([mine.process_group])  # NCCL without a bound device: a first op with every member
             infos.append(mine)
         return infos if self.returns_list else infos[0]
 

@@ -5,7 +5,8 @@ launch                                      ranks
 ==========================================  =====================================================================
 ``halo demo --nproc 4`` (plain process)     ``--nproc`` CPU processes with gloo, from ``halo.testing.run_on_ranks``
 ``torchrun --nproc_per_node=8 -m halo ...`` this process is one rank (``RANK``/``WORLD_SIZE`` set): NCCL and
-                                            ``cuda:LOCAL_RANK`` when GPUs are visible (or ``--backend``), else gloo
+                                            ``cuda:<local rank>`` when GPUs are visible (or ``--backend``), else
+                                            gloo; ``device_id=`` given to ``init_process_group``
 ==========================================  =====================================================================
 
 A rank function is ``fn(rank, world, *args) -> result``; :func:`launch` returns every rank's result in rank order
@@ -16,11 +17,12 @@ on the process that prints (the parent, or rank 0 under torchrun; other torchrun
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["default_backend", "is_printer", "launch", "rank_device", "under_torchrun"]
+__all__ = ["LOCAL_RANK_VARS", "RANK_VARS", "default_backend", "is_printer", "launch", "local_rank", "rank_device",
+           "under_torchrun"]
 
 
 def under_torchrun() -> bool:
@@ -35,12 +37,49 @@ def default_backend() -> str:
     return "nccl" if under_torchrun() and torch.cuda.is_available() else "gloo"
 
 
+# Where launchers put this process's rank on its node, first match wins: torchrun, Slurm's srun, Open MPI, MPICH /
+# Intel MPI (Hydra), MVAPICH2, Cray PALS (mpiexec on HPE), PMIx.
+LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                   "MV2_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID", "PMIX_LOCAL_RANK")
+# ... and its global rank, for ``rank % devices`` where no launcher says the local rank.
+RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID")
+
+
+def local_rank(env: Mapping[str, str] | None = None, device_count: int | None = None) -> int:
+    """This process's rank on its node, from the launcher's environment (``LOCAL_RANK_VARS``, first set wins),
+    else its global rank (``RANK_VARS``) modulo ``device_count`` (default: the visible CUDA devices), else 0.
+
+    Without this, a job started by ``srun`` or ``mpirun`` (no ``LOCAL_RANK``) would put every rank on ``cuda:0``.
+    A value that is not a non-negative integer raises ``ValueError`` naming the variable."""
+    env = os.environ if env is None else env
+
+    def read(name: str) -> int:
+        text = env[name].strip()
+        if not text.isdigit():
+            raise ValueError(f"{name}={env[name]!r}: expected a non-negative integer (this process's rank)")
+        return int(text)
+
+    for name in LOCAL_RANK_VARS:
+        if env.get(name, "").strip():
+            return read(name)
+    for name in RANK_VARS:
+        if env.get(name, "").strip():
+            if device_count is None:
+                import torch
+
+                device_count = torch.cuda.device_count()
+            return read(name) % max(1, device_count)
+    return 0
+
+
 def rank_device(backend: str) -> Any:
-    """The device this rank computes on: ``cuda:LOCAL_RANK`` for NCCL, else the CPU."""
+    """The device this rank computes on: ``cuda:<local rank>`` (:func:`local_rank`, modulo the visible devices) for
+    NCCL, made the current device; else the CPU."""
     import torch
 
     if backend == "nccl":
-        index = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        index = local_rank(device_count=count) % max(1, count)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
@@ -50,6 +89,9 @@ def _init_env_group(backend: str, timeout_s: float) -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        # device_id binds the group to this rank's GPU: NCCL communicators are made eagerly (and subgroups split
+        # from them), so the first op on a group need not include every member (a halo exchange posts nothing on
+        # a rank without messages), and no op guesses the device.
         device_id = rank_device(backend) if backend == "nccl" else None
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
     return dist.get_rank(), dist.get_world_size()

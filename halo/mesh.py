@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "DomainMesh",
     "DomainParallelManager",
+    "device_type_for",
+    "dp_coordinate",
     "initialize_domain_parallel",
     "get_domain_parallel_manager",
     "destroy_domain_parallel",
@@ -38,6 +41,49 @@ __all__ = [
     "mesh_layout",
     "resolve_group",
 ]
+
+
+def device_type_for(backend: str, cuda_available: bool | None = None) -> str:
+    """The ``DeviceMesh`` device type of a job whose default backend is ``backend`` (``dist.get_backend()``): the
+    device the collectives run on, not the backend's name. ``"nccl"`` -> ``"cuda"``; a multi-backend string
+    (``"cpu:gloo,cuda:nccl"``) -> its first non-CPU device where that device is available (``cuda_available``:
+    default ``torch.cuda.is_available()``), else ``"cpu"``; ``"gloo"`` -> ``"cpu"``."""
+    b = str(backend).lower().replace(" ", "")
+    pairs = [part.split(":", 1) for part in b.split(",") if ":" in part]
+    if not pairs:
+        return "cuda" if b == "nccl" else "cpu"
+    for dev, _ in pairs:
+        if dev == "cpu":
+            continue
+        if dev == "cuda":
+            if cuda_available is None:
+                import torch
+
+                cuda_available = torch.cuda.is_available()
+            if cuda_available:
+                return "cuda"
+            continue
+        import torch
+
+        module = getattr(torch, dev, None)
+        if module is not None and getattr(module, "is_available", lambda: False)():
+            return dev
+    return "cpu"
+
+
+_DP_COORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a mesh's domain/axis group -> dp coordinate
+
+
+def dp_coordinate(group: Any) -> int | None:
+    """The data-parallel coordinate of the members of ``group``, a domain group or domain-axis group of a
+    :class:`DomainMesh` (or of the manager's mesh); ``None`` for a group no mesh made."""
+    return _DP_COORDS.get(group) if group is not None else None
+
+
+def _blocks(layout: np.ndarray, axis: int) -> list[list[int]]:
+    """The groups along ``axis`` of ``layout`` (each its global ranks in order), in row-major order of the rest."""
+    moved = np.moveaxis(layout, axis, -1)
+    return [[int(r) for r in block] for block in moved.reshape(-1, layout.shape[axis])]
 
 
 def mesh_layout(world_size: int, domain_shape: Sequence[int]) -> np.ndarray:
@@ -69,9 +115,15 @@ class DomainMesh:
         axis_names: names of the domain axes in the ``DeviceMesh``; default ``("domain",)`` or
             ``("domain_h", "domain_w")``. The data-parallel axis is always ``"dp"``.
         world_size: expected world size; checked against the initialised process group.
-        device_type: ``DeviceMesh`` device type; default ``"cuda"`` for nccl, else ``"cpu"``.
+        device_type: ``DeviceMesh`` device type; default from the devices the job's backend runs on
+            (:func:`device_type_for`): ``"cuda"`` for ``nccl`` and for ``"cpu:gloo,cuda:nccl"`` with a GPU
+            visible, else ``"cpu"`` (what FSDP2 on this mesh places its shards on).
 
-    Every rank of the world must construct the mesh (group creation is collective), in the same order.
+    Every rank of the world must construct the mesh (group creation is collective), in the same order. With NCCL
+    alone the mesh also makes the gloo host group of each of its groups here (``halo.comm``), and, where
+    ``init_process_group`` was not given ``device_id=``, runs one tiny all-reduce on each of its NCCL groups: without a
+    bound device the first NCCL op on a group must include every member, and a halo exchange posts nothing on a rank
+    that has no messages.
     """
 
     def __init__(
@@ -118,7 +170,7 @@ class DomainMesh:
             raise ValueError(f"axis_names must be distinct and not 'dp', got {self.axis_names}")
 
         if device_type is None:
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            device_type = device_type_for(dist.get_backend())
         self.layout = layout
         self.device_mesh = DeviceMesh(device_type, layout, mesh_dim_names=("dp", *self.axis_names))
         self.rank = dist.get_rank()
@@ -134,6 +186,23 @@ class DomainMesh:
                 group = dist.new_group([int(r) for r in block])
                 if self.rank in block:
                     self._domain_group = group
+        self._prepare_groups()
+
+    def _prepare_groups(self) -> None:
+        """The host groups of every group of the mesh (every block of every kind, in one order, on every rank:
+        collective) and, for NCCL without a bound device, a first op on each group that includes every member."""
+        from .comm import create_host_groups, first_ops  # comm imports this module for the default group
+
+        groups = [self.dp_group] + [self.axis_group(a) for a in range(len(self.domain_shape))]
+        kinds = [_blocks(self.layout, 0)] + [_blocks(self.layout, 1 + a) for a in range(len(self.domain_shape))]
+        if len(self.domain_shape) > 1:
+            groups.append(self._domain_group)
+            kinds.append([[int(r) for r in block] for block in self.layout.reshape(self.layout.shape[0], -1)])
+        for blocks, group in zip(kinds, groups, strict=True):
+            create_host_groups(blocks, group)
+        for group in groups[1:]:  # the groups one sample's shards share: their members' data-parallel coordinate
+            _DP_COORDS[group] = self.coords[0]
+        first_ops(groups)  # one order on every rank; each kind of group partitions the world
 
     # -- groups -------------------------------------------------------------------------------------------
     @property

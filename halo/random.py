@@ -18,8 +18,10 @@ key (one per call)       ``torch.randint`` on the tensor's device from torch's d
                          graphs and ``torch.compile``; the same on every domain rank when their generators
                          are (checked once per plan: the ranks' generator states are compared, and differ
                          only if they were seeded differently — every rank then raises, naming the fix)
-stream                   the data-parallel rank of the initialised manager (0 without one): replicas draw
-                         different masks, the domain ranks of one replica the same
+stream                   the data-parallel coordinate of the layer's own domain group: its mesh's (the
+                         ``mesh=`` or ``group=`` of a ``DomainMesh``, or the manager's), else the group's
+                         smallest global rank (distinct for disjoint groups); 0 in one process. Replicas
+                         draw different masks, the domain ranks of one replica the same
 global index             the element's position in the field ``(..., H, W)`` (H the sharded dim), learned
                          once per plan like every layer's extents (``halo.plans``)
 =======================  ==================================================================================
@@ -45,10 +47,10 @@ import numpy as np
 import torch
 
 from . import kernels
-from .comm import CommGroup, gather_words
+from .comm import CommGroup, comm_group, gather_words
 from .kernels import philox
 from .kernels.philox import BITS
-from .mesh import mesh_coords
+from .mesh import dp_coordinate, mesh_coords
 from .plans import Site, carry, resolve
 
 __all__ = [
@@ -75,11 +77,14 @@ def manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _stream() -> int:
-    from .mesh import get_domain_parallel_manager
-
-    manager = get_domain_parallel_manager()
-    return 0 if manager is None else int(manager.dp_rank)
+def _stream(cg: CommGroup) -> int:
+    """The stream of draws over domain group ``cg``: the data-parallel coordinate of the mesh that made the group
+    (not the global manager's: a model converted with ``mesh=`` has none), else the group's smallest global rank,
+    which is the same on its members and differs between disjoint groups (replicas); 0 in one process."""
+    if cg.group is None:
+        return 0
+    dp = dp_coordinate(cg.group)
+    return int(dp) if dp is not None else min(cg.ranks)
 
 
 # -- the plan of a draw: where this rank's elements sit in the field, and a one-time check of the generators ------
@@ -123,7 +128,7 @@ def _random_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: st
                 f"drop-path. Seed every rank alike with halo.random.manual_seed(seed) (data-parallel replicas still "
                 f"draw differently), and draw from torch's generator in the same order on every domain rank")
     sizes = extents[0]
-    return RandomPlan(sum(sizes), sum(sizes[:cg.index]), _stream())
+    return RandomPlan(sum(sizes), sum(sizes[:cg.index]), _stream(cg))
 
 
 def _random_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: str, op: str,
@@ -307,7 +312,7 @@ def _unit_mask(x: torch.Tensor, shape: tuple[int, ...], p: float, stream: int) -
 def _check_group(x: torch.Tensor, group: Any, op: str, site: Site | None, mesh: Any | None = None) -> int:
     """The stream, after the one-time check that the domain ranks' generators agree (a plan on ``x``)."""
     if x.dim() == 0:
-        return _stream()
+        return _stream(comm_group(mesh.domain_group if mesh is not None else group))
     if mesh is not None and x.dim() >= 2:
         return _plan(x, -2, None, op, site, mesh).stream
     return _plan(x, -2 if x.dim() >= 2 else 0, group, op, site).stream

@@ -224,7 +224,9 @@ def _philox_kernel(out_ptr, x_ptr, key_ptr, N, RUN, STRIDE, OFFSET, STREAM, TAG,
     if MODE == 0:
         tl.store(out_ptr + i, u, mask=inside)
     else:
-        scale = (tl.zeros([BLOCK], dtype=tl.int64) + SCALE_BITS).to(tl.float64, bitcast=True)
+        # ``i * 0``, not ``tl.zeros``: tl.zeros is a @jit stdlib function, built interpreted in a process that
+        # imported triton with TRITON_INTERPRET=1 (pytest's conftest), and the compiled build cannot call it.
+        scale = (i * 0 + SCALE_BITS).to(tl.float64, bitcast=True)
         x = tl.load(x_ptr + i, mask=inside, other=0)
         if F64:
             y = x.to(tl.float64) * scale

@@ -344,10 +344,30 @@ def test_cuda_offsets_beyond_int32():
     assert torch.equal(adj[-1], g[-1] + 1) and torch.equal(adj[:-1], g[:-1])
 
 
+def _compile_cases(fn, kernel: str):
+    """(signature, constexprs, an instruction the PTX must hold) for each build of ``kernel`` checked."""
+    if kernel == "PHILOX":  # draws (int32 out), dropout in bf16 (fp32 math) and float64
+        for mode, f64, dt in ((0, False, "*i32"), (1, False, "*bf16"), (1, True, "*fp64")):
+            consts = {"MODE": mode, "F64": f64, "BLOCK": 1024}
+            sig = {a: ("*i64" if a == "key_ptr" else dt) if a.endswith("_ptr") else "i64" for a in fn.arg_names}
+            sig.update(dict.fromkeys(consts, "constexpr"))
+            yield sig, consts, "st.global"
+        return
+    tiles = {"BM": 16, "BN": 256, "AM": 1, "AN": 4096, "NR": 8, "F64": False}
+    for da, int_type in ((0, "i32"), (3, "i64"), (4, "i32")):
+        consts = {k: v for k, v in {**tiles, "DA": da}.items() if k in fn.arg_names}
+        sig = {a: "*bf16" if a.endswith("_ptr") else int_type for a in fn.arg_names}
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        yield sig, consts, "ld.global"
+
+
 @needs_triton
-@pytest.mark.parametrize("kernel", ["PACK", "UNPACK", "PACK_ADJOINT"])
-def test_kernels_compile_for_cuda(kernel):
-    """Code generation of the *compiled* build (the interpreter is lenient about types): sm_90 via ptxas."""
+@pytest.mark.parametrize("kernel", ["PACK", "UNPACK", "PACK_ADJOINT", "PHILOX"])
+def test_kernels_compile_for_cuda(kernel, tmp_path, monkeypatch):
+    """Code generation of the *compiled* build for sm_90 via ptxas, no GPU needed, in this process where
+    TRITON_INTERPRET=1 was set before triton was imported (conftest): a kernel calling a @jit stdlib function
+    (``tl.zeros``, ``tl.cdiv``) gets its interpreted build and fails here, as it would on a GPU under pytest. An
+    empty cache directory: a kernel compiled earlier by a process without the interpreter cannot hide it."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -356,16 +376,15 @@ def test_kernels_compile_for_cuda(kernel):
         pytest.skip(f"this triton has no ahead-of-time compile API: {exc}")
     from halo.kernels import triton_jit
 
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     fn = getattr(triton_jit, kernel)[0]
-    tiles = {"BM": 16, "BN": 256, "AM": 1, "AN": 4096, "NR": triton_jit.MAX_RANGES, "F64": False}
-    for da, int_type in ((0, "i32"), (3, "i64"), (4, "i32")):
-        consts = {k: v for k, v in {**tiles, "DA": da}.items() if k in fn.arg_names}
-        sig = {a: "*bf16" if a.endswith("_ptr") else int_type for a in fn.arg_names}
-        sig.update(dict.fromkeys(consts, "constexpr"))
+    assert triton_jit.MAX_RANGES == 8
+    for sig, consts, instruction in _compile_cases(fn, kernel):
         try:
             compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         except RuntimeError as exc:  # no ptxas in this install: nothing to check here
             if "ptxas" not in str(exc):
                 raise
             pytest.skip(f"no CUDA toolchain in this triton install: {exc}")
-        assert "ld.global" in compiled.asm["ptx"]
+        assert instruction in compiled.asm["ptx"], (kernel, consts)
+    assert any(tmp_path.iterdir()), "triton did not compile into the fresh cache directory"
