@@ -71,7 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("target", help="MODULE:FACTORY, e.g. mypkg.models:build_unet (called with no arguments)")
     check.add_argument("--shape", required=True, help="input shape B,C,H,W (e.g. 2,3,73,144)")
     check.add_argument("--nproc", type=int, default=2, help="CPU ranks when not under torchrun (default 2)")
-    check.add_argument("--boundary", default=None, help="latitude boundary for the converted convs (e.g. pole)")
+    check.add_argument("--boundary", default=None, help="latitude boundary for the converted convs (e.g. pole); "
+                       "the unsharded reference is then the model with each conv's latitude padding filled the "
+                       "same way (halo.check.boundary_reference), unless --reference is given")
+    check.add_argument("--reference", default=None, metavar="MODULE:FACTORY", help="the unsharded model to compare "
+                       "with: FACTORY(model) is called with the model the target built and returns the reference "
+                       "(its parameters are set from the model's where names agree)")
     check.add_argument("--mesh", type=_mesh, default=None, help="PHxPW: check on a latitude x longitude mesh of "
                        "PH*PW ranks instead (overrides --nproc)")
     check.add_argument("--dtype", choices=["float64", "float32"], default="float64")
