@@ -15,7 +15,16 @@ from pathlib import Path
 
 import torch
 
-from halo.bench import append_csv, default_out, median, paired_ratio, print_table, run_meta, time_iterations
+from halo.bench import (
+    LoadWatch,
+    append_csv,
+    default_out,
+    median,
+    paired_ratio,
+    print_table,
+    run_meta,
+    time_iterations,
+)
 
 __all__ = ["main"]
 
@@ -35,6 +44,8 @@ def _rank(rank: int, world: int, iters: int) -> dict:
     x = torch.randn(1, 4, h, w, generator=torch.Generator().manual_seed(manager.dp_rank))[..., offs[r]:offs[r + 1], :]
     steps = {}
     for mode in MODES:
+        if rank == 0:
+            print(f"  composition: building {mode!r} ...", flush=True)
         torch.manual_seed(0)
         model = halo.parallelize(DemoNet(4, 16, (h, w)), manager, data_parallel=mode, grid=(h, w))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -46,6 +57,8 @@ def _rank(rank: int, world: int, iters: int) -> dict:
             opt.step()
 
         steps[mode] = step
+    if rank == 0:
+        print(f"  composition: timing {iters} iterations of {len(MODES)} modes, interleaved ...", flush=True)
     return time_iterations(steps, iters)
 
 
@@ -56,12 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from halo.testing import run_on_ranks
 
-    times = run_on_ranks(_rank, 4, args.iters, timeout=900)[0]
+    with LoadWatch(own=4) as watch:
+        times = run_on_ranks(_rank, 4, args.iters, timeout=900)[0]
     meta = run_meta("gloo", 4)
     rows = [{**meta, "mode": m, "step_s": f"{median(times[m]):.4f}",
              "ratio": f"{paired_ratio(times[m], times['none']):.2f}"} for m in MODES]
     print_table(rows, ["mode", "step_s", "ratio", "device"])
     append_csv(args.out / "composition.csv", rows)
+    if watch.warning():
+        print(watch.warning())
     return 0
 
 

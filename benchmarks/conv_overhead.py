@@ -27,6 +27,7 @@ Each iteration's time is the max over ranks; the table gives medians.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from halo.bench import (
     print_table,
     rank_entry,
     run_meta,
+    run_watched,
     time_iterations,
 )
 
@@ -78,7 +80,11 @@ def conv_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     rows_local = split_sizes(h, world)[rank]
     meta = run_meta(cfg["backend"], world, device)
     out = []
-    for c in cfg["channels"]:
+    began = time.perf_counter()
+    for i, c in enumerate(cfg["channels"], start=1):
+        if rank == 0:  # progress: a full CPU run takes tens of seconds
+            print(f"  conv: case {i}/{len(cfg['channels'])}: {c} channels, {rows_local} local rows x {w} "
+                  f"({time.perf_counter() - began:.0f} s so far)", flush=True)
         torch.manual_seed(0)
         conv = nn.Conv2d(c, c, 3, padding=1).to(device, dtype)
         layers = {"plain": conv,
@@ -154,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "timeout": a.timeout}
     grid = tuple(int(v) for v in a.grid.lower().split("x")) if a.grid else None
     channels = [int(c) for c in a.channels.split(",")] if a.channels else None
-    return run(opts, grid=grid, channels=channels, reps=a.reps, dtype=a.dtype, channels_last=a.channels_last)
+    return run_watched(lambda: run(opts, grid=grid, channels=channels, reps=a.reps, dtype=a.dtype,
+                                   channels_last=a.channels_last), own=a.nproc)
 
 
 if __name__ == "__main__":

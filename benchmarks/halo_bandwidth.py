@@ -32,6 +32,7 @@ medians. GB/s counts the bytes an interior rank receives (2 messages; 1 with 2 r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from halo.bench import (
     print_table,
     rank_entry,
     run_meta,
+    run_watched,
     time_iterations,
 )
 
@@ -129,10 +131,16 @@ def bandwidth_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     meta = run_meta(cfg["backend"], world, device)
     rows: list[dict] = []
     neighbours = min(2, world - 1)
+    cases = len(cfg["dtypes"]) * len(cfg["layouts"]) * len(cfg["sizes"])
+    began, case = time.perf_counter(), 0
     for dtype_name in cfg["dtypes"]:
         dtype = getattr(torch, dtype_name)
         for layout in cfg["layouts"]:
             for size in cfg["sizes"]:
+                case += 1
+                if rank == 0:  # progress: a full CPU run takes about a minute
+                    print(f"  bandwidth: case {case}/{cases}: {dtype_name}, {layout}, {size / KB:.0f} KB messages "
+                          f"({time.perf_counter() - began:.0f} s so far)", flush=True)
                 shape = _shape(size, cfg["width"], dtype, cfg["rows"])
                 full = torch.randn((shape[0], shape[1], shape[2] * world, shape[3]),
                                    generator=torch.Generator().manual_seed(size)).to(device, dtype)
@@ -253,8 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = {"quick": a.quick, "nproc": a.nproc, "backend": a.backend or default_backend(), "out": a.out,
             "timeout": a.timeout}
     sizes = [_size(s) for s in a.sizes.split(",")] if a.sizes else None
-    return run(opts, sizes=sizes, rows=a.rows, width=a.width, reps=a.reps,
-               dtypes=a.dtypes.split(",") if a.dtypes else None)
+    return run_watched(lambda: run(opts, sizes=sizes, rows=a.rows, width=a.width, reps=a.reps,
+                                   dtypes=a.dtypes.split(",") if a.dtypes else None), own=a.nproc)
 
 
 if __name__ == "__main__":

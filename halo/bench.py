@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["BENCHMARKS", "append_csv", "benchmark_parser", "gather_times", "load_benchmark", "median",
-           "paired_ratio", "plot_panels", "print_table", "rank_entry", "run_bench", "run_meta", "time_iterations"]
+__all__ = ["BENCHMARKS", "LoadWatch", "append_csv", "benchmark_parser", "gather_times", "load_benchmark", "median",
+           "paired_ratio", "plot_panels", "print_table", "rank_entry", "run_bench", "run_meta", "run_watched",
+           "time_iterations"]
 
 BENCHMARKS = {"bandwidth": "halo_bandwidth", "conv": "conv_overhead", "scaling": "scaling", "pack": "pack_kernels",
               "mesh": "mesh2d"}
@@ -113,6 +114,87 @@ def run_meta(backend: str, world: int, device: Any = None) -> dict[str, Any]:
             "load1": f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""}
 
 
+class LoadWatch:
+    """``with LoadWatch(own=2) as watch:`` samples the machine's 1-minute load average every second while a
+    benchmark runs (a daemon thread); ``watch.warning()`` is the text to print with its numbers when the load
+    was high for the cores (None otherwise). ``own``: the benchmark's own busy processes (its ranks, one thread
+    each), part of the load it measures."""
+
+    def __init__(self, own: int = 1, interval: float = 1.0) -> None:
+        self.own, self.interval = own, interval
+        self.cores = os.cpu_count() or 1
+        self.samples: list[float] = []
+        self._stop: Any = None
+
+    #: the watches running now (innermost last): :func:`plot_panels` notes a busy machine under its plots
+    active: list[LoadWatch] = []
+
+    @staticmethod
+    def load() -> float | None:
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+    def __enter__(self) -> LoadWatch:
+        import threading
+
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while True:
+                value = self.load()
+                if value is not None:
+                    self.samples.append(value)
+                if self._stop.wait(self.interval):
+                    return
+
+        self._thread = threading.Thread(target=sample, daemon=True, name="halo-bench-load")
+        self._thread.start()
+        LoadWatch.active.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self in LoadWatch.active:
+            LoadWatch.active.remove(self)
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval)
+        value = self.load()
+        if value is not None:
+            self.samples.append(value)
+
+    @property
+    def peak(self) -> float | None:
+        return max(self.samples) if self.samples else None
+
+    def busy(self) -> bool:
+        """More runnable work than the cores, or than this run's own ranks where they are more: others competed."""
+        return self.peak is not None and self.peak > max(self.cores, self.own) + 0.5
+
+    def short(self) -> str:
+        return (f"measured on a busy machine: load average up to {self.peak:.1f} on {self.cores} cores "
+                f"({self.own} of it the run's own ranks); times likely inflated")
+
+    def warning(self) -> str | None:
+        if not self.busy():
+            return None
+        return (f"WARNING: the load average reached {self.peak:.1f} (1 min; {self.samples[0]:.1f} at the start) on "
+                f"{self.cores} cores while this ran, {self.own} of it this run's own ranks: other work "
+                f"competed for the cores, so these times are likely inflated and the ratios noisier than on a quiet "
+                f"machine; rerun when `uptime` shows a load below {self.cores}")
+
+
+def run_watched(fn: Callable[[], int], own: int) -> int:
+    """``fn()`` under a :class:`LoadWatch` (a script's ``main``): its plots get the note, and a busy machine's
+    warning is printed after its tables. ``own``: the script's own ranks."""
+    from .launch import is_printer, under_torchrun
+
+    if under_torchrun():
+        own = int(os.environ.get("LOCAL_WORLD_SIZE", str(own)))
+    with LoadWatch(own=own) as watch:
+        rc = fn()
+    if is_printer() and watch.warning():
+        print(watch.warning(), flush=True)
+    return rc
+
+
 def append_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
     """Append ``rows`` (a header when the file is new); a file whose header differs gets a sibling file."""
     if not rows:
@@ -143,9 +225,11 @@ def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
 
 
-def plot_panels(path: Path, panels: list[dict[str, Any]], title: str) -> Path | None:
+def plot_panels(path: Path, panels: list[dict[str, Any]], title: str, footnote: str | None = None) -> Path | None:
     """Line plots side by side. A panel: ``title, xlabel, ylabel, series {label: [(x, y), ...]}``, optional
-    ``logx``/``logy`` and ``hline`` (a reference level). Returns None (and says so) without matplotlib."""
+    ``logx``/``logy``, ``hline`` (a reference level), ``xticks`` (the ticks, e.g. integer rank counts) and
+    ``notes`` (``(x, y, text)`` annotations). ``footnote``: a line under the panels (a load warning). Returns None
+    (and says so) without matplotlib."""
     try:
         import matplotlib
 
@@ -154,6 +238,9 @@ def plot_panels(path: Path, panels: list[dict[str, Any]], title: str) -> Path | 
     except ImportError:
         print("matplotlib not importable: no plot")
         return None
+    watch = LoadWatch.active[-1] if LoadWatch.active else None
+    if footnote is None and watch is not None and watch.busy():
+        footnote = watch.short()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         for label, pts in panel["series"].items():
@@ -164,10 +251,17 @@ def plot_panels(path: Path, panels: list[dict[str, Any]], title: str) -> Path | 
             ax.axhline(panel["hline"], color="k", lw=0.8, ls="--")
         ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"],
                xscale="log" if panel.get("logx") else "linear", yscale="log" if panel.get("logy") else "linear")
+        if panel.get("xticks") is not None:  # e.g. rank counts: integers only
+            ax.set_xticks(list(panel["xticks"]))
+        for x, y, text in panel.get("notes", ()):  # a point that needs a word (above its own ceiling, ...)
+            ax.annotate(text, (x, y), xytext=(8, -28), textcoords="offset points", fontsize=7,
+                        arrowprops={"arrowstyle": "->", "lw": 0.6}, bbox={"fc": "lightyellow", "ec": "0.5"})
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
+    if footnote:
+        fig.text(0.01, 0.01, footnote, fontsize=7, color="firebrick", ha="left", va="bottom", wrap=True)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1) if footnote else None)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -230,25 +324,38 @@ def run_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"halo bench: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
     status = 0
+    if is_printer() and LoadWatch.load() is not None:
+        print(f"load average now: {LoadWatch.load():.2f} (1 min) on {os.cpu_count()} cores", flush=True)
+    warnings: list[str] = []
     for name in names:
         if is_printer():
             print(f"\n=== {name}: benchmarks/{BENCHMARKS[name]}.py ===", flush=True)
         t0 = time.perf_counter()
-        try:
-            if name == "pack":
-                if is_printer():  # a single-process benchmark: rank 0 only under torchrun
-                    rc = load_benchmark("pack_kernels").main((["--quick"] if args.quick else [])
-                                                             + ["--out", str(out)])
+        own = 1 if name == "pack" else (int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun()
+                                        else args.nproc)
+        with LoadWatch(own=own) as watch:
+            try:
+                if name == "pack":
+                    if is_printer():  # a single-process benchmark: rank 0 only under torchrun
+                        rc = load_benchmark("pack_kernels").main((["--quick"] if args.quick else [])
+                                                                 + ["--out", str(out)])
+                    else:
+                        rc = 0
                 else:
-                    rc = 0
-            else:
-                rc = load_benchmark(BENCHMARKS[name]).run(opts)
-        except Exception as exc:  # noqa: BLE001 - report and go on with the other benchmarks
-            print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
-            rc = 1
+                    rc = load_benchmark(BENCHMARKS[name]).run(opts)
+            except Exception as exc:  # noqa: BLE001 - report and go on with the other benchmarks
+                print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
+                rc = 1
         status |= int(bool(rc))
         if is_printer():
+            warning = watch.warning()
+            if warning:
+                print(f"{name}: {warning}", flush=True)
+                warnings.append(f"{name}: load up to {watch.peak:.1f} on {watch.cores} cores")
             print(f"--- {name}: {'ok' if not rc else 'FAILED'} in {time.perf_counter() - t0:.1f} s", flush=True)
+    if is_printer() and warnings:
+        print(f"\nWARNING: numbers taken on a busy machine ({'; '.join(warnings)}): compare them with care",
+              flush=True)
     if under_torchrun():
         import torch.distributed as dist
 
