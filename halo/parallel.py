@@ -17,6 +17,9 @@ gradient of the mean loss over the global batch (each rank's loss being its rows
                 size, in ``sync_domain_gradients``: gloo has no PREMUL_SUM)
 ==============  ==================================================================  ==============================
 
+Before wrapping, :func:`halo.replicated.check_replicated` checks that every rank of each domain group holds the
+same parameters and buffers (one small all-gather; an error on every rank naming the first tensor that differs).
+
 ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (bf16 parameters, fp32 reductions) for the FSDP modes. Wrap
 sub-modules yourself first (``fully_shard(block, mesh=...)`` on the mesh :func:`data_parallel_mesh` returns) for
 per-block sharding; this call shards the root.
@@ -72,6 +75,7 @@ def parallelize(model: nn.Module, manager: Any | None = None, *, data_parallel: 
     longitude ``DomainMesh((ph, pw))`` instead of ``manager`` (its dp axis is the data-parallel group)."""
     from .mesh import get_domain_parallel_manager, mesh_2d
     from .nn import convert_to_domain_parallel
+    from .replicated import check_replicated
 
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"parallelize: data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
@@ -88,6 +92,9 @@ def parallelize(model: nn.Module, manager: Any | None = None, *, data_parallel: 
         convert_to_domain_parallel(model, mesh=mesh, **convert_kwargs)
     else:
         convert_to_domain_parallel(model, manager, **convert_kwargs)
+    # Every rank of a domain group must start from the same weights (a model built after torch.manual_seed(rank)
+    # would train silently wrong): the same error on every rank, naming the first differing tensor.
+    check_replicated(model, manager.domain_group, op="parallelize")
     wrapped: nn.Module = model
     if data_parallel == "ddp":
         wrapped = nn.parallel.DistributedDataParallel(model, process_group=manager.data_parallel_group)

@@ -21,6 +21,7 @@ its halo rows out of ``R`` by index (usually a contiguous slice: no copy).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +34,9 @@ __all__ = [
     "offsets",
     "plan_exchange",
     "source_row",
+    "split_granularity",
     "split_offsets",
+    "split_problem",
     "split_sizes",
 ]
 
@@ -69,6 +72,39 @@ def split_sizes(n: int, parts: int, granularity: int = 1) -> list[int]:
         return [granularity * s for s in _block_counts(n, parts, granularity)]
     q, rem = divmod(n, parts)
     return [q + (r < rem) for r in range(parts)]
+
+
+def split_granularity(sizes: Sequence[int]) -> int | None:
+    """The granularity ``g`` of which ``sizes`` is the split (``sizes == split_sizes(sum(sizes), len(sizes), g)``):
+    1 for the balanced split, ``g > 1`` for a balanced split of whole blocks of ``g`` rows; ``None``: neither (a
+    hand-made split, ``torch.chunk``'s). A pure function of the sizes, so every rank finds the same."""
+    sizes = [int(s) for s in sizes]
+    n, parts = sum(sizes), len(sizes)
+    if parts == 0 or min(sizes) < 0:
+        return None
+    q, rem = divmod(n, parts)
+    if sizes == [q + (r < rem) for r in range(parts)]:
+        return 1
+    # Blocks of g rows split balanced: the counts take the values q and q + 1 (both, or it is the balanced split of
+    # rows too), so the sizes' gcd is g itself.
+    g = math.gcd(*sizes)
+    if g <= 1:
+        return None
+    q, rem = divmod(n // g, parts)
+    return g if [s // g for s in sizes] == [q + (r < rem) for r in range(parts)] else None
+
+
+def split_problem(sizes: Sequence[int], what: str = "rows") -> str | None:
+    """What is wrong with a split that is not the balanced one (nor one of whole blocks: :func:`split_granularity`),
+    naming the split expected and the one got; ``None`` for a split halo's layers compute on (invariant 1)."""
+    if split_granularity(sizes) is not None:
+        return None
+    n, parts = sum(sizes), len(sizes)
+    return (f"the shards hold {list(sizes)} {what} ({n} in all over {parts} ranks), which is not the balanced split "
+            f"{split_sizes(n, parts)} (halo.shard, torch.tensor_split) nor a balanced split of whole blocks "
+            f"(halo.shard(x, dim, granularity=g)); halo's layers compute every activation as the balanced split of "
+            f"its global extent (invariant 1), so a shard cut otherwise (by hand, or torch.chunk) would give wrong "
+            f"rows: shard the field with halo.shard / halo.scatter / halo.io, or slice torch.tensor_split's rows")
 
 
 def _block_counts(n: int, parts: int, g: int) -> list[int]:

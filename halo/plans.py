@@ -56,8 +56,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .agree import Meta, Spec, agree, needs_grad
-from .comm import CommGroup, comm_group, gather_words, unsharded_default
-from .partition import split_sizes
+from .comm import CommGroup, HaloCommError, comm_group, gather_words, unsharded_default
+from .partition import POLE_MODES, split_problem, split_sizes
 
 __all__ = [
     "Site",
@@ -209,10 +209,47 @@ def _meta(local: tuple, specs: tuple) -> Meta:
     return Meta(len(shape), shape, str(dtype).removeprefix("torch."), device, grad, objs)
 
 
+def _names_pole(extra: Any) -> bool:
+    """Whether a plan's arguments name a pole boundary (a string among them: the layer's boundary)."""
+    if isinstance(extra, str):
+        return extra in POLE_MODES
+    if isinstance(extra, (tuple, list)):
+        return any(_names_pole(e) for e in extra)
+    return False
+
+
+def _check_agreed(op: str, local: tuple, specs: tuple, extents: tuple, split: bool, extra: tuple) -> None:
+    """Checks of what every rank agreed on (so they fail identically on every rank, before any message):
+
+    * ``split``: every sharded extent is the balanced split of its total, or one of whole blocks (invariant 1; a
+      layer computes its output as the balanced split of the output extent, so a hand-cut shard would give wrong
+      rows on some ranks and shape errors on others);
+    * a pole boundary rolls the last dim (longitude) by half its extent: an odd extent is refused, as
+      ``halo_exchange`` refuses it (a layer would roll by ``W // 2``, silently not across the pole).
+    """
+    shape = local[0]
+    ndim = len(shape)
+    dims = [int(s[0]) % ndim if ndim else 0 for s in specs]
+    if split:
+        for d, sizes in zip(dims, extents, strict=False):
+            problem = split_problem(sizes)
+            if problem is not None:
+                raise ValueError(f"{op}: along dim {d - ndim} (the sharded dim), {problem}")
+    last = ndim - 1
+    pole = _names_pole(extra) or any(len(s) > 2 and s[2] in POLE_MODES for s in specs)
+    if ndim and pole and not (dims == [last]):  # (exchanging the last dim itself: refused by the plan, named)
+        width = sum(extents[dims.index(last)]) if last in dims else shape[-1]
+        if width % 2:
+            raise ValueError(f"{op}: pole boundary needs an even number of longitudes to roll by W/2, got W={width}: "
+                             f"the rows across a pole are rolled by half the longitudes (the last dim); use an even "
+                             f"W (a global lat-lon grid has one), or another boundary")
+
+
 def _agree_and_make(group: Any, op: str, local: tuple, specs: tuple, coords: tuple | None, allow_empty: bool,
-                    make: Callable, extra: tuple) -> Any:
+                    make: Callable, extra: tuple, split: bool = False) -> Any:
     cg = comm_group(group)
     extents = agree(_meta(local, specs), cg, op, coords=coords, allow_empty=allow_empty)
+    _check_agreed(op, local, specs, extents, split, extra)
     return make(cg, extents, *extra)
 
 
@@ -224,12 +261,12 @@ def _agreed(*args: Any) -> Any:
 
 @torch._dynamo.assume_constant_result
 def _recorded(epoch: int, site: int, group: Any, op: str, local: tuple, specs: tuple, coords: tuple | None,
-              allow_empty: bool, make: Callable, extra: tuple) -> Any:
+              allow_empty: bool, make: Callable, extra: tuple, split: bool = False) -> Any:
     """A call with an epoch: the record, or (first time, on every rank alike) an agreement that makes it."""
-    key = (epoch, site, group, op, local, specs, coords, allow_empty, make, extra)
+    key = (epoch, site, group, op, local, specs, coords, allow_empty, make, extra, split)
     plan = _RECORDS.get(key)
     if plan is None:
-        plan = _agree_and_make(group, op, local, specs, coords, allow_empty, make, extra)
+        plan = _agree_and_make(group, op, local, specs, coords, allow_empty, make, extra, split)
         _RECORDS[key] = plan
         if len(_RECORDS) > _MAX_RECORDS:  # oldest first: the same sequence on every rank
             _RECORDS.popitem(last=False)
@@ -239,7 +276,7 @@ def _recorded(epoch: int, site: int, group: Any, op: str, local: tuple, specs: t
 def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple = (), *, site: Site | None = None,
             spec: tuple = (-2,), grad: bool = True, allow_empty: bool = False,
             coords: tuple[tuple[int, ...], ...] | None = None, replicated: bool = False,
-            source: torch.Tensor | None = None) -> Any:
+            source: torch.Tensor | None = None, split: bool | None = None) -> Any:
     """The plan of a call on ``x``: ``make(comm_group, extents, *extra)``, where ``extents[k]`` holds every rank's
     extent along the dim of spec ``k`` (agreed, or recorded under the call's epoch: module docstring).
 
@@ -250,6 +287,13 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     for as long as its shape does, in any epoch. ``make`` must be a pure function of its arguments that raises
     identically on every rank, and under ``torch.compile`` return plain constants (ints, floats, strings, tuples,
     NamedTuples). ``source``: the tensor whose epoch the call belongs to, when not ``x`` itself (a view of it).
+    ``split``: refuse sharded extents that are not the balanced split (nor one of whole blocks), on every rank
+    alike, naming the split expected and got; default: for a layer's calls (``site`` given) that learn the extents
+    of a channels-first field's H (``spec=(-2,)``; on a mesh ``((-2,), (-1,))``): convolutions, pools, norms,
+    upsampling, padding, whose outputs are the balanced split of the output extent (invariant 1), so that a shard cut
+    otherwise cannot give wrong rows. Layers with a split rule of their own (Swin windows, channels-last) pass
+    their own dim and keep it. A call with a pole boundary (in ``spec`` or in ``extra``)
+    refuses an odd number of longitudes (the last dim) on every rank.
     """
     specs = spec if isinstance(spec[0], tuple) else (spec,)
     if _STATE.mesh_group is not None and len(specs) == 1 and not replicated \
@@ -260,9 +304,12 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     local = local_key(x, grad)
     if group is None and unsharded_default():
         replicated = True  # one process (no torch.distributed, or halo.comm.unsharded()): local shapes are global
+    if split is None:  # a layer's call on a channels-first field's H (and W): invariant 1 (docstring)
+        split = site is not None and all(len(s) == 1 and s[0] in (-2, -1) for s in specs)
+    split = bool(split and not replicated)
     epoch = _REPLICATED if replicated else epoch_of(x if source is None else source)
     if epoch is None or _STATE.validation == "always":
-        return _agreed(group, op, local, specs, coords, allow_empty, make, extra)
+        return _agreed(group, op, local, specs, coords, allow_empty, make, extra, split)
     if site is not None:
         site_id = site.id
     elif _STATE.epoch is not None and not replicated:
@@ -273,7 +320,7 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
         site_id = -_STATE.calls
     else:
         site_id = 0
-    return _recorded(epoch, site_id, group, op, local, specs, coords, allow_empty, make, extra)
+    return _recorded(epoch, site_id, group, op, local, specs, coords, allow_empty, make, extra, split)
 
 
 def _first(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
@@ -361,6 +408,53 @@ def _called_by_dynamo() -> bool:
     return False
 
 
+def _check_entry(table: np.ndarray, cg: CommGroup, op: str) -> None:
+    """What the entry's words tell when the ranks are not at the same step: train/eval mode and how many backwards
+    ran through the model's outputs (the same ``ValueError`` on every rank, naming the ranks)."""
+    modes, counts = table[:, 3], table[:, 4]
+    if (modes != modes[0]).any():
+        evals = [r for r in range(cg.size) if not modes[r]]
+        trains = [r for r in range(cg.size) if modes[r]]
+        raise ValueError(f"{op}: the model is in eval() mode on group ranks {evals} (global "
+                         f"{[cg.ranks[r] for r in evals]}) and in train() mode on group ranks {trains}: layers that "
+                         f"act differently in training (batch norm statistics, dropout) would compute different "
+                         f"things or wait for each other; call model.train() / model.eval() on every rank alike")
+    if (counts != counts[0]).any():
+        raise ValueError(f"{op}: the ranks of the domain group have run backward through this model's outputs "
+                         f"different numbers of times ({[int(c) for c in counts]} on group ranks 0..{cg.size - 1}): "
+                         f"a rank skipped a backward (a loss it found not finite, a branch the others did not take) "
+                         f"or ran an extra one; every rank of a domain group must run the same steps")
+
+
+def _backward_skipped(module: torch.nn.Module) -> str | None:
+    """Why this rank's entry may wait alone: its previous forward recorded a backward that never ran here."""
+    pending = module.__dict__.get("_halo_backward_pending")
+    if pending is not None and pending[0]:
+        return (f"this rank did not run backward() through the output of its previous forward (forward "
+                f"{pending[1]}), which recorded one; if its peers did, they are waiting in their backward for this "
+                f"rank's halo gradients. Run backward on every rank of the domain group (or the forward under "
+                f"torch.no_grad() on every rank)")
+    return None
+
+
+def _watch_backward(module: torch.nn.Module, output: Any) -> None:
+    """Note whether the backward of this forward's output runs (a tensor hook on one output that records one)."""
+    leaf = next((t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    if leaf is None or not torch.is_grad_enabled():
+        module.__dict__.pop("_halo_backward_pending", None)
+        return
+    pending = [True, module.__dict__.get("_halo_forwards", 0) - 1]
+    module.__dict__["_halo_backward_pending"] = pending
+    state = module.__dict__
+
+    def ran(grad: torch.Tensor) -> None:
+        if pending[0]:
+            pending[0] = False
+            state["_halo_backwards"] = state.get("_halo_backwards", 0) + 1
+
+    leaf.register_hook(ran)
+
+
 @torch._dynamo.disable
 def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     """Forward pre-hook of a converted model: start (or, inside another converted model, join) its step's epoch."""
@@ -374,11 +468,26 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     digest = hashlib.blake2b(_describe_inputs(args, kwargs, config.grid, cg, op, getattr(config, "mesh_shape", None)),
                              digest_size=16).digest()
     words = np.frombuffer(digest, dtype=np.int64)
+    forwards = module.__dict__.get("_halo_forwards", 0)
+    if cg.size > 1:
+        module.__dict__["_halo_forwards"] = forwards + 1
     if config.grid is not None or cg.size == 1:
         epoch = _intern(("grid", config.grid, tuple(int(w) for w in words)))
     else:
-        table = gather_words([_ENTRY, int(words[0]), int(words[1])], cg, op)  # host data only
-        epoch = _intern(("entry", cg.ranks, tuple(table.ravel().tolist())))
+        row = [_ENTRY, int(words[0]), int(words[1]), int(module.training), module.__dict__.get("_halo_backwards", 0)]
+        try:
+            table = gather_words(row, cg, op)  # host data only
+        except HaloCommError as exc:
+            hint = _backward_skipped(module)
+            if hint:
+                raise HaloCommError(f"{exc}. Likely cause: {hint}") from exc
+            raise
+        _check_entry(table, cg, op)
+        epoch = _intern(("entry", cg.ranks, tuple(table[:, :3].ravel().tolist())))
+    if module.__dict__.get("_halo_data_parallel") != "fsdp-all":  # (fsdp-all: shards differ within a domain group)
+        from .replicated import periodic_check
+
+        periodic_check(module, cg, forwards, op)
     _STATE.epoch, _STATE.depth = epoch, 1
     _STATE.mesh_group = config.group if getattr(config, "w_sharded", False) else None
     guarded = module.__dict__.setdefault("_halo_guarded", set())
@@ -404,6 +513,8 @@ def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> N
                 module.__dict__.setdefault("_halo_guarded", set()).add(guard.epoch)
         epoch, _STATE.epoch = _STATE.epoch, None
         _STATE.mesh_group = None
+        if output is not None and not torch.compiler.is_compiling():
+            _watch_backward(module, output)
         for t in pytree.tree_leaves(output):
             tag(t, epoch)
 

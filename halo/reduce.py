@@ -138,11 +138,12 @@ def _all_reduce_op(x: torch.Tensor, op: str, gid: int) -> torch.Tensor:
     wider; its backward is the same op on the gradient (the plain adjoint)."""
     info = group_by_id(gid)
     acc = accumulation_dtype(x.dtype)
-    buf = x.detach().to(acc, copy=True)
+    buf = torch.empty_like(x, dtype=acc)  # the strides the fake kernel gives (any layout of x, exactly)
+    buf.copy_(x.detach())
     bounded_all_reduce(buf, info, "all_reduce")
     if op == "mean":
         buf.div_(info.size)
-    return buf.to(x.dtype)
+    return buf if acc == x.dtype else torch.empty_like(x).copy_(buf)
 
 
 @_all_reduce_op.register_fake
@@ -159,6 +160,17 @@ def _all_reduce_backward(ctx, grad: torch.Tensor):
 
 
 _all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+
+
+def _order_all_reduce() -> None:
+    """``halo::all_reduce`` communicates: an ordered effect under torch.compile (see
+    :func:`halo.exchange.order_communication`)."""
+    from .exchange import order_communication
+
+    order_communication(_all_reduce_op)
+
+
+_order_all_reduce()
 
 
 # -- replicated reductions (a loss counted once) ---------------------------------------------------------------
@@ -460,15 +472,24 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     parameter used depending on the data on one rank) makes the ranks that changed agree alone: the others
     raise :class:`halo.HaloCommError` within the timeout. Gradients go in flat buckets of at most ``bucket_mb``
     MB per (device, dtype), one all-reduce per bucket and group; bf16/fp16 gradients are bucketed in fp32.
+
+    Checked, with no message: a second call for one backward (a gradient exactly as the previous sync left it, by
+    its tensor and version counter: summing it again would multiply it by the domain size) raises
+    ``RuntimeError``; for a converted model (or a wrapper of one), a ``domain_group`` other than the one it was
+    converted for (swapped domain and dp groups, the world group) or a ``dp_group`` that shares other ranks with it
+    raises ``ValueError``. A forgotten sync lets the weights diverge: the converted model's periodic check
+    (:func:`halo.replicated.check_every`) names the tensor within that many forwards.
     """
     mode = model.__dict__.get("_halo_data_parallel") if isinstance(model, nn.Module) else None
     if mode == "fsdp-all":  # FSDP's reduce-scatter over every rank, divided by the dp size: done already
         scale = model.__dict__.get("_halo_grad_scale")
         if scale is not None:  # gloo: FSDP divided by every rank; the domain's part of that is undone here
+            scaled = [p for p in model.parameters() if p.grad is not None]
+            _refuse_second_sync(scaled)
             with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        _local(p.grad).mul_(scale)
+                for p in scaled:
+                    _local(p.grad).mul_(scale)
+            _mark_synced(scaled)
         return
     groups = model.__dict__.get("_halo_groups") if isinstance(model, nn.Module) else None
     if mode in ("ddp", "fsdp", "hsdp") and domain_group is None and dp_group is None:
@@ -489,6 +510,7 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
         domain_group, dp_group = manager.domain_group, manager.data_parallel_group
     elif manager is not None:
         raise ValueError("sync_domain_gradients: pass either manager or domain_group/dp_group, not both")
+    _check_groups(model, domain_group, dp_group)
     infos = [(info, op) for info, op in ((_live(domain_group), "sum"), (_live(dp_group), "mean")) if info]
     params = [p for p in _params(model) if p.requires_grad]
     if not infos or not params:
@@ -496,6 +518,7 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     for p in params:
         if p.grad is not None and p.grad.is_sparse:
             raise TypeError("sync_domain_gradients: sparse gradients are not supported")
+    _refuse_second_sync(params)
 
     _check_sharded_grads(params, infos)
     pattern = tuple(p.grad is not None for p in params)
@@ -529,6 +552,93 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
                     flat.div_(info.size)
             for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(piece.view_as(g))
+    _mark_synced(live)
+
+
+# Each parameter's gradient as the last sync left it: id(param) -> (weak references to the parameter and to the
+# gradient tensor, the gradient's version counter then).
+_SYNCED: dict[int, tuple[Any, Any, int]] = {}
+
+
+def _mark_synced(params: list[torch.Tensor]) -> None:
+    """Remember every synced gradient (the tensor and its version counter, which any later write bumps)."""
+    import weakref
+
+    if len(_SYNCED) > 4 * max(len(params), 1024):  # forget parameters that are gone
+        for key in [k for k, (p, _, _) in _SYNCED.items() if p() is None]:
+            del _SYNCED[key]
+    for p in params:
+        if p.grad is not None:
+            g = _local(p.grad)
+            _SYNCED[id(p)] = (weakref.ref(p), weakref.ref(g), g._version)
+
+
+def _refuse_second_sync(params: list[torch.Tensor]) -> None:
+    """Raise if a gradient is exactly as the last sync left it (not written by a backward or zeroed since): summing
+    it again would multiply it by the domain size. A backward (new gradients, or accumulation into them) and
+    ``zero_grad`` clear the mark; no communication, a Python loop over the parameters."""
+    if not _SYNCED:
+        return
+    stale = 0
+    for p in params:
+        if p.grad is None:
+            continue
+        mark = _SYNCED.get(id(p))
+        if mark is not None and mark[0]() is p:
+            g = _local(p.grad)
+            if mark[1]() is g and g._version == mark[2]:
+                stale += 1
+    if stale:
+        raise RuntimeError(
+            f"sync_domain_gradients: {stale} of {len(params)} gradients are exactly as the previous "
+            f"sync_domain_gradients left them (no backward and no zero_grad since): it was called twice for one "
+            f"backward, which would sum the summed gradients again (x the domain size). Call it once per step, after "
+            f"the backward (with a data-parallel wrapper, once in all: the wrapper's own averaging is not a sync)")
+
+
+def _root(model: Any) -> Any:
+    """The converted model inside ``model`` (through DDP / FSDP wrappers), or ``None``."""
+    m = model
+    for _ in range(8):
+        if not isinstance(m, nn.Module):
+            return None
+        if "_halo_root" in m.__dict__:
+            return m
+        m = getattr(m, "module", None)
+    return None
+
+
+def _check_groups(model: Any, domain_group: Any | None, dp_group: Any | None) -> None:
+    """The groups of a sync must be the model's: its domain group the one it was converted for, its dp group one
+    that meets that domain group in this rank alone (swapped groups, or the world as either, raise)."""
+    root = _root(model)
+    if root is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        converted = comm_group(root.__dict__["_halo_root"].group)
+    except (RuntimeError, ValueError):
+        return
+    if converted.size == 1:
+        return
+    me = dist.get_rank()
+    if domain_group is not None:
+        got = comm_group(domain_group)
+        if got.ranks != converted.ranks:
+            raise ValueError(
+                f"sync_domain_gradients: domain_group holds global ranks {list(got.ranks)}, but the model was "
+                f"converted for the domain group of global ranks {list(converted.ranks)} (on global rank {me}): "
+                f"summing over another group gives wrong gradients (swapped domain and data-parallel groups, or "
+                f"the world group as the domain group); pass the group the model was converted with "
+                f"(manager.domain_group)")
+    if dp_group is not None:
+        got = comm_group(dp_group)
+        shared = sorted(set(got.ranks) & set(converted.ranks))
+        if shared != [me]:
+            raise ValueError(
+                f"sync_domain_gradients: dp_group holds global ranks {list(got.ranks)}, which share global ranks "
+                f"{shared} with the model's domain group {list(converted.ranks)} (on global rank {me}): a "
+                f"data-parallel group holds one rank of each domain group (this one); pass "
+                f"manager.data_parallel_group")
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:

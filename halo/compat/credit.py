@@ -132,9 +132,13 @@ class TensorPadding:
         return x
 
 
+#: Where NCAR CREDIT defines its CrossFormer (miles-credit 2026.2 moved it under credit.models.wxformer).
+_CROSSFORMER_MODULES = ("credit.models.crossformer", "credit.models.wxformer.crossformer")
+
+
 def _is_crossformer(module: nn.Module) -> bool:
     kind = type(module)
-    return any(k.__module__.startswith("credit.models.crossformer") and k.__name__ == "CrossFormer"
+    return any(k.__module__.startswith(_CROSSFORMER_MODULES) and k.__name__ == "CrossFormer"
                for k in kind.__mro__) and all(hasattr(module, a) for a in (
                    "use_interp", "image_height", "image_width", "use_post_block"))
 
@@ -189,12 +193,14 @@ def _manager(manager: DomainParallelManager | None) -> DomainParallelManager | N
     return manager if manager is not None and manager.domain_parallel_size > 1 else None
 
 
-# The rows of the last split this rank made (its rows, all rows): its loss's scale in CREDIT's convention.
-_ROWS: dict[str, tuple[int, int]] = {}
+# The splits this rank made (``shard_*``): all rows -> its rows, one per distinct extent; with one extent, its
+# split gives the loss's scale in CREDIT's convention, with several the scale needs the loss's own tensor.
+_ROWS: dict[int, int] = {}
 
 
 def _remember(local: int, total: int) -> None:
-    _ROWS["last"] = (local, total)
+    if total not in _ROWS and len(_ROWS) < 64:
+        _ROWS[total] = local
 
 
 # -- CREDIT's layer names: halo's layers, with CREDIT's constructor and ``halo_width`` -------------------------------
@@ -429,13 +435,34 @@ def get_raw_model(model: nn.Module) -> nn.Module:
     return m
 
 
-def domain_loss_scale(manager: DomainParallelManager | None = None) -> float:
-    """What makes CREDIT's convention exact on uneven shards: multiply each rank's mean-over-its-rows loss by this
-    (``P * n_r / N`` for the rows of the last split, ``shard_*``); 1.0 for even shards or one rank."""
+def domain_loss_scale(manager: DomainParallelManager | None = None, like: torch.Tensor | None = None,
+                      dim: int = -2) -> float:
+    """What makes CREDIT's convention exact on uneven shards: multiply each rank's mean-over-its-rows loss by this,
+    ``P * n_r / N`` for the split of the tensor the loss is over; 1.0 for even shards or one rank.
+
+    ``like``: that tensor (the prediction or the target shard), whose rows along ``dim`` give ``n_r`` and whose
+    global extent ``N`` is agreed across the domain group (recorded once per shape: no message in a steady step).
+    Without it, the split of the fields sharded with ``shard_*``, when they all had the same extent; after fields of
+    several extents (a static field, latitude weights of another height) it is ambiguous which one the loss is over
+    (the scale differs between them), and every rank raises the same ``ValueError`` naming the extents.
+    """
     manager = _manager(manager)
-    if manager is None or "last" not in _ROWS:
+    if manager is None:
         return 1.0
-    local, total = _ROWS["last"]
+    if like is not None:
+        from ..plans import shard_sizes
+
+        sizes = shard_sizes(like, dim, manager.domain_group, op="domain_loss_scale")
+        return manager.domain_parallel_size * sizes[manager.domain_rank] / sum(sizes)
+    if not _ROWS:
+        return 1.0
+    if len(_ROWS) > 1:
+        raise ValueError(
+            f"domain_loss_scale: fields of {len(_ROWS)} different extents were sharded "
+            f"({', '.join(f'{t} rows' for t in sorted(_ROWS))}), so which split the loss is over is ambiguous (the "
+            f"scale P * n_r / N differs between them); pass the tensor the loss is over: "
+            f"domain_loss_scale(manager, like=prediction)")
+    ((total, local),) = _ROWS.items()
     return manager.domain_parallel_size * local / total
 
 
