@@ -18,6 +18,7 @@ from .pad import HaloPad2d, halo_pad, pad_like
 from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d, HaloAvgPool2d, HaloMaxPool2d
 from .shuffle import HaloPixelShuffle, HaloPixelUnshuffle
 from .softmax import DomainLogSoftmax, DomainSoftmax
+from .timm_layers import DomainBlurPool2d, DomainSelectAdaptivePool2d, DomainSqueezeExcite, HaloConv2dSame
 from .upsample import HaloUpsample, halo_interpolate
 from .window import (
     HaloPatchEmbed,
@@ -34,6 +35,7 @@ __all__ = [
     "DomainAlphaDropout",
     "DomainBatchNorm2d",
     "DomainBatchNormAct2d",
+    "DomainBlurPool2d",
     "DomainCrossFormerAttention",
     "DomainDropPath",
     "DomainDropout",
@@ -46,11 +48,14 @@ __all__ = [
     "DomainLayerNorm",
     "DomainLogSoftmax",
     "DomainNeighborhoodAttention2D",
+    "DomainSelectAdaptivePool2d",
     "DomainSoftmax",
+    "DomainSqueezeExcite",
     "HaloAdaptiveAvgPool2d",
     "HaloAdaptiveMaxPool2d",
     "HaloAvgPool2d",
     "HaloConv2d",
+    "HaloConv2dSame",
     "HaloConv3d",
     "HaloConvTranspose2d",
     "HaloConvTranspose3d",

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..mesh import DomainParallelManager, GroupRef, get_domain_parallel_manager, mesh_2d
 from ..plans import enter_root, exit_root
+from ..replicated import check_replicated
 
 __all__ = ["INSIDE", "MESH_2D", "ConvertContext", "convert_to_domain_parallel", "revert_domain_parallel"]
 
@@ -155,21 +156,53 @@ def _halo_name(base: type) -> str:
             nn.AvgPool2d: "HaloAvgPool2d"}.get(base, f"layer for nn.{base.__name__}")
 
 
-def _unknown(path: str, kind: type, own: list[str]) -> str:
+def _unknown(path: str, kind: type, own: list[str], children: bool = False, inner: list[str] | None = None) -> str:
+    """Why ``path`` is refused, and the ways out that cannot lead to silence: ``{T: None}`` (keep it as it is) only
+    for a type that holds no layer halo converts (its children would run unconverted on a shard); a composite with
+    state of its own gets ``INSIDE`` (children converted, its own forward kept under the guard) first."""
     what = (f"has parameters or buffers of its own ({', '.join(own)}) and a forward() halo cannot read"
             if own else "is not a layer halo knows")
-    hint = (f"If it uses them only pointwise in latitude and its children do the rest, pass "
-            f"custom_converters={{{kind.__name__}: halo.nn.convert.INSIDE}} (its children are converted, itself "
-            f"kept). " if own else "")
-    return (f"{path} ({_name(kind)}) {what}. A layer is pointwise in latitude when every output row depends only on "
-            f"the input row of the same latitude and the layer keeps the number of rows (an activation, a 1x1 conv, "
-            f"a per-pixel linear map, a softmax over channels) and draws no random numbers; such a layer can be "
-            f"declared with custom_converters={{{kind.__name__}: None}}. A layer that draws random numbers per "
-            f"element or per sample (a dropout or drop-path of your own) would draw differently on each rank: use "
-            f"halo.random.dropout / drop_path in it. {hint}A layer that reads other rows or changes H (a conv, "
-            f"a pool, a pad, a resize, attention, a reduction over H or H x W) cannot: give a converter "
-            f"custom_converters={{{kind.__name__}: fn}} with fn(module, ctx) returning a module that computes the "
-            f"same on an H-shard, or gather before it (halo.gather)")
+    inside = (f"If it uses its own parameters only pointwise in latitude (a learned scale, a bias) and its children "
+              f"do the rest, pass custom_converters={{{kind.__name__}: halo.nn.convert.INSIDE}}: its children are "
+              f"converted and its own forward is kept, watched on the first call by halo's guard (which refuses the "
+              f"ops it does not know to be pointwise in latitude). ")
+    rest = (f"A layer that reads other rows or changes H (a conv, a pool, a pad, a resize, attention, a reduction "
+            f"over H or H x W) cannot be kept: give a converter custom_converters={{{kind.__name__}: fn}} with "
+            f"fn(module, ctx) returning a module that computes the same on an H-shard, or gather before it "
+            f"(halo.gather)")
+    if inner:
+        shown = ", ".join(inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
+        return (f"{path} ({_name(kind)}) {what}. It holds layers halo converts ({shown}), so it cannot be declared "
+                f"pointwise and kept as it is (they would run unconverted on each shard). {inside}{rest}")
+    pointwise = (f"A layer is pointwise in latitude when every output row depends only on the input row of the same "
+                 f"latitude and the layer keeps the number of rows (an activation, a 1x1 conv, a per-pixel linear "
+                 f"map, a softmax over channels) and draws no random numbers; such a layer can be declared with "
+                 f"custom_converters={{{kind.__name__}: None}} (its forward is then watched by halo's guard on the "
+                 f"first call). A layer that draws random numbers per element or per sample (a dropout or drop-path "
+                 f"of your own) would draw differently on each rank: use halo.random.dropout / drop_path in it. ")
+    if children:  # a composite: INSIDE first
+        return f"{path} ({_name(kind)}) {what}. {inside}{pointwise}{rest}"
+    return f"{path} ({_name(kind)}) {what}. {pointwise}{rest}"
+
+
+def _converted_inside(module: nn.Module, builtin: dict) -> list[str]:
+    """The submodules of ``module`` that halo replaces (or refuses): kept unconverted inside a module declared
+    pointwise (``{T: None}``), they would compute each shard on its own."""
+    found = []
+    for name, m in module.named_modules():
+        if m is module:
+            continue
+        kind = type(m)
+        if isinstance(m, (nn.Conv2d, nn.Conv3d)) and _is_pointwise_conv(m):
+            continue
+        if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
+            continue
+        if any(b in builtin for b in kind.__mro__) or isinstance(m, GLOBAL) or _adapter(m) is not None:
+            found.append(f"{name} ({_name(kind)})")
+    return found
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Module] | None:
@@ -190,7 +223,8 @@ def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Modu
         from .neighborhood import DomainNeighborhoodAttention2D
 
         return lambda m, ctx: DomainNeighborhoodAttention2D(m, group=ctx.group)
-    if kind.__module__.startswith("credit.models.crossformer"):  # NCAR CREDIT's CrossFormer / WXFormer
+    # NCAR CREDIT's CrossFormer / WXFormer (miles-credit 2026.2 moved it under credit.models.wxformer)
+    if kind.__module__.startswith(("credit.models.crossformer", "credit.models.wxformer.crossformer")):
         if kind.__name__ == "Attention" and all(hasattr(module, a) for a in (
                 "attn_type", "window_size", "heads", "scale", "norm", "to_qkv", "to_out", "dpb", "rel_pos_indices")):
             from .longrange import DomainCrossFormerAttention
@@ -201,9 +235,10 @@ def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Modu
             return lambda m, ctx: m
         if kind.__name__ == "DynamicPositionBias" and hasattr(module, "layers"):  # an MLP of relative positions
             return lambda m, ctx: m
+    from .timm_layers import timm_adapter  # timm's channel norms, activations, layer scale, Conv2dSame, heads, ...
     from .window import swin_adapter  # timm's SwinTransformerBlock, PatchMerging (v1), PatchEmbed
 
-    return swin_adapter(module)
+    return swin_adapter(module) or timm_adapter(module)
 
 
 def convert_to_domain_parallel(
@@ -285,6 +320,15 @@ def convert_to_domain_parallel(
             if fn is INSIDE:
                 return None
             if fn is None:
+                inner = _converted_inside(child, builtin)
+                if inner:
+                    raise ValueError(
+                        f"custom_converters={{{kind.__name__}: None}} declares {path} ({_name(kind)}) pointwise in "
+                        f"latitude and keeps it as it is, but it holds layers halo converts ({', '.join(inner[:3])}"
+                        f"{' ...' if len(inner) > 3 else ''}): kept unconverted, they would compute each shard on its "
+                        f"own (silently wrong). Pass custom_converters={{{kind.__name__}: halo.nn.convert.INSIDE}} "
+                        f"(its children converted, its own forward kept and watched by halo's guard) or a converter "
+                        f"fn(module, ctx)")
                 return child
             made = fn(child, ctx)
             finished.add(id(made))  # a custom converter's result is complete: not converted inside again
@@ -314,9 +358,13 @@ def convert_to_domain_parallel(
         if isinstance(child, POINTWISE) and _same_forward(kind, next(b for b in kind.__mro__ if b in POINTWISE)):
             return child
         own = [n for n, t in (*child._parameters.items(), *child._buffers.items()) if t is not None]
-        if next(child.children(), None) is not None and not own and not _overrides_any_base(kind):
+        if isinstance(child, _CONTAINERS) and not own and not _overrides_any_base(kind) \
+                and (kind in _CONTAINERS or _same_forward(kind, next(b for b in kind.__mro__ if b in _CONTAINERS))):
+            return None  # a container (empty, or holding None slots): nothing of its own to compute
+        children = next(child.children(), None) is not None
+        if children and not own and not _overrides_any_base(kind):
             return None  # a container or a composite block without state of its own: convert inside it
-        raise ValueError(_unknown(path, kind, own))
+        raise ValueError(_unknown(path, kind, own, children, _converted_inside(child, builtin)))
 
     def visit(parent: nn.Module, prefix: str) -> None:
         whole = False  # a global pool came before in this Sequential: the rest computes on its whole result
@@ -367,6 +415,9 @@ def convert_to_domain_parallel(
     _make_root(model, domain_group, grid, w_sharded=ctx.mesh is not None,
                mesh_shape=tuple(ctx.mesh.domain_shape) if ctx.mesh is not None else None)
     _guard_whole(model, tails, domain_size)
+    # every rank of the domain group must hold the same parameters and buffers (a model built after
+    # torch.manual_seed(rank) would otherwise differ silently): one small agreement at conversion
+    check_replicated(model, domain_group, op="convert_to_domain_parallel")
     return model
 
 

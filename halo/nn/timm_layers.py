@@ -1,0 +1,450 @@
+"""halo forms of timm's layers, recognised by class name and attributes (timm is not imported here).
+
+``convert_to_domain_parallel`` asks :func:`timm_adapter` about every module it does not know. What it recognises,
+and why each is exact on an H-shard:
+
+- **pointwise, kept as they are**: timm's activation classes (``timm.layers.activations*``: ``Swish``, ``GELU``,
+  ``HardSigmoid``, ``PReLU``, ...) and its ``Linear`` (``nn.Linear`` with a forward of its own for torchscript);
+  norms over channels only (``LayerNorm2d``, ``LayerNorm`` on channels-last,
+  ``RmsNorm``/``RmsNorm2d``, their ``Fp32`` forms: one grid point's channels, nothing across rows); per-channel layer
+  scale (``LayerScale``, ``LayerScale2d``: ``x * gamma``).
+- **composites kept, their children converted**: ``LayerNormAct2d``/``LayerNormAct`` (a channel norm, then its
+  ``drop`` and ``act`` children) and ``ConvNeXtBlock`` with its layer-scale ``gamma`` (its depthwise 7x7 conv
+  becomes a ``HaloConv2d``; its own math — permutes, the channel MLP, ``x * gamma``, the residual — is pointwise).
+- **group norms** (``GroupNorm``, ``GroupNorm1``: ``F.group_norm`` as ``nn.GroupNorm``): halo's ``DomainGroupNorm``;
+  ``GroupNormAct``/``GroupNorm1Act``: the same, then its ``drop`` and ``act`` children (converted).
+- **TF "same" padding** (``Conv2dSame``): the padding depends only on the global extent, so
+  :class:`HaloConv2dSame` computes it from the global rows (agreed once per shape) and pads the global field
+  (``halo.nn.halo_pad``) before a ``HaloConv2d`` without padding; W is whole on every rank and padded locally.
+- **BlurPool2d**: a fixed binomial depthwise conv with reflect padding: :class:`DomainBlurPool2d` runs it as a
+  ``HaloConv2d`` with reflect boundary (the filter stays a non-persistent buffer: the checkpoint is unchanged).
+- **global pools and what computes on their result** (whole and the same on every rank, halo's global pools):
+  ``SelectAdaptivePool2d`` (avg, max, avgmax, catavgmax; timm's fast pools too) and squeeze-excitation
+  (``SqueezeExcite`` of timm's EfficientNet/MobileNet blocks, ``SEModule``): their means become halo's global pool;
+  classifier heads (``ClassifierHead``, ``NormMlpClassifierHead``) keep their layers after the pool as torch's own
+  on the whole tensor (a dropout there must be off: a draw of ``p > 0`` on a whole tensor is refused), and a model's
+  ``flatten`` right after its global pool (MobileNetV3) flattens the whole result (it raises if given a field).
+
+Anything else timm has is left to the converter's usual rules (refused with a hint when halo cannot know it).
+On a latitude x longitude mesh every layer recognised here is refused (no 2-d form yet).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..plans import Site, mark_whole, shard_sizes, whole_source
+from .conv import HaloConv2d
+from .norm import DomainGroupNorm
+from .pad import halo_pad
+from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d
+
+__all__ = ["DomainBlurPool2d", "DomainFlatten", "DomainGroupNormAct", "DomainSelectAdaptivePool2d",
+           "DomainSqueezeExcite", "HaloConv2dSame", "WholeDropout", "timm_adapter"]
+
+_ORIGINAL = "_halo_original"  # as halo.nn.convert: the module a replacement stands for (the walk skips it)
+
+_ACTIVATION_MODULES = ("timm.layers.activations", "timm.layers.activations_me")
+_CHANNEL_NORMS = ("LayerNorm2d", "LayerNorm2dFp32", "LayerNorm", "LayerNormFp32", "RmsNorm", "RmsNorm2d",
+                  "RmsNormFp32", "RmsNorm2dFp32", "SimpleNorm", "SimpleNorm2d", "SimpleNormFp32", "SimpleNorm2dFp32")
+_RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _timm(kind: type) -> bool:
+    return kind.__module__.startswith("timm.")
+
+
+def _twin(m: nn.Module) -> nn.Module:
+    """A second instance of ``m``'s class sharing its Parameters and buffers (same objects) with its own containers:
+    children set on the twin leave ``m`` as it was (``revert_domain_parallel`` puts ``m`` back)."""
+    t = object.__new__(type(m))
+    for key, value in m.__dict__.items():
+        t.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
+    return t
+
+
+def _kept(m: nn.Module) -> nn.Module:
+    """``m`` kept as torch's own on a whole tensor: a twin the converter's walk skips (marked as a replacement)."""
+    t = _twin(m)
+    object.__setattr__(t, _ORIGINAL, m)
+    return t
+
+
+def _own_state(m: nn.Module) -> list[str]:
+    return [n for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None]
+
+
+def _refuse_random(m: nn.Module, path: str) -> None:
+    for name, sub in m.named_modules():
+        p = getattr(sub, "p", getattr(sub, "drop_prob", 0.0))
+        if (isinstance(sub, _RANDOM) or type(sub).__name__ in ("DropPath", "StochasticDepth")) and p:
+            raise ValueError(
+                f"{path}{'.' + name if name else ''} ({type(sub).__name__}, p={p}) draws on the result of a global "
+                f"pool, which is whole on every rank: halo has no draw that is the same on every rank for it, and "
+                f"torch's would differ per rank; set its rate to 0 (drop_rate=0) or gather before the head")
+
+
+# -- pointwise ------------------------------------------------------------------------------------------------------
+
+def _keep(m: nn.Module, ctx: Any) -> nn.Module:
+    return m
+
+
+def _channel_norm(m: nn.Module) -> bool:
+    shape = getattr(m, "normalized_shape", None)
+    if shape is None:
+        shape = getattr(m, "dim", None)
+        shape = (shape,) if isinstance(shape, int) else shape
+    return shape is not None and len(tuple(shape)) == 1 and not m._modules
+
+
+def _layer_scale(m: nn.Module) -> bool:
+    gamma = m._parameters.get("gamma")
+    return (set(_own_state(m)) == {"gamma"} and not m._modules and gamma is not None
+            and all(s == 1 for s in gamma.shape[1:]))
+
+
+# -- TF "same" padding ----------------------------------------------------------------------------------------------
+
+def _same_pad(size: int, k: int, s: int, d: int) -> tuple[int, int]:
+    """timm's ``get_same_padding`` of a global extent, split as ``pad_same`` splits it (the extra row after)."""
+    total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+    return total // 2, total - total // 2
+
+
+def _plain_conv(conv: nn.Conv2d) -> nn.Conv2d:
+    """An ``nn.Conv2d`` sharing ``conv``'s Parameters (a ``Conv2dSame`` is a Conv2d with a forward of its own)."""
+    plain = object.__new__(nn.Conv2d)
+    for key, value in conv.__dict__.items():
+        plain.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
+    return plain
+
+
+class HaloConv2dSame(nn.Module):
+    """timm's ``Conv2dSame`` (TF "same": ``pad_same`` of the input, then an unpadded conv) on an H-shard.
+
+    The H padding follows from the global rows (every rank's extent, agreed once per shape), and is applied to the
+    global field (``halo_pad``: the output is the balanced split of the padded field) before a ``HaloConv2d`` without
+    padding; the W padding follows from W (whole on every rank). State: the conv's ``weight`` and ``bias``.
+    """
+
+    def __init__(self, conv: nn.Conv2d, *, group: Any | None = None) -> None:
+        super().__init__()
+        if not isinstance(conv, nn.Conv2d) or conv.padding not in (0, (0, 0)) or conv.padding_mode != "zeros":
+            raise TypeError(f"HaloConv2dSame wraps timm's Conv2dSame (an nn.Conv2d with padding 0), got {conv!r}")
+        inner = HaloConv2d(_plain_conv(conv), group=group)
+        self.__dict__["_conv"] = inner  # not a child: its Parameters are this module's own (same state_dict keys)
+        self._parameters["weight"] = conv.weight
+        if conv.bias is not None:
+            self._parameters["bias"] = conv.bias
+        else:
+            self.bias = None
+        self.group = group
+        self.kernel_size, self.stride, self.dilation = conv.kernel_size, conv.stride, conv.dilation
+        self._size_site = Site()
+        self._pad_site = Site()
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, dilation={self.dilation}, TF 'same'"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = sum(shard_sizes(x, -2, self.group, op="HaloConv2dSame", site=self._size_site))
+        top, bottom = _same_pad(rows, self.kernel_size[0], self.stride[0], self.dilation[0])
+        left, right = _same_pad(x.shape[-1], self.kernel_size[1], self.stride[1], self.dilation[1])
+        if top or bottom or left or right:
+            x = halo_pad(x, (left, right, top, bottom), "zeros", group=self.group, site=self._pad_site,
+                         op="HaloConv2dSame")
+        conv = self._conv
+        conv._parameters["weight"] = self.weight  # the module's own (after .to(), .double(), load_state_dict)
+        conv._parameters["bias"] = self.bias
+        return conv(x)
+
+
+def _conv_same(m: nn.Module, ctx: Any) -> nn.Module:
+    if ctx.mesh is not None:  # nn.Conv2d has a mesh form, this subclass not yet
+        raise ValueError(f"{type(m).__module__}.{type(m).__name__} (TF 'same' padding) has no latitude x longitude "
+                         f"form in halo: shard latitude only (a manager), or give custom_converters={{Conv2dSame: fn}}")
+    if ctx.boundary not in (None, "zeros"):  # TF "same" pads with zeros; another boundary would change the rows
+        raise ValueError(f"{type(m).__module__}.{type(m).__name__} (TF 'same' padding) pads latitude with zeros; "
+                         f"halo has no form of it with boundary={ctx.boundary!r}: give custom_converters="
+                         f"{{Conv2dSame: fn}} or convert without boundary=")
+    return HaloConv2dSame(m, group=ctx.group)
+
+
+# -- group norms ----------------------------------------------------------------------------------------------------
+
+def _group_norm(m: nn.Module, ctx: Any) -> nn.Module:
+    if not m._modules:
+        return DomainGroupNorm(m, group=ctx.group, mesh=ctx.mesh)
+    return DomainGroupNormAct(m, group=ctx.group, mesh=ctx.mesh)
+
+
+class DomainGroupNormAct(DomainGroupNorm):
+    """timm's ``GroupNormAct`` (a group norm over channels and H x W, then its ``drop`` and ``act``): the norm over the
+    whole domain (``DomainGroupNorm``), then its children (converted: a dropout draws by global index)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))
+
+
+# -- BlurPool2d -----------------------------------------------------------------------------------------------------
+
+class DomainBlurPool2d(nn.Module):
+    """timm's ``BlurPool2d`` (reflect padding, then a fixed depthwise binomial filter with a stride) on an H-shard:
+    a ``HaloConv2d`` with reflect boundary whose weight is the filter (not a Parameter: no gradient, and the
+    checkpoint is unchanged — ``filt`` stays a non-persistent buffer)."""
+
+    def __init__(self, blur: nn.Module, *, group: Any | None = None) -> None:
+        super().__init__()
+        pad = list(blur.padding)
+        if len(set(pad)) != 1:
+            raise ValueError(f"DomainBlurPool2d: padding {pad} is not the same on every side")
+        self.channels, self.filt_size, self.stride, self.pad_mode = (blur.channels, blur.filt_size, blur.stride,
+                                                                     blur.pad_mode)
+        self.padding = blur.padding
+        self.register_buffer("filt", blur.filt, persistent=False)
+        self.group = group
+        self.__dict__["_convs"] = {}
+
+    def _conv(self, channels: int) -> nn.Module:
+        key = (channels, self.filt.dtype, self.filt.device)
+        conv = self._convs.get(key)
+        if conv is None:
+            plain = nn.Conv2d(channels, channels, self.filt_size, self.stride, self.padding[0], groups=channels,
+                              bias=False, padding_mode=self.pad_mode, device=self.filt.device, dtype=self.filt.dtype)
+            plain.weight.requires_grad_(False)
+            conv = self._convs[key] = HaloConv2d(plain, group=self.group)
+        weight = self.filt.expand(channels, 1, self.filt_size, self.filt_size)
+        conv._parameters["weight"].data = weight
+        return conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv(x.shape[1] if self.channels is None else self.channels)(x)
+
+
+# -- global pools, squeeze-excitation, heads ------------------------------------------------------------------------
+
+_POOL_MODES = {"AdaptiveAvgPool2d": "avg", "AdaptiveMaxPool2d": "max", "AdaptiveAvgMaxPool2d": "avgmax",
+               "AdaptiveCatAvgMaxPool2d": "catavgmax", "FastAdaptiveAvgPool": "avg", "FastAdaptiveMaxPool": "max",
+               "FastAdaptiveAvgMaxPool": "avgmax", "FastAdaptiveCatAvgMaxPool": "catavgmax"}
+
+
+class _GlobalPool(nn.Module):
+    """A global average and/or max over H x W (halo's global pools: whole on every rank), combined as timm does."""
+
+    def __init__(self, mode: str, flatten: bool, group: Any | None) -> None:
+        super().__init__()
+        self.mode, self.flat = mode, flatten
+        if mode in ("avg", "avgmax", "catavgmax"):
+            self.avg = HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d(1), group=group)
+        if mode in ("max", "avgmax", "catavgmax"):
+            self.max = HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d(1), group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "avg":
+            y = self.avg(x)
+        elif self.mode == "max":
+            y = self.max(x)
+        elif self.mode == "avgmax":
+            y = 0.5 * self.avg(x) + 0.5 * self.max(x)
+        else:
+            y = torch.cat((self.avg(x), self.max(x)), 1)
+        if self.flat:
+            y = y.flatten(1)
+        mark_whole(y, f"{type(self).__name__}({self.mode})")
+        return y
+
+
+class DomainSelectAdaptivePool2d(nn.Module):
+    """timm's ``SelectAdaptivePool2d`` (a global avg / max / avgmax / catavgmax pool, flattened or not) on an
+    H-shard: the result is whole on every rank. No state (as timm's)."""
+
+    def __init__(self, m: nn.Module, *, group: Any | None = None) -> None:
+        super().__init__()
+        self.pool_type = m.pool_type
+        mode = _POOL_MODES[type(m.pool).__name__]
+        flatten = isinstance(m.flatten, nn.Flatten) or bool(getattr(m.pool, "flatten", False))
+        self.pool = _GlobalPool(mode, flatten, group)
+        self.flatten = nn.Identity()
+
+    def is_identity(self) -> bool:
+        return False
+
+    def feat_mult(self) -> int:
+        return 2 if self.pool.mode == "catavgmax" else 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(x)
+
+
+def _select_pool(m: nn.Module) -> bool:
+    pool, flatten = m._modules.get("pool"), m._modules.get("flatten")
+    if pool is None or type(pool).__name__ not in _POOL_MODES or not isinstance(flatten, nn.Flatten | nn.Identity):
+        return False
+    if type(pool).__name__.startswith("Fast"):
+        return tuple(getattr(pool, "dim", (2, 3))) in ((2, 3), (-2, -1))  # NCHW (NHWC: not recognised)
+    size = getattr(pool, "output_size", 1)
+    return size in (1, (1, 1))
+
+
+class DomainSqueezeExcite(nn.Module):
+    """Squeeze-excitation of timm (``SqueezeExcite`` in EfficientNet/MobileNet blocks: ``conv_reduce``, ``act1``,
+    ``conv_expand``, ``gate``; ``SEModule``: ``fc1``, ``bn``, ``act``, ``fc2``, ``gate``, optional max): the mean
+    over H x W is halo's global pool (whole on every rank), the 1x1 convs and the gate run on that whole tensor,
+    and the field is scaled pointwise. Same children, same ``state_dict``."""
+
+    def __init__(self, m: nn.Module, *, group: Any | None = None) -> None:
+        super().__init__()
+        self.kind = type(m).__name__
+        self.add_maxpool = bool(getattr(m, "add_maxpool", False))
+        for name, child in m._modules.items():
+            # torch's own on the whole (B, C, 1, 1) tensor (a BatchNorm there has the unsharded statistics)
+            self._modules[name] = _kept(child) if isinstance(child, nn.modules.batchnorm._BatchNorm) else child
+        self._modules["squeeze"] = _GlobalPool("avg", False, group)
+        if self.add_maxpool:
+            self._modules["squeeze_max"] = _GlobalPool("max", False, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.squeeze(x)
+        if self.add_maxpool:
+            s = 0.5 * s + 0.5 * self.squeeze_max(x)
+        if "conv_reduce" in self._modules:
+            s = self.conv_expand(self.act1(self.conv_reduce(s)))
+        else:
+            s = self.fc2(self.act(self.bn(self.fc1(s))))
+        return x * self.gate(s)
+
+
+def _squeeze_excite(m: nn.Module) -> bool:
+    names = set(m._modules)
+    if _own_state(m):
+        return False
+    if type(m).__name__ == "SqueezeExcite" and names == {"conv_reduce", "act1", "conv_expand", "gate"}:
+        return True
+    return type(m).__name__ in ("SEModule", "SqueezeExcite") and names == {"fc1", "bn", "act", "fc2", "gate"}
+
+
+class WholeDropout(nn.Module):
+    """A dropout of a classifier head, on the whole result of a global pool: off (``p == 0`` or eval) it passes the
+    tensor on; on, it raises on every rank (halo has no draw that is the same on every rank for a whole tensor)."""
+
+    def __init__(self, m: nn.Module) -> None:
+        super().__init__()
+        self.p = float(m.p)
+        self.train(m.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.p:
+            raise ValueError(f"WholeDropout: a dropout (p={self.p}) on the whole result of a global pool in train "
+                             f"mode: halo has no draw that is the same on every rank for it; set drop_rate=0")
+        return x
+
+
+class DomainFlatten(nn.Flatten):
+    """``nn.Flatten`` of the whole result of a global pool (timm's MobileNetV3 ``flatten`` after its head): it
+    flattens a tensor halo made whole on every rank, and raises if given a field (which would mix its rows)."""
+
+    def __init__(self, m: nn.Flatten, *, domain_size: int) -> None:
+        super().__init__(m.start_dim, m.end_dim)
+        self.domain_size = domain_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.domain_size > 1 and x.dim() >= 3 and whole_source(x) is None:
+            raise ValueError(f"DomainFlatten: flatten (start_dim={self.start_dim}) of a field {tuple(x.shape)} would "
+                             f"mix its sharded rows; halo keeps this flatten only for the whole result of a global "
+                             f"pool")
+        return super().forward(x)
+
+
+def _head(m: nn.Module, ctx: Any) -> nn.Module:
+    """A timm classifier head: its global pool made halo's, everything after it torch's own on the whole result."""
+    for name, child in m._modules.items():
+        if name != "global_pool" and child is not None and not isinstance(child, _RANDOM):
+            _refuse_random(child, f"{type(m).__name__}.{name}")
+    t = _twin(m)
+    for name, child in m._modules.items():
+        if child is None:
+            continue
+        if name == "global_pool":
+            new = DomainSelectAdaptivePool2d(child, group=ctx.group)
+        elif isinstance(child, _RANDOM):
+            new = WholeDropout(child)
+        elif isinstance(child, nn.Flatten):
+            new = DomainFlatten(child, domain_size=_size(ctx))
+        else:
+            t._modules[name] = _kept(child)
+            continue
+        object.__setattr__(new, _ORIGINAL, child)
+        t._modules[name] = new
+    return t
+
+
+def _size(ctx: Any) -> int:
+    from ..comm import comm_group
+
+    return comm_group(ctx.group).size
+
+
+def _tag_flatten(m: nn.Module) -> None:
+    """A timm model whose forward runs ``global_pool`` ... ``flatten`` (MobileNetV3): its flatten follows the pool."""
+    pool, flatten = m._modules.get("global_pool"), m._modules.get("flatten")
+    if pool is not None and type(pool).__name__ == "SelectAdaptivePool2d" and type(flatten) is nn.Flatten:
+        flatten.__dict__["_halo_after_global_pool"] = True
+
+
+def timm_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | None:
+    """The converter of a timm layer halo knows (module docstring), or ``None``."""
+    kind = type(module)
+    name = kind.__name__
+    if type(module) is nn.Flatten and module.__dict__.pop("_halo_after_global_pool", False):
+        return lambda m, ctx: DomainFlatten(m, domain_size=_size(ctx))
+    if not _timm(kind):
+        return None
+    _tag_flatten(module)
+    if kind.__module__ in _ACTIVATION_MODULES and not module._modules \
+            and (not _own_state(module) or (name == "PReLU" and _own_state(module) == ["weight"])):
+        return _keep
+    if name == "Linear" and kind.__module__ == "timm.layers.linear" and isinstance(module, nn.Linear):
+        return _keep  # nn.Linear with a forward of its own for torchscript: F.linear over the last dim
+    if name in _CHANNEL_NORMS and _channel_norm(module):
+        return _keep
+    if name in ("LayerScale", "LayerScale2d") and _layer_scale(module):
+        return _keep
+    if name in ("LayerNormAct2d", "LayerNormAct") and _channel_norm_act(module):
+        return lambda m, ctx: _twin(m)
+    if name == "ConvNeXtBlock" and _own_state(module) == ["gamma"] and module.gamma.dim() == 1 \
+            and {"conv_dw", "norm", "mlp"} <= set(module._modules):
+        return lambda m, ctx: _twin(m)  # its children converted (the 7x7 depthwise conv), its own math pointwise
+    if name in ("GroupNorm", "GroupNorm1") and isinstance(module, nn.GroupNorm) and not module._modules:
+        return _group_norm  # F.group_norm, as nn.GroupNorm
+    if name in ("GroupNormAct", "GroupNorm1Act") and isinstance(module, nn.GroupNorm) \
+            and set(module._modules) == {"drop", "act"}:
+        return _group_norm
+    if name == "Conv2dSame" and isinstance(module, nn.Conv2d):
+        return _conv_same
+    if name == "BlurPool2d" and _own_state(module) == ["filt"] and hasattr(module, "pad_mode") \
+            and module.pad_mode in ("reflect", "replicate", "zeros", "circular", "constant"):
+        return lambda m, ctx: DomainBlurPool2d(m, group=ctx.group)
+    if name == "SelectAdaptivePool2d" and not _own_state(module) and _select_pool(module):
+        return lambda m, ctx: DomainSelectAdaptivePool2d(m, group=ctx.group)
+    if name in _POOL_MODES and name.startswith("Fast") and not module._modules and not _own_state(module) \
+            and tuple(module.dim) in ((2, 3), (-2, -1)):
+        return lambda m, ctx: _GlobalPool(_POOL_MODES[name], bool(m.flatten), ctx.group)
+    if _squeeze_excite(module):
+        return lambda m, ctx: DomainSqueezeExcite(m, group=ctx.group)
+    if name in ("ClassifierHead", "NormMlpClassifierHead") and not _own_state(module) \
+            and type(module._modules.get("global_pool")).__name__ == "SelectAdaptivePool2d" \
+            and _select_pool(module.global_pool):
+        return _head
+    return None
+
+
+def _channel_norm_act(m: nn.Module) -> bool:
+    shape = getattr(m, "normalized_shape", ())
+    return len(tuple(shape)) == 1 and {"drop", "act"} <= set(m._modules)
+

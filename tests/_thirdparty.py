@@ -1,0 +1,318 @@
+"""The real third-party model zoo for ``tests/test_zoo_real.py``: timm, segmentation_models_pytorch, diffusers and
+NCAR CREDIT (``miles-credit``), the users' own classes at tiny widths (never a transcription).
+
+``missing()`` says which packages are not installed (the zoo test is skipped with that reason). Everything else
+imports them lazily, so collecting the tests costs nothing without them.
+
+The one stand-in: PyPI's ``torchvision`` wheel is a CUDA build whose compiled ops (``torchvision::nms``, ...) do not
+load beside a CPU torch, and ``import torchvision`` then fails registering fake kernels for ops that do not exist
+("operator torchvision::nms does not exist"). timm, smp and diffusers import torchvision, but none of the models
+here calls a detection op: :func:`_torchvision_schemas` defines the schemas of the two ops torchvision registers
+unconditionally (``nms``, ``qnms``; no kernels) before the import, so torchvision's Python side loads. A call of
+either op would raise torch's "no kernel" error, never compute anything. Where torchvision's ops load (a matching
+CPU build), nothing is defined.
+
+Install (about 35 s and 170 MB; ``--no-deps`` keeps pip from replacing the CPU torch with torchvision's pinned CUDA
+build, and from pulling miles-credit's data-side stack)::
+
+    pip install --no-deps timm==1.0.31 segmentation-models-pytorch==0.6.0 torchvision==0.28.0 diffusers==0.42.1 \
+        miles-credit==2026.2.0 torch-harmonics==0.8.0 cftime==1.6.6.1
+    pip install huggingface_hub safetensors tqdm einops regex requests importlib_metadata
+
+(``credit.models`` also imports xarray and pandas, which the ``test`` extra brings; torch-harmonics 0.8.0 is an
+sdist that builds without its C++ extension in pip's isolated build.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+PACKAGES = {"timm": "timm", "segmentation_models_pytorch": "segmentation-models-pytorch",
+            "diffusers": "diffusers", "credit": "miles-credit", "torchvision": "torchvision"}
+
+_LIB: list[Any] = []  # the stand-in's torch.library.Library (kept alive: dropping it removes the schemas)
+
+
+def missing() -> list[str]:
+    """The PyPI names of the zoo's packages that are not installed."""
+    return [pip for mod, pip in PACKAGES.items() if importlib.util.find_spec(mod) is None]
+
+
+def _torchvision_schemas() -> None:
+    if _LIB:
+        return
+    try:
+        torch.ops.load_library(_torchvision_so())  # a torchvision whose ops match this torch: use them
+        return
+    except (OSError, RuntimeError):
+        pass
+    lib = torch.library.Library("torchvision", "DEF")
+    for op in ("nms", "qnms"):
+        lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _LIB.append(lib)
+
+
+def _torchvision_so() -> str:
+    import os
+
+    spec = importlib.util.find_spec("torchvision")
+    return os.path.join(os.path.dirname(spec.origin), "_C.so")
+
+
+def load() -> None:
+    """Import the zoo's packages (after the torchvision stand-in)."""
+    _torchvision_schemas()
+    import diffusers  # noqa: F401
+    import segmentation_models_pytorch  # noqa: F401
+    import timm  # noqa: F401
+    import torchvision  # noqa: F401
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One zoo model: ``build()`` (seeded by the caller), its input ``(B, C, H, W)`` or ``(B, C, T, H, W)`` with
+    the rows per world size, and ``call(model, x)`` returning a tensor or a list of tensors."""
+
+    build: Callable[[], nn.Module]
+    channels: int
+    width: int
+    rows: dict[int, int]  # world size -> global rows (uneven over the ranks)
+    call: Callable[[nn.Module, torch.Tensor], Any] = lambda m, x: m(x)
+    frames: int = 0  # > 0: a 5-d (B, C, T, H, W) input (CREDIT)
+    dropout: bool = False  # keep the model's dropout rates (a refusal test); else they are set to 0
+    #: what a user declares (README): dotted class names of layers that act pointwise on fields -> None
+    custom: tuple[str, ...] = ()
+
+    def converters(self) -> dict[type, None]:
+        import importlib
+
+        out = {}
+        for dotted in self.custom:
+            module, _, name = dotted.rpartition(".")
+            out[getattr(importlib.import_module(module), name)] = None
+        return out
+
+
+# -- timm ----------------------------------------------------------------------------------------------------------
+
+def _efficientnet(variant: str, **kw: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from timm.models.efficientnet import _gen_efficientnet
+
+        return _gen_efficientnet(variant, channel_multiplier=0.1, depth_multiplier=0.1, num_classes=3, **kw)
+    return build
+
+
+def _mobilenetv3() -> nn.Module:
+    from timm.models.mobilenetv3 import _gen_mobilenet_v3
+
+    return _gen_mobilenet_v3("mobilenetv3_small_100", channel_multiplier=0.25, num_classes=3)
+
+
+def _timm_resnet() -> nn.Module:
+    from timm.models.resnet import BasicBlock, ResNet
+
+    return ResNet(BasicBlock, (1, 1, 1, 1), num_classes=3, stem_width=8, channels=(8, 8, 12, 12))
+
+
+def _timm_convnext() -> nn.Module:
+    from timm.models.convnext import ConvNeXt
+
+    return ConvNeXt(in_chans=3, num_classes=3, depths=(1, 1, 1, 1), dims=(8, 8, 8, 8), ls_init_value=0.5)
+
+
+def _timm_regnet() -> nn.Module:
+    from timm.models.regnet import RegNet, RegNetCfg
+
+    cfg = RegNetCfg(depth=4, w0=8, wa=12.0, wm=1.5, group_size=4, se_ratio=0.25)
+    return RegNet(cfg, in_chans=3, num_classes=3)
+
+
+def _timm_fastvit() -> nn.Module:
+    from timm.models.fastvit import FastVit
+
+    return FastVit(in_chans=3, num_classes=3, layers=(1, 1, 1, 1), embed_dims=(8, 8, 16, 32), mlp_ratios=(2, 2, 2, 2),
+                   token_mixers=("repmixer", "repmixer", "repmixer", "attention"), pos_embs=(None, None, None, None))
+
+
+# -- smp -----------------------------------------------------------------------------------------------------------
+
+_ENCODER = {"encoder_name": "tu-resnet18", "encoder_weights": None, "encoder_depth": 3,
+            "layers": (1, 1, 1, 1), "stem_width": 8, "channels": (8, 8, 8, 8)}
+
+
+def _smp(kind: str, **kw: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import segmentation_models_pytorch as smp
+
+        model = getattr(smp, kind)(in_channels=3, classes=2, **{**_ENCODER, **kw})
+        model.requires_divisible_input_shape = False  # smp's own switch: the local shard's rows need not divide
+        return model
+    return build
+
+
+# -- diffusers -----------------------------------------------------------------------------------------------------
+
+def _unet2d(attention: bool) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from diffusers import UNet2DModel
+
+        return UNet2DModel(sample_size=None, in_channels=3, out_channels=3, block_out_channels=(8, 8),
+                           down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+                           layers_per_block=1, norm_num_groups=4, attention_head_dim=4,
+                           add_attention=attention, resnet_time_scale_shift="scale_shift")
+    return build
+
+
+def _unet2d_call(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    t = torch.tensor([3, 11], dtype=torch.long)[: x.shape[0]]
+    return model(x, t).sample
+
+
+# -- NCAR CREDIT ---------------------------------------------------------------------------------------------------
+
+def _credit_crossformer() -> nn.Module:
+    from credit.models.wxformer.crossformer import CrossFormer
+
+    return CrossFormer(image_height=64, image_width=32, frames=1, channels=1, surface_channels=2,
+                       input_only_channels=0, levels=1, dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4,
+                       global_window_size=(2, 1, 1, 1), local_window_size=2,
+                       cross_embed_kernel_sizes=((4, 8), (2, 4), (2, 4), (2, 4)), cross_embed_strides=(2, 2, 2, 2),
+                       use_spectral_norm=False, interp=False)
+
+
+def _credit_unet() -> nn.Module:
+    from credit.models.unet import SegmentationModel
+
+    arch = {"name": "unet", **_ENCODER, "decoder_channels": (16, 16, 16)}
+    model = SegmentationModel(image_height=40, image_width=16, frames=1, channels=1, surface_channels=2,
+                              input_only_channels=0, levels=1, architecture=arch)
+    model.model.requires_divisible_input_shape = False
+    return model
+
+
+#: diffusers' sinusoidal embedding of the timesteps (B,): no field goes through it
+_TIMESTEPS = ("diffusers.models.embeddings.Timesteps",)
+
+W = 16
+WT = 32  # timm classifiers reduce 32x
+TIMM_ROWS = {2: 69, 3: 101}  # >= 2 rows a rank at 1/32 (uneven splits at every level)
+
+ZOO: dict[str, Spec] = {
+    "timm.resnet": Spec(_timm_resnet, 3, WT, TIMM_ROWS),
+    "timm.convnext": Spec(_timm_convnext, 3, WT, TIMM_ROWS),
+    "timm.efficientnet": Spec(_efficientnet("efficientnet_b0"), 3, WT, TIMM_ROWS),
+    "timm.tf_efficientnet": Spec(_efficientnet("tf_efficientnet_b0", bn_eps=1e-3, pad_type="same"), 3, WT,
+                                 TIMM_ROWS),
+    "timm.mobilenetv3": Spec(_mobilenetv3, 3, WT, TIMM_ROWS),
+    "timm.fastvit": Spec(_timm_fastvit, 3, WT, TIMM_ROWS),
+    "timm.regnet": Spec(_timm_regnet, 3, WT, TIMM_ROWS),
+    "smp.Unet": Spec(_smp("Unet", decoder_channels=(16, 16, 16), decoder_attention_type="scse"), 3, W,
+                     {2: 37, 3: 40}),
+    "smp.UnetPlusPlus": Spec(_smp("UnetPlusPlus", decoder_channels=(8, 8, 8)), 3, W, {2: 37, 3: 40}),
+    "smp.FPN": Spec(_smp("FPN", decoder_pyramid_channels=8, decoder_segmentation_channels=32), 3, W, {2: 37, 3: 40},
+                    custom=("segmentation_models_pytorch.decoders.fpn.decoder.MergeBlock",)),  # a sum or a cat
+    "smp.DeepLabV3Plus": Spec(_smp("DeepLabV3Plus", decoder_channels=8, encoder_output_stride=8), 3, W,
+                              {2: 37, 3: 40}),
+    "smp.MAnet": Spec(_smp("MAnet", decoder_channels=(8, 8, 8), decoder_pab_channels=8), 3, W, {2: 37, 3: 40}),
+    "smp.PSPNet": Spec(_smp("PSPNet", psp_out_channels=8), 3, W, {2: 37, 3: 40}),
+    "diffusers.UNet2DModel": Spec(_unet2d(False), 3, W, {2: 37, 3: 40}, _unet2d_call,
+                                  custom=_TIMESTEPS),
+    "diffusers.UNet2DModel+attention": Spec(_unet2d(True), 3, W, {2: 37, 3: 40}, _unet2d_call,
+                                  custom=_TIMESTEPS),
+    "credit.crossformer": Spec(_credit_crossformer, 3, 32, {2: 64, 3: 96}, frames=1),
+    "credit.unet": Spec(_credit_unet, 3, W, {2: 37, 3: 40}, frames=1),
+}
+
+
+# -- timm layers halo converts (halo/nn/timm_layers.py), each in a small model ---------------------------------------
+
+def _layer(make: Callable[[], list[nn.Module]]) -> Callable[[], nn.Module]:
+    """A 3x3 conv (3 -> 8 channels: a parameter upstream of the layer), then the layers ``make()`` returns."""
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *make())
+    return build
+
+
+def _activations() -> list[nn.Module]:
+    from timm.layers import activations as a
+
+    return [a.Swish(), a.HardSwish(), a.Mish(), a.GELU(), a.QuickGELU(), a.GELUTanh(), a.HardMish(), a.Tanh(),
+            a.PReLU(8), a.HardSigmoid(), a.Sigmoid()]
+
+
+def _channel_norms() -> list[nn.Module]:
+    from timm.layers import LayerNorm2d, LayerNormAct2d, LayerScale2d, RmsNorm2d
+
+    return [LayerNorm2d(8), nn.Conv2d(8, 8, 3, padding=1), LayerScale2d(8, 0.3), RmsNorm2d(8),
+            LayerNormAct2d(8, act_layer=nn.GELU)]
+
+
+def _group_norms() -> list[nn.Module]:
+    from timm.layers import GroupNorm, GroupNorm1, GroupNorm1Act, GroupNormAct
+
+    return [GroupNorm(8, 4), nn.Conv2d(8, 8, 3, padding=1), GroupNorm1(8), GroupNormAct(8, 2, act_layer=nn.SiLU),
+            GroupNorm1Act(8, act_layer=nn.GELU)]
+
+
+def _convnext_block() -> list[nn.Module]:
+    from timm.models.convnext import ConvNeXtBlock
+
+    return [ConvNeXtBlock(8, ls_init_value=0.5), ConvNeXtBlock(8, ls_init_value=0.5, conv_mlp=True)]
+
+
+def _conv_same() -> list[nn.Module]:
+    from timm.layers import Conv2dSame
+
+    return [Conv2dSame(8, 8, 3, stride=2), Conv2dSame(8, 8, 4, stride=1), Conv2dSame(8, 8, 3, stride=1, dilation=2),
+            Conv2dSame(8, 8, 5, stride=3, groups=8, bias=False)]
+
+
+def _blur_pool() -> list[nn.Module]:
+    from timm.layers import BlurPool2d
+
+    return [BlurPool2d(8, filt_size=3, stride=2), nn.Conv2d(8, 8, 3, padding=1),
+            BlurPool2d(None, filt_size=5, stride=1)]
+
+
+def _squeeze_excite() -> list[nn.Module]:
+    from timm.layers.squeeze_excite import SEModule
+    from timm.models._efficientnet_blocks import SqueezeExcite
+
+    return [SqueezeExcite(8, rd_ratio=0.5), SEModule(8, rd_ratio=0.5, add_maxpool=True), nn.Conv2d(8, 8, 3, padding=1)]
+
+
+def _classifier(kind: str, pool: str, drop: float = 0.0) -> Callable[[], list[nn.Module]]:
+    def make() -> list[nn.Module]:
+        from timm.layers import classifier
+
+        if kind == "norm_mlp":
+            return [classifier.NormMlpClassifierHead(8, 3, hidden_size=6, pool_type=pool, drop_rate=drop)]
+        return [classifier.ClassifierHead(8, 3, pool_type=pool, drop_rate=drop)]
+    return make
+
+
+LAYERS: dict[str, Spec] = {
+    "timm.layers.activations": Spec(_layer(_activations), 3, 12, {2: 37, 3: 37}),
+    "timm.layers.channel_norms+layer_scale": Spec(_layer(_channel_norms), 3, 12, {2: 37, 3: 37}),
+    "timm.group_norms": Spec(_layer(_group_norms), 3, 12, {2: 37, 3: 37}),
+    "timm.ConvNeXtBlock(gamma)": Spec(_layer(_convnext_block), 3, 12, {2: 37, 3: 37}),
+    "timm.Conv2dSame": Spec(_layer(_conv_same), 3, 12, {2: 37, 3: 38}),
+    "timm.BlurPool2d": Spec(_layer(_blur_pool), 3, 12, {2: 37, 3: 37}),
+    "timm.squeeze_excite": Spec(_layer(_squeeze_excite), 3, 12, {2: 37, 3: 37}),
+    "timm.ClassifierHead(avg)": Spec(_layer(_classifier("plain", "avg")), 3, 12, {2: 37, 3: 37}),
+    "timm.ClassifierHead(catavgmax)": Spec(_layer(_classifier("plain", "catavgmax")), 3, 12, {2: 37, 3: 37}),
+    "timm.ClassifierHead(fast)": Spec(_layer(_classifier("plain", "fast")), 3, 12, {2: 37, 3: 37}),
+    "timm.NormMlpClassifierHead(max)": Spec(_layer(_classifier("norm_mlp", "max")), 3, 12, {2: 37, 3: 37}),
+    # refused: a dropout on the pool's whole result would draw differently on each rank
+    "timm.ClassifierHead(drop_rate=0.2)": Spec(_layer(_classifier("plain", "avg", 0.2)), 3, 12, {2: 37, 3: 37},
+                                               dropout=True),
+}
+
+SPECS: dict[str, Spec] = {**ZOO, **LAYERS}

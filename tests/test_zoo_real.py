@@ -1,0 +1,340 @@
+"""The real model zoo: timm, segmentation_models_pytorch, diffusers and NCAR CREDIT's own classes (tiny widths,
+``pretrained=False`` / ``encoder_weights=None``; builders in ``tests/_thirdparty.py``), converted unchanged by
+``convert_to_domain_parallel`` on 2 and 3 gloo ranks with uneven rows.
+
+Each model is exact or refused with its reason asserted — never silent. Float64, train mode (dropout rates 0: halo's
+dropouts draw by global index, not torch's draws): the forward (every output tensor), the input gradient, the
+parameter gradients (summed over ranks) and the buffers (BatchNorm running statistics) against the unsharded model
+built from the same seed in the parent process. A sharded output (3+ dims) is gathered along the rows; a whole
+output (a classifier's ``(B, classes)`` after a global pool, the same on every rank) is compared on every rank, and
+only rank 0 backpropagates its weights (the ranks' gradients of a whole result are partial: halo's global pools sum
+them). Tolerance: 1e-9 relative to the largest value of the compared quantity (sums in another order are ~1e-15; the
+silent differences this guards against were 1e-6 to 1).
+
+The ranks run halo's kernels through their torch reference (``TRITON_INTERPRET=0``: the interpreter's kernels are
+tested against it in test_kernels.py and would make this file minutes slower). One ``run_on_ranks`` per world size
+runs the whole zoo inside the ranks (once per session, by the first test of that size), and each model's verdict is its
+own test.
+``VERDICTS`` says what each model must give; a model whose converted result differs without an error fails, whatever
+its entry says.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import _thirdparty as tp
+import pytest
+import torch
+
+from halo.partition import split_offsets
+from halo.testing import run_on_ranks
+
+_MISSING = tp.missing()
+pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"the zoo's packages are not installed: {_MISSING} (the "
+                                                       f"install commands are in tests/_thirdparty.py)")
+
+RTOL = 1e-9
+
+#: name -> what the converted model must give: "exact", or a tuple of substrings one of which the refusal on every
+#: rank must contain. ``("exact", "...")``: exact or refused naming that (models that depend on the guard's
+#: default-deny rule for an op their attention uses).
+VERDICTS: dict[str, tuple[str, ...]] = {
+    "timm.resnet": ("exact",),
+    "timm.convnext": ("exact",),
+    "timm.efficientnet": ("exact",),
+    "timm.tf_efficientnet": ("exact",),
+    "timm.mobilenetv3": ("exact",),
+    "timm.fastvit": ("exact", "scaled_dot_product_attention"),  # timm's fused Attention in its last stage
+    "timm.regnet": ("exact",),
+    # smp's decoders resize to the skip's local size (F.interpolate(size=skip.shape[-2:])) or upsample unevenly
+    # split levels: exact where halo computes the global size, else refused naming the resize (never per shard)
+    "smp.Unet": ("exact", "interpolate"),
+    "smp.UnetPlusPlus": ("exact", "interpolate", "concatenates fields whose shards hold different numbers of rows"),
+    "smp.FPN": ("exact", "interpolate", "combines fields whose shards hold different numbers of rows"),
+    "smp.DeepLabV3Plus": ("exact",),
+    "smp.MAnet": ("matmul",),  # its PAB block is attention over all H x W tokens
+    "smp.PSPNet": ("exact", "interpolate"),
+    "diffusers.UNet2DModel": ("exact",),
+    "diffusers.UNet2DModel+attention": ("exact", "scaled_dot_product_attention", "baddbmm", "bmm"),
+    "credit.crossformer": ("exact",),
+    "credit.unet": ("exact", "interpolate"),  # CREDIT's smp U-Net: smp's resize to the skip's size
+    **{name: ("exact",) for name in tp.LAYERS},  # halo/nn/timm_layers.py
+    "timm.ClassifierHead(drop_rate=0.2)": ("WholeDropout: a dropout (p=0.2) on the whole result of a global pool",),
+}
+
+
+def _build(spec: tp.Spec) -> torch.nn.Module:
+    """The model from seed 0, float64, train mode, its dropouts off (rate 0): halo's dropouts draw by global index,
+    the same on any number of ranks but not torch's draws (``tests/test_random.py`` tests them)."""
+    tp.load()
+    torch.manual_seed(0)
+    model = spec.build().double().train()
+    for m in model.modules() if not spec.dropout else ():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        elif type(m).__name__ == "DropPath" and hasattr(m, "drop_prob"):
+            m.drop_prob = 0.0
+    return model
+
+
+def _input(spec: tp.Spec, world: int) -> torch.Tensor:
+    h = spec.rows[world]
+    shape = (2, spec.channels, spec.frames, h, spec.width) if spec.frames else (2, spec.channels, h, spec.width)
+    return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [v for v in out.values() if isinstance(v, torch.Tensor)]
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def _weights(shape: torch.Size, i: int) -> torch.Tensor:
+    return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2 + i))
+
+
+def _one(rank: int, world: int, name: str) -> dict:
+    import halo
+    from halo.nn import convert_to_domain_parallel, revert_domain_parallel
+
+    spec = tp.SPECS[name]
+    model = _build(spec)
+    keys, types = list(model.state_dict()), [type(m) for m in model.modules()]
+    try:
+        convert_to_domain_parallel(model, custom_converters=spec.converters() or None)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}", "at": "convert"}
+    full = _input(spec, world)
+    offs = split_offsets(full.shape[-2], world)
+    x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+    try:
+        outs = _outputs(spec.call(model, x))
+        loss, gathered, whole = 0.0, [], []
+        for i, o in enumerate(outs):
+            if o.dim() >= 3:  # a field: this rank's rows
+                g = halo.gather(o.detach())
+                mo = split_offsets(g.shape[-2], world)
+                loss = loss + (o * _weights(g.shape, i)[..., mo[rank]:mo[rank + 1], :]).sum()
+                gathered.append(g)
+                whole.append(False)
+            else:  # whole on every rank: rank 0 backpropagates the weights
+                loss = loss + (o * _weights(o.shape, i)).sum() * (1.0 if rank == 0 else 0.0)
+                gathered.append(o.detach().clone())
+                whole.append(True)
+        loss.backward()
+        grad = halo.gather(x.grad)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the parent asserts on it
+        return {"refused": f"{type(exc).__name__}: {exc}", "at": "call",
+                "trace": "".join(traceback.format_exception(exc, limit=-4))}
+    result = {"keys": list(model.state_dict()) == keys, "outs": gathered, "whole": whole, "grad": grad,
+              "params": {n: p.grad for n, p in model.named_parameters()},
+              "buffers": {n: b.clone() for n, b in model.named_buffers() if b.is_floating_point()}}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    revert_domain_parallel(model)  # the torch modules back, with the state trained sharded
+    result["reverted"] = [type(m) for m in model.modules()] == types and all(
+        torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    return result
+
+
+def _agree(rank: int, world: int, key: str, status: str) -> list[str]:
+    """Every rank's status after a model, exchanged through the store (not the process group, which a rank that
+    raised alone may have left mid-message); waits at most ``2 * STEP_TIMEOUT``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{rank}", status)
+    keys = [f"{key}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, timedelta(seconds=2 * STEP_TIMEOUT))
+    except Exception:  # noqa: BLE001 - a rank that never reported: stop (the parent names the model)
+        return [status] + ["(no report)"] * (world - 1)
+    return [store.get(k).decode() for k in keys]
+
+
+STEP_TIMEOUT = 30  # halo.set_timeout in the ranks: a rank left waiting by a peer that raised alone raises
+
+
+def _zoo(rank: int, world: int, names: list[str], attempt: int) -> dict:
+    """The models ``names`` in order; stops after a model whose ranks did not all end alike (one rank raised, the
+    others waited: the process group may hold a stale message), reporting it under ``"diverged"``."""
+    import os
+
+    import halo
+
+    os.environ["TRITON_INTERPRET"] = "0"  # the kernels' torch reference: Triton's interpreter is tested elsewhere
+    tp.load()
+    halo.initialize_domain_parallel(world, world)
+    halo.set_timeout(STEP_TIMEOUT)
+    results: dict = {}
+    for name in names:
+        t0 = time.perf_counter()
+        results[name] = _one(rank, world, name)
+        results[name]["seconds"] = time.perf_counter() - t0
+        statuses = _agree(rank, world, f"zoo/{attempt}/{name}", results[name].get("refused", "ran"))
+        if len(set(statuses)) != 1:
+            results[name] = {"diverged": statuses, "trace": results[name].get("trace", "")}
+            break
+    return results
+
+
+def run_zoo(world: int, names: list[str]) -> list[dict]:
+    """Every model of ``names`` on ``world`` ranks: per-rank ``{name: result}``; after a model that diverged, the
+    rest run in fresh processes."""
+    merged: list[dict] = [{} for _ in range(world)]
+    attempt = 0
+    while names:
+        runs = run_on_ranks(_zoo, world, names, attempt, timeout=600)
+        done = [n for n in names if all(n in r for r in runs)]
+        for r, res in enumerate(runs):
+            merged[r].update({n: res[n] for n in done})
+        names = [n for n in names if n not in done]
+        attempt += 1
+    return merged
+
+
+def _reference(name: str, world: int) -> dict:
+    spec = tp.SPECS[name]
+    model = _build(spec)
+    x = _input(spec, world).requires_grad_(True)
+    outs = _outputs(spec.call(model, x))
+    sum((o * _weights(o.shape, i)).sum() for i, o in enumerate(outs)).backward()
+    return {"outs": [o.detach() for o in outs], "grad": x.grad, "params": dict(model.named_parameters()),
+            "buffers": {n: b for n, b in model.named_buffers() if b.is_floating_point()}}
+
+
+def _err(got: torch.Tensor, want: torch.Tensor, scale: float) -> float:
+    """The largest difference relative to ``scale`` (the largest magnitude of the quantity compared)."""
+    return float((got - want).abs().max()) / max(scale, 1e-300)
+
+
+def _buffer_scale(buffers: dict[str, torch.Tensor], name: str) -> float:
+    """A running mean's rounding error is relative to the spread of the data it averages (a mean that is zero in
+    exact arithmetic, e.g. of a 1x1 conv of BatchNorm-normalised channels, is ~1e-17 either way)."""
+    scale = float(buffers[name].abs().max())
+    if name.endswith("running_mean"):
+        var = buffers.get(name.removesuffix("running_mean") + "running_var")
+        if var is not None:
+            scale = max(scale, float(var.abs().max()) ** 0.5)
+    return scale or 1.0
+
+
+def differences(results: list[dict], name: str, world: int) -> dict[str, float]:
+    """What differs from the unsharded model by more than ``RTOL`` (relative): ``{quantity: error}``."""
+    ref = _reference(name, world)
+    bad: dict[str, float] = {}
+
+    def check(label: str, got: torch.Tensor | None, want: torch.Tensor | None, scale: float) -> None:
+        if got is None or want is None:
+            if (got is None) != (want is None) and not (want is not None and not want.abs().max() > 0):
+                bad[label] = float("inf")
+            return
+        if got.shape != want.shape:
+            bad[f"{label} shape {tuple(got.shape)} != {tuple(want.shape)}"] = float("inf")
+            return
+        e = _err(got.double(), want.double(), scale)
+        if not e <= RTOL:
+            bad[label] = e
+
+    if len(results[0]["outs"]) != len(ref["outs"]):
+        return {"number of outputs": float("inf")}
+    for r, res in enumerate(results):
+        if not res["keys"]:
+            bad["state_dict keys"] = float("inf")
+        if not res["reverted"]:
+            bad["revert_domain_parallel (types or state)"] = float("inf")
+        for i, (got, want) in enumerate(zip(res["outs"], ref["outs"], strict=True)):
+            check(f"output {i} (rank {r})", got, want, float(want.abs().max()))
+        check(f"input grad (rank {r})", res["grad"], ref["grad"], float(ref["grad"].abs().max()))
+        for n, b in ref["buffers"].items():
+            check(f"buffer {n} (rank {r})", res["buffers"].get(n), b, _buffer_scale(ref["buffers"], n))
+    pscale = max(float(p.grad.abs().max()) for p in ref["params"].values() if p.grad is not None)
+    for n, p in ref["params"].items():
+        grads = [res["params"][n] for res in results]
+        got = None if all(g is None for g in grads) else sum(g for g in grads if g is not None)
+        check(f"param grad {n}", got, p.grad, pscale)
+    return bad
+
+
+_RUNS: dict[int, tuple[list[dict], float]] = {}
+
+
+def zoo_run(world: int) -> tuple[list[dict], float]:
+    """The whole zoo on ``world`` ranks, once per session: ``(per-rank results, seconds)``."""
+    if world not in _RUNS:
+        t0 = time.perf_counter()
+        _RUNS[world] = (run_zoo(world, list(tp.SPECS)), time.perf_counter() - t0)
+    return _RUNS[world]
+
+
+#: Models that fail today for a known bug outside this file, each marked a strict xfail: when the bug is fixed the
+#: test passes, which fails the run until the entry is removed (a model can never silently leave this list).
+KNOWN_BUGS = {
+    "diffusers.UNet2DModel": "Upsample2D's F.interpolate of an unevenly split level passes the guard; the next "
+                             "HaloConv2d raises a shape error on one rank while the others wait (invariant 4)",
+}
+
+
+def _cases() -> list:
+    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name]))
+            if name in KNOWN_BUGS else name for name in tp.SPECS]
+
+
+@pytest.mark.timeout(600)  # the first test of each world size runs its whole zoo (~1 min quiet)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", _cases())
+def test_real_model_exact_or_refused(name, world):
+    results = [per_rank[name] for per_rank in zoo_run(world)[0]]
+    want = VERDICTS[name]
+    diverged = [r for r in results if "diverged" in r]
+    trace = "\n".join(r.get("trace") or "" for r in diverged)
+    assert not diverged, f"{name} at P={world}: the ranks did not end alike (an error on some ranks only, the " \
+                         f"others left waiting): {diverged[0]['diverged']}\n{trace}"
+    if "refused" in results[0]:
+        errors = [r.get("refused") for r in results]
+        assert len(set(errors)) == 1, f"{name}: ranks disagree: {errors}"
+        reasons = [w for w in want if w != "exact"]
+        assert reasons, f"{name} at P={world} must be exact, got refused ({results[0]['at']}): {errors[0]}\n" \
+                        f"{results[0].get('trace', '')}"
+        assert any(w in errors[0] for w in reasons), f"{name}: refused for another reason: {errors[0]}"
+        return
+    assert all("refused" not in r for r in results), [r.get("refused") for r in results]
+    bad = differences(results, name, world)
+    assert not bad, f"{name} at P={world} is SILENTLY different from the unsharded model: {bad}"
+    assert "exact" in want, f"{name} at P={world} must be refused ({want}) but ran and is exact"
+
+
+def test_same_padding_of_the_global_extent_is_timms():
+    """``HaloConv2dSame`` pads what timm's ``pad_same`` pads for the global extent (the extra row after)."""
+    tp.load()
+    from timm.layers.padding import pad_same_arg
+
+    from halo.nn.timm_layers import _same_pad
+
+    for size in range(1, 40):
+        for k in (1, 2, 3, 4, 5, 7):
+            for s in (1, 2, 3):
+                for d in (1, 2):
+                    left, right, top, bottom = pad_same_arg([size, size], [k, k], [s, s], [d, d])
+                    assert _same_pad(size, k, s, d) == (top, bottom) == (left, right), (size, k, s, d)
+
+
+def test_flatten_after_a_global_pool_refuses_a_field():
+    """The flatten kept after a timm model's global pool flattens only a whole tensor; given a field it raises."""
+    from torch import nn
+
+    from halo.nn.timm_layers import DomainFlatten, WholeDropout
+
+    flat = DomainFlatten(nn.Flatten(1), domain_size=2)
+    with pytest.raises(ValueError, match=r"flatten \(start_dim=1\) of a field \(2, 3, 5, 4\) would mix its sharded"):
+        flat(torch.zeros(2, 3, 5, 4))
+    assert DomainFlatten(nn.Flatten(1), domain_size=1)(torch.zeros(2, 3, 5, 4)).shape == (2, 60)  # one rank
+    drop = WholeDropout(nn.Dropout(0.3))
+    with pytest.raises(ValueError, match=r"a dropout \(p=0.3\) on the whole result of a global pool"):
+        drop(torch.zeros(2, 3))
+    assert drop.eval()(torch.ones(2, 3)).sum() == 6
