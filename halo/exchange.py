@@ -69,13 +69,32 @@ def _free(t: torch.Tensor) -> bool:
     return _STORAGE_USE_COUNT(storage._cdata) <= 2  # the pool's tensor and ``storage`` itself
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _stream_key(device: torch.device) -> int:
+    """The current stream of ``device`` (0 off CUDA): buffers are handed out again only on the stream they were."""
+    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+
+
 class BufferPool:
-    """Buffers by (shape, dtype, device, memory format), handed out again once nothing else holds them.
+    """Buffers by (shape, dtype, device, memory format, stream), handed out again once nothing else holds them.
 
     ``get`` hands out an alias (``detach``: a tensor of its own on the same storage), so every holder of a buffer,
     the caller's variables included, counts on the storage; a buffer that an autograd graph saved, a caller kept,
     or a message still uses is *not* free, and reuse can never overwrite a live tensor. Without torch's use-count
     API every call allocates.
+
+    CUDA graphs and streams. Python references say nothing about a captured graph, which replays its writes into
+    the buffers it captured whoever holds them now: so while the current stream is capturing, ``get`` allocates
+    (from the graph's private memory pool: the graph owns the memory for its life, no later call is handed it, and
+    dropping an exchanger or its pool cannot free memory a graph still writes) and the pool neither hands out nor
+    keeps anything. Per-module graphs (``torch.cuda.make_graphed_callables``) therefore never share a pooled buffer.
+    A buffer is reused only on the stream it was handed out on, where the reuse is ordered after every earlier use
+    of it; an output consumed on *another* stream must be ordered back before the next halo call on the first
+    stream (``torch.cuda.current_stream().wait_stream(other)``), as for any reused buffer.
     """
 
     def __init__(self, per_key: int = 4) -> None:
@@ -84,12 +103,15 @@ class BufferPool:
 
     def get(self, shape: Sequence[int], like: torch.Tensor, fmt: torch.memory_format = torch.contiguous_format
             ) -> torch.Tensor:
-        key = (tuple(shape), like.dtype, like.device, fmt)
+        device = like.device
+        if _capturing(device):
+            return torch.empty(tuple(shape), dtype=like.dtype, device=device, memory_format=fmt)
+        key = (tuple(shape), like.dtype, device, fmt, _stream_key(device))
         pool = self._pools.setdefault(key, [])
         for buf in pool:
             if _free(buf):
                 return buf.detach()
-        buf = torch.empty(key[0], dtype=like.dtype, device=like.device, memory_format=fmt)
+        buf = torch.empty(key[0], dtype=like.dtype, device=device, memory_format=fmt)
         if len(pool) < self.per_key:
             pool.append(buf)
         return buf.detach()
@@ -102,6 +124,16 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
         if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
             return torch.channels_last_3d
     return torch.contiguous_format
+
+
+def like_format(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` in ``x``'s memory format where ``x`` is channels_last (or channels_last_3d) and ``y`` is not: what
+    torch's pooling, upsampling, pixel shuffle and conv layers return for a channels_last input. A layer's output
+    cropped from a local result (a view: dense in no format) is copied once; otherwise ``y`` itself."""
+    fmt = _memory_format(x)
+    if fmt is torch.contiguous_format or y.dim() != x.dim() or y.is_contiguous(memory_format=fmt):
+        return y
+    return y.contiguous(memory_format=fmt)
 
 
 # -- assembling the halo rows from the receive buffer -------------------------------------------------------------
@@ -405,25 +437,42 @@ class _ExchangeFn(torch.autograd.Function):
         return ctx.exchanger.adjoint(grad_ext, ctx.x_shape), None, None
 
 
+def _strided_like(t: torch.Tensor, shape: Sequence[int], fmt: torch.memory_format) -> torch.Tensor:
+    """``t`` with exactly the strides of ``torch.empty(shape, memory_format=fmt)``: what the fake kernels below
+    promise (inductor asserts the real strides against them); a copy only if ``t`` has others (never, today)."""
+    want = torch.empty(tuple(shape), dtype=t.dtype, device="meta", memory_format=fmt).stride()
+    if tuple(t.shape) == tuple(shape) and t.stride() == want:
+        return t
+    out = torch.empty(tuple(shape), dtype=t.dtype, device=t.device, memory_format=fmt)
+    return out.copy_(t)
+
+
 @torch.library.custom_op("halo::exchange", mutates_args=())
 def _exchange_op(x: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+    """:func:`exchange` under ``torch.compile``. Output: a fresh tensor in ``x``'s memory format (channels_last
+    stays channels_last), as the fake kernel says."""
     ex = get_exchanger(ex_id)
-    return ex.finish(x, ex.start(x))
+    shape = list(x.shape)
+    shape[dim] = rows
+    return _strided_like(ex.finish(x, ex.start(x)), shape, _memory_format(x))
 
 
 @_exchange_op.register_fake
 def _(x: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = rows
-    return x.new_empty(shape)
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_memory_format(x))
 
 
 @torch.library.custom_op("halo::exchange_adjoint", mutates_args=())
 def _exchange_adjoint_op(grad: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+    """The adjoint of ``halo::exchange``. Output: a fresh contiguous tensor (as the fake kernel says)."""
     shape = list(grad.shape)
     shape[dim] = rows
     out = get_exchanger(ex_id).adjoint(grad.contiguous(), shape)
-    return out.clone() if out.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr() else out
+    if out.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+        out = out.clone(memory_format=torch.contiguous_format)
+    return _strided_like(out, shape, torch.contiguous_format)
 
 
 @_exchange_adjoint_op.register_fake
@@ -443,6 +492,36 @@ def _backward(ctx, grad: torch.Tensor):
 
 
 _exchange_op.register_autograd(_backward, setup_context=_setup)
+
+
+def order_communication(*ops: Any) -> None:
+    """Declare communicating custom ops *ordered* side effects under ``torch.compile``.
+
+    A custom op with ``mutates_args=()`` is pure to the compiler: inductor may schedule two independent ones in
+    either order, by a memory estimate that depends on each rank's shard size, so ranks could post their messages
+    in different orders (a hang, or swapped halos when the sizes match). An ordered effect threads one token
+    through every such op of a graph (``torch._higher_order_ops.effects``, ``with_effects``): AOT autograd keeps them
+    in program order (``aot_eager`` runs them so), and neither DCE nor recomputation may drop or repeat them.
+    Known gap, measured on torch 2.13 (``tests/test_custom_ops.py::test_inductor_keeps_program_order``, a strict
+    xfail): inductor's ``reorder_for_peak_memory`` pass still moves them (the token chain is in its post-grad graph;
+    its memory-driven order ignores it), so under inductor the order is the scheduler's, which depends on the
+    shard sizes. torch 2.11-2.14 register the effect through ``torch.library._register_effectful_op``; older
+    versions through ``_higher_order_ops.effects``.
+    """
+    register = getattr(torch.library, "_register_effectful_op", None)
+    if register is not None:
+        from torch._library.effects import EffectType
+
+        for op in ops:
+            register(op._qualname, EffectType.ORDERED)
+        return
+    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op  # pragma: no cover - older
+
+    for op in ops:  # pragma: no cover
+        _register_effectful_op(op._opoverload, _EffectType.ORDERED)
+
+
+order_communication(_exchange_op, _exchange_adjoint_op)
 
 
 def exchange(x: torch.Tensor, ex_id: int, rows: int, dim: int = -2) -> torch.Tensor:

@@ -247,8 +247,9 @@ class _DropoutFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        if ctx.saved_tensors:
-            gx = philox.masked(gy, ctx.saved_tensors[0], ctx.scale)
+        saved = ctx.saved_tensors  # read once: non-reentrant checkpointing unpacks saved tensors a single time
+        if saved:
+            gx = philox.masked(gy, saved[0], ctx.scale)
         else:
             gx = kernels.dropout(gy.contiguous(), *ctx.args)
         return gx, None, None, None, None, None, None, None

@@ -79,22 +79,23 @@ def test_torch_chunk_split_is_refused_on_every_rank():
     assert "[31, 31, 31, 28]" in errors[0] and "balanced split [31, 30, 30, 30]" in errors[0], errors[0]
 
 
-def _block_split(rank, world):
+def _block_split(rank, world, overlap):
     import halo
     from halo.nn import HaloConv2d
 
     halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)
     plain = nn.Conv2d(2, 3, 3, padding=1).double()
-    conv = HaloConv2d(plain, overlap=False)
+    conv = HaloConv2d(plain, overlap=overlap)
     x = torch.randn(1, 2, 48, 8, dtype=torch.float64)
     xs = halo.shard(x, granularity=16)  # 32 + 16 rows: a balanced split of whole blocks of 16
     y = halo.gather(conv(xs))
     return tuple(xs.shape), float((y - plain(x)).abs().max())
 
 
-def test_block_split_is_still_computed_exactly():
-    for rank, (shape, err) in enumerate(run_on_ranks(_block_split, 2, timeout=60)):
+@pytest.mark.parametrize("overlap", [True, False])  # compute-then-patch falls back to pad-then-conv on blocks
+def test_block_split_is_still_computed_exactly(overlap):
+    for rank, (shape, err) in enumerate(run_on_ranks(_block_split, 2, overlap, timeout=60)):
         assert shape[-2] == (32, 16)[rank]
         assert err <= 1e-12, err
 

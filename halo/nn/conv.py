@@ -311,8 +311,9 @@ def _conv_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], name: str, d
     # Compute-then-patch applies to a stride-1 conv whose output rows are its input rows (symmetric padding
     # p = d(k-1)/2) on shards of at least p rows; decided from group-wide numbers only, so every rank takes the
     # same path. Its exchange is pad-then-conv's (rows [start - p, stop + p)), of which it uses the halos alone.
+    # Only on the balanced split: a block split (granularity=) puts other rows where the patch expects its edges.
     patch = pt if (overlap and stride == 1 and pt == pb > 0 and 2 * pt == dilation * (kernel - 1)
-                   and min(sizes) >= pt) else 0
+                   and min(sizes) >= pt and list(sizes) == split_sizes(sum(sizes), cg.size)) else 0
     lo, hi = needs[cg.index]
     return ConvPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, name), hi - lo, patch)
 
@@ -402,6 +403,37 @@ class _PatchConvFn(torch.autograd.Function):
 _OWN = object()  # "the layer's own bias"
 
 
+def _keep_channels_last(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``y`` (a crop of the local conv's output: a view, dense in no format) channels_last where torch's conv gives
+    channels_last (a channels_last input or weight), as ``nn.ConvTranspose2d`` does; otherwise ``y`` as it is."""
+    fmt = torch.channels_last if y.dim() == 4 else torch.channels_last_3d
+    if not any(t.is_contiguous(memory_format=fmt) and not t.is_contiguous() for t in (x, weight)):
+        return y
+    return y.contiguous(memory_format=fmt)
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts a conv's inputs to on ``x``'s device, ``None`` where it is off."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``t`` cast as autocast casts a lower-precision op's argument: floating tensors but float64, to ``dtype``."""
+    if t is None or dtype is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+        return t
+    return t.to(dtype)
+
+
+def _no_autocast(x: torch.Tensor, dtype: torch.dtype | None) -> Any:
+    """Autocast off on ``x``'s device (where it was on: ``dtype`` given), else a no-op context."""
+    import contextlib
+
+    return torch.autocast(x.device.type, enabled=False) if dtype is not None else contextlib.nullcontext()
+
+
 class _CircularPadFn(torch.autograd.Function):
     """``F.pad(x, (a, b), mode="circular")`` along one dim ``d`` (longitude wraps), with a lean adjoint: forward one
     copy into a fresh tensor, backward one copy of the interior gradient plus the two wrapped edges added back.
@@ -464,9 +496,15 @@ class _HaloConvNd(_HaloConvMixin):
             return self._base.forward(self, x)
         unbatched = x.dim() == self._spatial + 1
         xb = x.unsqueeze(0) if unbatched else x
+        cast = autocast_dtype(xb)
+        xb = _cast(xb, cast)  # what autocast's conv would cast to, before the exchange (half the bytes)
         if plan.patch and not torch.compiler.is_compiling():
-            y = _PatchConvFn.apply(self._pad_other(xb), xb.detach(), self.weight, self.bias, self, plan.ex,
-                                   plan.patch)
+            # The Function computes in the dtype torch's conv would under autocast: its inputs are cast here, by
+            # autograd-visible casts (so every gradient comes back in its input's own dtype), and autocast is off
+            # inside, so its forward and backward convs see one dtype (as torch's own conv under autocast).
+            weight, bias = _cast(self.weight, cast), _cast(self.bias, cast)
+            with _no_autocast(xb, cast):
+                y = _PatchConvFn.apply(self._pad_other(xb), xb.detach(), weight, bias, self, plan.ex, plan.patch)
         else:
             y = self._local_conv(exchange(xb, plan.ex, plan.rows, self._spatial), list(pads))
         y = y.squeeze(0) if unbatched else y
@@ -480,7 +518,7 @@ class _HaloConvNd(_HaloConvMixin):
                  (self.h_boundary, self.w_boundary))
         plan = self._resolve(x, _conv_plan_2d, extra)
         unbatched = x.dim() == 3
-        xb = x.unsqueeze(0) if unbatched else x
+        xb = _cast(x.unsqueeze(0) if unbatched else x, autocast_dtype(x))  # as autocast would, before exchanging
         y = self._conv(exchange_2d(xb, plan), (0, 0))
         y = y.squeeze(0) if unbatched else y
         carry(y, x)
@@ -623,7 +661,7 @@ class _HaloConvTransposeNd(_HaloConvMixin):
         if plan.plain:
             return self._base.forward(self, x, output_size)
         unbatched = x.dim() == nd + 1
-        xb = x.unsqueeze(0) if unbatched else x
+        xb = _cast(x.unsqueeze(0) if unbatched else x, autocast_dtype(x))  # as autocast would, before exchanging
         ext = exchange(xb, plan.ex, plan.rows, nd)  # H: dim -2, i.e. nd of the batched input
         stride, dilation = list(self.stride), list(self.dilation)
         padding, out_pad = list(self.padding), list(plan.op_other)
@@ -632,8 +670,9 @@ class _HaloConvTransposeNd(_HaloConvMixin):
         y = fn(ext, self.weight, self.bias if plan.fused else None, tuple(stride), tuple(padding), tuple(out_pad),
                self.groups, tuple(dilation))
         y = _crop_rows(y, plan.t0, plan.t1)
-        if not plan.fused and self.bias is not None:
-            y = y + self.bias.view(-1, *([1] * nd))
+        if not plan.fused and self.bias is not None:  # in the conv's output dtype (bf16 under autocast)
+            y = y + self.bias.to(y.dtype).view(-1, *([1] * nd))
+        y = _keep_channels_last(y, xb, self.weight)
         y = y.squeeze(0) if unbatched else y
         carry(y, x)
         return y
@@ -644,7 +683,7 @@ class _HaloConvTransposeNd(_HaloConvMixin):
         name = type(self).__name__
         plan = self._resolve(x, _conv_transpose_plan_2d, (tuple(x.shape), size, *geometry, name))
         unbatched = x.dim() == 3
-        xb = x.unsqueeze(0) if unbatched else x
+        xb = _cast(x.unsqueeze(0) if unbatched else x, autocast_dtype(x))  # as autocast would, before exchanging
         (ex_h, rows_h, t0h, t1h, fused_h), (ex_w, rows_w, t0w, t1w, fused_w) = plan
         ext = exchange(exchange(xb, ex_h, rows_h, 2), ex_w, rows_w, 3)
         fused = fused_h and fused_w
@@ -652,7 +691,8 @@ class _HaloConvTransposeNd(_HaloConvMixin):
                                self.dilation)
         y = _crop_rows(_crop_rows(y, t0h, t1h, -2), t0w, t1w, -1)
         if not fused and self.bias is not None:
-            y = y + self.bias.view(-1, 1, 1)
+            y = y + self.bias.to(y.dtype).view(-1, 1, 1)
+        y = _keep_channels_last(y, xb, self.weight)
         y = y.squeeze(0) if unbatched else y
         carry(y, x)
         return y

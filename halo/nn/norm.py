@@ -50,6 +50,7 @@ from torch.autograd.function import once_differentiable
 
 from ..comm import CommGroup, comm_group, group_by_id, group_id
 from ..comm import all_reduce as bounded_all_reduce
+from ..exchange import order_communication
 from ..mesh import GroupRef, get_domain_parallel_manager
 from ..plans import Site, device_tensor, resolve, shard_sizes
 from ..reduce import accumulation_dtype, all_reduce
@@ -157,7 +158,8 @@ def _plan(module: nn.Module, x: torch.Tensor, op: str) -> Any:
     return resolve(x, module._group_ref.group, op, _norm_plan, site=module._halo_site)
 
 
-def _update_running(module: nn.Module, mean: torch.Tensor, var: torch.Tensor, count: int, factor: float) -> None:
+def _update_running(module: nn.Module, mean: torch.Tensor, var: torch.Tensor, count: int,
+                    factor: float | torch.Tensor) -> None:
     """``running = (1 - f) running + f stat`` with the unbiased variance of the global count (as torch)."""
     with torch.no_grad():
         unbiased = var.detach() * (count / (count - 1))
@@ -216,9 +218,9 @@ def _gn_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor
     b, c = x.shape[:2]
     cg = c // groups
     acc = accumulation_dtype(x.dtype)
-    xa = x.to(acc).contiguous()  # native_group_norm wants contiguous rows
+    xa = x.to(acc)  # in x's layout: y below keeps it (channels_last in, channels_last out, as nn.GroupNorm)
     hw = xa[0, 0].numel()
-    _, mean, rstd_l = torch.ops.aten.native_group_norm(xa, None, None, b, c, hw, groups, 0.0)
+    _, mean, rstd_l = torch.ops.aten.native_group_norm(xa.contiguous(), None, None, b, c, hw, groups, 0.0)
     mean, var = mean.view(b, groups).double(), rstd_l.view(b, groups).double().pow(-2)  # 1/inf^2 = 0
     if info.size > 1:
         n_r = xa[0, :cg].numel()
@@ -239,7 +241,16 @@ def _gn_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor
     k = delta * a + (bias.double() if bias is not None else 0.0)
     view = (b, c) + (1,) * (x.dim() - 2)
     y = (xa - m_acc.view(view)).mul_(a.to(acc).view(view)).add_(k.to(acc).view(view))
-    return y.to(x.dtype), mean, var, (m_acc, delta, rstd_c, a)
+    return _like(y, x), mean, var, (m_acc, delta, rstd_c, a)
+
+
+def _like(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``t`` (of ``x``'s shape) in ``x``'s dtype with exactly the strides of ``torch.empty_like(x)``: what the fake
+    kernels of ``halo::group_norm(_backward)`` promise (inductor asserts them); no copy when they agree already."""
+    want = torch.empty_like(x, device="meta").stride()
+    if t.dtype == x.dtype and t.stride() == want:
+        return t
+    return torch.empty_like(x).copy_(t)
 
 
 def _gn_backward(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, stats: tuple, groups: int,
@@ -264,7 +275,7 @@ def _gn_backward(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
     gx = xc.mul_(p.to(acc).view(view)).add_(q.to(acc).view(view)).addcmul_(ga, a.to(acc).view(view))  # in place
     gw = (sgc * rstd_c).sum(0).to(weight.dtype) if need_w else None
     gb = sg.sum(0).to(bias_dtype) if need_b else None
-    return gx.to(x.dtype), gw, gb
+    return _like(gx, x), gw, gb
 
 
 # -- the same under torch.compile: custom ops, opaque to dynamo, with the hand-written adjoint --------------------
@@ -322,6 +333,24 @@ def _gn_op_backward(ctx, gy, _gmean, _gvar, *_gstats):
 
 
 _gn_op.register_autograd(_gn_op_backward, setup_context=_gn_setup)
+order_communication(_gn_op, _gn_backward_op)  # they all-reduce: one order on every rank under torch.compile
+
+
+#: Devices whose autocast runs ``group_norm`` in float32 (CUDA, XPU, MPS; not CPU): torch registers a cast for it
+#: there, and only its float32 policy exists for a norm.
+_GN_FP32_AUTOCAST = frozenset(
+    device for device, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"), ("xpu", "AutocastXPU"),
+                               ("mps", "AutocastMPS"))
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::group_norm", key))
+
+
+def _autocast_group_norm(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as torch's ``group_norm`` sees it under autocast: float32 where autocast casts it (a half input gives a
+    float32 output there, as ``nn.GroupNorm``), else unchanged (CPU autocast leaves group_norm alone)."""
+    device = x.device.type
+    if device in _GN_FP32_AUTOCAST and x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(device):
+        return x.float()
+    return x
 
 
 class NormPlan(NamedTuple):
@@ -433,7 +462,7 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
             raise ValueError(f"DomainGroupNorm: expected {self.num_channels} channels, got shape {tuple(x.shape)}")
         if plan.size == 1:  # the whole domain is local: torch's kernel, bitwise
             return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
-        return _group_norm(x, self.num_groups, self.weight, self.bias, self.eps, plan)[0]
+        return _group_norm(_autocast_group_norm(x), self.num_groups, self.weight, self.bias, self.eps, plan)[0]
 
 
 class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
@@ -477,7 +506,9 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            # momentum=None: the cumulative average, 1 / num_batches_tracked as torch computes it (in double),
+            # but on the buffer's device: no read of the count to the host, every step (invariant 7).
+            factor = self.num_batches_tracked.double().reciprocal() if self.momentum is None else self.momentum
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         if not batch_stats:  # elementwise with the running statistics: exactly torch's kernel, no communication
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)

@@ -54,7 +54,7 @@ from torch.nn.modules.utils import _pair
 
 from ..comm import CommGroup
 from ..comm import all_reduce as bounded_all_reduce
-from ..exchange import exchange, exchanger_id
+from ..exchange import exchange, exchanger_id, like_format
 from ..mesh import group_attribute
 from ..partition import split_offsets
 from ..plans import Site, carry, mark_whole, resolve
@@ -72,6 +72,13 @@ __all__ = [
     "halo_pool",
     "window_plan",
 ]
+
+
+def _formatted(out: Any, x: torch.Tensor) -> Any:
+    """A pooled output (or ``(values, indices)``) in ``x``'s memory format, as torch's pooling returns it."""
+    if isinstance(out, tuple):
+        return tuple(like_format(t, x) for t in out)
+    return like_format(out, x)
 
 
 # -- pure geometry (no process group: testable for thousands of configurations in one process) --------------
@@ -242,6 +249,7 @@ class HaloMaxPool2d(nn.MaxPool2d):
                 out = _crop_2d(out, plan), idx
             else:
                 out = _crop_2d(out, plan)
+            out = _formatted(out, x)
             carry(out, x)
             return out
         plan = resolve(x, self.group, op, _window_pool_plan, (op, "max", tuple(x.shape), args, (k, s, p, d), detail),
@@ -255,6 +263,7 @@ class HaloMaxPool2d(nn.MaxPool2d):
         else:
             out, idx = out
             out = out.narrow(-2, plan.crop, plan.out), idx.narrow(-2, plan.crop, plan.out) + plan.lo * x.shape[-1]
+        out = _formatted(out, x)
         carry(out, x)
         return out
 
@@ -294,14 +303,14 @@ class HaloAvgPool2d(nn.AvgPool2d):
             geometry = ((k2[0], s2[0], p2[0], 1), (k2[1], s2[1], p2[1], 1))
             plan = resolve_2d(x, mesh, op, _window_pool_plan_2d, (op, "avg", tuple(x.shape), args, geometry, detail),
                               self._halo_site)
-            out = _crop_2d(self._pool(_run_2d(x, plan)), plan)
+            out = like_format(_crop_2d(self._pool(_run_2d(x, plan)), plan), x)
             carry(out, x)
             return out
         plan = resolve(x, self.group, op, _window_pool_plan, (op, "avg", tuple(x.shape), args, (k, s, p, 1), detail),
                        site=self._halo_site)
         if plan.plain:
             return super().forward(x)
-        out = self._pool(_run(x, plan)).narrow(-2, plan.crop, plan.out)
+        out = like_format(self._pool(_run(x, plan)).narrow(-2, plan.crop, plan.out), x)
         carry(out, x)
         return out
 

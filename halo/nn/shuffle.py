@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommGroup
-from ..exchange import exchange, exchanger_id
+from ..exchange import exchange, exchanger_id, like_format
 from ..mesh import group_attribute
 from ..partition import offsets, split_offsets, split_sizes
 from ..plans import Site, carry, resolve
@@ -93,13 +93,14 @@ def _run(module: nn.Module, x: torch.Tensor, factor: int, up: bool, op: str) -> 
         for a, plan in enumerate(plans):
             if not plan.plain:
                 out = out.narrow(2 + a, plan.crop, plan.out)
+        out = like_format(out, x)
         carry(out, x)
         return out
     plan = resolve(x, module.group, op, _shuffle_plan, (factor, up, op), site=module._halo_site)
     if plan.plain:
         return fn(x, factor)
     rows = exchange(x, plan.ex, plan.rows, 2)
-    out = fn(rows, factor).narrow(-2, plan.crop, plan.out)
+    out = like_format(fn(rows, factor).narrow(-2, plan.crop, plan.out), x)
     carry(out, x)
     return out
 

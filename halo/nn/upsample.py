@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommGroup
-from ..exchange import exchange, exchanger_id
+from ..exchange import exchange, exchanger_id, like_format
 from ..mesh import group_attribute
 from ..partition import split_offsets
 from ..plans import Site, carry, device_tensor, resolve
@@ -364,6 +364,7 @@ def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = 
                 * device_tensor(wts, opmath, x.device).unsqueeze(-1)
             out = term if out is None else out + term
         out = out.to(x.dtype)
+    out = like_format(out, x)  # channels_last in, channels_last out (as F.interpolate)
     carry(out, x)
     return out
 
