@@ -507,12 +507,13 @@ def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> N
     _STATE.depth = max(0, _STATE.depth - 1)
     if _STATE.depth == 0:
         guard, _STATE.guard = _STATE.guard, None
-        if guard is not None:
-            guard.__exit__(None, None, None)
-            if output is not None:  # the call completed: this epoch's ops were checked
-                module.__dict__.setdefault("_halo_guarded", set()).add(guard.epoch)
         epoch, _STATE.epoch = _STATE.epoch, None
         _STATE.mesh_group = None
+        if guard is not None:
+            guard.__exit__(None, None, None)
+            if output is not None:  # the call completed: a forward hook's refused result must not be the output
+                guard.finish(output)
+                module.__dict__.setdefault("_halo_guarded", set()).add(guard.epoch)
         if output is not None and not torch.compiler.is_compiling():
             _watch_backward(module, output)
         for t in pytree.tree_leaves(output):
