@@ -447,10 +447,82 @@ def _strided_like(t: torch.Tensor, shape: Sequence[int], fmt: torch.memory_forma
     return out.copy_(t)
 
 
+#: One order token per device (``str(device)``): a 1-element int64 tensor every communicating custom op reads and
+#: :func:`order_after` declares mutated, made once and kept (see :func:`order_token`).
+_ORDER: dict[str, torch.Tensor] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _order_key(device: torch.device) -> str:
+    key = str(device)
+    if key not in _ORDER:
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor, even if first met in inference_mode
+            token = torch.zeros(1, dtype=torch.int64, device=device)
+        torch._dynamo.mark_static_address(token)  # a fixed address: CUDA graphs (reduce-overhead) keep it
+        _ORDER[key] = token
+    return key
+
+
+def order_token(device: torch.device) -> torch.Tensor:
+    """The order token of ``device``: under ``torch.compile`` a graph input (the same tensor every step, so no
+    recompiles), read by every communicating custom op and declared mutated right after it (:func:`order_after`)."""
+    key = _order_key(device)  # made outside the trace (a constant result), then read as a global: a graph input
+    return _ORDER[key]
+
+
+#: ``halo::order_after``: declared to write ``order`` after reading ``after`` (a communicating op's output); computes
+#: nothing. Defined on the plain library API (one CompositeExplicitAutograd kernel: ~3 us a call, against ~30 us for
+#: a ``torch.library.custom_op``; nothing to differentiate).
+_LIB = torch.library.Library("halo", "FRAGMENT")
+_LIB.define("order_after(Tensor(a!) order, Tensor after) -> ()")
+
+
+def _order_after_kernel(order: torch.Tensor, after: torch.Tensor) -> None:
+    return None
+
+
+_LIB.impl("order_after", _order_after_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("halo::order_after", _order_after_kernel, lib=_LIB)
+_order_after_op = torch.ops.halo.order_after.default
+
+
+def backward_order_token(order: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The order token of the backward of a graph whose forward read ``order``: one per traced graph, made inside
+    the backward (``like``'s device), shared by every backward formula of that trace.
+
+    Never the forward's token: a tensor the forward saves for backward must keep its version, and every compiled
+    forward declares the device token written (two forwards before one backward, as in a rollout, would fail
+    autograd's saved-tensor check). So the backward formulas key their token on the forward token's traced object.
+    """
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    trace = detect_fake_mode([like]), get_proxy_mode()  # this trace (None, None in eager: one real token)
+    held = getattr(order, "_halo_backward_order", None)
+    if held is not None and held[0] is trace[0] and held[1] is trace[1]:
+        return held[2]
+    token = like.new_zeros((1,), dtype=torch.int64)
+    order._halo_backward_order = (*trace, token)
+    return token
+
+
+def order_after(order: torch.Tensor, after: torch.Tensor) -> None:
+    """Sequence the communicating op that produced ``after`` before the next one that reads ``order``.
+
+    A data dependency every compiler pass keeps: op k reads the token, ``order_after`` writes it after op k's output
+    exists (read-after-write on ``after``, write-after-read on the token), op k+1 reads the written token. So under
+    inductor (whose ``reorder_for_peak_memory`` ignores effect tokens, torch 2.13) the communicating ops of a graph
+    run in program order on every rank, whatever each rank's shard size. Forward and backward alike (the backward
+    formulas chain on :func:`backward_order_token`). Eager never calls it; compiled, it is a no-op call per
+    communicating op (the token's value never changes: the declaration alone orders the graph).
+    """
+    _order_after_op(order, after)
+
+
 @torch.library.custom_op("halo::exchange", mutates_args=())
-def _exchange_op(x: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+def _exchange_op(x: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
     """:func:`exchange` under ``torch.compile``. Output: a fresh tensor in ``x``'s memory format (channels_last
-    stays channels_last), as the fake kernel says."""
+    stays channels_last), as the fake kernel says. ``order``: the device's order token (:func:`order_after`)."""
     ex = get_exchanger(ex_id)
     shape = list(x.shape)
     shape[dim] = rows
@@ -458,14 +530,14 @@ def _exchange_op(x: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tens
 
 
 @_exchange_op.register_fake
-def _(x: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+def _(x: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = rows
     return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_memory_format(x))
 
 
 @torch.library.custom_op("halo::exchange_adjoint", mutates_args=())
-def _exchange_adjoint_op(grad: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+def _exchange_adjoint_op(grad: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
     """The adjoint of ``halo::exchange``. Output: a fresh contiguous tensor (as the fake kernel says)."""
     shape = list(grad.shape)
     shape[dim] = rows
@@ -476,19 +548,22 @@ def _exchange_adjoint_op(grad: torch.Tensor, ex_id: int, dim: int, rows: int) ->
 
 
 @_exchange_adjoint_op.register_fake
-def _(grad: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+def _(grad: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
     shape = list(grad.shape)
     shape[dim] = rows
     return grad.new_empty(shape)
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, ex_id, dim, _ = inputs
-    ctx.args = ex_id, dim, x.shape[dim]
+    x, order, ex_id, dim, _ = inputs
+    ctx.order, ctx.args = order, (ex_id, dim, x.shape[dim])
 
 
 def _backward(ctx, grad: torch.Tensor):
-    return _exchange_adjoint_op(grad, *ctx.args), None, None, None
+    order = backward_order_token(ctx.order, grad)
+    out = _exchange_adjoint_op(grad, order, *ctx.args)
+    order_after(order, out)
+    return out, None, None, None, None
 
 
 _exchange_op.register_autograd(_backward, setup_context=_setup)
@@ -497,16 +572,14 @@ _exchange_op.register_autograd(_backward, setup_context=_setup)
 def order_communication(*ops: Any) -> None:
     """Declare communicating custom ops *ordered* side effects under ``torch.compile``.
 
-    A custom op with ``mutates_args=()`` is pure to the compiler: inductor may schedule two independent ones in
-    either order, by a memory estimate that depends on each rank's shard size, so ranks could post their messages
-    in different orders (a hang, or swapped halos when the sizes match). An ordered effect threads one token
-    through every such op of a graph (``torch._higher_order_ops.effects``, ``with_effects``): AOT autograd keeps them
-    in program order (``aot_eager`` runs them so), and neither DCE nor recomputation may drop or repeat them.
-    Known gap, measured on torch 2.13 (``tests/test_custom_ops.py::test_inductor_keeps_program_order``, a strict
-    xfail): inductor's ``reorder_for_peak_memory`` pass still moves them (the token chain is in its post-grad graph;
-    its memory-driven order ignores it), so under inductor the order is the scheduler's, which depends on the
-    shard sizes. torch 2.11-2.14 register the effect through ``torch.library._register_effectful_op``; older
-    versions through ``_higher_order_ops.effects``.
+    A custom op with ``mutates_args=()`` is pure to the compiler: nothing stops it from dropping one whose result is
+    unused, or repeating one when recomputing. An ordered effect threads one token through every such op of a graph
+    (``torch._higher_order_ops.effects``, ``with_effects``): AOT autograd keeps them, in program order, and neither
+    DCE nor recomputation may drop or repeat them. The effect alone does not order them under inductor (torch 2.13:
+    ``reorder_for_peak_memory`` ignores it and would order them by a memory estimate that depends on each rank's
+    shard size — a hang, or swapped halos): every such op also reads the device's order token, declared written
+    after it (:func:`order_after`), a data dependency every pass keeps. torch 2.11-2.14 register the effect through
+    ``torch.library._register_effectful_op``; older versions through ``_higher_order_ops.effects``.
     """
     register = getattr(torch.library, "_register_effectful_op", None)
     if register is not None:
@@ -530,7 +603,10 @@ def exchange(x: torch.Tensor, ex_id: int, rows: int, dim: int = -2) -> torch.Ten
     Under ``torch.compile`` this is the ``halo::exchange`` custom op.
     """
     if torch.compiler.is_compiling():
-        return _exchange_op(x, ex_id, dim % x.dim(), rows)
+        order = order_token(x.device)
+        out = _exchange_op(x, order, ex_id, dim % x.dim(), rows)
+        order_after(order, out)
+        return out
     return _ExchangeFn.apply(x, get_exchanger(ex_id), None)
 
 

@@ -119,7 +119,7 @@ def all_reduce(x: torch.Tensor, op: str = "sum", group: Any | None = None) -> to
         raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
     if torch.compiler.is_compiling() and op in ("sum", "mean"):  # a custom op: one node of the graph
         gid, size = _group_of(group)
-        return x if size == 1 else _all_reduce_op(x, op, gid)
+        return x if size == 1 else _ordered_all_reduce(x, op, gid)
     info = comm_group(group)
     if info.size == 1:
         return x
@@ -132,10 +132,20 @@ def _group_of(group: Any | None) -> tuple[int, int]:
     return group_id(cg), cg.size
 
 
+def _ordered_all_reduce(x: torch.Tensor, op: str, gid: int, order: torch.Tensor | None = None) -> torch.Tensor:
+    """``halo::all_reduce`` sequenced by the device's order token (:func:`halo.exchange.order_after`)."""
+    from .exchange import order_after, order_token
+
+    order = order_token(x.device) if order is None else order
+    out = _all_reduce_op(x, order, op, gid)
+    order_after(order, out)
+    return out
+
+
 @torch.library.custom_op("halo::all_reduce", mutates_args=())
-def _all_reduce_op(x: torch.Tensor, op: str, gid: int) -> torch.Tensor:
+def _all_reduce_op(x: torch.Tensor, order: torch.Tensor, op: str, gid: int) -> torch.Tensor:
     """:func:`all_reduce` (sum or mean) under ``torch.compile``: the same bounded all-reduce, accumulated in fp32 or
-    wider; its backward is the same op on the gradient (the plain adjoint)."""
+    wider; its backward is the same op on the gradient (the plain adjoint). ``order``: the device's order token."""
     info = group_by_id(gid)
     acc = accumulation_dtype(x.dtype)
     buf = torch.empty_like(x, dtype=acc)  # the strides the fake kernel gives (any layout of x, exactly)
@@ -147,16 +157,18 @@ def _all_reduce_op(x: torch.Tensor, op: str, gid: int) -> torch.Tensor:
 
 
 @_all_reduce_op.register_fake
-def _(x: torch.Tensor, op: str, gid: int) -> torch.Tensor:
+def _(x: torch.Tensor, order: torch.Tensor, op: str, gid: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 def _all_reduce_setup(ctx, inputs, output) -> None:
-    ctx.op, ctx.gid = inputs[1], inputs[2]
+    ctx.order, ctx.op, ctx.gid = inputs[1], inputs[2], inputs[3]
 
 
 def _all_reduce_backward(ctx, grad: torch.Tensor):
-    return _all_reduce_op(grad, ctx.op, ctx.gid), None, None
+    from .exchange import backward_order_token
+
+    return _ordered_all_reduce(grad, ctx.op, ctx.gid, backward_order_token(ctx.order, grad)), None, None, None
 
 
 _all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)

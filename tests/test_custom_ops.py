@@ -6,12 +6,14 @@ communicating ops on every rank.
   for real on gloo ranks and through its fake kernel (``FakeTensorMode``) on the same inputs (contiguous,
   channels_last, a non-dense slice), and shape, stride and dtype must be identical.
 * Order: ``halo::exchange``, ``halo::exchange_adjoint``, ``halo::all_reduce`` and ``halo::group_norm(_backward)``
-  communicate, so they are registered as *ordered* effects (``halo.exchange.order_communication``): a compiled
-  graph threads one token through them, and no scheduler may swap two of them (inductor's memory-driven order
-  depends on each rank's shard size; two ranks posting in different orders hang or swap halos). The test compiles
-  a graph with independent exchanges and reductions on ranks with different shard sizes (45 rows on 2 ranks: 23 and
-  22), records what each rank posts, in order, and requires one sequence on every rank, equal to program order,
-  forward and backward, and results equal to the eager ones.
+  communicate, so no scheduler may swap two of them (inductor's memory-driven order depends on each rank's shard
+  size; two ranks posting in different orders hang or swap halos). They are ordered effects
+  (``halo.exchange.order_communication``: never dropped nor repeated) and each reads the device's order token,
+  declared written right after it (``halo.exchange.order_after``): a data dependency that inductor's
+  ``reorder_for_peak_memory`` keeps (it ignores effect tokens, torch 2.13). The test compiles a graph with
+  independent exchanges and reductions on ranks with different shard sizes (45 rows on 2 ranks: 23 and 22), records
+  what each rank posts, in order, and requires one sequence on every rank, equal to program order (forward) and to
+  its reverse (backward), results equal to the eager ones, and no recompilation on the second step.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def _strides_on_rank(rank: int, world: int) -> dict:
     same_shape = {"contiguous": same, "channels_last": same.contiguous(memory_format=torch.channels_last),
                   "slice": torch.randn(2, 6, 4, 9, dtype=torch.float64)[..., ::2]}
     plan = hx._plan_uniform(base, 2, -2, None, "zeros", "test")
+    order = hx.order_token(base.device)
     out: dict = {}
 
     def both(name, fn, *args):
@@ -58,20 +61,21 @@ def _strides_on_rank(rank: int, world: int) -> dict:
         out[name] = ([_meta(t) for t in real], [_meta(t) for t in fake])
 
     for kind, x in inputs.items():
-        both(f"exchange/{kind}", hx._exchange_op, x, plan.ex, 2, plan.rows)
+        both(f"exchange/{kind}", hx._exchange_op, x, order, plan.ex, 2, plan.rows)
         g = torch.randn(2, 6, plan.rows, x.shape[-1], dtype=torch.float64)
         g = g.contiguous(memory_format=torch.channels_last) if kind == "channels_last" else g
-        both(f"exchange_adjoint/{kind}", hx._exchange_adjoint_op, g, plan.ex, 2, rows)
+        both(f"exchange_adjoint/{kind}", hx._exchange_adjoint_op, g, order, plan.ex, 2, rows)
         same = same_shape[kind]  # an all-reduce takes one shape on every rank
-        both(f"all_reduce/{kind}", hred._all_reduce_op, same, "sum", gid)
-        both(f"all_reduce_bf16/{kind}", hred._all_reduce_op, same.to(torch.bfloat16), "mean", gid)
+        both(f"all_reduce/{kind}", hred._all_reduce_op, same, order, "sum", gid)
+        both(f"all_reduce_bf16/{kind}", hred._all_reduce_op, same.to(torch.bfloat16), order, "mean",
+             gid)
         w, b = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
         count = [3 * n * x.shape[-1] for n in (9, 8)]
-        both(f"group_norm/{kind}", hn._gn_op, x, w, b, 2, 1e-5, count, gid)
-        stats = hn._gn_op(x, w, b, 2, 1e-5, count, gid)[3:]
+        both(f"group_norm/{kind}", hn._gn_op, x, w, b, order, 2, 1e-5, count, gid)
+        stats = hn._gn_op(x, w, b, order, 2, 1e-5, count, gid)[3:]
         gy = torch.randn_like(x)
-        both(f"group_norm_backward/{kind}", hn._gn_backward_op, gy, x, w, *stats, 2, float(sum(count)), gid, True,
-             True, torch.float64)
+        both(f"group_norm_backward/{kind}", hn._gn_backward_op, gy, x, w, *stats, order, 2, float(sum(count)), gid,
+             True, True, torch.float64)
         key = torch.tensor([12345], dtype=torch.int64)
         n = x.shape[-2] * x.shape[-1]
         both(f"philox_dropout/{kind}", hr._dropout_op, x, key, n, n, 0, 0, 1 << 30, 2.0)
@@ -192,16 +196,27 @@ def _order_on_rank(rank: int, world: int, backend: str) -> dict:
     b0 = fb[..., offs[rank]:offs[rank + 1], :]
     results = {}
     for name, m in (("eager", model), ("compiled", compiled_model)):
-        for _ in range(2 if name == "compiled" else 1):  # the second call: the compiled graph alone
+        for step in range(2 if name == "compiled" else 1):  # the second call: the compiled graph alone
             log.clear()
             a, b = a0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
-            loss = run(m, a, b)
+            # The second step reuses the graphs: the order token is one persistent tensor (no guard fails on it).
+            with torch._dynamo.config.patch(error_on_recompile=step == 1):
+                loss = run(m, a, b)
             forward = list(log)
             log.clear()
             loss.backward()
             results[name] = {"forward": forward, "backward": list(log), "loss": loss.item(),
                              "ga": a.grad, "gb": b.grad, "gp": [p.grad.clone() for p in model.parameters()]}
             model.zero_grad(set_to_none=True)
+    # A rollout: two compiled forwards, then one backward (the backward's token is made in the backward, not saved
+    # from the forward: a saved token would have changed version by the second forward, an autograd error).
+    a, b = a0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        loss = run(compiled_model, a, b) + run(compiled_model, a, b)
+    loss.backward()
+    results["rollout"] = {"loss": loss.item(), "ga": a.grad, "gb": b.grad,
+                          "gp": [p.grad.clone() for p in model.parameters()]}
+    results["token"] = hx.order_token(a0.device).tolist(), len(hx._ORDER)
     del manager
     return results
 
@@ -238,10 +253,36 @@ def test_aot_eager_keeps_program_order() -> None:
         assert r["compiled"]["forward"] == r["eager"]["forward"], (r["compiled"]["forward"], r["eager"]["forward"])
 
 
-@pytest.mark.xfail(strict=True, reason="torch 2.13 inductor: reorder_for_peak_memory moves halo's ordered-effect "
-                   "custom ops (the token chain is in the post-grad graph, the scheduler's memory-driven order ignores "
-                   "it): b's exchange and GroupNorm run before a's. Same order on both ranks here, but it is decided "
-                   "by each rank's memory estimate; a data dependency between the ops is the fix still to make")
 def test_inductor_keeps_program_order() -> None:
+    """Without the order token, torch 2.13's ``reorder_for_peak_memory`` ran b's exchange and GroupNorm before a's
+    (its memory-driven order ignores effect tokens; the order it picks depends on each rank's shard size)."""
     for r in _order("inductor"):
         assert r["compiled"]["forward"] == r["eager"]["forward"], (r["compiled"]["forward"], r["eager"]["forward"])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_backward_posts_in_reverse_program_order(backend: str) -> None:
+    """Backward: b's GroupNorm (3 groups), a's (2 groups), then the adjoints of b's exchange (3 channels) and a's (4):
+    the reverse of the forward, on every rank."""
+    want = [("all_reduce", "DomainGroupNorm (backward)", (2, 2, 3)),
+            ("all_reduce", "DomainGroupNorm (backward)", (2, 2, 2)), ("adjoint", (2, 3)), ("adjoint", (2, 4))]
+    for rank, r in enumerate(_order(backend)):
+        assert r["compiled"]["backward"] == want, (rank, r["compiled"]["backward"])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_two_compiled_forwards_then_one_backward(backend: str) -> None:
+    """A rollout through the compiled model (twice the same step, one backward): twice the eager gradients."""
+    for r in _order(backend):
+        eager, roll = r["eager"], r["rollout"]
+        assert roll["loss"] == pytest.approx(2 * eager["loss"], rel=1e-12)
+        for k in ("ga", "gb"):
+            assert torch.allclose(roll[k], 2 * eager[k], rtol=1e-12, atol=1e-12), k
+        for p, q in zip(roll["gp"], eager["gp"], strict=True):
+            assert torch.allclose(p, 2 * q, rtol=1e-12, atol=1e-12)
+
+
+def test_order_token_is_one_untouched_tensor_per_device() -> None:
+    """One token for the CPU, never written for real (``order_after`` only declares the write)."""
+    for r in _order("inductor"):
+        assert r["token"] == ([0], 1)

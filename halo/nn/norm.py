@@ -50,7 +50,7 @@ from torch.autograd.function import once_differentiable
 
 from ..comm import CommGroup, comm_group, group_by_id, group_id
 from ..comm import all_reduce as bounded_all_reduce
-from ..exchange import order_communication
+from ..exchange import backward_order_token, order_after, order_communication, order_token
 from ..mesh import GroupRef, get_domain_parallel_manager
 from ..plans import Site, device_tensor, resolve, shard_sizes
 from ..reduce import accumulation_dtype, all_reduce
@@ -281,15 +281,15 @@ def _gn_backward(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
 # -- the same under torch.compile: custom ops, opaque to dynamo, with the hand-written adjoint --------------------
 
 @torch.library.custom_op("halo::group_norm", mutates_args=())
-def _gn_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, groups: int, eps: float,
-           count: list[int], gid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gn_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, order: torch.Tensor, groups: int,
+           eps: float, count: list[int], gid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor, torch.Tensor, torch.Tensor]:
     y, mean, var, stats = _gn_forward(x, weight, bias, groups, eps, tuple(count), group_by_id(gid))
     return (y, mean, var, *stats)
 
 
 @_gn_op.register_fake
-def _(x, weight, bias, groups, eps, count, gid):
+def _(x, weight, bias, order, groups, eps, count, gid):
     b, c = x.shape[:2]
     f64 = dict(dtype=torch.float64, device=x.device)
     stat = x.new_empty((b, c), dtype=accumulation_dtype(x.dtype))
@@ -299,9 +299,9 @@ def _(x, weight, bias, groups, eps, count, gid):
 
 @torch.library.custom_op("halo::group_norm_backward", mutates_args=())
 def _gn_backward_op(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, m_acc: torch.Tensor,
-                    delta: torch.Tensor, rstd_c: torch.Tensor, a: torch.Tensor, groups: int, total: float, gid: int,
-                    need_w: bool, need_b: bool, bias_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                  torch.Tensor]:
+                    delta: torch.Tensor, rstd_c: torch.Tensor, a: torch.Tensor, order: torch.Tensor, groups: int,
+                    total: float, gid: int, need_w: bool, need_b: bool,
+                    bias_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gx, gw, gb = _gn_backward(gy, x, weight, (m_acc, delta, rstd_c, a), groups, total, group_by_id(gid),
                               need_w, need_b, bias_dtype)
     return (gx, gw if gw is not None else x.new_empty((0,)),
@@ -309,7 +309,7 @@ def _gn_backward_op(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | No
 
 
 @_gn_backward_op.register_fake
-def _(gy, x, weight, m_acc, delta, rstd_c, a, groups, total, gid, need_w, need_b, bias_dtype):
+def _(gy, x, weight, m_acc, delta, rstd_c, a, order, groups, total, gid, need_w, need_b, bias_dtype):
     c = x.shape[1]
     gw = x.new_empty((c,), dtype=weight.dtype) if need_w else x.new_empty((0,))
     gb = x.new_empty((c,), dtype=bias_dtype) if need_b else x.new_empty((0,), dtype=bias_dtype)
@@ -317,8 +317,9 @@ def _(gy, x, weight, m_acc, delta, rstd_c, a, groups, total, gid, need_w, need_b
 
 
 def _gn_setup(ctx, inputs, output) -> None:
-    x, weight, bias, groups, _, count, gid = inputs
+    x, weight, bias, order, groups, _, count, gid = inputs
     ctx.save_for_backward(x, weight, *output[3:])
+    ctx.order = order
     ctx.args = groups, float(sum(count)), gid, bias.dtype if bias is not None else x.dtype
     ctx.has_w, ctx.has_b = weight is not None, bias is not None
 
@@ -327,9 +328,11 @@ def _gn_op_backward(ctx, gy, _gmean, _gvar, *_gstats):
     x, weight, *stats = ctx.saved_tensors
     groups, total, gid, bias_dtype = ctx.args
     need_w, need_b = ctx.has_w and ctx.needs_input_grad[1], ctx.has_b and ctx.needs_input_grad[2]
-    gx, gw, gb = _gn_backward_op(gy, x, weight if ctx.has_w else None, *stats, groups, total, gid, need_w, need_b,
-                                 bias_dtype)
-    return gx, gw if need_w else None, gb if need_b else None, None, None, None, None
+    order = backward_order_token(ctx.order, gy)
+    gx, gw, gb = _gn_backward_op(gy, x, weight if ctx.has_w else None, *stats, order, groups, total, gid, need_w,
+                                 need_b, bias_dtype)
+    order_after(order, gx)  # the next communicating op of the backward runs after this one
+    return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, None
 
 
 _gn_op.register_autograd(_gn_op_backward, setup_context=_gn_setup)
@@ -388,7 +391,9 @@ def _group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias:
     per_cell = x[0, :x.shape[1] // groups].numel() // (x.shape[-2] * x.shape[-1])
     count = tuple(per_cell * c for c in plan.cells(x.shape[-1]))
     if torch.compiler.is_compiling():
-        y, mean, var, *_ = _gn_op(x, weight, bias, groups, eps, list(count), plan.gid)
+        order = order_token(x.device)
+        y, mean, var, *rest = _gn_op(x, weight, bias, order, groups, eps, list(count), plan.gid)
+        order_after(order, rest[0])  # the next communicating op runs after this one (on every rank)
         return y, mean, var
     return _DomainGroupNormFn.apply(x, weight, bias, groups, eps, count, group_by_id(plan.gid))
 
