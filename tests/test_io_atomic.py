@@ -9,15 +9,13 @@ rank 1 writes whole) and 721 rows on 4 ranks (181-row chunks: 4 chunk files per 
 from __future__ import annotations
 
 import os
-import tempfile
 import time
-from multiprocessing.connection import wait
 
 import numpy as np
 import pytest
 import torch
+from _helpers import run_allow_failures
 
-from halo import testing
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks
 
@@ -28,40 +26,7 @@ HALO_TIMEOUT = 3.0
 
 
 def _run_allow_failures(fn, world, *args, timeout=90.0, pg_timeout=30.0):
-    """Per rank ``("ok", result)``, ``("error", text)`` or ``("died", exit code)``; ``("timeout", None)`` for ranks
-    still running at ``timeout`` (killed). As in tests/test_reliability.py."""
-    ctx = testing._context()
-    with tempfile.TemporaryDirectory(prefix="halo_ranks_") as tmp:
-        procs, conns = [], []
-        for rank in range(world):
-            parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=testing._worker, args=(fn, rank, world, args, os.path.join(tmp, "store"),
-                                                          "gloo", pg_timeout, 1, child))
-            p.start()
-            child.close()
-            procs.append(p)
-            conns.append(parent)
-        results = {}
-        pending = dict(enumerate(conns))
-        deadline = time.monotonic() + timeout
-        try:
-            while pending and time.monotonic() < deadline:
-                for c in wait(list(pending.values()), timeout=deadline - time.monotonic()):
-                    r = next(q for q, cc in pending.items() if cc is c)
-                    del pending[r]
-                    try:
-                        results[r] = c.recv()
-                    except EOFError:
-                        procs[r].join(5)
-                        results[r] = ("died", procs[r].exitcode)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
-            for c in conns:
-                c.close()
-    return [results.get(r, ("timeout", None)) for r in range(world)]
+    return run_allow_failures(fn, world, *args, timeout=timeout, pg_timeout=pg_timeout)
 
 
 def _field(run):

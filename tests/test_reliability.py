@@ -15,15 +15,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 import time
-from multiprocessing.connection import wait
 
 import pytest
 import torch
+from _helpers import run_allow_failures
 from test_exchange import padded_reference
 
-from halo import testing
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks
 
@@ -193,42 +191,7 @@ def test_bad_input_2d_same_error_on_every_rank():
 # -- 2. dead and stalled peers: bounded, named ------------------------------------------------------------
 
 def _run_allow_failures(fn, world, *args, timeout=RUN_TIMEOUT, pg_timeout=30.0):
-    """Like ``run_on_ranks`` but a dead rank does not hide the others: per rank ``("ok", result)``,
-    ``("error", text)`` or ``("died", exit code)``; ranks still running at ``timeout`` are killed and
-    reported as ``("timeout", None)``. (A candidate for ``run_on_ranks(..., allow_failures=True)``.)
-    """
-    ctx = testing._context()
-    with tempfile.TemporaryDirectory(prefix="halo_ranks_") as tmp:
-        procs, conns = [], []
-        for rank in range(world):
-            parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=testing._worker, args=(fn, rank, world, args, os.path.join(tmp, "store"),
-                                                          "gloo", pg_timeout, 1, child))
-            p.start()
-            child.close()
-            procs.append(p)
-            conns.append(parent)
-        results = {}
-        pending = dict(enumerate(conns))
-        deadline = time.monotonic() + timeout
-        try:
-            while pending and time.monotonic() < deadline:
-                for c in wait(list(pending.values()), timeout=deadline - time.monotonic()):
-                    r = next(q for q, cc in pending.items() if cc is c)
-                    del pending[r]
-                    try:
-                        results[r] = c.recv()
-                    except EOFError:
-                        procs[r].join(5)
-                        results[r] = ("died", procs[r].exitcode)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
-            for c in conns:
-                c.close()
-    return [results.get(r, ("timeout", None)) for r in range(world)]
+    return run_allow_failures(fn, world, *args, timeout=timeout, pg_timeout=pg_timeout)
 
 
 def _faulty_sequence(rank, world, fault, steps, marker):
