@@ -134,8 +134,9 @@ def _pad(args, kwargs, x, h):
     pad = list(_arg(args, kwargs, 1, "pad", ()))
     k = x.dim() - 1 - h  # pairs run from the last dim backwards
     if len(pad) >= 2 * k + 2 and (pad[2 * k] or pad[2 * k + 1]):
-        return (f"pads H (the sharded dim) by ({pad[2 * k]}, {pad[2 * k + 1]}) rows on a shard, amounts computed "
-                f"from this rank's rows; to pad one tensor to another's size (a U-Net's skip connection) use "
+        return (f"pads H (the sharded dim) by ({pad[2 * k]}, {pad[2 * k + 1]}) rows on a shard: every rank pads its "
+                f"own edge rows, so inner shards get padding where their neighbours' rows belong (and amounts taken "
+                f"from a shard's size differ by rank); to pad one tensor to another's size (a U-Net's skip) use "
                 f"halo.nn.pad_like(x, ref) (the same centred pad, from the global sizes); for a fixed pad use a "
                 f"padding module (nn.ZeroPad2d, converted to halo.nn.HaloPad2d)")
     return None

@@ -124,6 +124,10 @@ GLOBAL = (
     nn.BatchNorm1d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm3d, nn.SyncBatchNorm,
 )
 
+#: The GLOBAL layers that only look at a window of rows (a halo form is possible; none is written yet).
+_WINDOWED = (nn.Conv1d, nn.ConvTranspose1d, nn.MaxPool1d, nn.AvgPool1d, nn.MaxPool3d, nn.AvgPool3d,
+             nn.LocalResponseNorm, nn.Unfold, nn.Fold)
+
 _ORIGINAL = "_halo_original"
 
 #: ``custom_converters={Block: INSIDE}``: convert the children of ``Block`` and keep ``Block`` itself — for a block
@@ -351,9 +355,11 @@ def convert_to_domain_parallel(
                 f"custom_converters={{{kind.__name__}: fn}} with fn(module, ctx) returning a module that computes "
                 f"the same on an H-shard (e.g. halo's {_halo_name(base)} followed by the rest of its forward)")
         if isinstance(child, GLOBAL):
+            what = ("slides a window over latitude (its edge rows need a neighbour's rows: a halo) and has no "
+                    "domain-parallel form in halo yet" if isinstance(child, _WINDOWED) else
+                    "mixes values across the whole sharded latitude dim and has no domain-parallel form in halo")
             raise ValueError(
-                f"{path} ({_name(kind)}) mixes values across the whole sharded latitude dim and has no "
-                f"domain-parallel form in halo; gather before it (halo.gather), shard after it, or give "
+                f"{path} ({_name(kind)}) {what}; gather before it (halo.gather), shard after it, or give "
                 f"custom_converters={{{kind.__name__}: fn}} returning a module that computes the same on an H-shard")
         if isinstance(child, POINTWISE) and _same_forward(kind, next(b for b in kind.__mro__ if b in POINTWISE)):
             return child
