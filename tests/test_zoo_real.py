@@ -50,7 +50,7 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "timm.regnet": ("exact",),
     # smp's decoders resize to the skip's local size (F.interpolate(size=skip.shape[-2:])) or upsample unevenly
     # split levels: exact where halo computes the global size, else refused naming the resize (never per shard)
-    "smp.Unet": ("exact", "interpolate"),
+    "smp.Unet": ("exact",),  # its decoder resizes to global level sizes (halo.nn.smp_layers)
     "smp.UnetPlusPlus": ("exact", "interpolate", "concatenates fields whose shards hold different numbers of rows"),
     "smp.FPN": ("exact", "interpolate", "combines fields whose shards hold different numbers of rows"),
     "smp.DeepLabV3Plus": ("exact",),
@@ -59,7 +59,7 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "diffusers.UNet2DModel": ("exact",),
     "diffusers.UNet2DModel+attention": ("exact", "scaled_dot_product_attention", "baddbmm", "bmm"),
     "credit.crossformer": ("exact",),
-    "credit.unet": ("exact", "interpolate"),  # CREDIT's smp U-Net: smp's resize to the skip's size
+    "credit.unet": ("exact",),  # CREDIT's smp U-Net: its decoder resizes to global level sizes (halo.nn.smp_layers)
     **{name: ("exact",) for name in tp.LAYERS},  # halo/nn/timm_layers.py
     "timm.ClassifierHead(drop_rate=0.2)": ("WholeDropout: a dropout (p=0.2) on the whole result of a global pool",),
 }
@@ -339,3 +339,21 @@ def test_flatten_after_a_global_pool_refuses_a_field():
     with pytest.raises(ValueError, match=r"a dropout \(p=0.3\) on the whole result of a global pool"):
         drop(torch.zeros(2, 3))
     assert drop.eval()(torch.ones(2, 3)).sum() == 6
+
+
+def test_smp_decoder_block_outside_a_converted_decoder_refuses_a_shard_size():
+    """A converted ``UnetDecoderBlock`` given a plain (shard) height and no skip cannot know the field's height: it
+    refuses rather than resize to the shard's size (which would be silently wrong on an uneven split)."""
+    tp.load()
+    from segmentation_models_pytorch.decoders.unet.decoder import UnetDecoderBlock
+
+    from halo.nn.smp_layers import GlobalExtent, smp_adapter
+
+    block = UnetDecoderBlock(4, 0, 4)
+    convert = smp_adapter(block)
+    assert convert is not None
+    halo_block = convert(block, type("Ctx", (), {"group": None, "mesh": None})())
+    assert list(halo_block.state_dict()) == list(block.state_dict())
+    with pytest.raises(ValueError, match="outside a converted UnetDecoder"):
+        halo_block(torch.randn(1, 4, 5, 6), 10, 12)
+    assert isinstance(GlobalExtent(10), int)

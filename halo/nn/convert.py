@@ -239,10 +239,11 @@ def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Modu
             return lambda m, ctx: m
         if kind.__name__ == "DynamicPositionBias" and hasattr(module, "layers"):  # an MLP of relative positions
             return lambda m, ctx: m
+    from .smp_layers import smp_adapter  # smp's U-Net decoder: resizes to global level sizes
     from .timm_layers import timm_adapter  # timm's channel norms, activations, layer scale, Conv2dSame, heads, ...
     from .window import swin_adapter  # timm's SwinTransformerBlock, PatchMerging (v1), PatchEmbed
 
-    return swin_adapter(module) or timm_adapter(module)
+    return swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
 
 
 def convert_to_domain_parallel(

@@ -1,0 +1,117 @@
+"""segmentation_models_pytorch's U-Net decoder on H-shards (recognised by name and attributes; smp is not imported).
+
+smp's ``UnetDecoder.forward`` reads the *local* spatial shapes of the encoder's features and hands them to each
+``UnetDecoderBlock``, whose ``forward`` resizes with ``F.interpolate(size=(height, width))`` before concatenating
+the skip. On an unevenly split level that size is a shard's, not the field's: the guard refuses it. The sizes it
+means are global ones, which halo knows, so the two classes are computed exactly instead:
+
+- ``UnetDecoder`` → :class:`HaloUnetDecoder`: the same children and state; its forward passes every level's
+  *global* (height, width) (each feature's rows summed over the domain group, agreed once per shape).
+- ``UnetDecoderBlock`` → :class:`HaloUnetDecoderBlock`: the same children and state; it resizes with
+  :func:`halo.nn.halo_interpolate` to the skip's global size (or the global size its decoder passed), so its output
+  is the balanced split of that size and lines up row for row with the skip. A block called with a shard's size and
+  no skip (outside a converted decoder) is refused: the global size is unknown there.
+
+The blocks' children (``Conv2dReLU``, scSE attention) are converted as usual. NCAR CREDIT's U-Net
+(``credit.models.unet``) is smp's ``Unet``. Latitude rows only: on a latitude x longitude mesh both are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..plans import shard_sizes
+from .upsample import halo_interpolate
+
+__all__ = ["HaloUnetDecoder", "HaloUnetDecoderBlock", "smp_adapter"]
+
+_SMP_UNET = "segmentation_models_pytorch.decoders.unet.decoder"
+
+
+class GlobalExtent(int):
+    """An int that is a *global* extent (a converted decoder's level height): blocks trust it as the target."""
+
+
+def _global_hw(t: torch.Tensor, group: Any, op: str) -> tuple[GlobalExtent, GlobalExtent]:
+    return GlobalExtent(sum(shard_sizes(t, -2, group, op=op))), GlobalExtent(int(t.shape[-1]))
+
+
+def _twin_as(cls: type, m: nn.Module, group: Any) -> nn.Module:
+    """An instance of ``cls`` holding ``m``'s state and children (same Parameters and buffers; own containers), so
+    ``state_dict`` keys are unchanged and ``revert_domain_parallel`` puts ``m`` back."""
+    t = object.__new__(cls)
+    for key, value in m.__dict__.items():
+        t.__dict__[key] = dict(value) if isinstance(value, dict) else value
+    t.__dict__["_halo_group"] = group
+    return t
+
+
+class HaloUnetDecoder(nn.Module):
+    """smp's ``UnetDecoder`` on H-shards: its forward with global level sizes (module docstring)."""
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        op = "smp UnetDecoder"
+        spatial_shapes = [_global_hw(f, self._halo_group, op) for f in features][::-1]
+        features = features[1:][::-1]  # drop the first skip (the input's resolution); from the head of the encoder
+        head, skip_connections = features[0], features[1:]
+        x = self.center(head)
+        for i, decoder_block in enumerate(self.blocks):
+            height, width = spatial_shapes[i + 1]
+            skip_connection = skip_connections[i] if i < len(skip_connections) else None
+            x = decoder_block(x, height, width, skip_connection=skip_connection)
+        return x
+
+
+class HaloUnetDecoderBlock(nn.Module):
+    """smp's ``UnetDecoderBlock`` on H-shards: resize to the global size, then its own layers (module docstring)."""
+
+    def forward(self, feature_map: torch.Tensor, target_height: int, target_width: int,
+                skip_connection: torch.Tensor | None = None) -> torch.Tensor:
+        op = "smp UnetDecoderBlock"
+        if skip_connection is not None:
+            size = _global_hw(skip_connection, self._halo_group, op)
+        elif isinstance(target_height, GlobalExtent):
+            size = (target_height, target_width)
+        else:
+            raise ValueError(
+                f"{op}: called with a target height of {target_height} rows and no skip connection outside a "
+                f"converted UnetDecoder: on a shard that height is this rank's, and halo cannot tell the field's; "
+                f"convert the whole decoder (halo.nn.convert_to_domain_parallel of the model), or pass a skip")
+        feature_map = halo_interpolate(feature_map, size=tuple(size), mode=self.interpolation_mode,
+                                       group=self._halo_group)
+        if skip_connection is not None:
+            feature_map = torch.cat([feature_map, skip_connection], dim=1)
+            feature_map = self.attention1(feature_map)
+        feature_map = self.conv1(feature_map)
+        feature_map = self.conv2(feature_map)
+        return self.attention2(feature_map)
+
+
+def _is(module: nn.Module, name: str, children: set[str], attrs: tuple[str, ...] = ()) -> bool:
+    kind = type(module)
+    return (kind.__name__ == name and kind.__module__ == _SMP_UNET and children <= set(module._modules)
+            and all(hasattr(module, a) for a in attrs))
+
+
+def _refuse_mesh(ctx: Any, what: str) -> None:
+    if getattr(ctx, "mesh", None) is not None:
+        raise ValueError(f"{what} (segmentation_models_pytorch) has no latitude x longitude form in halo yet; "
+                         f"convert it with a latitude-only group (manager or group=)")
+
+
+def smp_adapter(module: nn.Module) -> Any:
+    """The converter of an smp layer halo knows (module docstring), or ``None``."""
+    if _is(module, "UnetDecoder", {"center", "blocks"}):
+        def convert(m: nn.Module, ctx: Any) -> nn.Module:
+            _refuse_mesh(ctx, "UnetDecoder")
+            return _twin_as(HaloUnetDecoder, m, ctx.group)
+        return convert
+    if _is(module, "UnetDecoderBlock", {"conv1", "attention1", "conv2", "attention2"}, ("interpolation_mode",)):
+        def convert_block(m: nn.Module, ctx: Any) -> nn.Module:
+            _refuse_mesh(ctx, "UnetDecoderBlock")
+            return _twin_as(HaloUnetDecoderBlock, m, ctx.group)
+        return convert_block
+    return None
