@@ -201,6 +201,8 @@ def periodic_check(model: nn.Module, cg: CommGroup, forwards: int, op: str) -> N
     every = _EVERY[0]
     if every is None or cg.size == 1 or forwards % every:
         return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return  # a forward captured in a CUDA graph: its host read is not allowed there (the next eager one checks)
     tensors = [t for _, t in replicated_state(model)]
     if not tensors:
         return
