@@ -5,8 +5,8 @@
 The model is the modes matrix's (tests/test_modes.py: convs 3x3 / stride 2 / dilation 2 / transposed, pools,
 upsampling, GroupNorm, BatchNorm, padding, pixel shuffle, a global pool). Each step is forward + backward; the
 sharded time is the max over ranks of each step (ranks meet at a barrier first), the unsharded time is the same
-model on the whole field on rank 0, in the same run, interleaved. Printed: medians (ms) and sharded/unsharded
-(ideal 1/ranks; on a 2-core machine with 2 ranks the unsharded run has both cores, so ~1 is what to expect).
+model on the whole field on rank 0 (one thread, as each rank), in the same run, interleaved. Printed: medians (ms)
+and sharded/unsharded (ideal 1/ranks).
 """
 
 from __future__ import annotations
