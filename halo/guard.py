@@ -10,8 +10,9 @@ are not checked) and refuses, on every rank, the ops that would act on the shard
 op (function or tensor method)                         refused when
 =====================================================  ===========================================================
 ``F.pad``                                              it pads H (any mode): the amounts are local
-``F.interpolate`` / ``upsample*``                      it resizes H, unless each row is repeated a whole number
-                                                       of times (nearest): exact on a shard, split like its input
+``F.interpolate`` / ``upsample*``                      it resizes H in a form halo cannot compute (below): a size
+                                                       from a shard that is no field's rows, antialias, a mode
+                                                       ``halo_interpolate`` lacks, not ``(B, C, H, W)``
 ``F.conv2d``, ``conv_transpose2d``, pools, ``unfold``  its window, stride or padding along H is not 1 / 1 / 0
 ``adaptive_*_pool2d``, ``pixel_(un)shuffle``,          they change or mix H
 ``grid_sample``
@@ -19,13 +20,15 @@ op (function or tensor method)                         refused when
 ``cat``, ``split``, ``chunk``, ``narrow``, indexing,   along H (a slice of H that is not the whole of it); a
                                                        ``cat`` of fields split differently (rows differ)
 ``index_select``, ``select``, ``unbind``, ...
-reductions (``sum``, ``mean``, ``max``, ``std``,       over H, or over everything
-``softmax``, ``cumsum``, ``sort``, ...)
+reductions (``sum``, ``max``, ``std``, ``softmax``,    over H, or over everything (``mean``: computed, below)
+``cumsum``, ``sort``, ...)
 ``view`` / ``reshape`` / ``flatten``                   H is merged with an earlier dim (with later ones, as
                                                        ``flatten(2)`` makes tokens, it is tracked)
 ``matmul`` / ``@`` / ``bmm``                           H is contracted or becomes a second token dim (attention)
-``F.layer_norm`` / ``rms_norm``                        ``normalized_shape`` covers H
-``F.group_norm``, ``instance_norm``, ``batch_norm``    their statistics include H (batch norm in eval: per channel)
+``F.layer_norm`` / ``rms_norm``                        ``normalized_shape`` covers H, with a weight or bias
+                                                       (``rms_norm``: always)
+``F.group_norm``, ``instance_norm``, ``batch_norm``    their statistics include H and their input does not hold H
+                                                       at dim -2 (batch norm in eval: per channel, passes)
 ``F.normalize``, ``glu``, ``cosine_similarity``,       along H
 ``diff``, ``cummax``, ``logcumsumexp``, ...
 ``einsum``                                             H is contracted, or two fields' H become two dims
@@ -35,9 +38,36 @@ reductions (``sum``, ``mean``, ``max``, ``std``,       over H, or over everythin
 ``F.dropout`` and friends, ``rand_like``, ...          they draw (training, p > 0): each shard would draw its own
 ``repeat``, ``tile``, ``repeat_interleave``            they repeat H
 a pointwise op on two fields or more                   their shards hold different numbers of rows (split
-                                                       differently; a 1-row tensor broadcasts and is not compared)
+                                                       differently), or one has 1 row on some ranks and more on
+                                                       others (its 1-row shard broadcasts over a field's rows; a
+                                                       tensor of 1 row on every rank broadcasts, as a bias)
 *anything else*                                        always (default deny: an op halo has not classified)
 =====================================================  ===========================================================
+
+An op that torch itself refuses on one rank's shard (the others' pass) is agreed on like a refusal: every rank
+raises at that op, none is left waiting in the next layer's exchange.
+
+**Computed exactly instead** (:mod:`halo.reroute`), where the rule above finds the op acts on H of a
+``(B, C, ..., H, W)`` field, outside forward hooks and on latitude rows (on a latitude x longitude mesh they stay
+refused):
+
+=====================================================  ===========================================================
+op                                                     computed as
+=====================================================  ===========================================================
+``F.group_norm``, ``F.instance_norm`` (input stats),   statistics over the whole domain; running stats updated as
+``F.batch_norm`` (training or no running stats),       torch updates them; ``layer_norm``: no weight or bias
+``F.layer_norm`` over (..., H, W)
+``mean`` / ``Tensor.mean`` over dims with H            the global mean, whole on every rank (a halo layer given it
+                                                       is refused: it would take it for a shard)
+``F.interpolate(size=S)``, ``S[0]`` a field's rows     ``halo_interpolate`` to that field's global rows (a whole
+                                                       map: resized to them, this rank's rows kept)
+``F.interpolate(scale_factor=s)``                      ``halo_interpolate``; a nearest whole-number scale passes as
+                                                       it is where the shards' result is split like the global one
+=====================================================  ===========================================================
+
+The guard records each such call's site (module, line, ordinal) under the model's epoch; later calls of that epoch
+compute exactly the recorded sites (a small ``TorchFunctionMode`` over those modules' forward only), so they stay
+exact after the first call, at no agreement.
 
 **Default deny.** An op given a field passes only when halo knows what it does to H: it acts on each point (the
 explicit, grouped allowlist ``_PASS``: elementwise math, activations, comparisons, casts, metadata such as
@@ -56,8 +86,9 @@ and ``view``/``flatten`` (channels-last blocks, tokens). Tensors that are whole 
 pool) are not fields. A refusal raises ``ValueError`` on every rank at the same op, naming the op, the module
 whose forward called it, the line of user code and the way out (a halo layer or module that does it exactly). Every
 checked op is agreed on by the ranks (one small host all-gather), only during those first calls: afterwards the
-model runs without the guard, at no cost (an allowlisted op on one field passes by its name alone, with no
-agreement; on two fields or more it is agreed on: are they split alike).
+model runs without the guard, at no cost but for the modules with sites computed exactly (above). An allowlisted op
+on one field passes by its name alone, with no agreement; on two fields or more it is agreed on (are they split
+alike).
 What it cannot see :func:`halo.check_equivalence` catches by comparing with the unsharded model: a custom autograd
 Function's insides, numpy, ops run under ``torch._C.DisableTorchFunction``, and above all *values derived from a
 shard's shape*: ``torch.linspace(-1, 1, x.shape[-2])`` or ``torch.arange(h)`` builds coordinates from this rank's
@@ -79,22 +110,23 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import reroute
 from .comm import CommGroup, all_gather_object, gather_words
-from .plans import _TensorMap, whole_source
+from .plans import TensorMap, use_guard, whole_source
+from .reroute import user_frame as _user_frame
 
 __all__ = ["SpatialGuard", "place", "trusted"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_HALO_DIRS = (os.path.dirname(os.path.abspath(__file__)),
-              os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
 _AGREE = 0x47554152  # "GUAR"
 
 
-def _field(t: Any, dims: _TensorMap) -> tuple[int, int] | None:
+def _field(t: Any, dims: TensorMap) -> tuple[int, int] | None:
     """``(dim, rows)``: where ``t`` holds the sharded rows and how many (``dim`` may hold more: rows x the dims
     merged after them, as tokens), or ``None``: not a field, or whole on every rank."""
     if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
@@ -107,7 +139,7 @@ def _field(t: Any, dims: _TensorMap) -> tuple[int, int] | None:
     return t.dim() - 2, int(t.shape[-2])
 
 
-def _hdim(t: Any, dims: _TensorMap) -> int | None:
+def _hdim(t: Any, dims: TensorMap) -> int | None:
     """The sharded dim of ``t`` (``None``: not a field, or whole on every rank)."""
     f = _field(t, dims)
     return None if f is None else f[0]
@@ -338,6 +370,36 @@ def _split_differently(rows: list[int]) -> str | None:
     return None
 
 
+def _raised(exc: Exception) -> str:
+    """An op torch itself refused on this rank's shard (the others may not have: their shards differ), in words."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return (f"torch raises on this rank's shard ({type(exc).__name__}: {first}); the other ranks' shards may pass, so "
+            f"halo agrees on it first and every rank raises here (the unsharded model may raise here too)")
+
+
+def _row_masks(rows: list[int] | None) -> tuple[int, int]:
+    """A pointwise op's operands on this rank as two bit masks (bit ``k``: operand ``k``): ``ones``, those with 1
+    row; ``alike``, those with the rows of the result (every bit set for an op that is not pointwise on fields)."""
+    if rows is None:
+        return 0, -1
+    out = max(rows[:62], default=1)
+    ones = sum(1 << k for k, r in enumerate(rows[:62]) if r == 1)
+    return ones, ~sum(1 << k for k, r in enumerate(rows[:62]) if r != out)
+
+
+def _broadcasts(per_rank: list[list[int] | None]) -> str:
+    """Why a pointwise op whose operand ``k`` has 1 row on some ranks only is refused (every rank alike): a tensor of
+    1 row everywhere broadcasts (a bias, a ``(B, C, 1, 1)`` scale); one with the result's rows everywhere is split
+    like it; one with 1 row on some ranks and more on others is a field whose shard of 1 row broadcasts over the
+    other field's rows there (an unevenly split level of another extent): the unsharded model pairs no such rows."""
+    shown = "; ".join(f"domain rank {r}: {rows}" for r, rows in enumerate(per_rank))
+    return (f"combines fields split differently: an operand has 1 row on some ranks and more on others, so on those "
+            f"ranks its 1-row shard broadcasts over the other field's rows (rows of the operands along H: {shown}); "
+            f"they are fields of different extents along H (the unsharded op would not pair their rows); resize with "
+            f"nn.Upsample in the model (its output is split like the others), or make H divisible by the ranks at "
+            f"every level")
+
+
 def _dim_rule(position: int, name: str, default: Any, what: str):
     """An op along one dim (``default`` when not given; ``None``: all dims): refused when that dim is H."""
     def rule(args, kwargs, x, h):
@@ -481,6 +543,8 @@ _register([F.conv2d, torch.conv2d, F.conv3d, torch.conv3d], _conv)
 _register([F.conv_transpose2d, torch.conv_transpose2d], _conv_t)
 _register([F.max_pool2d, F.avg_pool2d, torch.max_pool2d, getattr(torch, "avg_pool2d", None), F.lp_pool2d,
            getattr(F, "max_pool2d_with_indices", None)], _pool)
+# 3-d pools of (B, C, D, H, W) fields: the window along H (the middle of a (D, H, W) triple) decides, as in 2-d
+_register([F.max_pool3d, F.avg_pool3d, torch.max_pool3d, getattr(F, "max_pool3d_with_indices", None)], _pool)
 _register([F.adaptive_avg_pool2d, F.adaptive_max_pool2d, torch.adaptive_avg_pool1d], _adaptive)
 _register([F.pixel_shuffle, torch.pixel_shuffle, F.pixel_unshuffle, torch.pixel_unshuffle],
           _always("rearranges rows across H (pixel shuffle) on a shard; use nn.PixelShuffle / nn.PixelUnshuffle in "
@@ -592,6 +656,9 @@ _GETTERS = {getattr(T, name).__get__ for name in (
 _PASS = _ELEMENTWISE | _COMPARISONS | _ACTIVATIONS | _DUNDERS | _METADATA | _GETTERS
 _PASS -= set(_RULES)  # a rule reads the arguments of the ops that have one
 _MT = T.mT.__get__  # x.mT: transpose of the last two dims, followed
+_SIZE_READS = {T.shape.__get__, T.size}  # a field's size read by user code: what a size from a shard may name
+_INTERPOLATES = {F.interpolate, F.upsample}
+_MEANS = {torch.mean, T.mean}
 
 _LAYOUT = {torch.permute, T.permute, torch.transpose, T.transpose, torch.movedim, T.movedim, torch.swapaxes,
            T.swapaxes, torch.swapdims, T.swapdims, torch.unsqueeze, T.unsqueeze, torch.squeeze, T.squeeze, _MT}
@@ -601,31 +668,7 @@ _MATMUL = {torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__, torch.bmm, T.bmm
 _STACK = {torch.stack}
 
 
-#: torch's files of user-facing functions and their dispatch: a call through them is the caller's. A call from any
-#: other torch file is torch's own work (a module's internals, spectral norm's or a parametrization's weight
-#: arithmetic): not a field op of the user's. The converter keeps only torch modules that are pointwise in latitude.
-_TORCH_API = tuple(os.path.join(_TORCH_DIR, *p) for p in (("overrides.py",), ("functional.py",), ("_tensor.py",),
-                                                          ("nn", "functional.py"), ("_jit_internal.py",),
-                                                          ("_compile.py",), ("_dynamo",)))
-
-
-def _user_frame():
-    """The innermost frame of user code that led to this call (``None``: torch's or halo's own code called it)."""
-    f = sys._getframe(2)
-    while f is not None:
-        name = f.f_code.co_filename
-        if name.startswith(_TORCH_DIR):
-            if not name.startswith(_TORCH_API):
-                return None  # torch's own code (module internals, weight hooks) made this call
-            f = f.f_back
-            continue
-        if name.startswith(_HALO_DIRS):
-            return None
-        return f
-    return None
-
-
-_TRUSTED = [0]
+_TRUSTED = reroute.TRUSTED  # > 0 inside ``trusted()`` (shared with the reroute: it neither counts nor computes there)
 
 
 def place(t: Any, dim: int, rows: int | None = None) -> None:
@@ -634,9 +677,9 @@ def place(t: Any, dim: int, rows: int | None = None) -> None:
     not ``(..., H, W)`` with H at -2: channels-last blocks (Swin, NATTEN), tokens, W-shards (``rows_to_columns``).
     Without it the guard would take dim -2 for H and pass a reduction over the real H (silently wrong). A no-op when
     no guard is watching."""
-    from .plans import _STATE
+    from .plans import state
 
-    guard = _STATE.guard
+    guard = state().guard
     if guard is None or not isinstance(t, torch.Tensor) or torch.compiler.is_compiling():
         return
     d = dim % t.dim()
@@ -677,10 +720,28 @@ class SpatialGuard(TorchFunctionMode):
         self.names = names
         self.cg = cg
         self.epoch = epoch
-        self.dims = _TensorMap()  # tensor -> (its H dim, rows) where that is not (dim -2, all of it); (-1, 0): none
-        self.tainted = _TensorMap()  # tensor -> the refusal of the op in a forward hook that computed it
+        self.dims = TensorMap()  # tensor -> (its H dim, rows) where that is not (dim -2, all of it); (-1, 0): none
+        self.tainted = TensorMap()  # tensor -> the refusal of the op in a forward hook that computed it
         self.checked = 0
         self.off = cg.size == 1  # nothing is sharded: every op computes what the unsharded model does
+        self.recorder = reroute.Recorder(cg)  # the calls computed exactly (halo.reroute), by site
+        self.sized = reroute.SizeTable()
+        self._hook: Any = None
+
+    def __enter__(self) -> SpatialGuard:
+        if not self.off:  # a halo layer must not take a whole mean computed here for a shard
+            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                lambda module, args: reroute.refuse_whole_mean(module, args, self.names))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            self.recorder.close()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -692,6 +753,13 @@ class SpatialGuard(TorchFunctionMode):
                 return hooked[0]
         if func in _STACK:
             return self._stack(func, args, kwargs)
+        site = None
+        if func in reroute.EXACT and not _TRUSTED[0]:  # counted wherever called (the sites' ordinals)
+            at = _user_frame()
+            if at is not None and not _in_hook(at):
+                site = self.recorder.count(at)
+        elif func in _SIZE_READS and args:
+            self._note_size(args[0])
         rule = None if _TRUSTED[0] else _RULES.get(func)
         layout = func in _LAYOUT or func in _MERGES
         matmul = func in _MATMUL and not _TRUSTED[0]
@@ -706,7 +774,7 @@ class SpatialGuard(TorchFunctionMode):
                     frame = _user_frame()
                     if frame is not None:
                         problem = _split_differently(rows)
-                        note = self._verdict(func, problem, frame)
+                        note = self._verdict(func, problem, frame, rows=rows)
                         if note is not None:
                             if not _in_hook(frame):
                                 raise ValueError(_message(note))
@@ -753,12 +821,22 @@ class SpatialGuard(TorchFunctionMode):
             problem = _SPECIAL[func](self, args, kwargs)
         else:
             problem = rule(args, kwargs, x, h) if rule is not None else self._matmul(args) if matmul else None
+        if site is not None and site[0] is not None and not self.w_sharded and isinstance(x, torch.Tensor):
+            exact = self._exact(func, args, kwargs, x, h, problem, frame, site)
+            if isinstance(exact, str):
+                problem = exact
+            elif exact is not None:
+                return exact[0]
         if problem is None and rule is not None and self.w_sharded and isinstance(x, torch.Tensor) and x.dim() >= 3 \
                 and self.dims.get(x) is None:
             problem = _on_w(rule, args, kwargs, x)
-        out, ran = None, problem is None
+        out, ran, failed = None, problem is None, None
         if ran:
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - torch refuses this rank's shard: agreed on first (invariant 4)
+                failed, ran, problem = exc, False, _raised(exc)
+        if ran:
             if layout:
                 problem = self._follow(func, args, kwargs, x, h, out)
             elif func in _SPECIAL_FOLLOW:
@@ -771,12 +849,64 @@ class SpatialGuard(TorchFunctionMode):
                 self._carry(tracked, out)
         note = self._verdict(func, problem, frame, checked=not unclassified)
         if note is not None:  # some rank refuses it (all ranks alike from here)
-            if not _in_hook(frame):
-                raise ValueError(_message(note))
+            if not _in_hook(frame) or failed is not None:
+                raise ValueError(_message(note)) from failed
             if not ran:  # monitoring code in a hook: refused only once its result flows into the model
                 out = func(*args, **kwargs)
             self._taint(func, args, out, _message(note))
         return out
+
+    # -- computed exactly (halo.reroute) ----------------------------------------------------------------------------
+
+    def _note_size(self, t: Any) -> None:
+        """User code read the size of ``t``: if it is a field (H at dim -2), a size taken from a shard may name it."""
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.dim() >= 3 \
+                and self.dims.get(t) is None and whole_source(t) is None and _user_frame(3) is not None:
+            self.sized.note(t)
+
+    def _exact(self, func, args, kwargs, x, h, problem, frame, site) -> tuple[Any] | str | None:
+        """An op halo can compute exactly where the rule finds it acts on H: ``(out,)`` computed (and recorded at its
+        site for later calls), a refusal (why not here), or ``None``: go on as the rule says."""
+        module, key, ordinal = site
+        whole = False
+        if func in _MEANS:
+            dims = reroute.mean_dims(args, kwargs, x) if problem is not None else None
+            if dims is None:
+                return None
+            why = None if h in dims[0] else "it does not reduce over H"
+        elif func in _INTERPOLATES:
+            whole = whole_source(x) is not None
+            sized = _arg(args, kwargs, 1, "size") is not None  # (a size from a shard: gathered on every rank)
+            if h != x.dim() - 2 or problem is None and not sized and (
+                    whole or reroute.interpolate_change(args, kwargs, x) is None):
+                return None
+            why = reroute.plan_interpolate(args, kwargs, x, whole)
+        else:
+            if problem is None:
+                return None
+            why = reroute.plan_norm(func, args, kwargs, x, h)
+        if why is not None:
+            return f"{problem}; halo computes it exactly only in a form it can (here: {why})" if problem else None
+        note = self._verdict(func, None, frame)
+        if note is not None:
+            raise ValueError(_message(note))
+        gid = self.recorder.gid
+        try:  # (collectives: every rank gets here, and an agreement that fails raises the same on every rank)
+            if func in _MEANS:
+                action = reroute.finish_mean(x, h, *dims, self.cg, gid)
+            elif func in _INTERPOLATES:
+                action = reroute.finish_interpolate(args, kwargs, x, whole, self.sized, self.cg, gid, _op_name(func))
+            else:
+                action = reroute.finish_norm(func, x, self.cg, gid)
+        except ValueError as exc:
+            action = f"halo would compute it over the whole domain, but {exc}"
+        if isinstance(action, str):
+            raise ValueError(_message((0, action, self._where(frame), _op_name(func))))
+        if action is None:  # exact on the shard as it is
+            return (func(*args, **kwargs),)
+        out = action(args, kwargs)
+        self.recorder.record(module, key, ordinal, action)
+        return (out,)
 
     def _rows_of_fields(self, args, kwargs) -> list[int] | None:
         """An op on two fields or more: the sizes of its tensor arguments along the first field's H (aligned from
@@ -833,6 +963,7 @@ class SpatialGuard(TorchFunctionMode):
             message = self.tainted.get(t) if isinstance(t, torch.Tensor) else None
             if message is not None:
                 raise ValueError(_flows(message))
+        reroute.install(self.recorder, self.epoch, self.names)  # later calls of this epoch compute them alike
 
     def _stack(self, func, args, kwargs):
         """``torch.stack``: the new dim shifts H when it comes before it; follow H to its place."""
@@ -1026,7 +1157,7 @@ class SpatialGuard(TorchFunctionMode):
         if problem is None and self.w_sharded:  # on a latitude x longitude mesh: W (a field's last dim) too
             ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
             saved = self.dims
-            self.dims = _TensorMap()
+            self.dims = TensorMap()
             watched = False
             for t in ops:
                 if isinstance(t, torch.Tensor) and t.dim() >= 3 and saved.get(t) is None and _field(t, saved):
@@ -1072,28 +1203,35 @@ class SpatialGuard(TorchFunctionMode):
         if note is not None:
             raise ValueError(_message(note))
 
-    def _verdict(self, func, problem: str | None, frame, checked: bool = True) -> tuple[int, str, str, str] | None:
+    def _verdict(self, func, problem: str | None, frame, checked: bool = True,
+                 rows: list[int] | None = None) -> tuple[int, str, str, str] | None:
         """The ranks' agreed verdict on an op: ``None`` (every rank goes on), or ``(rank, problem, where, name)`` of
         the first rank that refuses it. An op refused by its name alone (``checked=False``) is refused on every
-        rank that reaches it (SPMD), with a collective only to check that they all got there."""
+        rank that reaches it (SPMD), with a collective only to check that they all got there. ``rows``: a pointwise
+        op's operand rows on this rank (:meth:`_rows_of_fields`), also judged across ranks (:func:`_broadcasts`)."""
         self.checked += checked
         if self.cg.size == 1 and problem is None:
             return None
         name = _op_name(func)
         tag = zlib.crc32(name.encode()) & 0x7FFFFFFF
         if self.cg.size > 1:
-            table = gather_words([_AGREE, tag, 1 if problem else 0], self.cg, f"halo guard ({name})")
-            if not table[:, 2].any() and (table[:, 1] == tag).all():
+            ones, alike = _row_masks(rows)
+            table = gather_words([_AGREE, tag, 1 if problem else 0, ones, alike], self.cg, f"halo guard ({name})")
+            split = bool(np.bitwise_and.reduce(table[:, 3]) | np.bitwise_and.reduce(table[:, 4]) != -1)
+            if not table[:, 2].any() and (table[:, 1] == tag).all() and not split:
                 return None
-            notes = all_gather_object((problem, self._where(frame), name), self.cg)
+            notes = all_gather_object((problem, self._where(frame), name, rows), self.cg)
+            if split and not any(n[0] for n in notes) and len({n[2] for n in notes}) == 1:
+                text = _broadcasts([n[3] for n in notes])
+                notes = [(text, *n[1:]) for n in notes]
         else:
-            notes = [(problem, self._where(frame), name)]
+            notes = [(problem, self._where(frame), name, rows)]
         if len({n[2] for n in notes}) > 1:
             raise ValueError(
                 "halo guard: the ranks of the domain group called different torch functions at the same point of "
                 "the model's forward (" + "; ".join(f"rank {r}: {n[2]} at {n[1]}" for r, n in enumerate(notes))
                 + "): code that branches on the size of its shard computes something else on each rank")
-        r, (text, where, name) = next((r, n) for r, n in enumerate(notes) if n[0])
+        r, (text, where, name, _) = next((r, n) for r, n in enumerate(notes) if n[0])
         return r, text, where, name
 
     def _where(self, frame) -> str:
@@ -1163,3 +1301,6 @@ def _in_hook(frame: Any) -> bool:
                 return True
         f = back
     return False
+
+
+use_guard(SpatialGuard)  # the planner enters it at a converted model's first call of each epoch

@@ -95,10 +95,24 @@ class _State:
 
 
 _STATE = _State()
+
+
+#: the guard's class, registered by :mod:`halo.guard` at import (:func:`use_guard`): the planner never imports it
+_GUARD_FACTORY: list[Any] = [None]
+
+
+def use_guard(factory: Any) -> None:
+    """Called by :mod:`halo.guard` at import: the class whose instance watches a converted model's first call."""
+    _GUARD_FACTORY[0] = factory
+
+
+def state() -> _State:
+    """The planner's state (the running model's epoch, the active guard): read by the guard and the reroute."""
+    return _STATE
 _EPOCHS: dict[Hashable, int] = {}  # what ranks agreed on -> a small int (same sequence on every rank)
 
 
-class _TensorMap:
+class TensorMap:
     """Tensor -> value by identity, holding the tensors weakly (a ``WeakKeyDictionary`` would compare colliding
     tensors with ``==``, which is elementwise)."""
 
@@ -120,8 +134,8 @@ class _TensorMap:
         return entry[1] if entry is not None and entry[0]() is t else None
 
 
-_PROVENANCE = _TensorMap()  # tensor halo made -> its epoch
-_WHOLE = _TensorMap()  # tensor that is whole and the same on every rank of a domain group (a global pool's output)
+_PROVENANCE = TensorMap()  # tensor halo made -> its epoch
+_WHOLE = TensorMap()  # tensor that is whole and the same on every rank of a domain group (a global pool's output)
 _RECORDS: collections.OrderedDict = collections.OrderedDict()
 _MAX_RECORDS = 4096
 _site_ids = itertools.count(1)
@@ -494,10 +508,11 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     if (epoch not in guarded or _STATE.validation == "always") and _GUARD[0] and not _called_by_dynamo():
         # The first call of this epoch: watch the ops its forward calls itself (``halo.guard``). Not for a compiled
         # model (the graph would be traced under the guard and recompiled without it): check it eagerly first.
-        from .guard import SpatialGuard
-
+        factory = _GUARD_FACTORY[0]
+        if factory is None:  # never silently unguarded
+            raise RuntimeError("halo: the guard (halo.guard) is not imported; `import halo` imports it")
         names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
-        _STATE.guard = SpatialGuard(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
+        _STATE.guard = factory(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
         _STATE.guard.__enter__()
 
 

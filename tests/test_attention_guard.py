@@ -1,6 +1,8 @@
 """The guard knows where halo's attention layers leave the sharded rows: a channels-last Swin or NATTEN output has
-them at dim 1, ``rows_to_columns`` output is sharded along W. A reduction over the real H after them is refused on
-every rank (taking dim -2 for H would pass it: silently wrong), one over the unsharded dim runs and is exact."""
+them at dim 1, ``rows_to_columns`` output is sharded along W. A mean over the real sharded dim after them is
+computed over the whole domain (``halo.reroute``: its result whole on every rank; taking dim -2 for H would have
+passed it per shard: silently wrong), one over the unsharded dim runs on the shard; both are exact. A sum over the
+sharded dim is refused on every rank."""
 
 import os
 
@@ -20,7 +22,8 @@ class SwinHead(nn.Module):
         self.dim = dim
 
     def forward(self, x):
-        return self.body(x).mean(self.dim)  # (B, H, W, C) channels-last
+        y = self.body(x)  # (B, H, W, C) channels-last
+        return y.sum(-self.dim) if self.dim < 0 else y.mean(self.dim)
 
 
 class NattenHead(nn.Module):
@@ -48,8 +51,11 @@ class AxialHead(nn.Module):
         return rows_to_columns(self.inp(x)).mean(self.dim)  # sharded along W now: a mean over H is local
 
 
-CASES = [(SwinHead, 1, False), (SwinHead, 2, True), (NattenHead, 1, False), (NattenHead, 2, True),
-         (AxialHead, -1, False), (AxialHead, -2, True)]
+#: (head, dim, allowed): a mean over the sharded dim (Swin, NATTEN: 1; axial: -1) is computed exactly, whole on
+#: every rank; a sum over it (SwinHead with -1: a sum over dim 1) is refused
+CASES = [(SwinHead, 1, True), (SwinHead, 2, True), (SwinHead, -1, False), (NattenHead, 1, True),
+         (NattenHead, 2, True), (AxialHead, -1, True), (AxialHead, -2, True)]
+WHOLE = {(SwinHead, 1), (NattenHead, 1), (AxialHead, -1)}  # the mean over the sharded dim: whole on every rank
 
 
 def _ranks(rank, world, kind, dim):
@@ -74,7 +80,9 @@ def _ranks(rank, world, kind, dim):
         return str(e)
     with unsharded():
         want = ref(full)
-    if kind is AxialHead:  # W-sharded result: each rank holds its columns
+    if (kind, dim) in WHOLE:  # computed over the whole domain: the same on every rank
+        got = y.detach()
+    elif kind is AxialHead:  # W-sharded result: each rank holds its columns
         got = halo.gather(y.detach(), dim=-1)
     else:  # the mean over W leaves the rows sharded along dim 1
         got = halo.gather(y.detach(), dim=1)

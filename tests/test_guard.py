@@ -51,12 +51,18 @@ ALLOWED = {
     "stack_last": lambda m, x: torch.stack([x, 2 * x], dim=-1).sum(-1),  # H stays at dim 2 of the 5-d stack
     "trusted_made_here": lambda m, x: x + _trusted_mean(x),
     "nearest_x2": lambda m, x: m.pool(F.interpolate(x, scale_factor=2) * 0.5 + 0.25),  # rows repeated: exact
+    # means over H: computed over the whole domain (halo.reroute; every call: tests/test_guard_exact.py)
+    "mean_hw": lambda m, x: x * x.mean((2, 3), keepdim=True),
+    "tokens_mean": lambda m, x: x * x.flatten(2).mean(-1)[..., None, None],
+    "stack_then_mean_h": lambda m, x: x * torch.stack([x, x], dim=-1).mean((2, 4))[:, :, None, :],
+    "channels_last_mean": lambda m, x: x * x.permute(0, 2, 3, 1).mean(1, keepdim=True).permute(0, 3, 1, 2),
+    "interpolate_scale": lambda m, x: m.pool(F.interpolate(x, scale_factor=2.0, mode="bilinear")),  # halo_interpolate
 }
 
 REFUSED = {
     "pad_h": (lambda m, x: F.pad(x, (0, 0, 1, 1)), "pads H"),
-    "interpolate_scale": (lambda m, x: F.interpolate(x, scale_factor=2.0, mode="bilinear")[..., ::2, ::2],
-                          "resizes H"),
+    "interpolate_antialias": (lambda m, x: F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True),
+                              "antialias=True"),
     "interpolate_size": (lambda m, x: F.interpolate(x, size=(x.shape[2] + 1, x.shape[3]))[..., :-1, :],
                          "resizes H"),
     "roll_h": (lambda m, x: torch.roll(x, 1, dims=2), "rolls along H"),
@@ -64,7 +70,6 @@ REFUSED = {
     "cat_h": (lambda m, x: torch.cat([x, x], dim=2)[:, :, ::2], "concatenates along H"),
     "split_h": (lambda m, x: torch.cat(x.split(2, dim=-2), dim=-2), "splits"),
     "slice_h": (lambda m, x: F.pad(x[:, :, 1:], (0, 0, 1, 0)), "indexes H"),
-    "mean_hw": (lambda m, x: x * x.mean((2, 3), keepdim=True), "reduces over H"),
     "sum_all": (lambda m, x: x / x.abs().sum(), "reduces over H"),
     "norm_all": (lambda m, x: x / x.norm(), "reduces over H"),
     "sort_h": (lambda m, x: x.sort(dim=2)[0], "reduces over H"),
@@ -74,11 +79,11 @@ REFUSED = {
     "flatten_all": (lambda m, x: x.flatten(1).view(x.shape), "merges H"),
     "attention": (lambda m, x: (lambda t: (t @ t.transpose(1, 2)).softmax(-1) @ t)(
         x.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(x.shape), "multiplies over H"),
-    "tokens_mean": (lambda m, x: x * x.flatten(2).mean(-1)[..., None, None], "reduces over H"),
-    "stack_then_mean_h": (lambda m, x: x * torch.stack([x, x], dim=-1).mean((2, 4))[:, :, None, :],
+    "tokens_sum": (lambda m, x: x * x.flatten(2).sum(-1)[..., None, None], "reduces over H"),
+    "stack_then_amax_h": (lambda m, x: x * torch.stack([x, x], dim=-1).amax((2, 4))[:, :, None, :],
                           "reduces over H"),
-    "channels_last_mean": (lambda m, x: x * x.permute(0, 2, 3, 1).mean(1, keepdim=True).permute(0, 3, 1, 2),
-                           "reduces over H"),
+    "channels_last_sum": (lambda m, x: x * x.permute(0, 2, 3, 1).sum(1, keepdim=True).permute(0, 3, 1, 2),
+                          "reduces over H"),
 }
 
 

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .. import reroute
 from ..comm import CommGroup, comm_group, group_by_id, group_id
 from ..comm import all_reduce as bounded_all_reduce
 from ..exchange import backward_order_token, order_after, order_communication, order_token
@@ -149,9 +150,7 @@ def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
 
 def _plan(module: nn.Module, x: torch.Tensor, op: str) -> Any:
     """Every rank's H extent and the group, agreed on (or recalled: ``halo.plans``) before any rank checks shapes
-    locally (invariant 4)."""
-    if x.dim() < 2:
-        raise ValueError(f"{op}: expected (..., H_local, W), got shape {tuple(x.shape)}")
+    locally (invariant 4). A tensor without a dim -2 is refused by the agreement itself, on every rank."""
     mesh = mesh_of(module)
     if mesh is not None:
         return resolve_2d(x, mesh, op, _norm_plan_2d, (mesh.domain_shape[1],), module._halo_site)
@@ -613,3 +612,6 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
         weight = self.weight.narrow(-2, start, rows) if self.weight is not None else None
         bias = self.bias.narrow(-2, start, rows) if self.bias is not None else None
         return _affine(y, weight, bias).to(x.dtype)
+
+
+reroute.provide(var_mean=domain_var_mean)  # functional norms in users' forward code (halo.reroute)

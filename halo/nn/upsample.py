@@ -47,12 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import reroute
 from ..comm import CommGroup
 from ..exchange import exchange, exchanger_id, like_format
 from ..mesh import group_attribute
 from ..partition import split_offsets
 from ..plans import Site, carry, device_tensor, resolve
-from ._mesh2d import _layout, mesh_of, set_mesh
+from ._mesh2d import mesh_layout, mesh_of, set_mesh
 from .pool import adaptive_pool, check_output_rows
 
 __all__ = ["HaloUpsample", "halo_interpolate", "interpolate_2d", "kernel_scales", "row_taps"]
@@ -248,6 +249,8 @@ def _interp_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], shape: tup
                  device_type: str, layout: tuple[int, bool, bool], op: str) -> InterpPlan:
     """Everything an interpolation call needs, from the agreed extents: output size, the rows to receive, the row
     maps and weights (read off torch once per plan, on the input's device type: no scalar reads per call)."""
+    if len(shape) != 4:  # here, after the agreement (the number of dims is agreed): on every rank alike
+        raise ValueError(f"{op}: expected a (B, C, H, W) shard sharded along H, got shape {shape}")
     (sizes,) = extents
     if cg.size == 1:
         return InterpPlan("plain")
@@ -317,8 +320,6 @@ def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = 
     the initialised manager's). Returns this rank's rows of the output: the balanced split of its height.
     """
     op = "halo_interpolate"
-    if x.dim() != 4:
-        raise ValueError(f"{op}: expected a (B, C, H, W) shard sharded along H, got shape {tuple(x.shape)}")
     if mode not in SUPPORTED_MODES:
         raise NotImplementedError(f"{op}: mode {mode!r} is not implemented for (B, C, H, W) fields sharded "
                                   f"along H; supported: {', '.join(SUPPORTED_MODES)}")
@@ -327,7 +328,7 @@ def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = 
                                   f"downsampling factor); use antialias=False")
     size_arg = tuple(size) if isinstance(size, list) else size
     scale_arg = tuple(scale_factor) if isinstance(scale_factor, list) else scale_factor
-    layout = (int(x.shape[1]), _is_channels_last(x), _one_thread())
+    layout = (int(x.shape[1]) if x.dim() > 1 else 0, x.dim() == 4 and _is_channels_last(x), _one_thread())
     p = resolve(x, group, op, _interp_plan, (tuple(x.shape), size_arg, scale_arg, mode, align_corners,
                                               recompute_scale_factor, x.dtype, x.device.type, layout, op), site=site)
     if p.kind == "plain":
@@ -392,7 +393,7 @@ def interpolate_2d(x: torch.Tensor, mesh: Any, size=None, scale_factor=None, mod
     if x.dim() != 4:
         raise ValueError(f"interpolate_2d: expected a (B, C, H, W) block, got shape {tuple(x.shape)}")
     (size_h, size_w), (scale_h, scale_w) = _per_axis(size), _per_axis(scale_factor)
-    groups = _layout(mesh)[1]
+    groups = mesh_layout(mesh)[1]
 
     def one_pass(t: torch.Tensor, n_out: Any, scale: Any, group: Any, site: Site | None) -> torch.Tensor:
         if n_out is not None:
@@ -427,3 +428,6 @@ class HaloUpsample(nn.Upsample):
                                   self.recompute_scale_factor, sites=(self._halo_site, self._halo_site_w))
         return halo_interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners,
                                 self.recompute_scale_factor, group=self.group, site=self._halo_site)
+
+
+reroute.provide(interpolate=halo_interpolate, interpolate_modes=SUPPORTED_MODES)  # F.interpolate in users' forward

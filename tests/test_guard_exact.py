@@ -1,0 +1,411 @@
+"""Functional ops on the sharded dim that halo computes exactly instead of refusing them (``halo.reroute``).
+
+Each op sits in the forward of a small block with conv children (so the field is a real shard), converted on 2 and
+3 gloo ranks at uneven rows (37: 19 + 18 and 13 + 12 + 12), float64. Every block is called three times: the first
+call runs under the guard (which computes the op exactly and records its site), the second, with other values,
+runs rerouted (no guard: only the recorded sites are computed exactly), the third at another shape (41 rows) is a
+new epoch, guarded again. Each call's output, input gradient, parameter gradients (summed over the domain) and
+running statistics must equal the unsharded block's, called the same way. The forms halo cannot compute exactly
+are refused on every rank with the same message. Later calls agree on nothing, only the modules with sites are
+rerouted (and their deep copies and pickles keep it); under ``torch.compile`` (aot_eager) those modules run eagerly
+(``fullgraph=True`` raises naming them); activation checkpointing recomputes them exactly in backward; on a
+latitude x longitude mesh they stay refused.
+"""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from halo.partition import split_offsets
+from halo.testing import run_on_ranks
+
+C, W = 4, 8
+ROWS = (37, 37, 41)  # guarded, rerouted, a new shape (guarded again)
+
+
+def _se(m, x):
+    return x * torch.sigmoid(m.fc(x.mean((2, 3), keepdim=True)))
+
+
+def _psp(m, x):
+    h, w = x.shape[2:]
+    return x + F.interpolate(m.psp(x), size=(h, w), mode="bilinear", align_corners=True)
+
+
+def _fpn(m, x):
+    """smp FPN's merge: a nearest x2 upsampling added to the level above (37 rows: 18 -> 9 -> 18; at 2 ranks the
+    shards' own x2 would hold 10 + 8 rows, the level above 9 + 9)."""
+    y = m.pool(x)
+    y = y + F.interpolate(m.pool(y), scale_factor=2)
+    return x + F.interpolate(y, size=x.shape[-2:], mode="bilinear")
+
+
+EXACT = {
+    "group_norm": lambda m, x: F.group_norm(x, 2, m.gw, m.gb, eps=1e-4),
+    "instance_norm": lambda m, x: F.instance_norm(x, weight=m.gw, bias=m.gb),
+    "instance_norm_running": lambda m, x: F.instance_norm(x, m.rm, m.rv, use_input_stats=True, momentum=0.3),
+    "batch_norm_train": lambda m, x: F.batch_norm(x, m.rm, m.rv, m.gw, m.gb, training=True, momentum=0.3),
+    "batch_norm_no_stats": lambda m, x: F.batch_norm(x, None, None, m.gw, None, training=True, eps=1e-3),
+    "layer_norm_chw": lambda m, x: F.layer_norm(x, x.shape[1:]),
+    "layer_norm_hw": lambda m, x: F.layer_norm(x, x.shape[-2:], eps=1e-3),
+    "mean_se": _se,
+    "mean_minus_dims": lambda m, x: x * torch.mean(x, dim=(-2, -1), keepdim=True),
+    "mean_h_keepdim": lambda m, x: x - x.mean(2, keepdim=True),
+    "mean_h": lambda m, x: x * x.mean(dim=-2)[..., None, :],
+    "mean_all": lambda m, x: x + x.mean(),
+    "mean_head": lambda m, x: x + m.lin(x.mean((2, 3))).view(x.shape[0], C, 1, 1),
+    "mean_twice_one_line": lambda m, x: x - x.mean((2, 3), keepdim=True) + x[:, :1].mean(1, keepdim=True),
+    "interp_size_bilinear": lambda m, x: x + F.interpolate(m.pool(x), size=x.shape[-2:], mode="bilinear"),
+    "interp_size_nearest": lambda m, x: x * F.interpolate(m.pool(x), size=(x.size(2), x.size(3))),
+    "interp_scale_bilinear": lambda m, x: x + m.pool(F.interpolate(x, scale_factor=2.0, mode="bilinear",
+                                                                   align_corners=True)),
+    "interp_nearest_x2": lambda m, x: x + m.pool(F.interpolate(x, scale_factor=2)),  # split in blocks of 2
+    "interp_nearest_x2_add": _fpn,
+    "interp_whole": _psp,  # 2 x 2 pool: whole on every rank at 3 ranks, 1 + 1 rows at 2
+}
+
+
+class Block(nn.Module):
+    """A 3x3 conv, the op, a 3x3 conv; its own parameters and buffers used by the functional ops."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+        self.a = nn.Conv2d(C, C, 3, padding=1)
+        self.b = nn.Conv2d(C, C, 3, padding=1)
+        self.fc = nn.Conv2d(C, C, 1)
+        self.lin = nn.Linear(C, C)
+        self.pool = nn.MaxPool2d(2)
+        self.psp = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Conv2d(C, C, 1))
+        self.gw = nn.Parameter(1 + 0.2 * torch.randn(C))
+        self.gb = nn.Parameter(0.1 * torch.randn(C))
+        self.register_buffer("rm", torch.randn(C) * 0.1)
+        self.register_buffer("rv", 1 + torch.rand(C))
+
+    def forward(self, x):
+        return self.b(EXACT[self.name](self, self.a(x)))
+
+
+def _inputs(h, step):
+    full = torch.randn(2, C, h, W, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + step))
+    wts = torch.randn(2, C, h, W, dtype=torch.float64, generator=torch.Generator().manual_seed(20 + step))
+    return full, wts
+
+
+def _convert(model, manager):
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    return convert_to_domain_parallel(model, manager, custom_converters={Block: INSIDE})
+
+
+def _sharded(rank, world, names):
+    import halo
+
+    manager = halo.initialize_domain_parallel(world, world)
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = _convert(Block(name).double(), manager)
+        calls = []
+        for step, h in enumerate(ROWS):
+            full, wts = _inputs(h, step)
+            offs = split_offsets(h, world)
+            x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+            model.zero_grad(set_to_none=True)
+            y = model(x)
+            (y * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
+            grads = [halo.reduce.all_reduce(p.grad.clone()) if p.grad is not None else None
+                     for p in model.parameters()]
+            calls.append((halo.gather(y.detach()), halo.gather(x.grad), grads, model.rm.clone(), model.rv.clone()))
+        rerouted = type(model.__dict__.get("forward")).__name__ == "_Rerouted"
+        out[name] = (calls, rerouted, sorted(model.__dict__.get("_halo_reroute", {})))
+    return out
+
+
+def _reference(name):
+    torch.manual_seed(0)
+    model = Block(name).double()
+    calls = []
+    for step, h in enumerate(ROWS):
+        full, wts = _inputs(h, step)
+        x = full.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        y = model(x)
+        (y * wts).sum().backward()
+        calls.append((y.detach(), x.grad, [p.grad for p in model.parameters()], model.rm.clone(), model.rv.clone()))
+    return calls
+
+
+def _close(a, b, what, tol=1e-11):
+    scale = max(float(b.abs().max()), 1.0)
+    assert a.shape == b.shape and float((a - b).abs().max()) <= tol * scale, (what, float((a - b).abs().max()))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_functional_ops_on_h_are_computed_exactly_on_every_call(world):
+    names = list(EXACT)
+    results = run_on_ranks(_sharded, world, names, timeout=300)
+    for name in names:
+        want = _reference(name)
+        for rank, r in enumerate(results):
+            calls, rerouted, epochs = r[name]
+            assert rerouted and len(epochs) == 2, (name, rank, rerouted, epochs)  # a site in each shape's epoch
+            for step, (got, w) in enumerate(zip(calls, want, strict=True)):
+                what = (name, rank, step)
+                _close(got[0], w[0], what + ("output",))
+                _close(got[1], w[1], what + ("input grad",))
+                for i, (g, p) in enumerate(zip(got[2], w[2], strict=True)):
+                    assert (g is None) == (p is None), what + (i,)
+                    if p is not None:
+                        _close(g, p, what + ("param grad", i), 1e-10)
+                _close(got[3], w[3], what + ("running_mean",))
+                _close(got[4], w[4], what + ("running_var",))
+
+
+REFUSED = {
+    "layer_norm_weight": (lambda m, x: F.layer_norm(x, x.shape[1:], m.lw[:, :x.shape[2]]), "layer_norm",
+                          "a weight or bias over (..., H, W)"),
+    "mean_kept_dims_differ": (lambda m, x: x[..., :1] * x[..., :x.shape[2] - 6].mean(2, keepdim=True).sum(-1, True),
+                              "Tensor.mean", "disagree on the shape"),
+    "mean_into_halo_layer": (lambda m, x: x * m.a(x.mean((2, 3), keepdim=True)), "", "is given the result of a mean"),
+    "interp_size_not_a_field": (lambda m, x: F.interpolate(x, size=(x.shape[2] + 1, x.shape[3]))[..., :-1, :],
+                                "interpolate", "not the rows of one field"),
+}
+
+
+class Refused(nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+        self.a = nn.Conv2d(C, C, 3, padding=1)
+        self.b = nn.Conv2d(C, C, 3, padding=1)
+        self.lw = nn.Parameter(torch.ones(C, 40, W))
+
+    def forward(self, x):
+        return self.b(REFUSED[self.name][0](self, self.a(x)))
+
+
+def _refused(rank, world, names):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    manager = halo.initialize_domain_parallel(world, world)
+    full, _ = _inputs(23, 0)
+    offs = split_offsets(23, world)
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = convert_to_domain_parallel(Refused(name).double(), manager, custom_converters={Refused: INSIDE})
+        try:
+            model(full[..., offs[rank]:offs[rank + 1], :])
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_what_cannot_be_computed_exactly_is_refused_on_every_rank():
+    results = run_on_ranks(_refused, 3, list(REFUSED), timeout=120)
+    for name, (_, op, says) in REFUSED.items():
+        errors = [r[name] for r in results]
+        assert all(e is not None for e in errors), (name, errors)
+        assert len(set(errors)) == 1, (name, errors)  # the same message on every rank
+        assert op in errors[0] and says in errors[0], (name, errors[0])
+
+
+class Two(nn.Module):
+    """Two sites in a child block (a group norm and a squeeze-excite mean) after a conv of the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(C, C, 3, padding=1)
+        self.block = Block("group_norm")
+        self.se = Block("mean_se")
+
+    def forward(self, x):
+        return self.se(self.block(self.stem(x)))
+
+
+def _steady(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+    from halo.testing import HostWorkCounter
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(Two().double(), manager, custom_converters={Block: INSIDE}, grid=(37, W))
+    full, _ = _inputs(37, 0)  # (a declared grid: the entry agrees on nothing either)
+    offs = split_offsets(37, world)
+    x = full[..., offs[rank]:offs[rank + 1], :]
+    counts = []
+    for _ in range(3):
+        with HostWorkCounter() as c:
+            y = model(x)
+        counts.append(c.summary().get("agreement", 0) + c.summary().get("c10d.all_gather", 0))
+    twin = copy.deepcopy(model)  # an EMA copy: its own modules rerouted, its sites and epochs kept
+    loaded = pickle.loads(pickle.dumps(model))
+    same = [torch.equal(m(x), y) for m in (twin, loaded)]
+    own = twin.se.__dict__["forward"].module is twin.se and loaded.se.__dict__["forward"].module is loaded.se
+    return counts, [type(m.__dict__.get("forward")).__name__ for m in (model, model.stem, model.block, model.se)], \
+        same, own
+
+
+def test_later_calls_agree_on_nothing_and_only_modules_with_sites_are_rerouted():
+    for counts, kinds, same, own in run_on_ranks(_steady, 2, timeout=120):
+        assert counts[0] > 0 and counts[1] == counts[2] == 0, counts
+        assert kinds == ["NoneType", "NoneType", "_Rerouted", "_Rerouted"], kinds
+        assert same == [True, True] and own, (same, own)
+
+
+def _compiled(rank, world):
+    import torch._dynamo
+
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(Two().double(), manager, custom_converters={Block: INSIDE})
+    offs = split_offsets(37, world)
+    out = []
+    for step in range(3):
+        full, wts = _inputs(37, step)
+        x, w = (t[..., offs[rank]:offs[rank + 1], :] for t in (full, wts))
+        results = []
+        fns = (model,) if step == 0 else (model, torch.compile(model, backend="aot_eager"))  # eager first: guarded
+        for fn in fns:
+            xi = x.clone().requires_grad_(True)
+            model.zero_grad(set_to_none=True)
+            y = fn(xi)
+            (y * w).sum().backward()
+            results.append((halo.gather(y.detach()), halo.gather(xi.grad),
+                            [halo.reduce.all_reduce(p.grad.clone()) if p.grad is not None else None
+                             for p in model.parameters()]))
+        out.append(results)
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+        refused = None
+    except Exception as exc:  # dynamo's own error type
+        refused = str(exc)
+    return out, refused
+
+
+def test_compiled_model_runs_the_sites_eagerly_and_equals_the_unsharded_model():
+    results = run_on_ranks(_compiled, 2, timeout=300)
+    torch.manual_seed(0)
+    ref = Two().double()
+    for step in range(3):
+        full, wts = _inputs(37, step)
+        x = full.clone().requires_grad_(True)
+        ref.zero_grad(set_to_none=True)
+        (ref(x) * wts).sum().backward()
+        for out, _ in results:
+            for got in out[step]:  # eager, then compiled
+                _close(got[0], ref(full).detach(), ("output", step))
+                _close(got[1], x.grad, ("input grad", step))
+                for g, p in zip(got[2], ref.parameters(), strict=True):
+                    assert (g is None) == (p.grad is None), step
+                    if g is not None:
+                        _close(g, p.grad, ("param grad", step), 1e-10)
+    for _, refused in results:
+        assert refused is not None and "halo: block (Block)" in refused and "runs eagerly" in refused, refused
+
+
+class Checkpointed(nn.Module):
+    """Blocks with sites under activation checkpointing: their forward is recomputed in backward, outside the
+    model's call (no epoch there: the reroute uses the epoch of the module's last call)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.stem = nn.Conv2d(C, C, 3, padding=1)
+        self.block = Block("group_norm")
+        self.se = Block("mean_se")
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(self.block, self.stem(x), use_reentrant=self.reentrant)
+        return checkpoint(self.se, x, use_reentrant=self.reentrant)
+
+
+def _checkpointed(rank, world, reentrant):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(Checkpointed(reentrant).double(), manager, custom_converters={Block: INSIDE})
+    offs = split_offsets(37, world)
+    out = []
+    for step in range(2):
+        full, wts = _inputs(37, step)
+        x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        y = model(x)
+        (y * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
+        out.append((halo.gather(x.grad), [halo.reduce.all_reduce(p.grad.clone()) if p.grad is not None else None
+                                          for p in model.parameters()]))
+    return out
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputed_in_backward_under_activation_checkpointing(reentrant):
+    results = run_on_ranks(_checkpointed, 2, reentrant, timeout=120)
+    torch.manual_seed(0)
+    ref = Checkpointed(reentrant).double()
+    for step in range(2):
+        full, wts = _inputs(37, step)
+        x = full.clone().requires_grad_(True)
+        ref.zero_grad(set_to_none=True)
+        (ref(x) * wts).sum().backward()
+        for out in results:
+            grad, grads = out[step]
+            _close(grad, x.grad, ("input grad", step))
+            for g, p in zip(grads, ref.parameters(), strict=True):
+                assert (g is None) == (p.grad is None), step
+                if g is not None:
+                    _close(g, p.grad, ("param grad", step), 1e-10)
+
+
+class MeshSE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(C, C, 3, padding=1)
+        self.fc = nn.Conv2d(C, C, 1)
+
+    def forward(self, x):
+        return _se(self, self.a(x))
+
+
+def _mesh(rank, world):
+    import halo
+    from halo.mesh import DomainMesh
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    mesh = DomainMesh((2, 1), periodic=(False, True))
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(MeshSE().double(), mesh=mesh, custom_converters={MeshSE: INSIDE})
+    full, _ = _inputs(23, 0)
+    offs = split_offsets(23, world)
+    try:
+        model(full[..., offs[rank]:offs[rank + 1], :])
+    except ValueError as exc:
+        return str(exc)
+    return halo.__name__
+
+
+def test_on_a_latitude_longitude_mesh_a_mean_over_h_stays_refused():
+    errors = run_on_ranks(_mesh, 2, timeout=120)
+    assert len(set(errors)) == 1 and "reduces over H" in errors[0], errors
