@@ -134,6 +134,16 @@ def _timm_regnet() -> nn.Module:
     return RegNet(cfg, in_chans=3, num_classes=3)
 
 
+def _timm_swinv2() -> nn.Module:
+    """timm's ``SwinTransformerV2`` at one stage (windows of 2 x 2 patches of 2; 48 rows keep whole windows on 2 and 3
+    ranks); its ``PatchMerging`` (norm after the reduction) is not converted, so no second stage. Its head pools
+    channels-last features (``FastAdaptiveAvgPool`` over dims 1, 2)."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    return SwinTransformerV2(img_size=(48, 16), patch_size=2, in_chans=3, num_classes=3, embed_dim=8, depths=(2,),
+                             num_heads=(2,), window_size=2, mlp_ratio=2.0)
+
+
 def _timm_fastvit() -> nn.Module:
     from timm.models.fastvit import FastVit
 
@@ -197,6 +207,29 @@ def _credit_unet() -> nn.Module:
     return model
 
 
+def credit_swin(height: int = 48) -> nn.Module:
+    """CREDIT's Swin (``SwinTransformerV2Cr``, timm's V2 ``cr`` blocks): patch 2, windows of 4 x 4 patches, one stage
+    of 2 blocks (the second shifted), width 8. Windows stay whole on P ranks when ``height / 2`` splits into whole
+    windows of 4 rows."""
+    from credit.models.swin import SwinTransformerV2Cr
+
+    return SwinTransformerV2Cr(img_size=(height, 16), patch_size=2, window_size=4, channels=1, levels=1,
+                               surface_channels=2, input_only_channels=0, frames=1, embed_dim=8, depths=(2,),
+                               num_heads=(2,), mlp_ratio=2.0)
+
+
+def credit_fuxi(height: int = 48, pad: bool = False) -> nn.Module:
+    """CREDIT's FuXi (cube embedding of 2 frames, a 2x down block, timm's ``SwinTransformerV2Stage`` of 2 blocks,
+    up block), patch 2, width 8, windows of 2 rows (``pad``: of 4, so that a level of ``height / 4`` rows that is not
+    a window multiple is padded by FuXi above and below). No spectral norm, no final interpolation (CREDIT's
+    switches)."""
+    from credit.models.fuxi import Fuxi
+
+    return Fuxi(image_height=height, patch_height=2, image_width=16, patch_width=2, levels=1, frames=2,
+                frame_patch_size=2, dim=8, num_groups=2, channels=1, surface_channels=2, input_only_channels=0,
+                num_heads=2, depth=2, window_size=4 if pad else 2, use_spectral_norm=False, interp=False)
+
+
 #: diffusers' sinusoidal embedding of the timesteps (B,): no field goes through it
 _TIMESTEPS = ("diffusers.models.embeddings.Timesteps",)
 
@@ -213,21 +246,30 @@ ZOO: dict[str, Spec] = {
     "timm.mobilenetv3": Spec(_mobilenetv3, 3, WT, TIMM_ROWS),
     "timm.fastvit": Spec(_timm_fastvit, 3, WT, TIMM_ROWS),
     "timm.regnet": Spec(_timm_regnet, 3, WT, TIMM_ROWS),
+    "timm.swinv2": Spec(_timm_swinv2, 3, W, {2: 48, 3: 48}),
     "smp.Unet": Spec(_smp("Unet", decoder_channels=(16, 16, 16), decoder_attention_type="scse"), 3, W,
                      {2: 37, 3: 40}),
-    "smp.UnetPlusPlus": Spec(_smp("UnetPlusPlus", decoder_channels=(8, 8, 8)), 3, W, {2: 37, 3: 40}),
-    "smp.FPN": Spec(_smp("FPN", decoder_pyramid_channels=8, decoder_segmentation_channels=32), 3, W, {2: 37, 3: 40},
+    # 40 rows at P=2 too: at 37 the unsharded model itself fails (levels 19 -> 10, upsampled to 20 against 19)
+    "smp.UnetPlusPlus": Spec(_smp("UnetPlusPlus", decoder_channels=(8, 8, 8)), 3, W, {2: 40, 3: 40}),
+    "smp.FPN": Spec(_smp("FPN", decoder_pyramid_channels=8, decoder_segmentation_channels=32), 3, W, {2: 40, 3: 40},
                     custom=("segmentation_models_pytorch.decoders.fpn.decoder.MergeBlock",)),  # a sum or a cat
     "smp.DeepLabV3Plus": Spec(_smp("DeepLabV3Plus", decoder_channels=8, encoder_output_stride=8), 3, W,
                               {2: 37, 3: 40}),
     "smp.MAnet": Spec(_smp("MAnet", decoder_channels=(8, 8, 8), decoder_pab_channels=8), 3, W, {2: 37, 3: 40}),
     "smp.PSPNet": Spec(_smp("PSPNet", psp_out_channels=8), 3, W, {2: 37, 3: 40}),
-    "diffusers.UNet2DModel": Spec(_unet2d(False), 3, W, {2: 37, 3: 40}, _unet2d_call,
+    # an even H: the U-Net halves it once and doubles it back, so an odd H (37 -> 19 -> 38) fails the skip's cat in
+    # the unsharded model itself; 38 rows are 19 + 19, then 10 + 9 at the halved level (uneven), 40 are 14 + 13 + 13
+    "diffusers.UNet2DModel": Spec(_unet2d(False), 3, W, {2: 38, 3: 40}, _unet2d_call,
                                   custom=_TIMESTEPS),
-    "diffusers.UNet2DModel+attention": Spec(_unet2d(True), 3, W, {2: 37, 3: 40}, _unet2d_call,
+    "diffusers.UNet2DModel+attention": Spec(_unet2d(True), 3, W, {2: 38, 3: 40}, _unet2d_call,
                                   custom=_TIMESTEPS),
     "credit.crossformer": Spec(_credit_crossformer, 3, 32, {2: 64, 3: 96}, frames=1),
     "credit.unet": Spec(_credit_unet, 3, W, {2: 37, 3: 40}, frames=1),
+    # Swin V2 windows must stay whole on each rank: 48 rows split evenly into whole windows on 2 and 3 ranks
+    "credit.swin": Spec(credit_swin, 3, W, {2: 48, 3: 48}, frames=1),
+    "credit.fuxi": Spec(credit_fuxi, 3, W, {2: 48, 3: 48}, frames=2),
+    # as built: the position-bias MLP of CREDIT's window attention has a dropout of 0.125 (refused in training)
+    "credit.swin(bias dropout)": Spec(credit_swin, 3, W, {2: 48, 3: 48}, frames=1, dropout=True),
 }
 
 

@@ -48,18 +48,24 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "timm.mobilenetv3": ("exact",),
     "timm.fastvit": ("exact", "scaled_dot_product_attention"),  # timm's fused Attention in its last stage
     "timm.regnet": ("exact",),
+    # its Swin V2 blocks are halo.nn.swinv2's; its classifier head pools channels-last (NHWC) features with
+    # FastAdaptiveAvgPool, which halo.nn.timm_layers does not convert (NCHW pools only): refused, naming it
+    "timm.swinv2": ("exact", "head.global_pool.pool (timm.layers.adaptive_avgmax_pool.FastAdaptiveAvgPool)"),
     # smp's decoders resize to the skip's local size (F.interpolate(size=skip.shape[-2:])) or upsample unevenly
     # split levels: exact where halo computes the global size, else refused naming the resize (never per shard)
     "smp.Unet": ("exact",),  # its decoder resizes to global level sizes (halo.nn.smp_layers)
-    "smp.UnetPlusPlus": ("exact", "interpolate", "concatenates fields whose shards hold different numbers of rows"),
-    "smp.FPN": ("exact", "interpolate", "combines fields whose shards hold different numbers of rows"),
+    "smp.UnetPlusPlus": ("exact",),  # its nearest x2 resizes the global field (halo.reroute)
+    "smp.FPN": ("exact",),
     "smp.DeepLabV3Plus": ("exact",),
     "smp.MAnet": ("matmul",),  # its PAB block is attention over all H x W tokens
-    "smp.PSPNet": ("exact", "interpolate"),
+    "smp.PSPNet": ("exact",),  # its whole (or sharded) pooled map resized to the global size (halo.reroute)
     "diffusers.UNet2DModel": ("exact",),
     "diffusers.UNet2DModel+attention": ("exact", "scaled_dot_product_attention", "baddbmm", "bmm"),
     "credit.crossformer": ("exact",),
     "credit.unet": ("exact",),  # CREDIT's smp U-Net: its decoder resizes to global level sizes (halo.nn.smp_layers)
+    "credit.swin": ("exact",),  # CREDIT's Swin V2 (halo.nn.swinv2): windows whole on each rank at 48 rows
+    "credit.fuxi": ("exact",),  # FuXi: timm's SwinTransformerV2Block (halo.nn.swinv2)
+    "credit.swin(bias dropout)": ("HaloWindowAttentionV2 (WindowMultiHeadAttention): its dropout meta_mlp.drop1",),
     **{name: ("exact",) for name in tp.LAYERS},  # halo/nn/timm_layers.py
     "timm.ClassifierHead(drop_rate=0.2)": ("WholeDropout: a dropout (p=0.2) on the whole result of a global pool",),
 }
@@ -274,11 +280,7 @@ def zoo_run(world: int) -> tuple[list[dict], float]:
 
 #: Models that fail today for a known bug outside this file, each marked a strict xfail: when the bug is fixed the
 #: test passes, which fails the run until the entry is removed (a model can never silently leave this list).
-KNOWN_BUGS = {
-    ("diffusers.UNet2DModel", 2): "at P=2 a 1-row shard of an unevenly split level broadcasts against an n-row field "
-                                  "(by shape alone it cannot be told from a (1, C, 1, 1) bias), and the next "
-                                  "HaloConv2d raises on one rank while the others wait (invariant 4)",
-}
+KNOWN_BUGS: dict[tuple[str, int], str] = {}
 
 
 def _cases() -> list:

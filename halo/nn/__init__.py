@@ -15,9 +15,17 @@ from .longrange import DomainCrossFormerAttention, columns_to_rows, regroup, row
 from .neighborhood import DomainNeighborhoodAttention2D, neighborhood_attention, neighborhood_attention_reference
 from .norm import DomainBatchNorm2d, DomainBatchNormAct2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
 from .pad import HaloPad2d, halo_pad, pad_like
-from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d, HaloAvgPool2d, HaloMaxPool2d
+from .pool import (
+    HaloAdaptiveAvgPool2d,
+    HaloAdaptiveMaxPool2d,
+    HaloAvgPool2d,
+    HaloAvgPool3d,
+    HaloMaxPool2d,
+    HaloMaxPool3d,
+)
 from .shuffle import HaloPixelShuffle, HaloPixelUnshuffle
 from .softmax import DomainLogSoftmax, DomainSoftmax
+from .swinv2 import HaloCreditPatchEmbed, HaloCubeEmbedding, HaloSwinV2Block, HaloUTransformer, HaloWindowAttentionV2
 from .timm_layers import DomainBlurPool2d, DomainSelectAdaptivePool2d, DomainSqueezeExcite, HaloConv2dSame
 from .upsample import HaloUpsample, halo_interpolate
 from .window import (
@@ -54,20 +62,27 @@ __all__ = [
     "HaloAdaptiveAvgPool2d",
     "HaloAdaptiveMaxPool2d",
     "HaloAvgPool2d",
+    "HaloAvgPool3d",
     "HaloConv2d",
     "HaloConv2dSame",
     "HaloConv3d",
     "HaloConvTranspose2d",
     "HaloConvTranspose3d",
+    "HaloCreditPatchEmbed",
+    "HaloCubeEmbedding",
     "HaloMaxPool2d",
+    "HaloMaxPool3d",
     "HaloPad2d",
     "HaloPatchEmbed",
     "HaloPatchMerging",
     "HaloPixelShuffle",
     "HaloPixelUnshuffle",
     "HaloSwinTransformerBlock",
+    "HaloSwinV2Block",
+    "HaloUTransformer",
     "HaloUpsample",
     "HaloWindowAttention",
+    "HaloWindowAttentionV2",
     "columns_to_rows",
     "convert_to_domain_parallel",
     "halo_interpolate",

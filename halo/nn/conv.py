@@ -265,9 +265,9 @@ class _HaloConvMixin:
     def _resolve(self, x: torch.Tensor, make: Any, extra: tuple) -> Any:
         """This call's plan (``halo.plans.resolve``): every rank's H extent is agreed on (or recalled) *before* any
         shape check, so that the checks after it fail identically on every rank and none waits alone."""
+        # No shape check before the agreement: a rank that raised on its own shape here would leave its peers
+        # waiting in theirs (invariant 4). The agreement itself refuses a tensor without a dim -2 on every rank.
         name = type(self).__name__
-        if x.dim() < 2:
-            raise ValueError(f"{name}: expected a ({self._shape_names()}) shard, got shape {tuple(x.shape)}")
         mesh = mesh_of(self)
         if mesh is not None:
             plan = resolve_2d(x, mesh, name, make, extra, self._halo_site)

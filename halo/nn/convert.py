@@ -42,7 +42,7 @@ class ConvertContext:
     mesh: Any = None  # a latitude x longitude DomainMesh (W sharded too), else None
 
 
-def _is_pointwise_conv(m: nn.Module, dims: int = 1) -> bool:
+def is_pointwise_conv(m: nn.Module, dims: int = 1) -> bool:
     """A conv that keeps every sharded dim pointwise (kernel 1, stride 1, no padding): H, or H and W."""
     for d in range(-2, -2 + dims):
         k = m.kernel_size[d] if len(m.kernel_size) >= 2 else 1
@@ -66,12 +66,12 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         return lambda m, ctx: cls(m, group=ctx.group, mesh=ctx.mesh, **extra)
 
     def c2d(m, ctx):
-        if _is_pointwise_conv(m, 2 if ctx.mesh is not None else 1):
+        if is_pointwise_conv(m, 2 if ctx.mesh is not None else 1):
             return m
         return conv.HaloConv2d(m, group=ctx.group, boundary=ctx.boundary, mesh=ctx.mesh)
 
     def c3d(m, ctx):
-        return m if _is_pointwise_conv(m) else conv.HaloConv3d(m, group=ctx.group, boundary=ctx.boundary)
+        return m if is_pointwise_conv(m) else conv.HaloConv3d(m, group=ctx.group, boundary=ctx.boundary)
 
     def layer_norm(m, ctx):
         if len(m.normalized_shape) == 1:  # over W (or features) only: pointwise in latitude
@@ -85,6 +85,8 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         nn.ConvTranspose3d: lambda m, ctx: conv.HaloConvTranspose3d(m, group=ctx.group),
         nn.MaxPool2d: on(pool.HaloMaxPool2d),
         nn.AvgPool2d: on(pool.HaloAvgPool2d),
+        nn.MaxPool3d: lambda m, ctx: pool.HaloMaxPool3d(m, group=ctx.group),  # latitude rows only (as 3-d convs)
+        nn.AvgPool3d: lambda m, ctx: pool.HaloAvgPool3d(m, group=ctx.group),
         nn.AdaptiveAvgPool2d: on(pool.HaloAdaptiveAvgPool2d),
         nn.AdaptiveMaxPool2d: on(pool.HaloAdaptiveMaxPool2d),
         nn.Upsample: on(upsample.HaloUpsample),
@@ -120,13 +122,12 @@ GLOBAL = (
     nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d,
     nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Unfold, nn.Fold,
     nn.LocalResponseNorm, nn.ConvTranspose1d,
-    nn.Conv1d, nn.MaxPool1d, nn.AvgPool1d, nn.MaxPool3d, nn.AvgPool3d,
+    nn.Conv1d, nn.MaxPool1d, nn.AvgPool1d,
     nn.BatchNorm1d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm3d, nn.SyncBatchNorm,
 )
 
 #: The GLOBAL layers that only look at a window of rows (a halo form is possible; none is written yet).
-_WINDOWED = (nn.Conv1d, nn.ConvTranspose1d, nn.MaxPool1d, nn.AvgPool1d, nn.MaxPool3d, nn.AvgPool3d,
-             nn.LocalResponseNorm, nn.Unfold, nn.Fold)
+_WINDOWED = (nn.Conv1d, nn.ConvTranspose1d, nn.MaxPool1d, nn.AvgPool1d, nn.LocalResponseNorm, nn.Unfold, nn.Fold)
 
 _ORIGINAL = "_halo_original"
 
@@ -157,7 +158,8 @@ def _halo_name(base: type) -> str:
             nn.ConvTranspose3d: "HaloConvTranspose3d",
             nn.BatchNorm2d: "DomainBatchNorm2d", nn.GroupNorm: "DomainGroupNorm", nn.LayerNorm: "DomainLayerNorm",
             nn.InstanceNorm2d: "DomainInstanceNorm2d", nn.Upsample: "HaloUpsample", nn.MaxPool2d: "HaloMaxPool2d",
-            nn.AvgPool2d: "HaloAvgPool2d"}.get(base, f"layer for nn.{base.__name__}")
+            nn.AvgPool2d: "HaloAvgPool2d", nn.MaxPool3d: "HaloMaxPool3d",
+            nn.AvgPool3d: "HaloAvgPool3d"}.get(base, f"layer for nn.{base.__name__}")
 
 
 def _unknown(path: str, kind: type, own: list[str], children: bool = False, inner: list[str] | None = None) -> str:
@@ -197,7 +199,7 @@ def _converted_inside(module: nn.Module, builtin: dict) -> list[str]:
         if m is module:
             continue
         kind = type(m)
-        if isinstance(m, (nn.Conv2d, nn.Conv3d)) and _is_pointwise_conv(m):
+        if isinstance(m, (nn.Conv2d, nn.Conv3d)) and is_pointwise_conv(m):
             continue
         if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
             continue
@@ -240,10 +242,11 @@ def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Modu
         if kind.__name__ == "DynamicPositionBias" and hasattr(module, "layers"):  # an MLP of relative positions
             return lambda m, ctx: m
     from .smp_layers import smp_adapter  # smp's U-Net decoder: resizes to global level sizes
+    from .swinv2 import swinv2_adapter  # timm's SwinTransformerV2Block; CREDIT's Swin (V2 Cr) and FuXi
     from .timm_layers import timm_adapter  # timm's channel norms, activations, layer scale, Conv2dSame, heads, ...
     from .window import swin_adapter  # timm's SwinTransformerBlock, PatchMerging (v1), PatchEmbed
 
-    return swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
+    return swinv2_adapter(module) or swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
 
 
 def convert_to_domain_parallel(
@@ -606,8 +609,14 @@ def revert_domain_parallel(model: nn.Module) -> nn.Module:
     from ..compat.credit import unswap_tensor_padding
 
     unswap_tensor_padding(model)
+    from .swinv2 import unswap_models  # CREDIT's Swin and FuXi models: their class back
+
+    unswap_models(model)
     for handle in model.__dict__.pop("_halo_whole_hooks", []):
         handle.remove()
+    from ..reroute import uninstall  # functional ops computed exactly at their sites: the class's forward back
+
+    uninstall(model)
     done: set[int] = set()
     for parent in list(model.modules()):
         for name, child in list(parent._modules.items()):  # every slot

@@ -50,7 +50,7 @@ class PadPlan(NamedTuple):
     trail: int = 0
 
 
-def _pad_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int, top: int, bottom: int, boundary: str,
+def pad_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int, top: int, bottom: int, boundary: str,
               op: str) -> PadPlan:
     (sizes,) = extents
     if cg.size == 1:
@@ -104,9 +104,9 @@ def halo_pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str 
     top, bottom)`` in global rows; ``boundary`` ``"zeros"`` (with ``value``), ``"reflect"``, ``"replicate"`` or
     ``"circular"``. The output is the balanced split of the padded field."""
     left, right, top, bottom = (int(p) for p in padding)
-    if x.dim() not in (3, 4):
+    plan = resolve(x, group, op, pad_plan, (x.dim() - 2, top, bottom, boundary, op), site=site)
+    if x.dim() not in (3, 4):  # after the agreement (the number of dims is agreed): on every rank alike
         raise ValueError(f"{op}: expected a (B, C, H, W) or (C, H, W) shard, got shape {tuple(x.shape)}")
-    plan = resolve(x, group, op, _pad_plan, (x.dim() - 2, top, bottom, boundary, op), site=site)
     if plan.plain:
         if boundary == "zeros":
             return F.pad(x, (left, right, top, bottom), value=value)
@@ -126,18 +126,18 @@ def _pad_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tu
     from ..comm import comm_group
 
     left, right, top, bottom = pads
-    return (_pad_plan(comm_group(groups[0]), (extents[0],), 2, top, bottom, boundary, f"{op} (H)"),
-            _pad_plan(comm_group(groups[1]), (extents[1],), 3, left, right, boundary, f"{op} (W)"))
+    return (pad_plan(comm_group(groups[0]), (extents[0],), 2, top, bottom, boundary, f"{op} (H)"),
+            pad_plan(comm_group(groups[1]), (extents[1],), 3, left, right, boundary, f"{op} (W)"))
 
 
 def _pad_2d(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str, value: float, mesh: Any,
             site: Site | None, op: str) -> torch.Tensor:
     """A padding module on a block of a latitude x longitude mesh: H over the H ranks, then W over the W ranks (each
     the one-axis plan: the output is the padded field's balanced split along both); a constant's value as torch."""
-    if x.dim() != 4:
-        raise ValueError(f"{op}: expected a (B, C, H, W) block, got shape {tuple(x.shape)}")
     left, right, top, bottom = (int(p) for p in padding)
     plans = resolve_2d(x, mesh, op, _pad_plan_2d, ((left, right, top, bottom), boundary, op), site)
+    if x.dim() != 4:  # after the agreement (the number of dims is agreed): on every rank alike
+        raise ValueError(f"{op}: expected a (B, C, H, W) block, got shape {tuple(x.shape)}")
     out, lead, trail = x, [0, 0], [0, 0]
     for k, (plan, (a, b)) in enumerate(zip(plans, ((top, bottom), (left, right)), strict=True)):
         d = 2 + k

@@ -23,6 +23,12 @@ and ``divisor_override`` included): the forward is bitwise equal. The backward i
 followed by the exchange adjoint; where windows of two ranks overlap, the two partial gradients of a row are
 added in a different order than on one device (float64: ~1e-16 relative).
 
+3-d pools (``HaloMaxPool3d``, ``HaloAvgPool3d``) of ``(B, C, D, H, W)`` fields sharded along H (dim -2, the middle
+of the ``(D, H, W)`` triples) use the same plan along H; D and W are whole on every rank and pooled by torch's op as
+given. Max-pool indices are the global flat indices ``d*H*W + h*W + w``. ``F.avg_pool3d`` refuses an input with fewer
+rows than its kernel even where padding or ceil_mode give an output, so its rows are widened to a kernel
+(:func:`widen_plan`: below into rows whose outputs are dropped, or above by whole strides). Latitude rows only.
+
 Adaptive pools: output row ``o`` pools rows ``[floor(o*N/M), ceil((o+1)*N/M))``; each local output row runs the
 torch adaptive op on exactly those rows with output height 1 (same window, same order: bitwise), in a loop over
 the local output rows (fine for the small outputs adaptive pools make).
@@ -50,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.utils import _pair
+from torch.nn.modules.utils import _pair, _triple
 
 from ..comm import CommGroup
 from ..comm import all_reduce as bounded_all_reduce
@@ -65,7 +71,9 @@ __all__ = [
     "HaloAdaptiveAvgPool2d",
     "HaloAdaptiveMaxPool2d",
     "HaloAvgPool2d",
+    "HaloAvgPool3d",
     "HaloMaxPool2d",
+    "HaloMaxPool3d",
     "adaptive_pool",
     "halo_adaptive_avg_pool2d",
     "halo_adaptive_max_pool2d",
@@ -103,6 +111,24 @@ def window_plan(n: int, m: int, parts: int, kernel: int, stride: int, padding: i
     return tuple(plan)
 
 
+def widen_plan(plan: tuple[tuple[int, int, int, int], ...], n: int, min_rows: int,
+               stride: int) -> tuple[tuple[int, int, int, int], ...]:
+    """``plan`` (of :func:`window_plan`) with every rank's rows ``[lo, hi)`` widened to at least ``min_rows``
+    (``torch.nn.functional.avg_pool3d`` refuses an input with fewer rows than its kernel, even where padding or
+    ``ceil_mode`` give it an output). First down to ``n``: rows after ``hi`` only add local outputs after the kept
+    ones, and leave the kept windows (which end at or before ``hi``) and their divisors as they were. Then up by whole
+    strides: ``lo`` stays a multiple of ``stride``, and each stride adds one local output in front, dropped
+    (``crop + 1``). ``n >= min_rows`` (torch checks the global op so), so every rank gets there."""
+    out = []
+    for lo, hi, crop, rows in plan:
+        if rows and hi - lo < min_rows:
+            hi = min(n, lo + min_rows)
+            up = min(lo // stride, -(-(min_rows - (hi - lo)) // stride))
+            lo, crop = lo - up * stride, crop + up
+        out.append((lo, hi, crop, rows))
+    return tuple(out)
+
+
 def adaptive_starts_ends(n: int, m: int) -> tuple[list[int], list[int]]:
     """Torch's adaptive windows along one dim: ``[floor(o*n/m), ceil((o+1)*n/m))`` for ``o < m``."""
     return [(o * n) // m for o in range(m)], [-(-((o + 1) * n) // m) for o in range(m)]
@@ -127,7 +153,7 @@ def check_output_rows(op: str, m: int, n: int, parts: int, detail: str = "") -> 
 
 
 _META_OPS = {"max": F.max_pool2d, "avg": F.avg_pool2d, "adaptive_avg": F.adaptive_avg_pool2d,
-             "adaptive_max": F.adaptive_max_pool2d}
+             "adaptive_max": F.adaptive_max_pool2d, "max3d": F.max_pool3d, "avg3d": F.avg_pool3d}
 
 
 @functools.lru_cache(maxsize=512)
@@ -150,6 +176,7 @@ class PoolPlan(NamedTuple):
     lo: int = 0
     crop: int = 0
     out: int = 0
+    n: int = 0  # the global H (3-d max-pool indices are global flat indices d*H*W + h*W + w)
 
 
 def _window_pool_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str, kind: str, shape: tuple,
@@ -161,9 +188,11 @@ def _window_pool_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: s
     m = _global_rows(shape, n, kind, args)[-2]
     check_output_rows(op, m, n, cg.size, detail)
     plan = window_plan(n, m, cg.size, *geometry)
+    if kind == "avg3d":  # torch's avg_pool3d wants at least a kernel of input rows, padding not counted
+        plan = widen_plan(plan, n, geometry[0], geometry[1])
     lo, hi, crop, rows = plan[cg.index]
     ex = exchanger_id(cg, len(shape) - 2, sizes, tuple((a, b) for a, b, _, _ in plan), "zeros", op)
-    return PoolPlan(False, ex, hi - lo, lo, crop, rows)
+    return PoolPlan(False, ex, hi - lo, lo, crop, rows, n)
 
 
 class PoolPlan2d(NamedTuple):
@@ -311,6 +340,108 @@ class HaloAvgPool2d(nn.AvgPool2d):
         if plan.plain:
             return super().forward(x)
         out = like_format(self._pool(_run(x, plan)).narrow(-2, plan.crop, plan.out), x)
+        carry(out, x)
+        return out
+
+
+# -- 3-d max / average pooling: (B, C, D, H, W) fields, H (dim -2) sharded ------------------------------------
+
+def _no_mesh_3d(module: nn.Module, name: str) -> None:
+    if mesh_of(module) is not None:
+        raise ValueError(f"{name}: a latitude x longitude mesh is supported by the 2-d layers only; shard only "
+                         f"latitude (a one-axis mesh) for 3-d pools")
+
+
+def _h_geometry(kernel: Any, stride: Any, padding: Any, dilation: Any = 1) -> tuple[int, int, int, int]:
+    """``(kernel, stride, padding, dilation)`` along H, the middle of a 3-d pool's ``(D, H, W)`` triples."""
+    return tuple(_triple(a)[1] for a in (kernel, stride, padding, dilation))  # type: ignore[return-value]
+
+
+def _global_index_3d(idx: torch.Tensor, plan: PoolPlan, width: int) -> torch.Tensor:
+    """A local 3-d flat index ``d*rows*W + h*W + w`` over the exchanged rows ``[lo, lo + rows)`` as the unsharded
+    op's global one ``d*H*W + (lo + h)*W + w``."""
+    plane = plan.rows * width
+    return idx // plane * (plan.n * width) + idx % plane + plan.lo * width
+
+
+class HaloMaxPool3d(nn.MaxPool3d):
+    """``nn.MaxPool3d`` on a ``(B, C, D, H, W)`` field sharded along H (dim -2); output = the balanced split of the
+    global output rows.
+
+    The 2-d machinery along H (exchange the rows the kept windows read, run torch's op with the module's own
+    arguments, drop the first ``crop`` outputs: module docstring), D and W untouched. Every argument torch accepts is
+    supported: kernel != stride, padding, dilation, ceil_mode, return_indices (indices are the unsharded op's global
+    flat indices ``d*H*W + h*W + w``). Latitude rows only: a latitude x longitude mesh is refused.
+    """
+
+    group = group_attribute()
+
+    def __init__(self, pool: nn.MaxPool3d, *, group: Any | None = None, mesh: Any | None = None) -> None:
+        if not isinstance(pool, nn.MaxPool3d):
+            raise TypeError(f"HaloMaxPool3d wraps an nn.MaxPool3d, got {type(pool).__name__}")
+        super().__init__(pool.kernel_size, pool.stride, pool.padding, pool.dilation,
+                         return_indices=pool.return_indices, ceil_mode=pool.ceil_mode)
+        self.group = group
+        self._halo_site = Site()
+        set_mesh(self, mesh, "HaloMaxPool3d")
+        _no_mesh_3d(self, "HaloMaxPool3d")
+
+    def forward(self, x: torch.Tensor):
+        op = "HaloMaxPool3d"
+        k, s, p, d = geometry = _h_geometry(self.kernel_size, self.stride, self.padding, self.dilation)
+        args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+        detail = f", kernel {k}, stride {s}, padding {p}, dilation {d} along H, ceil_mode={self.ceil_mode}"
+        plan = resolve(x, self.group, op, _window_pool_plan, (op, "max3d", tuple(x.shape), args, geometry, detail),
+                       site=self._halo_site)
+        if plan.plain:
+            return super().forward(x)
+        out = F.max_pool3d(_run(x, plan), self.kernel_size, self.stride, self.padding, self.dilation,
+                           ceil_mode=self.ceil_mode, return_indices=self.return_indices)
+        if not self.return_indices:
+            out = out.narrow(-2, plan.crop, plan.out)
+        else:
+            out, idx = out
+            out = (out.narrow(-2, plan.crop, plan.out),
+                   _global_index_3d(idx.narrow(-2, plan.crop, plan.out), plan, x.shape[-1]))
+        out = _formatted(out, x)
+        carry(out, x)
+        return out
+
+
+class HaloAvgPool3d(nn.AvgPool3d):
+    """``nn.AvgPool3d`` on a ``(B, C, D, H, W)`` field sharded along H (dim -2); output = the balanced split of the
+    global output rows.
+
+    Every argument torch accepts is supported (padding, ceil_mode, count_include_pad, divisor_override): the local op
+    is torch's with the same arguments on the rows the kept windows read, so the divisors are torch's own. Forward
+    bitwise equal. Latitude rows only: a latitude x longitude mesh is refused.
+    """
+
+    group = group_attribute()
+
+    def __init__(self, pool: nn.AvgPool3d, *, group: Any | None = None, mesh: Any | None = None) -> None:
+        if not isinstance(pool, nn.AvgPool3d):
+            raise TypeError(f"HaloAvgPool3d wraps an nn.AvgPool3d, got {type(pool).__name__}")
+        super().__init__(pool.kernel_size, pool.stride, pool.padding, ceil_mode=pool.ceil_mode,
+                         count_include_pad=pool.count_include_pad, divisor_override=pool.divisor_override)
+        self.group = group
+        self._halo_site = Site()
+        set_mesh(self, mesh, "HaloAvgPool3d")
+        _no_mesh_3d(self, "HaloAvgPool3d")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        op = "HaloAvgPool3d"
+        k, s, p, _ = geometry = _h_geometry(self.kernel_size, self.stride, self.padding)
+        args = (self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
+                self.divisor_override)
+        detail = f", kernel {k}, stride {s}, padding {p} along H, ceil_mode={self.ceil_mode}"
+        plan = resolve(x, self.group, op, _window_pool_plan, (op, "avg3d", tuple(x.shape), args, geometry, detail),
+                       site=self._halo_site)
+        if plan.plain:
+            return super().forward(x)
+        out = F.avg_pool3d(_run(x, plan), self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                           self.count_include_pad, self.divisor_override)
+        out = like_format(out.narrow(-2, plan.crop, plan.out), x)
         carry(out, x)
         return out
 
@@ -489,6 +620,8 @@ def _mesh_pool_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups:
                     shape: tuple, output_size: Any, pw: int) -> MeshPoolPlan:
     from ..comm import group_id
 
+    if len(shape) != 4:  # checked here, after the agreement (the number of dims is agreed): on every rank alike
+        raise ValueError(f"{op}: expected a (B, C, H, W) block, got shape {shape}")
     height, width = sum(extents[0]), sum(extents[1])
     out = _global_shape(kind, (*shape[:-2], height, width), (output_size,))[-2:]
     if tuple(out) != (1, 1):
@@ -536,8 +669,6 @@ def mesh_global_pool(x: torch.Tensor, output_size: Any, mesh: Any, is_max: bool,
                      site: Site | None = None) -> Any:
     """A global adaptive pool (output 1 x 1: squeeze-excitation, scSE, CBAM) of a field sharded in blocks of a
     latitude x longitude mesh; the result is whole on every rank, as on latitude rows."""
-    if x.dim() != 4:
-        raise ValueError(f"{op}: expected a (B, C, H, W) block, got shape {tuple(x.shape)}")
     kind = "adaptive_max" if is_max else "adaptive_avg"
     plan = resolve_2d(x, mesh, op, _mesh_pool_plan, (op, kind, tuple(x.shape), output_size, mesh.domain_shape[1]),
                       site)
@@ -607,7 +738,8 @@ class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
 # -- conversion ---------------------------------------------------------------------------------------------
 
 _POOLS = ((nn.MaxPool2d, HaloMaxPool2d), (nn.AvgPool2d, HaloAvgPool2d),
-          (nn.AdaptiveAvgPool2d, HaloAdaptiveAvgPool2d), (nn.AdaptiveMaxPool2d, HaloAdaptiveMaxPool2d))
+          (nn.AdaptiveAvgPool2d, HaloAdaptiveAvgPool2d), (nn.AdaptiveMaxPool2d, HaloAdaptiveMaxPool2d),
+          (nn.MaxPool3d, HaloMaxPool3d), (nn.AvgPool3d, HaloAvgPool3d))
 
 
 def halo_pool(pool: nn.Module, *, group: Any | None = None) -> nn.Module:
@@ -617,8 +749,9 @@ def halo_pool(pool: nn.Module, *, group: Any | None = None) -> nn.Module:
             return halo_cls(pool, group=group)
     raise NotImplementedError(
         f"no domain-parallel version of {type(pool).__name__}: supported are "
-        f"{', '.join(c.__name__ for c, _ in _POOLS)} (2-d pools over (B, C, H, W) sharded along H); "
-        f"LPPool2d and FractionalMaxPool2d (random windows) and 1-d / 3-d pools are not implemented")
+        f"{', '.join(c.__name__ for c, _ in _POOLS)} (over (B, C, H, W) or (B, C, D, H, W) sharded along H, "
+        f"dim -2); LPPool2d, FractionalMaxPool2d (random windows), 1-d pools and adaptive 3-d pools are not "
+        f"implemented")
 
 
 def _adaptive_hint(pool: Any) -> str:

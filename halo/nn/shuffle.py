@@ -78,13 +78,18 @@ def _shuffle_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups
                  for a in range(2))
 
 
-def _run(module: nn.Module, x: torch.Tensor, factor: int, up: bool, op: str) -> torch.Tensor:
+def _check_4d(x: torch.Tensor, op: str) -> None:
+    """Called after the agreement (the number of dims is agreed), so every rank raises alike (invariant 4)."""
     if x.dim() != 4:
         raise ValueError(f"{op}: expected a (B, C, H_local, W) shard, got shape {tuple(x.shape)}")
+
+
+def _run(module: nn.Module, x: torch.Tensor, factor: int, up: bool, op: str) -> torch.Tensor:
     fn = F.pixel_shuffle if up else F.pixel_unshuffle
     mesh = mesh_of(module)
     if mesh is not None:  # a latitude x longitude mesh: each axis as H alone is (rows, then columns)
         plans = resolve_2d(x, mesh, op, _shuffle_plan_2d, (factor, up, op), module._halo_site)
+        _check_4d(x, op)
         t = x
         for a, plan in enumerate(plans):
             if not plan.plain:
@@ -97,6 +102,7 @@ def _run(module: nn.Module, x: torch.Tensor, factor: int, up: bool, op: str) -> 
         carry(out, x)
         return out
     plan = resolve(x, module.group, op, _shuffle_plan, (factor, up, op), site=module._halo_site)
+    _check_4d(x, op)
     if plan.plain:
         return fn(x, factor)
     rows = exchange(x, plan.ex, plan.rows, 2)
