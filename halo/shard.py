@@ -77,11 +77,23 @@ def _chunks(buf: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return [buf[k * rows:(k + 1) * rows] for k in range(parts)]
 
 
-def _unpack(buf: torch.Tensor, sizes: tuple[int, ...], dim: int, rows: int) -> torch.Tensor:
-    """Inverse of ``_pack``: the pieces (their first ``sizes[k]`` rows) concatenated along ``dim``."""
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    """``x``'s memory format (channels_last, channels_last_3d or contiguous), as torch's ops keep it: a shard or a
+    gathered field of a channels_last field is channels_last, as the unsharded model's tensors are."""
+    if not x.is_contiguous():
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+            return torch.channels_last
+        if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+            return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _unpack(buf: torch.Tensor, sizes: tuple[int, ...], dim: int, rows: int,
+            fmt: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """Inverse of ``_pack``: the pieces (their first ``sizes[k]`` rows) concatenated along ``dim``, in ``fmt``."""
     shape = list(buf.shape[1:])
     shape.insert(dim, sum(sizes))
-    out = buf.new_empty(shape)
+    out = torch.empty(shape, dtype=buf.dtype, device=buf.device, memory_format=fmt)
     at = 0
     for k, n in enumerate(sizes):
         out.narrow(dim, at, n).copy_(buf[k * rows:k * rows + n].movedim(0, dim))
@@ -100,9 +112,10 @@ def _silent(x: torch.Tensor, sizes: tuple[int, ...], dim: int) -> bool:
 
 
 def _slice(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> torch.Tensor:
-    return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone(memory_format=torch.contiguous_format)
+    return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone(memory_format=_memory_format(x))
 
 
+@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)
 def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup) -> torch.Tensor:
     """Every rank's piece, concatenated along ``dim`` in group order, on every rank."""
     if info.size == 1:
@@ -113,9 +126,10 @@ def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGro
         send = _pack([x], dim, rows)
         _bounded(dist.all_gather(_chunks(recv, info.size), send, group=info.group, async_op=True), info, "gather",
                  (send, recv))
-    return _unpack(recv, sizes, dim, rows)
+    return _unpack(recv, sizes, dim, rows, _memory_format(x))
 
 
+@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)
 def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup, dst: int) -> torch.Tensor:
     """The concatenation on group rank ``dst``; elsewhere an empty tensor (extent 0 along ``dim``)."""
     if info.size == 1:
@@ -126,9 +140,10 @@ def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGrou
         send = _pack([x], dim, rows)
         _bounded(dist.gather(send, _chunks(recv, info.size) if here else None, group=info.group, group_dst=dst,
                              async_op=True), info, "gather", (send, recv))
-    return _unpack(recv, sizes, dim, rows) if here else _empty_like(x, dim)
+    return _unpack(recv, sizes, dim, rows, _memory_format(x)) if here else _empty_like(x, dim)
 
 
+@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)
 def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info: CommGroup, src: int,
                   like: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``x`` (held on group rank ``src`` only); ``like``: an empty tensor of the
@@ -146,6 +161,7 @@ def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info
     return recv[:sizes[info.index]].movedim(0, dim).contiguous()
 
 
+@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)
 def _reduce_scatter_mean(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup) -> torch.Tensor:
     """This rank's piece of the mean over ranks of the full tensors ``x``."""
     if info.size == 1:

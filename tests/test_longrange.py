@@ -9,8 +9,10 @@
   ``DomainCrossFormerAttention`` (short and long) equals the unsharded module forward and backward on 2 and 3 ranks
   (input grads; parameter grads summed over the domain group); a converted ``Transformer`` (short + FF + long + FF)
   keeps its state_dict keys and trains for three SGD steps equal to the unsharded one.
-- Errors: shards that are not multiples of the short window, and a height that is not a multiple of the long
-  window, raise the same error naming the sizes on every rank.
+- Short windows on shards that are not whole windows (a conv's balanced split): the rows regroup to the split of
+  whole windows (fewer windows than ranks: the last ranks hold none) and back, exact as above.
+- Errors: a height that is not a multiple of the short window, and a height or width that is not a multiple of
+  the long window, raise the same error naming the sizes on every rank.
 - Axial attention over H: ``rows_to_columns`` (H-shards -> W-shards, a regroup) gives every rank whole columns
   (bitwise), passes the dot-product test, ``columns_to_rows`` undoes it; ``nn.MultiheadAttention`` along H of every
   column between the two equals the unsharded one forward and backward (parameter grads summed) on 2 and 3 ranks.
@@ -290,8 +292,12 @@ def _attention(rank, world, cases):
 
 
 @pytest.mark.parametrize("world,cases", [
-    (3, [("short", 4, 24, 12, 1), ("long", 3, 24, 12, 2), ("long", 4, 12, 8, 3), ("short", 3, 9, 6, 4)]),
-    (2, [("short", 3, 18, 9, 5), ("long", 3, 21, 9, 6)]),
+    # short windows on shards that are not whole windows (7 + 7 + 6 rows, windows of 4; 3 + 3, windows of 2): the
+    # rows regroup to whole windows (8 + 8 + 4; 4 + 2) and back; 3 + 3 + 2 rows, 2 windows of 4: 4 + 4 + 0; long
+    # range with 2 groups over 3 ranks: 4 + 4 + 0 rows
+    (3, [("short", 4, 24, 12, 1), ("long", 3, 24, 12, 2), ("long", 4, 12, 8, 3), ("short", 3, 9, 6, 4),
+         ("short", 4, 20, 12, 7), ("short", 4, 8, 8, 9), ("long", 4, 8, 8, 10)]),
+    (2, [("short", 3, 18, 9, 5), ("long", 3, 21, 9, 6), ("short", 2, 6, 8, 8)]),
 ])
 def test_crossformer_attention_equals_unsharded(world, cases):
     for errs in run_on_ranks(_attention, world, cases, timeout=180):
@@ -357,7 +363,7 @@ def _errors(rank, world, attn_type, window, h):
 
 
 @pytest.mark.parametrize("attn_type,window,h,match", [
-    ("short", 4, 20, "every rank's rows must be a multiple of 4, but the shards hold [7, 7, 6] rows"),
+    ("short", 4, 18, "has 18 rows along H, not a multiple of window_size=4 (the shards hold [6, 6, 6]"),
     ("long", 3, 25, "the field has 25 rows along H, not a multiple of window_size=3"),
     ("long", 5, 25, "the field has 12 columns along W, not a multiple of window_size=5"),
 ])

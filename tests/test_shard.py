@@ -141,6 +141,30 @@ def test_gradcheck_shard_then_gather():
     assert run_on_ranks(_gradcheck, 3, timeout=240) == [[True, True]] * 3
 
 
+def _formats(rank, world):
+    """shard and gather of channels_last (4-d) and channels_last_3d (5-d) fields along H: the results keep the
+    input's memory format (as torch's slicing and cat do: a channels_last model's shards and gathered outputs are
+    channels_last, as the unsharded model's tensors are) and their values."""
+    import halo
+    from halo.shard import gather, shard
+    halo.initialize_domain_parallel(world, world)
+    out = []
+    for shape, fmt in (((2, 3, 7, 5), torch.channels_last), ((2, 3, 2, 7, 5), torch.channels_last_3d),
+                       ((2, 3, 7, 5), torch.contiguous_format)):
+        x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        x = x.contiguous(memory_format=fmt)
+        local = shard(x, -2)
+        whole = gather(local, -2)
+        out.append((local.is_contiguous(memory_format=fmt), whole.is_contiguous(memory_format=fmt),
+                    torch.equal(local, torch.tensor_split(x, world, -2)[rank]), torch.equal(whole, x)))
+    return out
+
+
+def test_shard_and_gather_keep_the_memory_format():
+    for res in run_on_ranks(_formats, 2, timeout=240):
+        assert res == [(True, True, True, True)] * 3, res
+
+
 def _ranks_2d(rank, world):
     os.environ["TRITON_INTERPRET"] = "0"
     from halo.mesh import DomainMesh

@@ -19,12 +19,15 @@ backward is the same code with the plan reversed: the gradient rows travel back 
 ``rel_pos_indices``), so state_dict keys stay:
 
 * ``"short"``: windows of ``window_size`` consecutive rows, ``"b d (h s1) (w s2) -> (b h w) d s1 s2"``: local on
-  every rank when each rank's rows are a multiple of the window (then no window straddles two ranks); otherwise
-  every rank raises the same error naming the sizes (shard with a granularity of ``window_size`` rows).
+  every rank when each rank's rows are a multiple of the window (then no window straddles two ranks); otherwise a
+  regroup moves the rows to the split of whole windows (windows balanced over the ranks: the identity on global
+  rows; with fewer windows than ranks the last ranks hold none), the windows attend locally and the inverse regroup
+  restores the split. A height that is not a multiple of the window (CREDIT's rearrange refuses it too) raises the
+  same error on every rank, naming the sizes.
 * ``"long"``: the prenorm (pointwise), a regroup to ranks holding whole groups ``h`` (groups split balanced over
-  the ranks; all ``window`` rows of each), the attention of CREDIT on the local groups, the output projection
-  (pointwise), the inverse regroup. ``H`` and ``W`` must be multiples of the window (CREDIT's rearrange requires
-  it): an error on every rank otherwise.
+  the ranks; all ``window`` rows of each; fewer groups than ranks: the last ranks hold none), the attention of
+  CREDIT on the local groups, the output projection (pointwise), the inverse regroup. ``H`` and ``W`` must be
+  multiples of the window (CREDIT's rearrange requires it): an error on every rank otherwise.
 
 Axial attention over H: :func:`rows_to_columns` regroups H-shards ``(..., H_r, W)`` into W-shards ``(..., H, W_s)``
 (every rank holds whole columns: attention along H is local), :func:`columns_to_rows` goes back; both are regroups
@@ -37,6 +40,8 @@ attention weights in training is refused (it would need sharding-invariant draws
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -270,7 +275,8 @@ def long_range_plan(cg: CommGroup, dim: int, sizes: Sequence[int], window: int, 
 
 
 class _CFPlan(NamedTuple):
-    forward: RegroupPlan | None  # long: the regroup (None: short, local)
+    forward: RegroupPlan | None  # the regroup before the attention (long: the groups; short: whole windows)
+    short: bool = False
 
 
 def _cf_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], attn_type: str, window: int, width: int,
@@ -279,15 +285,24 @@ def _cf_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], attn_type: str
     if width % window:
         raise ValueError(f"{op}: the field has {width} columns along W, not a multiple of window_size={window}")
     if attn_type == "short":
-        bad = [r for r, n in enumerate(sizes) if n % window]
-        if bad:
-            raise ValueError(
-                f"{op}: short-distance attention takes windows of {window} rows, so every rank's rows must be a "
-                f"multiple of {window}, but the shards hold {list(sizes)} rows (group ranks {bad} do not); shard "
-                f"the field with a granularity of {window} rows, or use a height and a number of ranks that give "
-                f"such shards")
-        return _CFPlan(None)
+        if all(n % window == 0 for n in sizes):  # every window on one rank: local, no messages
+            return _CFPlan(None, True)
+        return _CFPlan(_whole_windows_plan(cg, sizes, window, op), True)
     return _CFPlan(long_range_plan(cg, -2, sizes, window, op))
+
+
+def _whole_windows_plan(cg: CommGroup, sizes: Sequence[int], window: int, op: str) -> RegroupPlan:
+    """Short-distance windows on shards that are not whole windows (a conv's balanced split of 6 rows over 2 ranks
+    is 3 + 3, windows of 2): move the rows to the split of whole windows (windows balanced over the ranks, 4 + 2;
+    with fewer windows than ranks the last ranks hold none), the identity on the global rows; the attention then
+    runs locally and the inverse regroup restores the split."""
+    height = sum(sizes)
+    if height % window:
+        raise ValueError(f"{op}: short-distance attention takes windows of {window} rows, but the field has {height} "
+                         f"rows along H, not a multiple of window_size={window} (the shards hold {list(sizes)}; "
+                         f"CREDIT's rearrange needs whole windows too)")
+    blocks = [window * n for n in split_sizes(height // window, cg.size)]
+    return regroup_plan(cg, -2, sizes, blocks, list(range(height)), op)
 
 
 def _short_windows(x: torch.Tensor, w: int) -> torch.Tensor:
@@ -345,12 +360,21 @@ def crossformer_attention_reference(m: nn.Module, x: torch.Tensor) -> torch.Tens
     return y.reshape(b, hh // w, ww // w, -1, w, w).permute(0, 3, 4, 1, 5, 2).reshape(b, -1, hh, ww)
 
 
+def _empty_unguarded(g: torch.Tensor) -> Any:
+    """A rank that holds no windows or groups (fewer of them than ranks) attends on an empty batch, still in the
+    graph so that its backward joins the inverse regroup's messages; with no rows there is nothing for the guard of
+    functional ops to follow (and its row arithmetic assumes rows), so torch-function handling is off for it."""
+    return torch._C.DisableTorchFunction() if g.shape[-2] == 0 else contextlib.nullcontext()
+
+
 class DomainCrossFormerAttention(nn.Module):
     """CREDIT's CrossFormer ``Attention`` (short or long distance) on an H-shard ``(B, dim, H_r, W)`` (module
     docstring): the same numbers, the same state_dict keys. Wraps an existing module (its Parameters and buffers
     are shared)."""
 
     group = group_attribute()
+    #: for ``halo.check_equivalence``: the output is a field (compared), the submodules see windows or regrouped rows
+    _halo_check = "children"
 
     def __init__(self, attention: nn.Module, *, group: Any | None = None) -> None:
         super().__init__()
@@ -363,7 +387,8 @@ class DomainCrossFormerAttention(nn.Module):
         if attention.attn_type not in ("short", "long"):
             raise ValueError(f"{name}: attn_type must be 'short' or 'long', got {attention.attn_type!r}")
         for key, value in attention.__dict__.items():  # shares Parameters; keeps names (state_dict keys unchanged)
-            self.__dict__[key] = dict(value) if isinstance(value, dict) else value
+            # a copy of its own type: hooks' dicts are OrderedDicts (a handle keeps a weak reference to them)
+            self.__dict__[key] = copy.copy(value) if isinstance(value, dict) else value
         self.group = group
         self._halo_site = Site()
 
@@ -383,11 +408,15 @@ class DomainCrossFormerAttention(nn.Module):
             raise ValueError(f"{name}: expected a (B, dim, H, W) shard, got shape {tuple(x.shape)}")
         b, _, hh, ww = x.shape
         y = self.norm(x)
-        if plan.forward is None:
-            out = _short_back(_attend(self, _short_windows(y, w)), b, hh, ww, w)
+        if plan.short:
+            g = y if plan.forward is None else regroup(y, plan.forward)
+            with _empty_unguarded(g):
+                out = _short_back(_attend(self, _short_windows(g, w)), b, g.shape[-2], ww, w)
+            out = out if plan.forward is None else regroup(out, plan.forward.inverse())
         else:
             g = regroup(y, plan.forward)
-            z = _long_back(_attend(self, _long_groups(g, w)), b, g.shape[-2], ww, w)
+            with _empty_unguarded(g):
+                z = _long_back(_attend(self, _long_groups(g, w)), b, g.shape[-2], ww, w)
             out = regroup(z, plan.forward.inverse())
         carry(out, x)
         place(out, -2)

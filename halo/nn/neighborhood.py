@@ -36,6 +36,7 @@ smaller than the window (refused like newer NATTEN).
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -299,7 +300,8 @@ class DomainNeighborhoodAttention2D(nn.Module):
         if any(causal) if isinstance(causal, (tuple, list)) else causal:
             raise ValueError(f"{name}: causal neighbourhood attention (is_causal={causal}) is not supported")
         for key, value in m.__dict__.items():  # shares Parameters; keeps names (state_dict keys unchanged)
-            self.__dict__[key] = dict(value) if isinstance(value, dict) else value
+            # a copy of its own type: hooks' dicts are OrderedDicts (a handle keeps a weak reference to them)
+            self.__dict__[key] = copy.copy(value) if isinstance(value, dict) else value
         self.kernel_size = _pair(m.kernel_size, "kernel_size")
         self.dilation = _pair(m.dilation, "dilation")
         self.__dict__.setdefault("head_dim", m.qkv.in_features // m.num_heads)

@@ -18,6 +18,7 @@ The blocks' children (``Conv2dReLU``, scSE attention) are converted as usual. NC
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -44,7 +45,8 @@ def _twin_as(cls: type, m: nn.Module, group: Any) -> nn.Module:
     ``state_dict`` keys are unchanged and ``revert_domain_parallel`` puts ``m`` back."""
     t = object.__new__(cls)
     for key, value in m.__dict__.items():
-        t.__dict__[key] = dict(value) if isinstance(value, dict) else value
+        # a copy of its own type: hooks' dicts are OrderedDicts (a hook handle keeps a weak reference to them)
+        t.__dict__[key] = copy.copy(value) if isinstance(value, dict) else value
     t.__dict__["_halo_group"] = group
     return t
 

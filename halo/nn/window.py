@@ -182,6 +182,9 @@ class HaloWindowAttention(nn.Module):
     the relative position bias, plus the shifted-window mask of this rank's windows. Windows are independent, so
     this is exact on any rank's windows; it is halo's own (the converter does not look inside it)."""
 
+    #: for ``halo.check_equivalence``: it and its submodules take and return windows, not the field's rows
+    _halo_check = "self"
+
     def __init__(self, attn: nn.Module) -> None:
         _adopt(self, attn, "HaloWindowAttention",
                ("qkv", "proj", "relative_position_bias_table", "relative_position_index", "num_heads", "scale",
@@ -390,6 +393,8 @@ class HaloPatchMerging(nn.Module):
 
     def __init__(self, merge: nn.Module, *, group: Any | None = None) -> None:
         _adopt(self, merge, "HaloPatchMerging", ("norm", "reduction"))
+        # timm's Swin V2 PatchMerging normalises after the reduction (over its output features)
+        self._halo_post_norm = type(merge).__module__.endswith("swin_transformer_v2")
         self.group = group
         self._halo_site = Site()
 
@@ -403,7 +408,7 @@ class HaloPatchMerging(nn.Module):
         y = F.pad(y, (0, 0, 0, w % 2, 0, y.shape[1] % 2))
         _, h2, w2, _ = y.shape
         y = y.reshape(b, h2 // 2, 2, w2 // 2, 2, c).permute(0, 1, 3, 4, 2, 5).flatten(3)
-        y = self.reduction(self.norm(y))
+        y = self.norm(self.reduction(y)) if self._halo_post_norm else self.reduction(self.norm(y))
         carry(y, x)
         place(y, 1)
         return y
@@ -496,9 +501,11 @@ def swin_adapter(module: nn.Module) -> Any:
             and hasattr(mods["attn"], "relative_position_bias_table") and not hasattr(mods["attn"], "logit_scale"):
         return _whole_w(HaloSwinTransformerBlock)
     if kind == "PatchMerging" and {"norm", "reduction"} <= set(mods) and isinstance(mods["reduction"], nn.Linear) \
-            and isinstance(mods["norm"], nn.LayerNorm) \
-            and tuple(mods["norm"].normalized_shape) == (mods["reduction"].in_features,):
-        return _whole_w(HaloPatchMerging)  # v1: norm over 4*dim, then the reduction
+            and isinstance(mods["norm"], nn.LayerNorm):
+        v2 = type(module).__module__.endswith("swin_transformer_v2")  # the reduction, then norm over its output
+        features = mods["reduction"].out_features if v2 else mods["reduction"].in_features
+        if tuple(mods["norm"].normalized_shape) == (features,):
+            return _whole_w(HaloPatchMerging)  # v1: norm over 4*dim, then the reduction
     if kind == "PatchEmbed" and isinstance(mods.get("proj"), nn.Conv2d) and "norm" in mods \
             and all(hasattr(module, a) for a in ("patch_size", "flatten", "output_fmt")):
         return _whole_w(HaloPatchEmbed)
