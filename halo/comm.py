@@ -15,6 +15,14 @@ Every wait is bounded (invariant 4): by :func:`set_timeout` where set, else by t
 A peer that died, stalls, or called a different collective makes this rank raise :class:`HaloCommError` naming
 the peers still pending. Buffers of a message given up on are kept alive (:func:`keep_alive`): a late peer may
 still write into them.
+
+Under ``torch.compile`` the helpers here that post or wait (:func:`all_reduce`, :func:`all_gather_host`,
+:func:`gather_words`, :func:`all_gather_object`, :func:`wait_all`) are ``torch._dynamo.disable``d: dynamo never
+traces a collective into a graph (where nothing would order it against halo's communicating custom ops, see
+:func:`halo.exchange.order_after`), whatever a torch version learns to trace (``time.monotonic``, ``async_op``,
+``dist.*`` remapped to functional collectives). A Python path that reaches one inside a compiled region is a graph
+break there, so it runs eagerly in program order on every rank; the communication that belongs in a graph goes
+through halo's ordered custom ops instead. Inside a custom op's own kernel (never traced) the wrapper costs ~1 us.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import collections
 import inspect
 import math
+import pickle
 import re
 import time
 import weakref
@@ -293,6 +302,7 @@ def comm_group(group: Any | None = None) -> CommGroup:
     return cg
 
 
+@torch._dynamo.disable  # a wait never enters a compiled graph (module docstring)
 def wait_all(works: Sequence[Any], labels: Sequence[Any], cg: CommGroup, what: str, posted: float,
              keep: Any) -> None:
     """Wait for ``works`` under one deadline; turn a failure or timeout into :class:`HaloCommError`.
@@ -362,6 +372,7 @@ def _others(cg: CommGroup) -> str:
     return str([g for g in cg.ranks if g != cg.ranks[cg.index]])
 
 
+@torch._dynamo.disable  # never traced into a graph, unordered (module docstring): a graph break
 def all_reduce(t: torch.Tensor, cg: CommGroup, what: str, op: Any = None) -> torch.Tensor:
     """In-place all-reduce of ``t`` over ``cg`` (``op`` default SUM) under the bounded wait; returns ``t``."""
     posted = time.monotonic()
@@ -370,6 +381,7 @@ def all_reduce(t: torch.Tensor, cg: CommGroup, what: str, op: Any = None) -> tor
     return t
 
 
+@torch._dynamo.disable  # never traced into a graph (module docstring)
 def all_gather_host(local: torch.Tensor, table: torch.Tensor, cg: CommGroup, what: str) -> torch.Tensor:
     """Every rank's CPU tensor ``local`` into the rows of ``table`` (``(size, *local.shape)``), on the host group."""
     posted = time.monotonic()
@@ -381,6 +393,7 @@ def all_gather_host(local: torch.Tensor, table: torch.Tensor, cg: CommGroup, wha
 _HOST_BUFFERS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+@torch._dynamo.disable  # never traced into a graph (module docstring)
 def gather_words(words: Sequence[int], cg: CommGroup, what: str) -> np.ndarray:
     """Every rank's row of ``len(words)`` int64 words, in group order (an array ``(size, len(words))``): one
     all-gather on the host group into buffers made once per (group, width), written and read through numpy (no
@@ -396,8 +409,28 @@ def gather_words(words: Sequence[int], cg: CommGroup, what: str) -> np.ndarray:
     return table.numpy().copy()
 
 
-def all_gather_object(obj: Any, cg: CommGroup) -> list[Any]:
-    """Every rank's picklable ``obj`` in group order, on the host group (the slow path of an agreement: errors)."""
-    out: list[Any] = [None] * cg.size
-    dist.all_gather_object(out, obj, group=cg.host)
-    return out
+@torch._dynamo.disable  # never traced into a graph (module docstring)
+def all_gather_object(obj: Any, cg: CommGroup, what: str = "all_gather_object") -> list[Any]:
+    """Every rank's picklable ``obj`` in group order, on the host group (the slow path of an agreement: errors).
+
+    Bounded like every other wait here (:func:`set_timeout`, else the process group's timeout): the pickled sizes
+    travel in one :func:`gather_words`, then the bytes, zero-padded to the longest, in one all-gather on the host
+    group. ``torch.distributed.all_gather_object`` has no ``async_op`` and so no bound but the group's timeout; a
+    peer that never joins makes this rank raise :class:`HaloCommError` naming it within the bound instead. ``what``
+    names the caller in that error.
+    """
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sizes = _gather_words((len(payload),), cg, what)[:, 0]
+    width = max(int(sizes.max()), 1)
+    local = torch.zeros(width, dtype=torch.uint8)
+    local.numpy()[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    table = torch.empty(cg.size, width, dtype=torch.uint8)
+    _all_gather_host(local, table, cg, what)
+    rows = table.numpy()
+    return [pickle.loads(rows[r, :int(sizes[r])].tobytes()) for r in range(cg.size)]  # copies, as torch's
+
+
+# Inner names for this module's own calls (the counters of halo.testing.HostWorkCounter patch the public names:
+# one all_gather_object counts as one agreement, not two).
+_gather_words = gather_words
+_all_gather_host = all_gather_host

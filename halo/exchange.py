@@ -178,6 +178,7 @@ def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return device_tensor(tuple(values), torch.int64, device)
 
 
+@torch._dynamo.disable  # never traced into a compiled graph, unordered (halo.comm's docstring): a graph break
 def post_messages(cg: CommGroup, op: str, send: torch.Tensor | None, send_list: Sequence[tuple[int, int]],
                   recv: torch.Tensor | None, recv_list: Sequence[tuple[int, int]]) -> tuple[list, list]:
     """Post point-to-point messages: consecutive row slices of ``send`` to the ``(peer, rows)`` of ``send_list``,
@@ -581,6 +582,7 @@ def order_communication(*ops: Any) -> None:
     after it (:func:`order_after`), a data dependency every pass keeps. torch 2.11-2.14 register the effect through
     ``torch.library._register_effectful_op``; older versions through ``_higher_order_ops.effects``.
     """
+    _COMMUNICATING.update(op._qualname for op in ops)
     register = getattr(torch.library, "_register_effectful_op", None)
     if register is not None:
         from torch._library.effects import EffectType
@@ -594,7 +596,50 @@ def order_communication(*ops: Any) -> None:
         _register_effectful_op(op._opoverload, _EffectType.ORDERED)
 
 
+#: The qualified names of halo's communicating custom ops (:func:`order_communication`) and of ``halo::order_after``,
+#: whose outputs a checkpointed region of a compiled graph saves (:func:`_save_communication_in_checkpoints`).
+_COMMUNICATING: set[str] = {"halo::order_after"}
+
+
+def _communicating(op: Any) -> bool:
+    """Whether ``op`` (an ``OpOverload``) is one of halo's communicating custom ops or ``halo::order_after``."""
+    name = getattr(op, "name", None)
+    return callable(name) and name() in _COMMUNICATING
+
+
+def _save_communication_in_checkpoints() -> None:
+    """Under ``torch.compile``, ``torch.utils.checkpoint`` (no ``context_fn``) recomputes every op of its region in
+    backward, with the policy ``torch._higher_order_ops.wrap._always_prefer_recompute``. torch 2.13 cannot recompute
+    an ordered-effect op there: aot_eager saves the region's input effect token, which is ``None`` at run time
+    (``expected all tensors_saved_with_vc_check to be Tensors``), and inductor fails to unlift the tokens
+    (``forward num_erased_outs``). So halo's communicating ops (and ``order_after``) are saved instead
+    (``MUST_SAVE``): a compiled checkpointed region posts its messages once, in forward, and recomputes the rest
+    (convolutions, normalisation, activations) from the saved exchanged shards in backward — correct on every rank
+    alike, at the cost of keeping the exchanged (extended) shards of the region, which eager checkpointing recomputes
+    (re-posting the messages in backward). A ``context_fn`` of your own (selective checkpointing) must save them
+    too: return ``MUST_SAVE`` where ``halo.exchange._communicating(op)``. Eager checkpointing is unchanged. Where
+    the policy is absent (another torch), nothing is patched."""
+    try:
+        from torch._higher_order_ops import wrap
+    except ImportError:  # another torch: nothing to patch
+        return
+    base = getattr(wrap, "_always_prefer_recompute", None)
+    if base is None or getattr(base, "_halo_saves_communication", False):
+        return
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if _communicating(op):
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            return CheckpointPolicy.MUST_SAVE
+        return base(ctx, op, *args, **kwargs)
+
+    policy._halo_saves_communication = True  # type: ignore[attr-defined]
+    wrap._always_prefer_recompute = policy
+
+
 order_communication(_exchange_op, _exchange_adjoint_op)
+_save_communication_in_checkpoints()
 
 
 def exchange(x: torch.Tensor, ex_id: int, rows: int, dim: int = -2) -> torch.Tensor:
@@ -679,6 +724,7 @@ def halo_exchange(x: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *, 
     return out
 
 
+@torch._dynamo.disable  # in place, from Python (no custom op): eager, a graph break under torch.compile
 def halo_exchange_(ext: torch.Tensor, halo: int | Sequence[int], dim: int = -2, *, group: Any | None = None,
                    boundary: str = "zeros") -> torch.Tensor:
     """In place: fill the halo rows of an extended buffer whose middle rows hold this rank's shard.
@@ -713,13 +759,19 @@ def halo_exchange_(ext: torch.Tensor, halo: int | Sequence[int], dim: int = -2, 
 
 
 class HaloHandle:
-    """An exchange in flight: ``wait()`` returns the extended shard (differentiable w.r.t. ``x``)."""
+    """An exchange in flight: ``wait()`` returns the extended shard (differentiable w.r.t. ``x``).
 
+    Under ``torch.compile`` its start and its wait are graph breaks (run eagerly, in program order on every rank:
+    Python posting and waiting is never traced into a graph, where nothing would order it); for an exchange inside
+    a compiled graph use :func:`halo_exchange` (the ordered ``halo::exchange`` custom op)."""
+
+    @torch._dynamo.disable  # posts from Python (no custom op): eager, a graph break under torch.compile
     def __init__(self, x: torch.Tensor, ex_id: int) -> None:
         self._x, self._exchanger = x, get_exchanger(ex_id)
         self._pending: dict | None = self._exchanger.start(x.detach())
         self._result: torch.Tensor | None = None
 
+    @torch._dynamo.disable  # waits from Python: eager, a graph break under torch.compile
     def wait(self) -> torch.Tensor:
         if self._result is None:
             self._result = _ExchangeFn.apply(self._x, self._exchanger, self._pending)

@@ -117,8 +117,8 @@ def all_reduce(x: torch.Tensor, op: str = "sum", group: Any | None = None) -> to
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {', '.join(REDUCE_OPS)}")
-    if torch.compiler.is_compiling() and op in ("sum", "mean"):  # a custom op: one node of the graph
-        gid, size = _group_of(group)
+    if torch.compiler.is_compiling():  # a custom op, ordered: one node of the graph
+        gid, size, _ = _group_of(group)
         return x if size == 1 else _ordered_all_reduce(x, op, gid)
     info = comm_group(group)
     if info.size == 1:
@@ -127,9 +127,12 @@ def all_reduce(x: torch.Tensor, op: str = "sum", group: Any | None = None) -> to
 
 
 @torch._dynamo.assume_constant_result
-def _group_of(group: Any | None) -> tuple[int, int]:
+def _group_of(group: Any | None) -> tuple[int, int, int]:
+    """``(group id, size, this rank's index)`` of ``group``, outside the trace: dynamo must not trace
+    :func:`halo.comm.comm_group` (it would cache a group under the trace's stand-in for the process group). Pass
+    the caller's own ``group`` argument (``None`` or a group object), never one a traced call returned."""
     cg = comm_group(group)
-    return group_id(cg), cg.size
+    return group_id(cg), cg.size, cg.index
 
 
 def _ordered_all_reduce(x: torch.Tensor, op: str, gid: int, order: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,15 +145,21 @@ def _ordered_all_reduce(x: torch.Tensor, op: str, gid: int, order: torch.Tensor 
     return out
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}
+
+
 @torch.library.custom_op("halo::all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, order: torch.Tensor, op: str, gid: int) -> torch.Tensor:
-    """:func:`all_reduce` (sum or mean) under ``torch.compile``: the same bounded all-reduce, accumulated in fp32 or
-    wider; its backward is the same op on the gradient (the plain adjoint). ``order``: the device's order token."""
+    """:func:`all_reduce` (sum, mean, max or min) under ``torch.compile``: the same bounded all-reduce, accumulated
+    in fp32 or wider (a max or min of widened values is exact); its backward is the plain adjoint (sum, mean: the
+    same op on the gradient; max, min: the summed gradient split over the ranks' ties). ``order``: the device's
+    order token."""
     info = group_by_id(gid)
     acc = accumulation_dtype(x.dtype)
     buf = torch.empty_like(x, dtype=acc)  # the strides the fake kernel gives (any layout of x, exactly)
     buf.copy_(x.detach())
-    bounded_all_reduce(buf, info, "all_reduce")
+    bounded_all_reduce(buf, info, "all_reduce", _REDUCE_OPS[op])
     if op == "mean":
         buf.div_(info.size)
     return buf if acc == x.dtype else torch.empty_like(x).copy_(buf)
@@ -163,23 +172,80 @@ def _(x: torch.Tensor, order: torch.Tensor, op: str, gid: int) -> torch.Tensor:
 
 def _all_reduce_setup(ctx, inputs, output) -> None:
     ctx.order, ctx.op, ctx.gid = inputs[1], inputs[2], inputs[3]
+    if ctx.op in ("max", "min"):
+        ctx.save_for_backward(inputs[0], output)
 
 
 def _all_reduce_backward(ctx, grad: torch.Tensor):
     from .exchange import backward_order_token
 
-    return _ordered_all_reduce(grad, ctx.op, ctx.gid, backward_order_token(ctx.order, grad)), None, None, None
+    order = backward_order_token(ctx.order, grad)
+    if ctx.op in ("sum", "mean"):
+        return _ordered_all_reduce(grad, ctx.op, ctx.gid, order), None, None, None
+    # max / min: as _AllReduceFn's backward, with the gradient's and the ties' sums in one all-reduce.
+    x, out = ctx.saved_tensors
+    acc = accumulation_dtype(x.dtype)
+    hit = x.to(acc) == out.to(acc)  # out is the exact extremum (widening is exact, so is the cast back)
+    both = _ordered_all_reduce(torch.stack([grad.to(acc), hit.to(acc)]), "sum", ctx.gid, order)
+    gx = torch.where(hit, both[0] / both[1], torch.zeros_like(both[0]))
+    return gx.to(grad.dtype), None, None, None
 
 
 _all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
 
 
+@torch.library.custom_op("halo::replicated_sum", mutates_args=())
+def _replicated_sum_op(buf: torch.Tensor, order: torch.Tensor, gid: int) -> torch.Tensor:
+    """The sum over ranks of ``buf`` (float64, 1-d: a domain reduction's local sums and count) under
+    ``torch.compile``, replicated on every rank and counted once: its backward is the mean over ranks of the
+    incoming gradients (:class:`_ReplicatedSumFn`), not the plain adjoint of ``halo::all_reduce``. ``order``: the
+    device's order token. Output: a fresh tensor with ``buf``'s strides (as the fake kernel says)."""
+    out = torch.empty_like(buf).copy_(buf)
+    bounded_all_reduce(out, group_by_id(gid), "domain reduction")
+    return out
+
+
+@_replicated_sum_op.register_fake
+def _(buf: torch.Tensor, order: torch.Tensor, gid: int) -> torch.Tensor:
+    return torch.empty_like(buf)
+
+
+def _replicated_setup(ctx, inputs, output) -> None:
+    ctx.order, ctx.gid = inputs[1], inputs[2]
+
+
+def _replicated_backward(ctx, grad: torch.Tensor):
+    from .exchange import backward_order_token
+
+    return _ordered_all_reduce(grad, "mean", ctx.gid, backward_order_token(ctx.order, grad)), None, None
+
+
+_replicated_sum_op.register_autograd(_replicated_backward, setup_context=_replicated_setup)
+
+
+def _ordered_replicated_sum(local: torch.Tensor, count: int | None, gid: int) -> torch.Tensor:
+    """:class:`_ReplicatedSumFn` under ``torch.compile``: ``halo::replicated_sum`` of the local sums (and the count,
+    riding along), sequenced by the device's order token; the division by the global count is traced (autograd
+    gives the same adjoint as the Function's)."""
+    from .exchange import order_after, order_token
+
+    flat = local.reshape(-1).to(torch.float64)
+    if count is not None:
+        flat = torch.cat([flat, flat.new_full((1,), float(count))])
+    order = order_token(local.device)
+    total = _replicated_sum_op(flat, order, gid)
+    order_after(order, total)
+    n = local.numel()
+    out = total[:n] / total[n] if count is not None else total
+    return out.to(local.dtype).view(local.shape)
+
+
 def _order_all_reduce() -> None:
-    """``halo::all_reduce`` communicates: an ordered effect under torch.compile (see
+    """``halo::all_reduce`` and ``halo::replicated_sum`` communicate: ordered effects under torch.compile (see
     :func:`halo.exchange.order_communication`)."""
     from .exchange import order_communication
 
-    order_communication(_all_reduce_op)
+    order_communication(_all_reduce_op, _replicated_sum_op)
 
 
 _order_all_reduce()
@@ -238,15 +304,22 @@ def _reduce(x: torch.Tensor, dim, keepdim: bool, group: Any | None, mean: bool, 
         group = mesh.domain_group
         if dim is not None and not validated:
             _mesh_rows(x, mesh, op)  # kept dims must agree on every rank, else all raise
-    info = comm_group(group)
-    if dim is not None and info.size > 1 and not validated and mesh is None:
-        shard_sizes(x, -2, info.group, op=op)  # kept dims must agree on every rank, else all raise
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # the group as plain ints, outside the trace (_group_of)
+        gid, size, _ = _group_of(group)
+    else:
+        info = comm_group(group)
+        group, size = info.group, info.size
+    if dim is not None and size > 1 and not validated and mesh is None:
+        shard_sizes(x, -2, group, op=op)  # kept dims must agree on every rank, else all raise
     dims = _dims(x, dim, op, mesh is not None)
     acc = accumulation_dtype(x.dtype)
     local = x.sum(dim=dims, keepdim=keepdim, dtype=acc)
-    count = math.prod(x.shape[d] for d in dims)
-    if info.size == 1:
+    count = math.prod([x.shape[d] for d in dims])  # a list: torch.compile traces no generators
+    if size == 1:
         return local / count if mean else local
+    if compiling:
+        return _ordered_replicated_sum(local, count if mean else None, gid)
     return _ReplicatedSumFn.apply(local, count if mean else None, info)
 
 
@@ -318,6 +391,15 @@ def _grid_weights(n_lat: int, lat_range: tuple[float, float], poles_included: bo
     """Cached (never mutate): the weights of a generated grid on ``device`` (no host copy per step)."""
     lat = grid_latitudes(n_lat, lat_range=lat_range, poles_included=poles_included)
     return _weights_of(lat, method).to(device=device, dtype=dtype)
+
+
+@torch._dynamo.assume_constant_result
+def _grid_weights_constant(n_lat: int, lat_range: tuple[float, float], poles_included: bool | None, method: str,
+                           device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_grid_weights` under ``torch.compile``: made (and cached) outside the trace, a constant of the graph.
+    Traced, dynamo would skip the cache and recompute the weights every call, and break the graph at their
+    data-dependent check (a loss inside a ``fullgraph=True`` model would not compile)."""
+    return _grid_weights(n_lat, lat_range, poles_included, method, device, dtype)
 
 
 def grid_latitudes(n_lat: int, *, lat_range: tuple[float, float] = (90.0, -90.0),
@@ -399,12 +481,15 @@ def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None,
     if x.dim() < 2:
         raise ValueError(f"{op}: x must be (..., H, W), got shape {tuple(x.shape)}")
     if mesh is not None:
-        info = comm_group(mesh.domain_group)
         n_lat, start, rows = _mesh_rows(x, mesh, op)
     else:
-        info = comm_group(group)
-        sizes = shard_sizes(x, -2, info.group, op=op)
-        n_lat, start, rows = sum(sizes), sum(sizes[:info.index]), sizes[info.index]
+        if torch.compiler.is_compiling():  # the group's ints outside the trace (_group_of)
+            index = _group_of(group)[2]
+        else:
+            info = comm_group(group)
+            group, index = info.group, info.index
+        sizes = shard_sizes(x, -2, group, op=op)
+        n_lat, start, rows = sum(sizes), sum(sizes[:index]), sizes[index]
     acc = accumulation_dtype(values.dtype)
     if weights is not None:
         if weight_kwargs:
@@ -415,13 +500,14 @@ def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None,
         method = weight_kwargs.get("method", "cos")
         if method not in LAT_METHODS:
             raise ValueError(f"unknown latitude weight method {method!r}; expected one of {', '.join(LAT_METHODS)}")
-        weights = _grid_weights(n_lat, lat_range, weight_kwargs.get("poles_included"), method, values.device, acc)
+        grid = _grid_weights_constant if torch.compiler.is_compiling() else _grid_weights
+        weights = grid(n_lat, lat_range, weight_kwargs.get("poles_included"), method, values.device, acc)
     else:
         weights = latitude_weights(n_lat, **weight_kwargs)
     if weights.dim() != 1 or weights.numel() != n_lat:
         raise ValueError(f"weights must be one per global latitude row ({n_lat}), got shape {tuple(weights.shape)}")
     w = weights.narrow(0, start, rows).to(device=values.device, dtype=acc).unsqueeze(-1)
-    return _reduce(values.to(acc) * w, dim, keepdim, info.group, True, op, validated=True, mesh=mesh)
+    return _reduce(values.to(acc) * w, dim, keepdim, group, True, op, validated=True, mesh=mesh)
 
 
 def latitude_weighted_mse(pred: torch.Tensor, target: torch.Tensor, group: Any | None = None,
@@ -459,6 +545,7 @@ def _live(group: Any | None) -> CommGroup | None:
     return info if info.size > 1 else None
 
 
+@torch._dynamo.disable  # host bookkeeping (version counters, weak references) and collectives: always eager
 def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: DomainParallelManager | None = None,
                           *, domain_group: Any | None = None, dp_group: Any | None = None,
                           bucket_mb: float = 128.0) -> None:
@@ -500,7 +587,7 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
             _refuse_second_sync(scaled)
             with torch.no_grad():
                 for p in scaled:
-                    _local(p.grad).mul_(scale)
+                    local_grad(p.grad).mul_(scale)
             _mark_synced(scaled)
         return
     groups = model.__dict__.get("_halo_groups") if isinstance(model, nn.Module) else None
@@ -546,7 +633,7 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     filled: dict[tuple, int] = {}
     cap = max(1, int(bucket_mb * 2 ** 20))
     for p in live:  # same order and sizes on every rank, so the buckets match
-        g = _local(p.grad)
+        g = local_grad(p.grad)
         key = (g.device, accumulation_dtype(g.dtype))
         lists = buckets.setdefault(key, [[]])
         nbytes = g.numel() * key[1].itemsize
@@ -581,7 +668,7 @@ def _mark_synced(params: list[torch.Tensor]) -> None:
             del _SYNCED[key]
     for p in params:
         if p.grad is not None:
-            g = _local(p.grad)
+            g = local_grad(p.grad)
             _SYNCED[id(p)] = (weakref.ref(p), weakref.ref(g), g._version)
 
 
@@ -597,7 +684,7 @@ def _refuse_second_sync(params: list[torch.Tensor]) -> None:
             continue
         mark = _SYNCED.get(id(p))
         if mark is not None and mark[0]() is p:
-            g = _local(p.grad)
+            g = local_grad(p.grad)
             if mark[1]() is g and g._version == mark[2]:
                 stale += 1
     if stale:
@@ -653,7 +740,7 @@ def _check_groups(model: Any, domain_group: Any | None, dp_group: Any | None) ->
                 f"manager.data_parallel_group")
 
 
-def _local(g: torch.Tensor) -> torch.Tensor:
+def local_grad(g: torch.Tensor) -> torch.Tensor:
     """A gradient's tensor on this rank: the local shard of a DTensor (FSDP2, HSDP), written in place."""
     return g._local_tensor if hasattr(g, "_local_tensor") and hasattr(g, "device_mesh") else g
 
@@ -734,15 +821,21 @@ def grad_norm(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, nor
                  for g in grads]
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if verify_group is not None:
-        info = comm_group(verify_group)
-        if info.size > 1:
-            spread = torch.stack([total, -total]).to(torch.float64)
-            bounded_all_reduce(spread, info, "grad_norm", dist.ReduceOp.MAX)
-            hi, lo = spread[0].item(), -spread[1].item()
-            if hi != lo:
-                raise RuntimeError(f"grad_norm: the ranks disagree on the gradient norm (from {lo:.6g} to {hi:.6g}); "
-                                   f"call sync_domain_gradients first")
+        _verify_norm(total, verify_group)
     return total
+
+
+@torch._dynamo.disable  # a collective and a host read: eager, a graph break in a compiled step
+def _verify_norm(total: torch.Tensor, verify_group: Any) -> None:
+    """Raise on every rank of ``verify_group`` unless all of them hold the same ``total``."""
+    info = comm_group(verify_group)
+    if info.size > 1:
+        spread = torch.stack([total, -total]).to(torch.float64)
+        bounded_all_reduce(spread, info, "grad_norm", dist.ReduceOp.MAX)
+        hi, lo = spread[0].item(), -spread[1].item()
+        if hi != lo:
+            raise RuntimeError(f"grad_norm: the ranks disagree on the gradient norm (from {lo:.6g} to {hi:.6g}); "
+                               f"call sync_domain_gradients first")
 
 
 def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float,

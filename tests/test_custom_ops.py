@@ -5,12 +5,13 @@ communicating ops on every rank.
   channels_last input once crashed ``torch.compile(backend="inductor")`` in ``halo::exchange``). Each op is run
   for real on gloo ranks and through its fake kernel (``FakeTensorMode``) on the same inputs (contiguous,
   channels_last, a non-dense slice), and shape, stride and dtype must be identical.
-* Order: ``halo::exchange``, ``halo::exchange_adjoint``, ``halo::all_reduce`` and ``halo::group_norm(_backward)``
-  communicate, so no scheduler may swap two of them (inductor's memory-driven order depends on each rank's shard
-  size; two ranks posting in different orders hang or swap halos). They are ordered effects
-  (``halo.exchange.order_communication``: never dropped nor repeated) and each reads the device's order token,
-  declared written right after it (``halo.exchange.order_after``): a data dependency that inductor's
-  ``reorder_for_peak_memory`` keeps (it ignores effect tokens, torch 2.13). The test compiles a graph with
+* Order: ``halo::exchange``, ``halo::exchange_adjoint``, ``halo::all_reduce`` (sum, mean, max, min),
+  ``halo::replicated_sum`` (the domain reductions and losses) and ``halo::group_norm(_backward)`` communicate, so
+  no scheduler may swap two of them (inductor's memory-driven order depends on each rank's shard size; two ranks
+  posting in different orders hang or swap halos; ``tests/test_compile_order.py`` orders the reductions). They
+  are ordered effects (``halo.exchange.order_communication``: never dropped nor repeated) and each reads the
+  device's order token, declared written right after it (``halo.exchange.order_after``): a data dependency that
+  inductor's ``reorder_for_peak_memory`` keeps (it ignores effect tokens, torch 2.13). The test compiles a graph with
   independent exchanges and reductions on ranks with different shard sizes (45 rows on 2 ranks: 23 and 22), records
   what each rank posts, in order, and requires one sequence on every rank, equal to program order (forward) and to
   its reverse (backward), results equal to the eager ones, and no recompilation on the second step.
@@ -69,6 +70,11 @@ def _strides_on_rank(rank: int, world: int) -> dict:
         both(f"all_reduce/{kind}", hred._all_reduce_op, same, order, "sum", gid)
         both(f"all_reduce_bf16/{kind}", hred._all_reduce_op, same.to(torch.bfloat16), order, "mean",
              gid)
+        both(f"all_reduce_max/{kind}", hred._all_reduce_op, same, order, "max", gid)
+        both(f"all_reduce_min_bf16/{kind}", hred._all_reduce_op, same.to(torch.bfloat16), order, "min", gid)
+        flat = {"contiguous": same.reshape(-1), "channels_last": same.reshape(-1),
+                "slice": same.reshape(-1)[::3]}[kind]  # a replicated sum takes a 1-d float64 buffer
+        both(f"replicated_sum/{kind}", hred._replicated_sum_op, flat, order, gid)
         w, b = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
         count = [3 * n * x.shape[-1] for n in (9, 8)]
         both(f"group_norm/{kind}", hn._gn_op, x, w, b, order, 2, 1e-5, count, gid)
@@ -88,8 +94,8 @@ def strides() -> list[dict]:
     return run_on_ranks(_strides_on_rank, 2, timeout=180)
 
 
-OPS = ["exchange", "exchange_adjoint", "all_reduce", "all_reduce_bf16", "group_norm", "group_norm_backward",
-       "philox_dropout"]
+OPS = ["exchange", "exchange_adjoint", "all_reduce", "all_reduce_bf16", "all_reduce_max", "all_reduce_min_bf16",
+       "replicated_sum", "group_norm", "group_norm_backward", "philox_dropout"]
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "channels_last", "slice"])
@@ -119,8 +125,8 @@ def test_communicating_ops_are_ordered_effects() -> None:
 
     import halo.nn  # noqa: F401 - registers halo::group_norm
 
-    for op in ("halo::exchange", "halo::exchange_adjoint", "halo::all_reduce", "halo::group_norm",
-               "halo::group_norm_backward"):
+    for op in ("halo::exchange", "halo::exchange_adjoint", "halo::all_reduce", "halo::replicated_sum",
+               "halo::group_norm", "halo::group_norm_backward"):
         assert _get_effect(op) is not None, op
 
 

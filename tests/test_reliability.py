@@ -294,6 +294,56 @@ def test_dead_or_stalled_peer_raises_within_the_bound(fault, world, expect, tmp_
                 (rank, waited, slowest, message)
 
 
+
+# -- all_gather_object (the slow path of agreements, the guard's and check's notes): bounded like every wait -------
+
+OBJECT_TIMEOUT = 3.0
+
+
+def _gather_objects(rank, world, stall, marker):
+    """Rank ``world - 1`` stays away when ``stall`` (until the others are done): the others must raise within
+    ``halo.set_timeout``; else every rank gathers objects of different pickled sizes, in group order."""
+    import halo
+    from halo.comm import HaloCommError, all_gather_object, comm_group, set_timeout
+
+    halo.initialize_domain_parallel(world, world)
+    set_timeout(OBJECT_TIMEOUT)
+    cg = comm_group(None)
+    if stall and rank == world - 1:
+        return _stay_away(marker, world)
+    obj = {"rank": rank, "text": "x" * (100 * rank + 1), "mask": (True,) * rank, "t": torch.arange(rank + 2)}
+    t0 = time.monotonic()
+    try:
+        got = all_gather_object(obj, cg, "the test's gather")
+    except HaloCommError as exc:
+        open(os.path.join(marker, str(rank)), "w").close()
+        return "raised", str(exc), time.monotonic() - t0
+    return "gathered", got, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_object_gathers_in_group_order(world, tmp_path):
+    for rank, (status, res) in enumerate(_run_allow_failures(_gather_objects, world, False, str(tmp_path))):
+        assert status == "ok" and res[0] == "gathered", (rank, status, res)
+        for r, obj in enumerate(res[1]):
+            assert obj["rank"] == r and obj["text"] == "x" * (100 * r + 1) and obj["mask"] == (True,) * r
+            assert torch.equal(obj["t"], torch.arange(r + 2))
+
+
+def test_all_gather_object_is_bounded_by_set_timeout(tmp_path):
+    """A rank that never joins: the other raises HaloCommError within ``set_timeout(3)`` (not the process group's
+    30 s), naming itself, the rank it waited on and the bound."""
+    t0 = time.monotonic()
+    results = _run_allow_failures(_gather_objects, 2, True, str(tmp_path), pg_timeout=30.0)
+    assert time.monotonic() - t0 < RUN_TIMEOUT
+    assert results[1] == ("ok", "stalled"), results[1]
+    status, (kind, message, seconds) = results[0]
+    assert status == "ok" and kind == "raised", results[0]
+    assert "the test's gather: rank 0 (group rank 0 of 2) timed out" in message, message
+    assert "global ranks [1]" in message and f"halo.set_timeout({OBJECT_TIMEOUT:g})" in message, message
+    assert OBJECT_TIMEOUT - 0.05 <= seconds < OBJECT_TIMEOUT + SLACK, (seconds, message)
+
+
 def _changed_halo(rank, world):
     """Outside a steady state (a locally sliced shard: every call agrees), one rank changes its halo: every rank
     raises the same error at once, and the group is still usable."""
