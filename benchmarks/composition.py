@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from halo.bench import (
+from halo.tools.bench import (
     LoadWatch,
     append_csv,
     default_out,
@@ -33,9 +33,9 @@ MODES = ("none", "ddp", "fsdp", "fsdp-all")
 
 def _rank(rank: int, world: int, iters: int) -> dict:
     import halo
-    from halo.demo import DemoNet
     from halo.partition import split_offsets
     from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.tools.demo import DemoNet
 
     manager = halo.initialize_domain_parallel(world, 2)
     h, w = 181, 360

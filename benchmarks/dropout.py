@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from halo.bench import append_csv, default_out, median, paired_ratio, print_table, run_meta, time_iterations
+from halo.tools.bench import append_csv, default_out, median, paired_ratio, print_table, run_meta, time_iterations
 
 __all__ = ["main"]
 

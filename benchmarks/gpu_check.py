@@ -207,8 +207,8 @@ def _demo(device: Any, dtype: Any, grid: tuple[int, int]) -> tuple:
 
     import halo
     from halo.check import boundary_reference
-    from halo.demo import DemoNet, make_field, pole_boundary
     from halo.nn import convert_to_domain_parallel
+    from halo.tools.demo import DemoNet, make_field, pole_boundary
 
     h, w = grid
     manager = halo.get_domain_parallel_manager()
@@ -488,7 +488,7 @@ def rank_worker(dry: bool, out: Path) -> int:
 
     def equivalence() -> dict:
         from halo.check import boundary_reference
-        from halo.demo import DemoNet, make_field, pole_boundary
+        from halo.tools.demo import DemoNet, make_field, pole_boundary
 
         h, w = grid
         torch.manual_seed(0)

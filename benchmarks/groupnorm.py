@@ -28,8 +28,8 @@ def _bench(rank, world, shape, groups, iters, before):
     import torch.distributed as dist
 
     import halo
-    from halo.bench import gather_times
     from halo.nn.norm import DomainGroupNorm
+    from halo.tools.bench import gather_times
 
     torch.set_num_threads(1)
     man = halo.initialize_domain_parallel(world, world)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.bench import append_csv, default_out, print_table, run_meta
+from halo.tools.bench import append_csv, default_out, print_table, run_meta
 
 __all__ = ["main"]
 

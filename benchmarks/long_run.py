@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from halo.bench import (
+from halo.tools.bench import (
     append_csv,
     benchmark_parser,
     gather_times,

@@ -72,8 +72,8 @@ def _rank(rank: int, world: int, grid: tuple[int, int], steps: int) -> dict:
 
 
 def main() -> None:
-    from halo.bench import LoadWatch
     from halo.testing import run_on_ranks
+    from halo.tools.bench import LoadWatch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)

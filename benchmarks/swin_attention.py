@@ -40,10 +40,10 @@ def _bench(rank, world, shape, window, heads, iters):
     from test_swin import SwinTransformerBlock
 
     import halo
-    from halo.bench import gather_times
     from halo.nn import HaloSwinTransformerBlock
     from halo.nn.window import roll_needs
     from halo.partition import offsets, plan_exchange, split_sizes
+    from halo.tools.bench import gather_times
 
     torch.set_num_threads(1)
     halo.initialize_domain_parallel(world, world)

@@ -1,8 +1,8 @@
-"""``python -m halo demo|bench``: the same as the ``halo`` console script."""
+"""``python -m halo demo|check|bench``: the same as the ``halo`` console script (:mod:`halo.tools.cli`)."""
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

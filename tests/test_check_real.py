@@ -479,7 +479,7 @@ def test_weights_are_drawn_on_the_host_and_live_on_the_outputs_device():
 
 def test_halo_check_builds_model_sample_and_reference_on_the_groups_device():
     """``halo check`` moves what it builds to the rank's device (``cuda:LOCAL_RANK`` under NCCL): here ``meta``."""
-    from halo.check import _prepare
+    from halo.tools.check import _prepare
 
     opts = {"target": f"{__name__}:SENet", "shape": (2, C, H, W), "boundary": "pole", "reference": None}
     model, sample, reference = _prepare(opts, torch.device("meta"))
@@ -527,7 +527,7 @@ def test_boundary_reference_is_the_demos_hand_written_pole_model(h, boundary):
     """``boundary_reference`` equals the demo's independent ``PolePadConv`` reference (bitwise), keeps every module
     name, and pads a conv's rows like ``F.pad`` with the pole rows written out by hand."""
     from halo.check import boundary_reference
-    from halo.demo import DemoNet, pole_pad, reference_model
+    from halo.tools.demo import DemoNet, pole_pad, reference_model
 
     torch.manual_seed(0)
     net = DemoNet(3, 4, (h, 16)).double()

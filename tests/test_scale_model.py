@@ -1,4 +1,4 @@
-"""The scale model (``halo.scale``) counts what halo's planner would send, and its table's shape holds.
+"""The scale model (``halo.tools.scale``) counts what halo's planner would send, and its table's shape holds.
 
 The model takes every rank's messages from :func:`halo.partition.plan_exchange` (the plan the exchange posts); here
 they are checked against the closed form of a one-row halo: an interior rank of a 1-D split sends one row of W
@@ -11,7 +11,7 @@ the right way: more GPUs, fewer rows, the exchange harder to hide.
 import pytest
 
 from halo.partition import split_sizes
-from halo.scale import BYTES, GRIDS, best_2d, plan_1d, plan_2d, table
+from halo.tools.scale import BYTES, GRIDS, best_2d, plan_1d, plan_2d, table
 
 
 @pytest.mark.parametrize("h, w, p", [(721, 1440, 8), (721, 1440, 7), (1801, 3600, 64), (45, 16, 3)])

@@ -91,9 +91,9 @@ class TensorPadding:
         self._sites = (Site(), Site())
 
     def _rows(self, x: torch.Tensor, top: int, bottom: int, boundary: str, site: Site, op: str) -> torch.Tensor:
-        from ..nn.pad import _pad_plan
+        from ..nn.pad import pad_plan
 
-        plan = resolve(x, self.group, op, _pad_plan, (x.dim() - 2, top, bottom, boundary, op), site=site)
+        plan = resolve(x, self.group, op, pad_plan, (x.dim() - 2, top, bottom, boundary, op), site=site)
         if plan.plain:
             return self._local_rows(x, top, bottom)
         out = exchange(x, plan.ex, plan.rows, x.dim() - 2)
@@ -334,7 +334,7 @@ def convert_to_domain_parallel(model: nn.Module, manager: DomainParallelManager 
     """CREDIT's signature on halo's converter: ``custom_converters`` map a type to ``factory(module)``; the layers
     it converts are CREDIT's names (``DomainParallelConv2d`` ...: halo's layers)."""
     from ..nn import convert_to_domain_parallel as convert
-    from ..nn.convert import _is_pointwise_conv
+    from ..nn.convert import is_pointwise_conv
 
     manager = manager if manager is not None else get_domain_parallel_manager()
     if shard_dim != -2:
@@ -342,7 +342,7 @@ def convert_to_domain_parallel(model: nn.Module, manager: DomainParallelManager 
     layers = _credit_layers()
 
     def conv_like(name):
-        return lambda m, ctx: m if _is_pointwise_conv(m) and "Transpose" not in name else layers[name](
+        return lambda m, ctx: m if is_pointwise_conv(m) and "Transpose" not in name else layers[name](
             m, group=ctx.group)
 
     custom: dict[type, Any] = {
@@ -470,7 +470,7 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     """CREDIT's convention (module docstring): average the gradients over the domain group, each rank's loss being
     the mean over its own rows (times :func:`domain_loss_scale` on uneven shards). DTensor gradients (FSDP2 on the
     dp mesh) are averaged as their local shards."""
-    from ..reduce import _local
+    from ..reduce import local_grad
     from ..reduce import sync_domain_gradients as domain_sum
 
     manager = _manager(manager)
@@ -481,4 +481,4 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     with torch.no_grad():
         for p in params:
             if p.grad is not None:
-                _local(p.grad).div_(manager.domain_parallel_size)
+                local_grad(p.grad).div_(manager.domain_parallel_size)

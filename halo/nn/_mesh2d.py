@@ -26,11 +26,11 @@ def set_mesh(module: nn.Module, mesh: DomainMesh | None, name: str) -> None:
     if mesh is not None and len(mesh.domain_shape) == 2:
         if tuple(mesh.shard_dims) not in ((-2, -1), (2, 3)):
             raise ValueError(f"{name}: a latitude x longitude mesh must shard dims (-2, -1), got {mesh.shard_dims}")
-        _layout(mesh)  # its groups looked up now, outside any traced forward
+        mesh_layout(mesh)  # its groups looked up now, outside any traced forward
     module.__dict__["_halo_mesh"] = mesh
 
 
-def _layout(mesh: DomainMesh) -> tuple[Any, tuple[Any, Any], tuple[tuple[int, int], ...], int]:
+def mesh_layout(mesh: DomainMesh) -> tuple[Any, tuple[Any, Any], tuple[tuple[int, int], ...], int]:
     """The domain group, the axis groups, the coordinates and the W size of a mesh, looked up once per mesh (not in a
     traced forward: ``torch.compile`` sees constants)."""
     cached = mesh.__dict__.get("_halo_layout")
@@ -49,5 +49,5 @@ def mesh_of(module: nn.Module) -> DomainMesh | None:
 def resolve_2d(x: torch.Tensor, mesh: DomainMesh, op: str, make: Any, extra: tuple, site: Site | None) -> Any:
     """``make(domain CommGroup, (H extents of this rank's H line, W extents of its W line), (H group, W group),
     *extra)``, agreed over the domain group (or recalled under the call's epoch)."""
-    domain_group, groups, coords, _ = _layout(mesh)
+    domain_group, groups, coords, _ = mesh_layout(mesh)
     return resolve(x, domain_group, op, make, (groups, *extra), site=site, spec=((-2,), (-1,)), coords=coords)

@@ -1,24 +1,25 @@
-"""``halo bench``: run the benchmarks in ``benchmarks/``, plus the helpers they share.
+"""``halo bench``: run the benchmarks in :mod:`halo.tools.benchmarks`, plus the helpers they share.
 
-=======================  ===============================  ===============================================
-``--only`` name          script                           compares, in one run
-=======================  ===============================  ===============================================
-``bandwidth``            ``benchmarks/halo_bandwidth.py``  halo_exchange vs raw send/recv of packed buffers
-                                                          (the wire), naive slice + cat, a shard copy
-``conv``                 ``benchmarks/conv_overhead.py``   HaloConv2d fwd + bwd vs nn.Conv2d, same local shape
-``scaling``              ``benchmarks/scaling.py``         the demo model's step on 1..N ranks
-``pack``                 ``benchmarks/pack_kernels.py``    pack/unpack kernels vs torch reference vs copy
-``mesh``                 ``benchmarks/mesh2d.py``          the demo step on P ranks as latitude rows vs as a
-                                                          ``--mesh PHxPW`` latitude x longitude mesh
-=======================  ===============================  ===============================================
+=======================  =====================================  ===============================================
+``--only`` name          module (script: ``benchmarks/<file>``)  compares, in one run
+=======================  =====================================  ===============================================
+``bandwidth``            ``halo_bandwidth``                     halo_exchange vs raw send/recv of packed buffers
+                                                                (the wire), naive slice + cat, a shard copy
+``conv``                 ``conv_overhead``                      HaloConv2d fwd + bwd vs nn.Conv2d, same local shape
+``scaling``              ``scaling``                            the demo model's step on 1..N ranks
+``pack``                 ``pack_kernels``                       pack/unpack kernels vs torch reference vs copy
+``mesh``                 ``mesh2d``                             the demo step on P ranks as latitude rows vs as a
+                                                                ``--mesh PHxPW`` latitude x longitude mesh
+=======================  =====================================  ===============================================
 
 Timing rule for distributed steps (DESIGN.md, "Performance model"): every iteration starts after a barrier,
 each rank times it, and the iteration's time is the **max over ranks** (the step is done when the slowest rank
 is); reports give the median over iterations. A single rank's time of a step that waits on a peer is noise.
 
-The scripts are files of the repository, not of the installed package: ``halo bench`` finds them next to the
-``halo`` package folder (an editable install or a checkout). Ranks load them by path (:func:`rank_entry`),
-so their rank functions need not be importable by module name.
+The benchmarks ``halo bench`` runs are modules of the package (``halo.tools.benchmarks``), so the command works
+from an installed wheel as from a checkout; ``benchmarks/<file>.py`` in the repository are their script forms.
+Ranks import them by module name (:func:`rank_entry`). Results go to the checkout's ``benchmarks/out`` when there
+is a checkout, else to ``./benchmarks_out`` (never into the installed package).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import importlib.util
+import importlib
 import os
 import platform
 import statistics
@@ -39,9 +40,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["BENCHMARKS", "LoadWatch", "append_csv", "benchmark_parser", "gather_times", "load_benchmark", "median",
-           "paired_ratio", "plot_panels", "print_table", "rank_entry", "run_bench", "run_meta", "run_watched",
-           "time_iterations"]
+__all__ = ["BENCHMARKS", "LoadWatch", "append_csv", "benchmark_parser", "checkout_dir", "default_out", "gather_times",
+           "load_benchmark", "median", "paired_ratio", "plot_panels", "print_table", "rank_entry", "run_bench",
+           "run_meta", "run_watched", "time_iterations"]
 
 BENCHMARKS = {"bandwidth": "halo_bandwidth", "conv": "conv_overhead", "scaling": "scaling", "pack": "pack_kernels",
               "mesh": "mesh2d"}
@@ -184,7 +185,7 @@ class LoadWatch:
 def run_watched(fn: Callable[[], int], own: int) -> int:
     """``fn()`` under a :class:`LoadWatch` (a script's ``main``): its plots get the note, and a busy machine's
     warning is printed after its tables. ``own``: the script's own ranks."""
-    from .launch import is_printer, under_torchrun
+    from ..launch import is_printer, under_torchrun
 
     if under_torchrun():
         own = int(os.environ.get("LOCAL_WORLD_SIZE", str(own)))
@@ -269,35 +270,29 @@ def plot_panels(path: Path, panels: list[dict[str, Any]], title: str, footnote: 
     return path
 
 
-def benchmarks_dir() -> Path:
-    """The repository's ``benchmarks/`` folder (beside the ``halo`` package folder)."""
-    return Path(__file__).resolve().parent.parent / "benchmarks"
+def checkout_dir() -> Path | None:
+    """The repository checkout this package runs from (an editable install or ``PYTHONPATH``), else None (a
+    wheel: ``site-packages`` has no ``pyproject.toml`` beside ``halo/``)."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "benchmarks").is_dir() else None
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """Import ``benchmarks/<name>.py`` by path (once per process)."""
-    key = f"_halo_benchmarks_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    path = benchmarks_dir() / f"{name}.py"
-    if not path.exists():
-        raise FileNotFoundError(f"benchmark script {path} not found: `halo bench` runs from a checkout or an "
-                                f"editable install of the repository (pip install -e .)")
-    spec = importlib.util.spec_from_file_location(key, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module
-    spec.loader.exec_module(module)
-    return module
+    """The benchmark module ``name`` (a value of :data:`BENCHMARKS`, e.g. ``"scaling"``), imported by name."""
+    if name not in BENCHMARKS.values():
+        raise ValueError(f"unknown benchmark module {name!r}: expected one of {sorted(BENCHMARKS.values())}")
+    return importlib.import_module(f"{__package__}.benchmarks.{name}")
 
 
 def rank_entry(rank: int, world: int, name: str, fn_name: str, *args: Any) -> Any:
-    """A picklable rank function: ``benchmarks/<name>.py``'s ``fn_name(rank, world, *args)``."""
+    """A picklable rank function: benchmark module ``name``'s ``fn_name(rank, world, *args)``."""
     return getattr(load_benchmark(name), fn_name)(rank, world, *args)
 
 
 def default_out() -> Path:
-    bench = benchmarks_dir()
-    return bench / "out" if bench.exists() else Path("benchmarks_out")
+    """``benchmarks/out`` of the checkout, else ``./benchmarks_out`` (an installed package is no place for CSVs)."""
+    root = checkout_dir()
+    return root / "benchmarks" / "out" if root is not None else Path("benchmarks_out")
 
 
 def benchmark_parser(doc: str | None, nproc_help: str | None = None) -> argparse.ArgumentParser:
@@ -312,7 +307,7 @@ def benchmark_parser(doc: str | None, nproc_help: str | None = None) -> argparse
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the selected benchmarks in order; non-zero if one of them failed (the others still run)."""
-    from .launch import is_printer, under_torchrun
+    from ..launch import is_printer, under_torchrun
 
     out = Path(args.out) if args.out else default_out()
     opts = {"quick": args.quick, "nproc": args.nproc, "out": out, "backend": args.backend,
@@ -329,7 +324,7 @@ def run_bench(args: argparse.Namespace) -> int:
     warnings: list[str] = []
     for name in names:
         if is_printer():
-            print(f"\n=== {name}: benchmarks/{BENCHMARKS[name]}.py ===", flush=True)
+            print(f"\n=== {name}: halo.tools.benchmarks.{BENCHMARKS[name]} ===", flush=True)
         t0 = time.perf_counter()
         own = 1 if name == "pack" else (int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun()
                                         else args.nproc)

@@ -21,7 +21,7 @@ exchange runs along H, then along W on the H-extended shard, so corners are righ
 the factorisation with the least halo bytes per rank among those with at least 2 rows and columns per rank. The
 table says, per grid and GPU count, what each decomposition costs and whether 1-D still hides its exchange.
 
-    python -m halo.scale [--channels 256] [--out DIR]
+    python -m halo.tools.scale [--channels 256] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .partition import plan_exchange, split_offsets, split_sizes
+from ..partition import plan_exchange, split_offsets, split_sizes
 
 __all__ = ["GRIDS", "Layout", "main", "plan_1d", "plan_2d"]
 

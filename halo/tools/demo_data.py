@@ -22,15 +22,15 @@ __all__ = ["run_data_demo"]
 
 
 def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
-    from . import initialize_domain_parallel
-    from .comm import unsharded
+    from ..comm import unsharded
+    from ..io import ShardedField
+    from ..launch import rank_device
+    from ..mesh import initialize_domain_parallel
+    from ..nn import convert_to_domain_parallel
+    from ..partition import split_offsets
+    from ..rollout import rollout, scores
+    from ..shard import gather
     from .demo import DemoNet, pole_boundary, reference_model
-    from .io import ShardedField
-    from .launch import rank_device
-    from .nn import convert_to_domain_parallel
-    from .partition import split_offsets
-    from .rollout import rollout, scores
-    from .shard import gather
 
     began = time.perf_counter()
 
@@ -171,24 +171,24 @@ def _pictures(res: dict, out: Path) -> list[Path]:
 
 def _plain_pictures(res: dict, out: Path) -> list[Path]:
     """Without matplotlib: target, prediction and |error| stacked in a plain PNG (no text)."""
-    from .demo import _png_bytes, _rgb_rows, _rgb_rows_sequential
+    from .demo import png_bytes, rgb_rows, rgb_rows_sequential
 
     paths = []
     for k, (target, pred, _) in enumerate(res["maps"], start=1):
         lo, hi = float(min(target.min(), pred.min())), float(max(target.max(), pred.max()))
         diff = (pred - target).abs()
         gap = [bytes(3 * target.shape[1])] * 4
-        rows = (_rgb_rows(target, lo, hi, []) + gap + _rgb_rows(pred, lo, hi, []) + gap
-                + _rgb_rows_sequential(diff, float(diff.max()) or 1.0))
+        rows = (rgb_rows(target, lo, hi, []) + gap + rgb_rows(pred, lo, hi, []) + gap
+                + rgb_rows_sequential(diff, float(diff.max()) or 1.0))
         path = out / f"halo_rollout_lead{k}.png"
-        path.write_bytes(_png_bytes(rows, target.shape[1]))
+        path.write_bytes(png_bytes(rows, target.shape[1]))
         paths.append(path)
     return paths
 
 
 def run_data_demo(args: argparse.Namespace) -> int:
     """Run the data demo (module docstring); 0 if the sharded rollout equals the unsharded one."""
-    from .launch import is_printer, launch
+    from ..launch import is_printer, launch
 
     if not Path(args.data).exists():
         raise SystemExit(f"halo demo: --data {args.data}: no such file or store")

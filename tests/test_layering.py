@@ -1,0 +1,435 @@
+"""The house's layering rules (issue 22 item 5, docs/architecture.md), checked on the source by an AST scan.
+
+The scan reads every module of ``halo/`` and of ``kernels/`` (installed as ``halo.kernels``) and every import in it:
+module level and inside functions alike (a function-level import hides a cycle from Python at import time, not from
+the reader, and it is how circles crept in), relative or absolute, and ``importlib.import_module("halo...")`` with
+a literal name. The rules:
+
+(a) no import cycle between halo modules;
+(b) nothing outside ``halo.tools`` imports ``halo.tools``, except the thin aliases in :data:`ALIASES` (names users
+    and old console scripts call), which must stay thin;
+(c) the core (``halo/*.py`` except tools, nn, compat) never imports ``halo.nn``;
+(d) ``halo.nn`` never imports ``halo.compat`` or the tools, and the core never imports ``halo.compat``;
+(e) no private name (``_x``) imported from another module or read off one (``plans._STATE``); a private module
+    (``halo.nn._mesh2d``) is imported only inside its own package;
+(f) ``halo.kernels`` imports nothing of halo outside itself (the kernels are the bottom of the house).
+
+What breaks a rule today is listed in :data:`EXPECTED_VIOLATIONS`, each with its reason (issue 22). A test fails when
+a violation appears that is not listed, and when a listed one is gone: then remove it from the list, so that the
+list only shrinks. The scanner itself is tested on a small package written for the purpose (a rule checker that
+cannot see a violation would pass forever).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"halo": ROOT / "halo", "halo.kernels": ROOT / "kernels"}
+
+#: modules outside ``halo.tools`` that may import it: re-exports of public names, nothing else (test_aliases_are_thin)
+ALIASES = {
+    "halo.__main__": "``python -m halo``: the command's entry point",
+    "halo.cli": "``halo`` console scripts installed before the move run ``from halo.cli import main``",
+    "halo.demo": "``from halo.demo import DemoNet`` in users' scripts (the demo's model, its field)",
+}
+
+_CYCLE, _TOOLS, _CORE_NN, _COMPAT, _PRIVATE, _KERNELS = ("cycle", "imports the tools", "core imports nn",
+                                                         "imports compat", "private name", "kernels import halo")
+
+#: today's violations, each with why it is there; the list may only shrink (see the module docstring)
+EXPECTED_VIOLATIONS: dict[tuple[str, ...], str] = {
+    (_CYCLE, "halo.comm", "halo.mesh"):
+        "issue 22 'Circles': comm -> mesh -> comm (host groups and the manager each reach into the other); "
+        "goes with the one state object (item 1)",
+    (_CYCLE, "halo.compat.credit", "halo.nn", "halo.nn.convert"):
+        "issue 22 'Circles': compat/credit -> nn -> nn/convert -> compat/credit: the converter calls its own CREDIT "
+        "compat layer (tensor padding swap); goes with the layer registration (item 4)",
+    (_CORE_NN, "halo.check", "halo.nn"):
+        "check_equivalence converts the model it checks (convert_to_domain_parallel): it sits above nn by what it "
+        "does; goes when check (and parallel) get a tier above nn or move out of the core (issue 22 item 5)",
+    (_CORE_NN, "halo.parallel", "halo.nn"):
+        "parallelize converts the model (convert_to_domain_parallel) before wrapping it for data parallelism: above "
+        "nn by what it does, like check (issue 22 item 5)",
+    (_COMPAT, "halo.nn.convert", "halo.compat.credit"):
+        "issue 22 'Circles': the converter calls CREDIT's swap_tensor_padding / unswap_tensor_padding; the CREDIT "
+        "adapter should register itself with the converter instead (item 4)",
+}
+# (issue 22's 9 private cross-module imports: 3 went with the move to tools, 6 were made public names)
+
+
+# -- the scanner ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Import:
+    """One import of a halo module: ``importer`` imports ``target`` (a module), or ``name`` from it (not a module)."""
+    importer: str
+    target: str
+    name: str | None
+    path: Path
+    line: int
+
+    def where(self) -> str:
+        """``file:line``, the file relative to the repository (or to the folder above a scanned package)."""
+        top = next((p for p in self.path.parents if p.name == self.importer.split(".")[0]), None)
+        base = ROOT if self.path.is_relative_to(ROOT) else (top.parent if top else self.path.parent)
+        return f"{self.path.relative_to(base)}:{self.line}"
+
+
+def discover(packages: dict[str, Path]) -> dict[str, Path]:
+    """Module name -> file, for every ``.py`` under each package folder (a folder is a package by its name here,
+    as ``pyproject.toml`` maps it); a package is named by its ``__init__.py``."""
+    out: dict[str, Path] = {}
+    for pkg, folder in packages.items():
+        for path in sorted(folder.rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join([pkg, *parts])
+            if any(name == p or name.startswith(p + ".") for p in packages if p != pkg and p.startswith(pkg + ".")):
+                continue  # a folder mapped as its own package elsewhere
+            out[name] = path
+    return out
+
+
+def _owner(name: str, mods: dict[str, Path]) -> str | None:
+    """The module ``name`` denotes, or the innermost module above it (``halo.nn.X`` for a name X of halo.nn)."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _from_base(importer: str, node: ast.ImportFrom, mods: dict[str, Path]) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer if mods[importer].name == "__init__.py" else importer.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        base = base.rpartition(".")[0]
+    return f"{base}.{node.module}" if node.module else base
+
+
+def _ours(name: str, roots: set[str]) -> bool:
+    return any(name == r or name.startswith(r + ".") for r in roots)
+
+
+def imports_of(importer: str, mods: dict[str, Path]) -> list[Import]:
+    """Every import of a halo module in ``importer``'s file (unresolvable ones get ``target=''``)."""
+    path = mods[importer]
+    roots = {m.split(".")[0] for m in mods}
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        found: list[tuple[str, str | None]] = []
+        if isinstance(node, ast.Import):
+            found = [(a.name, None) for a in node.names if _ours(a.name, roots)]
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(importer, node, mods)
+            if _ours(base, roots):
+                found = [(f"{base}.{a.name}", None) if f"{base}.{a.name}" in mods else (base, a.name)
+                         for a in node.names]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and _ours(node.args[0].value, roots)):
+            found = [(node.args[0].value, None)]
+        for target, name in found:
+            owner = _owner(target, mods)
+            if owner != target and name is None and owner is not None:  # import halo.x.y where y is not a module
+                target, name = owner, target[len(owner) + 1:]
+            out.append(Import(importer, target if owner else "", name, path, node.lineno))
+    return out
+
+
+def private_reads(importer: str, mods: dict[str, Path]) -> list[Import]:
+    """``mod._x`` where ``mod`` is a name this file bound to another halo module (``from . import plans``)."""
+    path = mods[importer]
+    tree = ast.parse(path.read_text(), str(path))
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _from_base(importer, node, mods)
+            for a in node.names:
+                if f"{base}.{a.name}" in mods:
+                    bound[a.asname or a.name] = f"{base}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name in mods:
+                    bound[a.asname] = a.name
+    return [Import(importer, bound[n.value.id], n.attr, path, n.lineno) for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in bound
+            and bound[n.value.id] != importer and _private(n.attr)]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def tier(module: str, root: str = "halo") -> str:
+    """Which part of the house ``module`` (of the package ``root``) is in: tools, alias, nn, compat, kernels, core."""
+    if module in ALIASES:
+        return "alias"
+    for sub in ("tools", "nn", "compat", "kernels"):
+        prefix = f"{root}.{sub}"
+        if module == prefix or module.startswith(prefix + "."):
+            return sub
+    return "core"
+
+
+def violations(edges: list[Import], reads: list[Import], mods: dict[str, Path],
+               root: str = "halo") -> dict[tuple[str, ...], list[str]]:
+    """Every broken rule: key (as in :data:`EXPECTED_VIOLATIONS`) -> where (``file:line`` and what)."""
+    found: dict[tuple[str, ...], list[str]] = {}
+
+    def add(key: tuple[str, ...], text: str) -> None:
+        found.setdefault(key, []).append(text)
+
+    for e in edges:
+        src, dst = tier(e.importer, root), tier(e.target, root)
+        what = f"{e.where()}: {e.importer} imports {e.target}" + (f".{e.name}" if e.name else "")
+        if (dst in ("tools", "alias") and src not in ("tools", "alias")) or (src == "alias" and dst != "tools"):
+            add((_TOOLS, e.importer, e.target), what)
+        if src == "core" and dst == "nn":
+            add((_CORE_NN, e.importer, e.target), what)
+        if src in ("core", "nn", "kernels") and dst == "compat":
+            add((_COMPAT, e.importer, e.target), what)
+        if src == "kernels" and dst != "kernels":
+            add((_KERNELS, e.importer, e.target), what)
+        private_module = next((p for p in e.target.split(".") if _private(p)), None)
+        if private_module and not e.importer.startswith(e.target.partition("." + private_module)[0] + "."):
+            add((_PRIVATE, e.importer, e.target), f"{what} (a private module, outside its package)")
+    for e in [e for e in edges if e.name and _private(e.name) and e.target != e.importer] + reads:
+        add((_PRIVATE, e.importer, f"{e.target}.{e.name}"), f"{e.where()}: {e.importer} uses {e.target}.{e.name}")
+    for cycle in cycles(mods, edges):
+        add((_CYCLE, *sorted(cycle)), " -> ".join(cycle_path(cycle, edges)))
+    return found
+
+
+def cycles(mods: dict[str, Path], edges: list[Import]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for e in edges:
+        if e.target and e.target != e.importer:
+            graph[e.importer].add(e.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[set[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = set()
+                    while True:
+                        x = stack.pop()
+                        on.discard(x)
+                        comp.add(x)
+                        if x == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(comp)
+            elif w not in index:
+                index[w] = low[w] = len(index)
+                stack.append(w)
+                on.add(w)
+                work.append((w, iter(sorted(graph[w]))))
+            elif w in on:
+                low[v] = min(low[v], index[w])
+    return out
+
+
+def cycle_path(members: set[str], edges: list[Import]) -> list[str]:
+    """A shortest cycle through the first member, each step named with the file:line that makes it."""
+    step: dict[tuple[str, str], Import] = {}
+    for e in edges:
+        if e.importer in members and e.target in members and e.target != e.importer:
+            step.setdefault((e.importer, e.target), e)
+    start = min(members)
+    seen, queue = {start: [start]}, deque([start])
+    while queue:
+        v = queue.popleft()
+        for (a, b), _ in sorted(step.items()):
+            if a != v:
+                continue
+            if b == start:
+                path = seen[v] + [start]
+                return [f"{x} ({step[(x, y)].where()})" for x, y in zip(path, path[1:], strict=False)] + [start]
+            if b not in seen:
+                seen[b] = seen[v] + [b]
+                queue.append(b)
+    return sorted(members)
+
+
+def scan(packages: dict[str, Path], root: str = "halo"
+         ) -> tuple[dict[str, Path], list[Import], dict[tuple[str, ...], list[str]]]:
+    """The modules, every import of theirs, and the violations of the rules (``root``: the top package's name)."""
+    mods = discover(packages)
+    edges = [e for m in mods for e in imports_of(m, mods)]
+    reads = [r for m in mods for r in private_reads(m, mods)]
+    return mods, edges, violations([e for e in edges if e.target], reads, mods, root)
+
+
+MODS, EDGES, FOUND = scan(PACKAGES)
+
+
+def _check_rule(kind: str) -> None:
+    """Found violations of ``kind`` == the listed ones: name the new (with file:line) and the gone."""
+    found = {k: v for k, v in FOUND.items() if k[0] == kind}
+    listed = {k for k in EXPECTED_VIOLATIONS if k[0] == kind}
+    new = {k: v for k, v in found.items() if k not in listed}
+    gone = listed - set(found)
+    text = []
+    if new:
+        text.append(f"new {kind} violation(s), not in EXPECTED_VIOLATIONS:\n" + "\n".join(
+            f"  {k[1:]}:\n    " + "\n    ".join(v) for k, v in sorted(new.items())))
+    if gone:
+        text.append(f"listed {kind} violation(s) gone: fixed (remove them from EXPECTED_VIOLATIONS and from "
+                    f"docs/architecture.md){' or now part of a larger cycle above' if kind == _CYCLE else ''}:\n"
+                    + "\n".join(f"  {k[1:]}" for k in sorted(gone)))
+    assert not text, "\n".join(text)
+
+
+# -- the rules on halo --------------------------------------------------------------------------------------------
+
+def test_every_halo_import_resolves_to_a_module():
+    """A halo import the scan cannot place (a stale name, a typo) would escape every rule below."""
+    bad = [f"{e.where()}: {e.importer}" for e in EDGES if not e.target]
+    assert not bad, f"imports of halo modules that do not exist: {bad}"
+    assert {"halo", "halo.nn.convert", "halo.kernels.dispatch", "halo.tools.cli"} <= set(MODS)
+
+
+def test_no_import_cycles():
+    _check_rule(_CYCLE)
+
+
+def test_nothing_outside_the_tools_imports_them():
+    _check_rule(_TOOLS)
+
+
+def test_the_core_never_imports_nn():
+    _check_rule(_CORE_NN)
+
+
+def test_nn_and_the_core_never_import_compat():
+    _check_rule(_COMPAT)
+
+
+def test_no_private_names_across_modules():
+    _check_rule(_PRIVATE)
+
+
+def test_kernels_import_nothing_of_halo_outside_themselves():
+    _check_rule(_KERNELS)
+
+
+def test_every_violation_is_one_of_the_rules_and_says_why():
+    kinds = {_CYCLE, _TOOLS, _CORE_NN, _COMPAT, _PRIVATE, _KERNELS}
+    assert {k[0] for k in FOUND} <= kinds, sorted(FOUND)
+    for key, reason in EXPECTED_VIOLATIONS.items():
+        assert key[0] in kinds and len(reason) > 20, (key, reason)
+
+
+def test_aliases_are_thin():
+    """An alias holds a docstring, imports of public names from ``halo.tools`` (and ``sys``), ``__all__`` and the
+    ``if __name__ == "__main__":`` guard: nothing to maintain twice, nothing the library could come to need."""
+    for name in ALIASES:
+        tree = ast.parse(MODS[name].read_text())
+        for i, node in enumerate(tree.body):
+            if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                continue
+            if isinstance(node, ast.Import):
+                assert [a.name for a in node.names] == ["sys"], (name, ast.dump(node))
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 1 and (node.module or "").startswith("tools."), (name, node.module)
+                assert not any(_private(a.name) for a in node.names), (name, [a.name for a in node.names])
+            elif isinstance(node, ast.Assign):
+                assert [getattr(t, "id", None) for t in node.targets] == ["__all__"], (name, ast.dump(node))
+            else:
+                assert isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'", \
+                    (name, ast.unparse(node)[:80])
+    extra = {e.importer for e in EDGES if e.target and tier(e.target) == "tools" and tier(e.importer) != "tools"}
+    extra -= set(ALIASES)
+    assert not extra, f"modules outside halo.tools that import it and are not ALIASES: {sorted(extra)}"
+
+
+def test_pyproject_ships_every_package_and_the_command():
+    """The wheel ships exactly the package folders there are (a subpackage missing from the list is missing from
+    the wheel: ``halo bench`` from a wheel failed that way), and the ``halo`` script is the tools' entry point."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    setup = meta["tool"]["setuptools"]
+    packages = {m for m, p in MODS.items() if p.name == "__init__.py"}
+    assert set(setup["packages"]) == packages, (sorted(setup["packages"]), sorted(packages))
+    for pkg in packages:
+        assert (ROOT / setup["package-dir"][pkg] / "__init__.py") == MODS[pkg], pkg
+    assert meta["project"]["scripts"] == {"halo": "halo.tools.cli:main"}
+
+
+def test_import_halo_loads_no_tool_and_no_layer():
+    """At run time: ``import halo`` (a training job) loads neither the tools nor the layers until asked."""
+    code = "import sys, halo; print(sorted(m for m in sys.modules if m.startswith(('halo.tools', 'halo.nn'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+# -- the scanner sees what it must ----------------------------------------------------------------------------------
+
+FAKE = {
+    "__init__.py": "from .core import run\n",
+    "core.py": "from .helper import _secret\n\ndef run():\n    from . import lazy\n    return lazy\n",
+    "helper.py": "_secret = 1\n",
+    "lazy.py": "import fake.core\nfrom .nn import Layer\n",
+    "nn/__init__.py": "from .layer import Layer\n",
+    "nn/layer.py": "from ..compat import shim\nfrom ._private_mod import x\nclass Layer: ...\n",
+    "nn/_private_mod.py": "x = 1\n",
+    "compat/__init__.py": "",
+    "compat/shim.py": "import importlib\n\ndef f():\n    return importlib.import_module('fake.tools.cli')\n",
+    "tools/__init__.py": "",
+    "tools/cli.py": "from ..nn._private_mod import x\nfrom .. import helper\nhelper._secret\n",
+}
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layering") / "fake"
+    for rel, text in FAKE.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_scanner_finds_each_kind_of_violation(fake):
+    mods, edges, found = scan({"fake": fake}, root="fake")
+    assert {"fake", "fake.core", "fake.nn", "fake.nn.layer", "fake.tools.cli"} <= set(mods)
+    assert all(e.target for e in edges)
+    # a function-level relative import closes the circle core -> lazy -> core (``import fake.core``)
+    assert (_CYCLE, "fake.core", "fake.lazy") in found, sorted(found)
+    assert "fake/core.py:4" in found[(_CYCLE, "fake.core", "fake.lazy")][0]
+    assert (_CORE_NN, "fake.lazy", "fake.nn") in found  # a core module importing the layers
+    assert (_COMPAT, "fake.nn.layer", "fake.compat.shim") in found  # from ..compat import shim: a submodule
+    assert (_TOOLS, "fake.compat.shim", "fake.tools.cli") in found  # importlib with a literal name counts
+    assert (_PRIVATE, "fake.core", "fake.helper._secret") in found  # an imported private name
+    assert (_PRIVATE, "fake.tools.cli", "fake.helper._secret") in found  # a private name read off a module
+    assert (_PRIVATE, "fake.tools.cli", "fake.nn._private_mod") in found  # a private module outside its package
+    assert (_PRIVATE, "fake.nn.layer", "fake.nn._private_mod") not in found  # inside its package: fine
+    assert len(found) == 7, sorted(found)
