@@ -191,7 +191,16 @@ def create_host_groups(blocks: Sequence[Sequence[int]], group: Any | None) -> No
 def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
     """``torch.distributed.new_group(ranks, **kwargs)`` and, where the job's backend needs one (NCCL alone), its gloo
     host group, made in the same call: call it on every rank, in the same order, as torch's ``new_group``. Use it for
-    an NCCL group you hand to halo yourself (a mesh's groups are made with their host groups already)."""
+    an NCCL group you hand to halo yourself (a mesh's groups are made with their host groups already).
+
+    ``sort_ranks=False`` (group rank ``i`` = ``ranks[i]``) needs torch >= 2.12; on torch 2.11 it is dropped where
+    ``ranks`` ascend anyway, and refused (the same error on every rank, before any collective) where they do not."""
+    if kwargs.get("sort_ranks", True) is False and not _SORT_RANKS:
+        if [int(r) for r in ranks] != sorted(int(r) for r in ranks):
+            raise ValueError(f"new_group(ranks={[int(r) for r in ranks]}, sort_ranks=False): a group whose ranks do "
+                             f"not ascend needs torch.distributed.new_group(sort_ranks=...), which this torch "
+                             f"({torch.__version__}) lacks (torch >= 2.12 has it); pass the ranks in ascending order")
+        kwargs = {k: v for k, v in kwargs.items() if k != "sort_ranks"}
     group = dist.new_group(list(ranks), **kwargs)
     order = [int(r) for r in ranks] if kwargs.get("sort_ranks", True) is False else sorted(int(r) for r in ranks)
     if _host_needed():

@@ -624,7 +624,10 @@ def _save_communication_in_checkpoints() -> None:
     except ImportError:  # another torch: nothing to patch
         return
     base = getattr(wrap, "_always_prefer_recompute", None)
-    if base is None or getattr(base, "_halo_saves_communication", False):
+    if base is None:  # torch 2.11/2.12: vanilla AC tags each node of the region PREFER_RECOMPUTE (tag_nodes)
+        _save_communication_in_tagged_nodes(wrap)
+        return
+    if getattr(base, "_halo_saves_communication", False):
         return
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -636,6 +639,28 @@ def _save_communication_in_checkpoints() -> None:
 
     policy._halo_saves_communication = True  # type: ignore[attr-defined]
     wrap._always_prefer_recompute = policy
+
+
+def _save_communication_in_tagged_nodes(wrap: Any) -> None:
+    """The same as :func:`_save_communication_in_checkpoints` where torch tags the checkpointed region's nodes
+    itself (``TagActivationCheckpoint.tag_nodes``, torch 2.11 / 2.12): halo's communicating ops are tagged
+    ``MUST_SAVE`` after it."""
+    tag = getattr(getattr(wrap, "TagActivationCheckpoint", None), "tag_nodes", None)
+    if tag is None or getattr(tag, "_halo_saves_communication", False):
+        return
+
+    def tag_nodes(gmod: Any, is_sac: bool) -> Any:
+        gmod = tag(gmod, is_sac)
+        if not is_sac:
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            for node in gmod.graph.nodes:
+                if node.op == "call_function" and _communicating(node.target):
+                    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        return gmod
+
+    tag_nodes._halo_saves_communication = True  # type: ignore[attr-defined]
+    wrap.TagActivationCheckpoint.tag_nodes = staticmethod(tag_nodes)
 
 
 order_communication(_exchange_op, _exchange_adjoint_op)

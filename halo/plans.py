@@ -47,6 +47,7 @@ import hashlib
 import itertools
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -505,7 +506,10 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     _STATE.epoch, _STATE.depth = epoch, 1
     _STATE.mesh_group = config.group if getattr(config, "w_sharded", False) else None
     guarded = module.__dict__.setdefault("_halo_guarded", set())
-    if (epoch not in guarded or _STATE.validation == "always") and _GUARD[0] and not _called_by_dynamo():
+    first = epoch not in guarded or _STATE.validation == "always"
+    if first and _GUARD[0] and cg.size > 1 and _called_by_dynamo():
+        _warn_unguarded(module, epoch)
+    elif first and _GUARD[0] and not _called_by_dynamo():
         # The first call of this epoch: watch the ops its forward calls itself (``halo.guard``). Not for a compiled
         # model (the graph would be traced under the guard and recompiled without it): check it eagerly first.
         factory = _GUARD_FACTORY[0]
@@ -514,6 +518,19 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
         _STATE.guard = factory(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
         _STATE.guard.__enter__()
+
+
+def _warn_unguarded(module: torch.nn.Module, epoch: int) -> None:
+    """A compiled first call of an epoch: the guard cannot watch a traced forward, so say so (once per epoch)."""
+    warned = module.__dict__.setdefault("_halo_unguarded", set())
+    if epoch in warned:
+        return
+    warned.add(epoch)
+    warnings.warn(
+        f"halo: the first call of {type(module).__name__} for these input shapes ran under torch.compile, so halo's "
+        f"guard did not check the functional ops its forward calls (F.pad, F.interpolate, slicing or a mean over "
+        f"the sharded dim would run per shard, silently different from the unsharded model). Run one eager call "
+        f"at these shapes first (before compiling), or halo.check_equivalence(model, sample)", stacklevel=3)
 
 
 @torch._dynamo.disable

@@ -20,6 +20,10 @@ from _helpers import SteadyNet
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks
 
+#: above the longest rank timeout of this file (cold inductor compiles): pytest must not kill the ranks first
+pytestmark = pytest.mark.timeout(700)
+
+
 H, W, C = 45, 16, 3
 
 

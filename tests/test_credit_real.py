@@ -30,8 +30,9 @@ import torch
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks
 
-pytestmark = pytest.mark.skipif(bool(tp.missing()), reason=f"the zoo's packages are not installed: {tp.missing()} "
-                                                           f"(the install commands are in tests/_thirdparty.py)")
+pytestmark = [pytest.mark.timeout(700),  # above the 4-rank case's rank timeout
+              pytest.mark.skipif(bool(tp.missing()), reason=f"the zoo's packages are not installed: {tp.missing()} "
+                                                            f"(the install commands are in tests/_thirdparty.py)")]
 
 RTOL = 1e-9
 W = 32

@@ -24,6 +24,10 @@ import torch
 
 from halo.testing import run_on_ranks
 
+#: above the longest rank timeout of this file (cold inductor compiles): pytest must not kill the ranks first
+pytestmark = pytest.mark.timeout(500)
+
+
 
 def _meta(t: torch.Tensor) -> tuple:
     return tuple(t.shape), tuple(t.stride()), str(t.dtype)

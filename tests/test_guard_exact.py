@@ -23,6 +23,10 @@ from torch import nn
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks
 
+#: above the longest rank timeout of this file (cold inductor compiles): pytest must not kill the ranks first
+pytestmark = pytest.mark.timeout(400)
+
+
 C, W = 4, 8
 ROWS = (37, 37, 41)  # guarded, rerouted, a new shape (guarded again)
 
@@ -409,3 +413,35 @@ def _mesh(rank, world):
 def test_on_a_latitude_longitude_mesh_a_mean_over_h_stays_refused():
     errors = run_on_ranks(_mesh, 2, timeout=120)
     assert len(set(errors)) == 1 and "reduces over H" in errors[0], errors
+
+
+def _compiled_first(rank, world):
+    import warnings
+
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    offs = split_offsets(37, world)
+    full, _ = _inputs(37, 0)
+    x = full[..., offs[rank]:offs[rank + 1], :]
+    said = {}
+    for how in ("eager", "compiled"):
+        model = convert_to_domain_parallel(Two().double(), manager, custom_converters={Block: INSIDE})
+        fn = model if how == "eager" else torch.compile(model, backend="aot_eager")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn(x)
+            fn(x)
+        said[how] = [str(w.message) for w in caught if "halo's guard did not check" in str(w.message)]
+    return said
+
+
+def test_a_compiled_first_call_says_the_guard_did_not_check_it():
+    """The guard watches an eager forward only: a first call at new shapes under torch.compile is not checked, and
+    halo says so (once per shape), naming the way out, rather than staying silent."""
+    for said in run_on_ranks(_compiled_first, 2, timeout=300):
+        assert said["eager"] == [], said
+        assert len(said["compiled"]) == 1 and "Run one eager call" in said["compiled"][0], said

@@ -35,6 +35,10 @@ from torch import nn
 
 from halo.testing import run_on_ranks
 
+#: above the longest rank timeout of this file (cold inductor compiles): pytest must not kill the ranks first
+pytestmark = pytest.mark.timeout(1000)
+
+
 H, W, C = 37, 8, 3
 
 TOL = {"fp64": 1e-10, "fp32": 1e-4, "bf16": 6e-2, "fp16": 1e-2}

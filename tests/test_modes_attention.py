@@ -38,6 +38,10 @@ from torch import nn
 
 from halo.testing import run_on_ranks
 
+#: above the longest rank timeout of this file (cold inductor compiles): pytest must not kill the ranks first
+pytestmark = pytest.mark.timeout(1000)
+
+
 H, W, C, P, G = 56, 16, 2, 2, 8  # rows, columns, channels, patch, split granularity (patch x the Swin window)
 WS = G // P  # the attention windows, at the patch grid (28 x 8)
 

@@ -684,7 +684,9 @@ class _HaloConvTransposeNd(_HaloConvMixin):
         plan = self._resolve(x, _conv_transpose_plan_2d, (tuple(x.shape), size, *geometry, name))
         unbatched = x.dim() == 3
         xb = _cast(x.unsqueeze(0) if unbatched else x, autocast_dtype(x))  # as autocast would, before exchanging
-        (ex_h, rows_h, t0h, t1h, fused_h), (ex_w, rows_w, t0w, t1w, fused_w) = plan
+        # By field, not by unpacking the plan: dynamo of torch 2.11/2.12 cannot iterate a NamedTuple returned by an
+        # assume_constant_result function (its hasattr(__iter__) guard has no source: NotImplementedError).
+        (ex_h, rows_h, t0h, t1h, fused_h), (ex_w, rows_w, t0w, t1w, fused_w) = plan.h, plan.w
         ext = exchange(exchange(xb, ex_h, rows_h, 2), ex_w, rows_w, 3)
         fused = fused_h and fused_w
         y = F.conv_transpose2d(ext, self.weight, self.bias if fused else None, self.stride, 0, 0, self.groups,
