@@ -32,7 +32,7 @@ import torch
 from .comm import CommGroup, all_gather_object, gather_words
 from .partition import BOUNDARIES, check_boundary
 
-__all__ = ["DEVICES", "DTYPES", "MAX_NDIM", "ROW_WORDS", "SHAPE_AT", "Meta", "Spec", "agree", "check_local",
+__all__ = ["DEVICES", "DTYPES", "MAX_NDIM", "ROW_WORDS", "SHAPE_AT", "Meta", "Spec", "agree",
            "needs_grad"]
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
@@ -187,13 +187,6 @@ def local_problem(m: Meta, max_nd: float) -> str | None:
     """What is wrong with one rank's arguments on their own (None: nothing)."""
     return _ndim_problem(m, max_nd) or next(
         (p for k in range(len(m.specs)) if (p := _spec_problem(m, k)) is not None), None)
-
-
-def check_local(m: Meta, op: str, where: str) -> None:
-    """Raise what :func:`local_problem` finds (for callers that vouch for the cross-rank part themselves)."""
-    problem = local_problem(m, math.inf)
-    if problem:
-        raise ValueError(f"{op}: on {where}, {problem}")
 
 
 def _canonical(boundary: str | None) -> str | None:

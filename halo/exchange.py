@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from . import kernels
 from .comm import CommGroup, HaloCommError, comm_error, comm_group, get_timeout, keep_alive, set_timeout, wait_all
-from .mesh import DomainMesh, get_domain_parallel_manager, mesh_coords
+from .mesh import DomainMesh, mesh_coords
 from .partition import POLE_MODES, RankPlan, check_boundary, offsets, plan_exchange
 from .plans import carry, device_tensor, resolve, set_validation
 
@@ -906,13 +906,9 @@ def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int |
     domain group, so every rank of the domain raises the same error.
     """
     op = "halo_exchange_2d"
-    if mesh is None:
-        manager = get_domain_parallel_manager()
-        if manager is None:
-            raise RuntimeError(f"{op}: no mesh given and no domain-parallel manager initialised: pass "
-                               f"mesh=halo.DomainMesh((ph, pw)), built on every rank after "
-                               f"torch.distributed.init_process_group()")
-        mesh = manager.mesh
+    if mesh is None:  # (the domain-parallel manager's mesh has one domain axis: never a fallback)
+        raise ValueError(f"{op} needs mesh=halo.DomainMesh((ph, pw)), built on every rank after "
+                         f"torch.distributed.init_process_group()")
     if len(mesh.domain_shape) != 2:
         raise ValueError(f"{op} needs a mesh with two domain axes, got {mesh.domain_shape}; build one with "
                          f"halo.DomainMesh((ph, pw))")

@@ -63,7 +63,6 @@ from .partition import POLE_MODES, split_problem, split_sizes
 __all__ = [
     "Site",
     "carry",
-    "clear",
     "device_tensor",
     "enter_root",
     "epoch_of",
@@ -149,11 +148,6 @@ def set_validation(mode: str) -> None:
     if mode not in VALIDATION_MODES:
         raise ValueError(f"unknown validation mode {mode!r}; expected one of {', '.join(VALIDATION_MODES)}")
     _STATE.validation = mode
-
-
-def clear() -> None:
-    """Forget every record (the next call of every op agrees again; call on every rank)."""
-    _RECORDS.clear()
 
 
 class Site:

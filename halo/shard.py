@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .agree import DEVICES, DTYPES, MAX_NDIM, ROW_WORDS, SHAPE_AT, Meta, Spec
 from .comm import CommGroup, comm_group, wait_all
-from .mesh import DomainMesh, get_domain_parallel_manager, mesh_coords
+from .mesh import DomainMesh, mesh_coords
 from .partition import split_sizes
 from .plans import field_epoch, resolve, shard_sizes, tag
 
@@ -374,11 +374,8 @@ def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any |
 # -- 2-D meshes: H over mesh axis 0, W over axis 1 --------------------------------------------------------------
 
 def _mesh_2d(mesh: DomainMesh | None, op: str) -> DomainMesh:
-    if mesh is None:
-        manager = get_domain_parallel_manager()
-        if manager is None:
-            raise RuntimeError(f"{op} needs mesh=DomainMesh((ph, pw)) or an initialised manager")
-        mesh = manager.mesh
+    if mesh is None:  # (the domain-parallel manager's mesh has one domain axis: never a fallback)
+        raise ValueError(f"{op} needs mesh=DomainMesh((ph, pw))")
     if len(mesh.domain_shape) != 2:
         raise ValueError(f"{op} needs a mesh with two domain axes, got {mesh.domain_shape}")
     return mesh

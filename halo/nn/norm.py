@@ -434,9 +434,6 @@ class _DomainNorm:
     def group(self) -> Any | None:
         return self._group_ref.group
 
-    def _info(self) -> CommGroup:
-        return comm_group(self._group_ref.group)
-
     def extra_repr(self) -> str:
         return super().extra_repr() + ", domain-parallel"
 
