@@ -281,12 +281,12 @@ class HaloSwinV2Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = "HaloSwinV2Block"
-        if x.dim() != 4:
-            raise ValueError(f"{name} at {self._halo_path}: expected a channels-last (B, H_local, W, C) shard, got "
-                             f"shape {tuple(x.shape)}")
         plan = resolve(x, self.group, name, _v2_plan,
                        (int(self.window_size[0]), int(self.shift_size[0]), not self._halo_credit, self._halo_path,
                         name), site=self._halo_site, spec=(1,))
+        if x.dim() != 4:  # after the agreement (which refuses ranks that differ): the same error on every rank
+            raise ValueError(f"{name} at {self._halo_path}: expected a channels-last (B, H_local, W, C) shard, got "
+                             f"shape {tuple(x.shape)}")
         b, h, w, c = x.shape
         y = x + self.drop_path1(self.norm1(self._attn(x, plan)))
         y = y.reshape(b, -1, c)
