@@ -20,6 +20,7 @@ from .pool import (
     HaloAdaptiveMaxPool2d,
     HaloAvgPool2d,
     HaloAvgPool3d,
+    HaloLPPool2d,
     HaloMaxPool2d,
     HaloMaxPool3d,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "HaloAdaptiveMaxPool2d",
     "HaloAvgPool2d",
     "HaloAvgPool3d",
+    "HaloLPPool2d",
     "HaloConv2d",
     "HaloConv2dSame",
     "HaloConv3d",

@@ -55,8 +55,8 @@ def is_pointwise_conv(m: nn.Module, dims: int = 1) -> bool:
 
 #: Layers with a latitude x longitude form (``convert_to_domain_parallel(model, mesh=DomainMesh((ph, pw)))``),
 #: and global adaptive pools (output 1 x 1); others that act on H or W are refused on such a mesh, naming the layer.
-MESH_2D = (nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.AvgPool2d, nn.Upsample, nn.GroupNorm, nn.BatchNorm2d,
-           nn.InstanceNorm2d, nn.PixelShuffle, nn.PixelUnshuffle)
+MESH_2D = (nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.AvgPool2d, nn.LPPool2d, nn.Upsample, nn.GroupNorm,
+           nn.BatchNorm2d, nn.InstanceNorm2d, nn.PixelShuffle, nn.PixelUnshuffle)
 
 
 def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None]:
@@ -85,6 +85,7 @@ def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn
         nn.ConvTranspose3d: lambda m, ctx: conv.HaloConvTranspose3d(m, group=ctx.group),
         nn.MaxPool2d: on(pool.HaloMaxPool2d),
         nn.AvgPool2d: on(pool.HaloAvgPool2d),
+        nn.LPPool2d: on(pool.HaloLPPool2d),
         nn.MaxPool3d: lambda m, ctx: pool.HaloMaxPool3d(m, group=ctx.group),  # latitude rows only (as 3-d convs)
         nn.AvgPool3d: lambda m, ctx: pool.HaloAvgPool3d(m, group=ctx.group),
         nn.AdaptiveAvgPool2d: on(pool.HaloAdaptiveAvgPool2d),
@@ -159,7 +160,7 @@ def _halo_name(base: type) -> str:
             nn.BatchNorm2d: "DomainBatchNorm2d", nn.GroupNorm: "DomainGroupNorm", nn.LayerNorm: "DomainLayerNorm",
             nn.InstanceNorm2d: "DomainInstanceNorm2d", nn.Upsample: "HaloUpsample", nn.MaxPool2d: "HaloMaxPool2d",
             nn.AvgPool2d: "HaloAvgPool2d", nn.MaxPool3d: "HaloMaxPool3d",
-            nn.AvgPool3d: "HaloAvgPool3d"}.get(base, f"layer for nn.{base.__name__}")
+            nn.AvgPool3d: "HaloAvgPool3d", nn.LPPool2d: "HaloLPPool2d"}.get(base, f"layer for nn.{base.__name__}")
 
 
 def _unknown(path: str, kind: type, own: list[str], children: bool = False, inner: list[str] | None = None) -> str:

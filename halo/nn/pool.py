@@ -50,6 +50,7 @@ A window pool (max, average) whose output has fewer rows than ranks raises the s
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -72,6 +73,7 @@ __all__ = [
     "HaloAdaptiveMaxPool2d",
     "HaloAvgPool2d",
     "HaloAvgPool3d",
+    "HaloLPPool2d",
     "HaloMaxPool2d",
     "HaloMaxPool3d",
     "adaptive_pool",
@@ -737,9 +739,48 @@ class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
 
 # -- conversion ---------------------------------------------------------------------------------------------
 
+class HaloLPPool2d(nn.LPPool2d):
+    """``nn.LPPool2d`` on an H-sharded field (and on a latitude x longitude mesh), computed as torch computes it:
+    ``(avg_pool2d(x ** p) * kh * kw) ** (1 / p)`` (a max pool of ``|x|`` for ``p = ±inf``), with the pool a
+    :class:`HaloAvgPool2d` (:class:`HaloMaxPool2d`) of the same kernel, stride and ceil_mode: the pointwise steps
+    before and after it act on each row, so the result is torch's, forward and backward, on any split."""
+
+    def __init__(self, pool: nn.LPPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
+        if not isinstance(pool, nn.LPPool2d):
+            raise TypeError(f"HaloLPPool2d wraps an nn.LPPool2d, got {type(pool).__name__}")
+        super().__init__(pool.norm_type, pool.kernel_size, pool.stride, pool.ceil_mode)
+        p = float(pool.norm_type)
+        if abs(p) == math.inf:
+            maxpool = nn.MaxPool2d(pool.kernel_size, pool.stride, 0, 1, ceil_mode=pool.ceil_mode)
+            inner: nn.Module = HaloMaxPool2d(maxpool, group=group, mesh=mesh)
+        else:
+            stride = pool.stride if pool.stride is not None else pool.kernel_size
+            inner = HaloAvgPool2d(nn.AvgPool2d(pool.kernel_size, stride, 0, ceil_mode=pool.ceil_mode),
+                                  group=group, mesh=mesh)
+        object.__setattr__(self, "_halo_inner", inner)  # not a child: the module tree (and state_dict) is torch's
+
+    @property
+    def group(self) -> Any | None:
+        return self._halo_inner.group
+
+    @group.setter
+    def group(self, group: Any | None) -> None:
+        self._halo_inner.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = float(self.norm_type)
+        if p == math.inf:
+            return self._halo_inner(x.abs())
+        if p == -math.inf:
+            return -self._halo_inner(-x.abs())
+        kh, kw = _pair(self.kernel_size)
+        out = self._halo_inner(x.pow(self.norm_type))
+        return (torch.sign(out) * F.relu(torch.abs(out))).mul(kw * kh).pow(1.0 / self.norm_type)
+
+
 _POOLS = ((nn.MaxPool2d, HaloMaxPool2d), (nn.AvgPool2d, HaloAvgPool2d),
           (nn.AdaptiveAvgPool2d, HaloAdaptiveAvgPool2d), (nn.AdaptiveMaxPool2d, HaloAdaptiveMaxPool2d),
-          (nn.MaxPool3d, HaloMaxPool3d), (nn.AvgPool3d, HaloAvgPool3d))
+          (nn.MaxPool3d, HaloMaxPool3d), (nn.AvgPool3d, HaloAvgPool3d), (nn.LPPool2d, HaloLPPool2d))
 
 
 def halo_pool(pool: nn.Module, *, group: Any | None = None) -> nn.Module:
@@ -750,7 +791,7 @@ def halo_pool(pool: nn.Module, *, group: Any | None = None) -> nn.Module:
     raise NotImplementedError(
         f"no domain-parallel version of {type(pool).__name__}: supported are "
         f"{', '.join(c.__name__ for c, _ in _POOLS)} (over (B, C, H, W) or (B, C, D, H, W) sharded along H, "
-        f"dim -2); LPPool2d, FractionalMaxPool2d (random windows), 1-d pools and adaptive 3-d pools are not "
+        f"dim -2); FractionalMaxPool2d (random windows), 1-d pools and adaptive 3-d pools are not "
         f"implemented")
 
 
