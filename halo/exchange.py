@@ -907,8 +907,8 @@ def halo_exchange_2d(x: torch.Tensor, halo_h: int | Sequence[int], halo_w: int |
     """
     op = "halo_exchange_2d"
     if mesh is None:  # (the domain-parallel manager's mesh has one domain axis: never a fallback)
-        raise ValueError(f"{op} needs mesh=halo.DomainMesh((ph, pw)), built on every rank after "
-                         f"torch.distributed.init_process_group()")
+        raise RuntimeError(f"{op} needs mesh=halo.DomainMesh((ph, pw)), built on every rank after "
+                           f"torch.distributed.init_process_group()")
     if len(mesh.domain_shape) != 2:
         raise ValueError(f"{op} needs a mesh with two domain axes, got {mesh.domain_shape}; build one with "
                          f"halo.DomainMesh((ph, pw))")

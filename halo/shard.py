@@ -375,7 +375,7 @@ def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any |
 
 def _mesh_2d(mesh: DomainMesh | None, op: str) -> DomainMesh:
     if mesh is None:  # (the domain-parallel manager's mesh has one domain axis: never a fallback)
-        raise ValueError(f"{op} needs mesh=DomainMesh((ph, pw))")
+        raise RuntimeError(f"{op} needs mesh=DomainMesh((ph, pw))")
     if len(mesh.domain_shape) != 2:
         raise ValueError(f"{op} needs a mesh with two domain axes, got {mesh.domain_shape}")
     return mesh

@@ -225,4 +225,5 @@ def test_module_surface():
     with pytest.raises(TypeError, match="nn.AvgPool2d"):
         HaloAvgPool2d(nn.MaxPool2d(3))
     with pytest.raises(NotImplementedError, match="FractionalMaxPool2d"):
-        halo_pool(nn.LPPool2d(2, 3))
+        halo_pool(nn.FractionalMaxPool2d(2, output_size=3))
+    assert type(halo_pool(nn.LPPool2d(2, 3))).__name__ == "HaloLPPool2d"
