@@ -1,0 +1,108 @@
+"""One state object: everything halo remembers between calls lives in a :class:`HaloContext`.
+
+Each module that keeps state across calls (the planner's epochs and records, the exchangers' specs, the groups'
+ids, host buffers, timeouts, the default manager, ...) declares it as a small class of its own and asks the
+current context for its instance::
+
+    @dataclasses.dataclass
+    class _CommState:
+        timeout: float | None = None
+        groups: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+
+    def _state() -> _CommState:
+        return context.state("comm", _CommState)
+
+so the context never imports the modules whose state it holds (it sits below all of them), and no module keeps a
+mutable global of its own. :meth:`HaloContext.reset` drops every module's state at once — the next access makes a
+fresh instance from its factory — and :func:`use` runs a block under a fresh (or given) context, which is how tests
+isolate themselves instead of monkeypatching module globals. The process-wide default context is a convenience
+over this: ``halo.context.current()``.
+
+Resetting while a converted model is mid-call, or while messages are in flight, is the caller's error (the same
+as destroying a process group then); between steps it is safe: plans are learned again at the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+__all__ = ["HaloContext", "current", "reset", "state", "use"]
+
+T = TypeVar("T")
+
+
+class HaloContext:
+    """What halo remembers between calls: one instance of each module's state class, made on first access."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self) -> None:
+        self._slots: dict[str, Any] = {}
+
+    def state(self, name: str, factory: Callable[[], T]) -> T:
+        """The state named ``name``, made by ``factory()`` on first access (and again after :meth:`reset`)."""
+        slot = self._slots.get(name)
+        if slot is None:
+            slot = self._slots[name] = factory()
+        return slot
+
+    def reset(self) -> None:
+        """Forget everything: plans, epochs, provenance, records, exchangers, groups' ids, host buffers, timeouts,
+        guard state and the default manager. A state class may define ``close()`` (called first)."""
+        slots, self._slots = self._slots, {}
+        for slot in slots.values():
+            close = getattr(slot, "close", None)
+            if close is not None:
+                close()
+
+    def names(self) -> tuple[str, ...]:
+        """The states made so far (for tests and debugging)."""
+        return tuple(self._slots)
+
+    def __repr__(self) -> str:
+        return f"HaloContext({', '.join(self._slots) or 'empty'})"
+
+
+class _Current:
+    """The context in use: the only mutable module-level object in halo (a holder, so readers never keep a stale
+    reference)."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self) -> None:
+        self.ctx = HaloContext()
+
+
+_CURRENT = _Current()
+
+
+def current() -> HaloContext:
+    """The context in use (the process-wide default unless inside :func:`use`)."""
+    return _CURRENT.ctx
+
+
+def state(name: str, factory: Callable[[], T]) -> T:
+    """``current().state(name, factory)``: the hot path of every module's ``_state()``."""
+    slots = _CURRENT.ctx._slots
+    slot = slots.get(name)
+    if slot is None:
+        slot = slots[name] = factory()
+    return slot
+
+
+def reset() -> None:
+    """Reset the context in use (:meth:`HaloContext.reset`)."""
+    _CURRENT.ctx.reset()
+
+
+@contextlib.contextmanager
+def use(ctx: HaloContext | None = None) -> Iterator[HaloContext]:
+    """Run the block under ``ctx`` (default: a fresh context); the previous one is back afterwards, untouched."""
+    ctx = HaloContext() if ctx is None else ctx
+    before, _CURRENT.ctx = _CURRENT.ctx, ctx
+    try:
+        yield ctx
+    finally:
+        _CURRENT.ctx = before
