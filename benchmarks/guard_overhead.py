@@ -100,17 +100,17 @@ def _first_call(rank: int, world: int) -> tuple[float, float, float]:
     x = torch.randn(2, 8, 64, 128)
     with_guard, without, steady = [], [], []
     for trial in range(10):
-        plans._GUARD[0] = trial % 2 == 0
+        plans.state().guard_on = trial % 2 == 0
         torch.manual_seed(trial)
         model = convert_to_domain_parallel(Net(), manager, grid=(64 + 2 * trial, 128))  # a new epoch each time
         xt = torch.randn(2, 8, 64 + 2 * trial, 128)
         t0 = time.perf_counter()
         model(xt)
-        (with_guard if plans._GUARD[0] else without).append(time.perf_counter() - t0)
+        (with_guard if plans.state().guard_on else without).append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         model(xt)
         steady.append(time.perf_counter() - t0)
-    plans._GUARD[0] = True
+    plans.state().guard_on = True
     del x
     return min(with_guard), min(without), min(steady)
 

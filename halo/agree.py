@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .comm import CommGroup, all_gather_object, gather_words
+from .comm import CommGroup
 from .partition import BOUNDARIES, check_boundary
+from .transport import all_gather_object, gather_words
 
 __all__ = ["DEVICES", "DTYPES", "MAX_NDIM", "ROW_WORDS", "SHAPE_AT", "Meta", "Spec", "agree",
            "needs_grad"]

@@ -402,7 +402,9 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         model: the *unconverted* model, or a factory returning one (called once per copy). Not modified.
         sample: the whole input field ``(B, C, H, W)``, the same on every rank. Both copies run on its device
             (under NCCL: this rank's CUDA device).
-        manager: the domain-parallel manager (default: the initialised one).
+        manager: what to shard over, as :func:`halo.nn.convert_to_domain_parallel` takes it: a manager, a
+            ``halo.DomainMesh`` (one axis: latitude rows; two: latitude x longitude) or a process group (default:
+            the initialised manager).
         dtype: what both copies run in (float64: differences are bugs, not rounding); complex parameters, buffers
             and inputs run in the complex dtype of that precision, integer ones keep theirs.
         rtol: tolerance per compared tensor, relative to the scale of what produces it (module docstring).
@@ -422,25 +424,26 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
     """
     from .comm import all_gather_object, comm_group, unsharded
     from .comm import all_reduce as bounded_all_reduce
-    from .mesh import get_domain_parallel_manager, mesh_2d
+    from .mesh import DomainMesh, DomainParallelManager, get_domain_parallel_manager, mesh_2d
     from .nn import convert_to_domain_parallel
     from .shard import gather, gather_2d, shard, shard_2d
 
-    if mesh is not None:
-        if mesh_2d(mesh) is None:
-            raise ValueError(f"check_equivalence: mesh= takes a DomainMesh with two domain axes, got {mesh!r}")
-        manager = None
-    else:
-        manager = manager if manager is not None else get_domain_parallel_manager()
-        if manager is None:
-            raise RuntimeError("check_equivalence needs a manager: call halo.initialize_domain_parallel first")
+    if mesh is not None and manager is not None:
+        raise ValueError("check_equivalence: pass a manager, a mesh or a group once (manager=), not also mesh=")
+    target = mesh if mesh is not None else manager if manager is not None else get_domain_parallel_manager()
+    if target is None:
+        raise RuntimeError("check_equivalence needs a manager: call halo.initialize_domain_parallel first")
+    if not isinstance(target, DomainParallelManager | DomainMesh | dist.ProcessGroup):
+        raise TypeError(f"check_equivalence: manager= takes a halo.DomainParallelManager, a halo.DomainMesh or a "
+                        f"torch.distributed.ProcessGroup, got {type(target).__module__}.{type(target).__qualname__}")
+    mesh = mesh_2d(target)  # latitude x longitude blocks; else latitude rows
     if not isinstance(sample, torch.Tensor) or sample.dim() < 2:
         raise ValueError(f"check_equivalence: sample must be the whole field (B, C, H, W), got "
                          f"{getattr(sample, 'shape', type(sample))}")
     if not (dtype.is_floating_point):
         raise TypeError(f"check_equivalence: dtype must be a floating dtype (float64, float32, ...), got {dtype}")
-    group = manager.domain_group if mesh is None else mesh.domain_group
-    ranks = manager.domain_world_size if mesh is None else mesh.domain_size
+    group = target if isinstance(target, dist.ProcessGroup) else target.domain_group
+    ranks = dist.get_world_size(group) if dist.is_initialized() else 1
     cg = comm_group(group) if dist.is_initialized() and ranks > 1 else None
     # Where things live (the CUDA path, reasoned; benchmarks/gpu_check.py runs it on a GPU): both copies of the model,
     # the sample, the extra inputs, the loss weights, the gathered tensors and the errors' all-reduce are on the
@@ -482,10 +485,7 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         ref._apply(lambda t: _cast(t, dtype, device))
         ref.train()
         _load_matching(ref, par)
-    if mesh is None:
-        convert_to_domain_parallel(par, manager, **(convert_kwargs or {}))
-    else:
-        convert_to_domain_parallel(par, mesh=mesh, **(convert_kwargs or {}))
+    convert_to_domain_parallel(par, target, **(convert_kwargs or {}))
     windowed = _windowed(par)
     par_names = {id(m): n or "(model)" for n, m in par.named_modules() if id(m) not in windowed}
     both = set(par_names.values())

@@ -11,109 +11,96 @@ made before, so members that made different numbers of groups would meet on diff
 A group spanning the whole world gets its host group on first use (all its members are every rank, so that first
 use is collective); any other NCCL-only group halo was not told about raises a clear error on every member.
 
-Every wait is bounded (invariant 4): by :func:`set_timeout` where set, else by the process group's own timeout.
-A peer that died, stalls, or called a different collective makes this rank raise :class:`HaloCommError` naming
-the peers still pending. Buffers of a message given up on are kept alive (:func:`keep_alive`): a late peer may
-still write into them.
+Every wait is bounded (invariant 4) and every message is posted by :mod:`halo.transport` (the one transport:
+``alloc`` / ``post`` / ``wait`` and the bounded collectives); the names of it that callers used from here
+(:func:`set_timeout`, :func:`wait_all`, :func:`all_reduce`, :func:`gather_words`, :func:`all_gather_object`, ...)
+stay here as aliases. This module's state (the groups as halo sees them, their ids, host groups, the unsharded
+flag) is the context's ``"comm"`` slot (:mod:`halo.context`): ``halo.context.reset()`` forgets it, so a group made
+with an NCCL-only backend before a reset gets its host group again only by being made again (a gloo or
+``"cpu:gloo,cuda:nccl"`` group needs none). Group ids are never reused within a context; an id of another context
+(or one whose group is gone) fails loudly.
 
-Under ``torch.compile`` the helpers here that post or wait (:func:`all_reduce`, :func:`all_gather_host`,
-:func:`gather_words`, :func:`all_gather_object`, :func:`wait_all`) are ``torch._dynamo.disable``d: dynamo never
-traces a collective into a graph (where nothing would order it against halo's communicating custom ops, see
-:func:`halo.exchange.order_after`), whatever a torch version learns to trace (``time.monotonic``, ``async_op``,
-``dist.*`` remapped to functional collectives). A Python path that reaches one inside a compiled region is a graph
-break there, so it runs eagerly in program order on every rank; the communication that belongs in a graph goes
-through halo's ordered custom ops instead. Inside a custom op's own kernel (never traced) the wrapper costs ~1 us.
+The default group (no ``group=``) is the default manager's domain group: :mod:`halo.mesh`, one tier up, registers
+how to find it (:func:`register_default_group`); this module never imports the mesh.
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import inspect
-import math
-import pickle
-import re
-import time
+import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from .mesh import resolve_group
+from . import context, transport
+from .transport import (
+    HaloCommError,
+    abandoned,
+    all_gather_host,
+    all_gather_object,
+    all_reduce,
+    comm_error,
+    gather_words,
+    get_timeout,
+    keep_alive,
+    set_timeout,
+    wait_all,
+)
 
 __all__ = [
     "CommGroup",
+    "HAS_SORT_RANKS",
     "abandoned",
     "HaloCommError",
+    "all_gather_host",
+    "all_gather_object",
     "all_reduce",
+    "comm_error",
     "comm_group",
     "gather_words",
     "get_timeout",
     "group_by_id",
     "group_id",
+    "id_base",
     "carries_cpu",
     "create_host_groups",
     "first_ops",
     "keep_alive",
     "new_group",
+    "register_default_group",
     "set_timeout",
+    "unsharded",
+    "unsharded_default",
     "wait_all",
 ]
 
 
-class HaloCommError(RuntimeError):
-    """A message of an exchange (or of an agreement or reduction) failed or timed out: a peer died, stalls, or
-    called a different collective. The process group is not usable afterwards; tear it down."""
+def id_base() -> int:
+    """Where a context's ids start: random (``os.urandom``, not a seeded generator) times 2**32, so an id kept past
+    a ``halo.context.reset()`` (in a compiled graph, a plan) names nothing in the next context, never another."""
+    return int.from_bytes(os.urandom(3), "little") << 32
 
 
-_TIMEOUT: list[float | None] = [None]  # a list, so that readers never hold a stale copy of the value
-# Buffers of messages given up on: a late peer may still write into them, so they are never freed (bounded).
-_ABANDONED: collections.deque = collections.deque(maxlen=64)
+@dataclasses.dataclass
+class _CommState:
+    """The groups' part of the context (module docstring)."""
+
+    groups: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # pg -> CG
+    hosts: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # pg -> gloo
+    world_host: list = dataclasses.field(default_factory=list)  # a world-spanning group's host, made on first use
+    ids: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # CG -> id
+    by_id: dict = dataclasses.field(default_factory=dict)  # id -> weakref to its CommGroup
+    next_id: int = dataclasses.field(default_factory=id_base)
+    unsharded: int = 0  # > 0 inside ``unsharded()``: the default group is this process alone
 
 
-def set_timeout(seconds: float | timedelta | None) -> float | None:
-    """Bound every wait of halo's communication to ``seconds``; ``None`` (default): the process group's timeout.
-
-    Applies to agreements, halo messages (forward and backward) and the reductions inside layers and losses; all
-    messages of one operation share the deadline. Past it this rank raises :class:`HaloCommError` naming this
-    rank, the peers still pending and the time waited. Per process: call it on every rank. Returns the previous
-    value.
-
-    On NCCL: a set timeout makes each wait block the CPU until the messages arrive (``Work.wait(timeout)`` polls the
-    work's CUDA event from the host), which costs the overlap of host and device and is illegal while a CUDA graph
-    is being captured — so under capture (``torch.cuda.is_current_stream_capturing()``) halo waits without a
-    timeout (stream-ordered, capturable), and a replayed graph is bounded only by the NCCL watchdog. ``None`` (the
-    default, and what a sync-free or captured step wants on NCCL) keeps the stream-ordered wait: nothing blocks the
-    host, and a dead or stuck peer is caught by the NCCL watchdog after the process group's ``timeout=`` (set it in
-    ``init_process_group``; ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` decides whether it aborts the process).
-    """
-    if isinstance(seconds, timedelta):
-        seconds = seconds.total_seconds()
-    if seconds is not None:
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-            raise ValueError(f"timeout must be a positive, finite number of seconds or None, got {seconds!r}")
-        seconds = float(seconds)
-    previous, _TIMEOUT[0] = _TIMEOUT[0], seconds
-    return previous
-
-
-def get_timeout() -> float | None:
-    """The timeout set by :func:`set_timeout` (``None``: the process group's)."""
-    return _TIMEOUT[0]
-
-
-def keep_alive(obj: Any) -> None:
-    """Keep ``obj`` (buffers of a message given up on) alive for good: a late peer may still write into it."""
-    _ABANDONED.append(obj)
-
-
-def abandoned() -> int:
-    """How many message buffers were given up on (kept alive) in this process: 0 in a healthy run."""
-    return len(_ABANDONED)
+def _state() -> _CommState:
+    return context.state("comm", _CommState)
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,9 +129,8 @@ class CommGroup:
 
 # -- host groups: made eagerly, in one order, on every rank (module docstring) ---------------------------------
 
-_HOSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # device group -> its gloo host group
-_WORLD_HOST: list = []  # the host group of a group spanning the whole world, made on first (collective) use
-_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
+#: Whether this torch's ``torch.distributed.new_group`` takes ``sort_ranks=`` (torch >= 2.12).
+HAS_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
 def carries_cpu(backend: str) -> bool:
@@ -166,7 +152,7 @@ def _new_host(ranks: Sequence[int]) -> Any:
     ranks = [int(r) for r in ranks]
     if ranks == sorted(ranks):
         return dist.new_group(ranks, backend="gloo")
-    if not _SORT_RANKS:
+    if not HAS_SORT_RANKS:
         raise ValueError(f"a group with ranks {ranks} (not ascending) needs torch.distributed.new_group("
                          f"sort_ranks=False) for its gloo host group, which this torch ({torch.__version__}) lacks")
     return dist.new_group(ranks, backend="gloo", sort_ranks=False)
@@ -181,11 +167,11 @@ def create_host_groups(blocks: Sequence[Sequence[int]], group: Any | None) -> No
     carries CPU tensors itself (gloo, ``"cpu:gloo,cuda:nccl"``)."""
     if not _host_needed():
         return
-    me = dist.get_rank()
+    me, hosts = dist.get_rank(), _state().hosts
     for block in blocks:
         host = _new_host(block)
         if group is not None and me in block:
-            _HOSTS[group] = host
+            hosts[group] = host
 
 
 def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
@@ -195,7 +181,7 @@ def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
 
     ``sort_ranks=False`` (group rank ``i`` = ``ranks[i]``) needs torch >= 2.12; on torch 2.11 it is dropped where
     ``ranks`` ascend anyway, and refused (the same error on every rank, before any collective) where they do not."""
-    if kwargs.get("sort_ranks", True) is False and not _SORT_RANKS:
+    if kwargs.get("sort_ranks", True) is False and not HAS_SORT_RANKS:
         if [int(r) for r in ranks] != sorted(int(r) for r in ranks):
             raise ValueError(f"new_group(ranks={[int(r) for r in ranks]}, sort_ranks=False): a group whose ranks do "
                              f"not ascend needs torch.distributed.new_group(sort_ranks=...), which this torch "
@@ -206,7 +192,7 @@ def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
     if _host_needed():
         host = _new_host(order)
         if dist.get_rank() in order:
-            _HOSTS[group] = host
+            _state().hosts[group] = host
     if dist.get_rank() in order:
         first_ops([group])
     return group
@@ -226,26 +212,28 @@ def first_ops(groups: Sequence[Any]) -> None:
     the same order); a no-op with ``device_id=`` given to ``init_process_group`` (``halo.launch`` gives it)."""
     if not _needs_first_op(dist.get_backend(), getattr(dist.group.WORLD, "bound_device_id", None)):
         return
-    one = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
     seen: set[int] = set()
     for group in groups:
         if group is not None and id(group) not in seen:
             seen.add(id(group))
-            dist.all_reduce(one, group=group)
+            transport.first_op(group, device)
 
 
 def _host_of(cg: CommGroup) -> Any:
     if carries_cpu(dist.get_backend(cg.group)):
         return cg.group
-    host = _HOSTS.get(cg.group)
+    state = _state()
+    host = state.hosts.get(cg.group)
     if host is not None:
         return host
     if cg.size == dist.get_world_size():
         # Every rank is a member: this first use is collective over the world, like the creation of a group.
-        if not _WORLD_HOST or dist.get_process_group_ranks(_WORLD_HOST[0]) != list(cg.ranks):
-            _WORLD_HOST[:] = [_new_host(cg.ranks)]
+        world = state.world_host
+        if not world or dist.get_process_group_ranks(world[0]) != list(cg.ranks):
+            world[:] = [_new_host(cg.ranks)]
             first_ops([cg.group])
-        return _WORLD_HOST[0]
+        return world[0]
     raise ValueError(
         f"halo: the {dist.get_backend(cg.group)} group of global ranks {list(cg.ranks)} has no gloo host group for "
         f"halo's agreements (CPU tensors). Make it with halo.comm.new_group(ranks) instead of "
@@ -254,31 +242,52 @@ def _host_of(cg: CommGroup) -> Any:
 
 
 _SINGLE = CommGroup(None, 1, 0, (0,))
-_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_IDS: dict[int, int] = {}  # id(CommGroup) -> small int
-_BY_ID: list[CommGroup] = []
 
 
 def group_id(cg: CommGroup) -> int:
-    """A small int naming ``cg`` in this process (what a compiled graph or a custom op can carry)."""
-    gid = _IDS.get(id(cg))
-    if gid is None or _BY_ID[gid] is not cg:
-        gid = _IDS[id(cg)] = len(_BY_ID)
-        _BY_ID.append(cg)
+    """A small int naming ``cg`` in this context (what a compiled graph or a custom op can carry). Ids are never
+    reused within a context; the table holds the groups weakly (bounded by the groups alive)."""
+    state = _state()
+    gid = state.ids.get(cg)
+    if gid is None:
+        gid = state.ids[cg] = state.next_id
+        state.next_id += 1
+        state.by_id[gid] = weakref.ref(cg, lambda _, gid=gid, by_id=state.by_id: by_id.pop(gid, None))
     return gid
 
 
 def group_by_id(gid: int) -> CommGroup:
-    """The :class:`CommGroup` of :func:`group_id` ``gid``."""
-    return _BY_ID[gid]
+    """The :class:`CommGroup` of :func:`group_id` ``gid``; a clear error for an id this context never gave (made
+    before ``halo.context.reset()`` or in another context) or whose group is gone."""
+    ref = _state().by_id.get(gid)
+    cg = ref() if ref is not None else None
+    if cg is None:
+        raise LookupError(f"halo: group id {gid} names no group of this context (made before halo.context.reset(), "
+                          f"in another halo.context.use() block, or its group was destroyed): plan again")
+    return cg
 
 
-_UNSHARDED = [0]  # > 0 inside ``unsharded()``: the default group is this process alone
+def register_default_group(resolve: Callable[[Any], Any]) -> None:
+    """Say how ``group=None`` resolves (``resolve(None)``: the default group, or a clear error): called once, by
+    :mod:`halo.mesh` at import (the default manager lives there, one tier up). Not state: fixed at import."""
+    _RESOLVE[:] = [resolve]
+
+
+_RESOLVE: list[Callable[[Any], Any]] = []  # filled at import by halo.mesh (register_default_group)
+
+
+def _resolve_group(group: Any | None) -> Any:
+    if group is not None:
+        return group
+    if _RESOLVE:
+        return _RESOLVE[0](None)
+    raise RuntimeError("no process group given and no domain-parallel manager initialised: pass group=..., or call "
+                       "halo.initialize_domain_parallel(world_size, domain_parallel_size) on every rank first")
 
 
 def unsharded_default() -> bool:
     """Whether halo's default group is this process alone: no torch.distributed, or inside :func:`unsharded`."""
-    return _UNSHARDED[0] > 0 or not (dist.is_available() and dist.is_initialized())
+    return _state().unsharded > 0 or not (dist.is_available() and dist.is_initialized())
 
 
 class unsharded:  # noqa: N801 - a context manager, named like one
@@ -287,19 +296,21 @@ class unsharded:  # noqa: N801 - a context manager, named like one
     (``halo.nn.pad_like``, ``halo.random.dropout``) in its forward, in a process of a distributed job."""
 
     def __enter__(self) -> unsharded:
-        _UNSHARDED[0] += 1
+        self._state = _state()  # the context entered in: exit undoes it there
+        self._state.unsharded += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _UNSHARDED[0] -= 1
+        self._state.unsharded -= 1
 
 
 def comm_group(group: Any | None = None) -> CommGroup:
     """``group`` as a :class:`CommGroup` (default: the manager's domain group; no torch.distributed: one rank)."""
     if group is None and unsharded_default():
         return _SINGLE
-    group = resolve_group(group)
-    cg = _GROUPS.get(group)
+    group = _resolve_group(group)
+    groups = _state().groups
+    cg = groups.get(group)
     if cg is None:
         ranks = tuple(dist.get_process_group_ranks(group))
         me = dist.get_rank()
@@ -307,139 +318,5 @@ def comm_group(group: Any | None = None) -> CommGroup:
             raise ValueError(f"rank {me} is not a member of the group it communicates over (global ranks "
                              f"{list(ranks)}); pass each rank its own domain group")
         cg = CommGroup(group, len(ranks), ranks.index(me), ranks)
-        _GROUPS[group] = cg
+        groups[group] = cg
     return cg
-
-
-@torch._dynamo.disable  # a wait never enters a compiled graph (module docstring)
-def wait_all(works: Sequence[Any], labels: Sequence[Any], cg: CommGroup, what: str, posted: float,
-             keep: Any) -> None:
-    """Wait for ``works`` under one deadline; turn a failure or timeout into :class:`HaloCommError`.
-
-    ``labels[i]``: who work ``i`` talks to ("recv from global rank 3", or ``("recv from", 3)``: text is made only on
-    the error path). ``keep``: the buffers, kept alive on failure so that a late write from a peer cannot land in
-    freed memory.
-    """
-    limit = _TIMEOUT[0]
-    if limit is not None and _capturing():
-        limit = None  # a host-side wait (polling the work's CUDA event) is illegal during capture: stream-ordered
-    began = time.monotonic()
-    for i, work in enumerate(works):
-        exc: BaseException | None = None
-        try:
-            if limit is None:
-                done = work.wait()
-            else:
-                left = limit - (time.monotonic() - began)
-                done = work.wait(timeout=timedelta(seconds=max(left, 1e-3)))
-        except Exception as e:  # noqa: BLE001 - every backend error becomes one clear error
-            exc, done = e, False
-        if done is False:
-            keep_alive(keep)
-            raise comm_error(labels, i, cg, what, began, posted, exc) from exc
-
-
-def _capturing() -> bool:
-    """Whether this thread's current CUDA stream is capturing a graph (never on a CPU-only build)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _label(label: Any) -> str:
-    """A wait's peer description: a string, a ``(verb, global rank)`` pair, or a tuple of pairs (one request for
-    several messages). Made into text only when an error is raised."""
-    if isinstance(label, str):
-        return label
-    if len(label) == 2 and isinstance(label[0], str):
-        if isinstance(label[1], int):
-            return f"{label[0]} global rank {label[1]}"
-        return f"{label[0]} global ranks {[g for g in label[1][0].ranks if g != label[1][0].ranks[label[1][0].index]]}"
-    return " and ".join(_label(part) for part in label)
-
-
-def comm_error(labels: Sequence[Any], i: int, cg: CommGroup, what: str, began: float, posted: float,
-               exc: BaseException | None) -> HaloCommError:
-    """The error for a wait on ``labels[i]`` that failed (``exc``) or ran out of time."""
-    labels = [_label(label) for label in labels]
-    limit = _TIMEOUT[0]
-    now = time.monotonic()
-    waited = now - began
-    cause = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else "no completion"
-    cause = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", cause)  # gloo's source location
-    timed_out = (limit is not None and waited >= limit - 1e-3) or "timed out" in cause.lower()
-    others = [label for label in dict.fromkeys(labels[i + 1:]) if label != labels[i]]
-    also = f" (not yet confirmed either: {', '.join(others)})" if others else ""
-    bound = f"halo.set_timeout({limit:g})" if limit is not None else "the process group's timeout"
-    return HaloCommError(
-        f"{what}: rank {cg.ranks[cg.index]} (group rank {cg.index} of {cg.size}) "
-        f"{'timed out' if timed_out else 'failed'} after {waited:.2f} s (posted {now - posted:.2f} s ago; "
-        f"bound: {bound}) waiting on {labels[i]}{also}. The peer may have died, be stuck, have raised an error "
-        f"of its own (see its log), or have called a different collective or exchange (another shape, op or "
-        f"call order); this process group is unusable now. Backend: {cause}")
-
-
-def _others(cg: CommGroup) -> str:
-    return str([g for g in cg.ranks if g != cg.ranks[cg.index]])
-
-
-@torch._dynamo.disable  # never traced into a graph, unordered (module docstring): a graph break
-def all_reduce(t: torch.Tensor, cg: CommGroup, what: str, op: Any = None) -> torch.Tensor:
-    """In-place all-reduce of ``t`` over ``cg`` (``op`` default SUM) under the bounded wait; returns ``t``."""
-    posted = time.monotonic()
-    work = dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=cg.group, async_op=True)
-    wait_all([work], [("the all-reduce with", (cg,))], cg, what, posted, t)
-    return t
-
-
-@torch._dynamo.disable  # never traced into a graph (module docstring)
-def all_gather_host(local: torch.Tensor, table: torch.Tensor, cg: CommGroup, what: str) -> torch.Tensor:
-    """Every rank's CPU tensor ``local`` into the rows of ``table`` (``(size, *local.shape)``), on the host group."""
-    posted = time.monotonic()
-    work = dist.all_gather(list(table.unbind(0)), local, group=cg.host, async_op=True)
-    wait_all([work], [f"the agreement with global ranks {_others(cg)}"], cg, what, posted, (local, table))
-    return table
-
-
-_HOST_BUFFERS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-@torch._dynamo.disable  # never traced into a graph (module docstring)
-def gather_words(words: Sequence[int], cg: CommGroup, what: str) -> np.ndarray:
-    """Every rank's row of ``len(words)`` int64 words, in group order (an array ``(size, len(words))``): one
-    all-gather on the host group into buffers made once per (group, width), written and read through numpy (no
-    tensor built from Python data, nothing a device waits for). Agreements on one group run one at a time."""
-    key = (id(cg), cg.size, len(words))
-    bufs = _HOST_BUFFERS.get(key)
-    if bufs is None:
-        bufs = _HOST_BUFFERS[key] = (torch.zeros(len(words), dtype=torch.int64),
-                                     torch.zeros(cg.size, len(words), dtype=torch.int64))
-    local, table = bufs
-    local.numpy()[:] = words
-    all_gather_host(local, table, cg, what)
-    return table.numpy().copy()
-
-
-@torch._dynamo.disable  # never traced into a graph (module docstring)
-def all_gather_object(obj: Any, cg: CommGroup, what: str = "all_gather_object") -> list[Any]:
-    """Every rank's picklable ``obj`` in group order, on the host group (the slow path of an agreement: errors).
-
-    Bounded like every other wait here (:func:`set_timeout`, else the process group's timeout): the pickled sizes
-    travel in one :func:`gather_words`, then the bytes, zero-padded to the longest, in one all-gather on the host
-    group. ``torch.distributed.all_gather_object`` has no ``async_op`` and so no bound but the group's timeout; a
-    peer that never joins makes this rank raise :class:`HaloCommError` naming it within the bound instead. ``what``
-    names the caller in that error.
-    """
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sizes = _gather_words((len(payload),), cg, what)[:, 0]
-    width = max(int(sizes.max()), 1)
-    local = torch.zeros(width, dtype=torch.uint8)
-    local.numpy()[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-    table = torch.empty(cg.size, width, dtype=torch.uint8)
-    _all_gather_host(local, table, cg, what)
-    rows = table.numpy()
-    return [pickle.loads(rows[r, :int(sizes[r])].tobytes()) for r in range(cg.size)]  # copies, as torch's
-
-
-# Inner names for this module's own calls (the counters of halo.testing.HostWorkCounter patch the public names:
-# one all_gather_object counts as one agreement, not two).
-_gather_words = gather_words
-_all_gather_host = all_gather_host

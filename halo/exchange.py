@@ -25,25 +25,27 @@ gradient at all (the halo rows' gradients are added into the interior of the inc
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
-import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from . import kernels
-from .comm import CommGroup, HaloCommError, comm_error, comm_group, get_timeout, keep_alive, set_timeout, wait_all
+from . import context, kernels, transport
+from .comm import CommGroup, HaloCommError, comm_group, get_timeout, id_base, set_timeout
 from .mesh import DomainMesh, mesh_coords
 from .partition import POLE_MODES, RankPlan, check_boundary, offsets, plan_exchange
 from .plans import carry, device_tensor, resolve, set_validation
 
 __all__ = [
+    "ExchangeSpec",
     "Exchanger",
     "HaloCommError",
+    "SPECS_CAP",
     "HaloHandle",
     "exchange",
+    "exchange_spec",
     "exchanger_id",
     "get_timeout",
     "halo_exchange",
@@ -58,63 +60,7 @@ __all__ = [
 
 # -- reusable buffers ----------------------------------------------------------------------------------------
 
-_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _free(t: torch.Tensor) -> bool:
-    """Nothing but the pool holds ``t`` or a view or alias of it (autograd's saved tensors included)."""
-    if _STORAGE_USE_COUNT is None:
-        return False
-    storage = t.untyped_storage()
-    return _STORAGE_USE_COUNT(storage._cdata) <= 2  # the pool's tensor and ``storage`` itself
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` is capturing a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _stream_key(device: torch.device) -> int:
-    """The current stream of ``device`` (0 off CUDA): buffers are handed out again only on the stream they were."""
-    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-
-
-class BufferPool:
-    """Buffers by (shape, dtype, device, memory format, stream), handed out again once nothing else holds them.
-
-    ``get`` hands out an alias (``detach``: a tensor of its own on the same storage), so every holder of a buffer,
-    the caller's variables included, counts on the storage; a buffer that an autograd graph saved, a caller kept,
-    or a message still uses is *not* free, and reuse can never overwrite a live tensor. Without torch's use-count
-    API every call allocates.
-
-    CUDA graphs and streams. Python references say nothing about a captured graph, which replays its writes into
-    the buffers it captured whoever holds them now: so while the current stream is capturing, ``get`` allocates
-    (from the graph's private memory pool: the graph owns the memory for its life, no later call is handed it, and
-    dropping an exchanger or its pool cannot free memory a graph still writes) and the pool neither hands out nor
-    keeps anything. Per-module graphs (``torch.cuda.make_graphed_callables``) therefore never share a pooled buffer.
-    A buffer is reused only on the stream it was handed out on, where the reuse is ordered after every earlier use
-    of it; an output consumed on *another* stream must be ordered back before the next halo call on the first
-    stream (``torch.cuda.current_stream().wait_stream(other)``), as for any reused buffer.
-    """
-
-    def __init__(self, per_key: int = 4) -> None:
-        self.per_key = per_key
-        self._pools: dict[tuple, list[torch.Tensor]] = {}
-
-    def get(self, shape: Sequence[int], like: torch.Tensor, fmt: torch.memory_format = torch.contiguous_format
-            ) -> torch.Tensor:
-        device = like.device
-        if _capturing(device):
-            return torch.empty(tuple(shape), dtype=like.dtype, device=device, memory_format=fmt)
-        key = (tuple(shape), like.dtype, device, fmt, _stream_key(device))
-        pool = self._pools.setdefault(key, [])
-        for buf in pool:
-            if _free(buf):
-                return buf.detach()
-        buf = torch.empty(key[0], dtype=like.dtype, device=device, memory_format=fmt)
-        if len(pool) < self.per_key:
-            pool.append(buf)
-        return buf.detach()
+BufferPool = transport.BufferPool  # moved to halo.transport (the one transport allocates message buffers)
 
 
 def _memory_format(x: torch.Tensor) -> torch.memory_format:
@@ -178,45 +124,12 @@ def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return device_tensor(tuple(values), torch.int64, device)
 
 
-@torch._dynamo.disable  # never traced into a compiled graph, unordered (halo.comm's docstring): a graph break
 def post_messages(cg: CommGroup, op: str, send: torch.Tensor | None, send_list: Sequence[tuple[int, int]],
                   recv: torch.Tensor | None, recv_list: Sequence[tuple[int, int]]) -> tuple[list, list]:
-    """Post point-to-point messages: consecutive row slices of ``send`` to the ``(peer, rows)`` of ``send_list``,
-    into consecutive slices of ``recv`` from those of ``recv_list`` (peers are group indices; a message to this rank
-    itself is copied inline). Returns the requests and, per request, who it talks to (global ranks, for the error
-    messages of :func:`halo.comm.wait_all`); a failed post raises :class:`HaloCommError` naming the peers."""
-    me, ranks = cg.index, cg.ranks
-    ops, labels = [], []
-    own = None
-    at = 0
-    for peer, n in send_list:
-        buf = send[at:at + n]
-        at += n
-        if peer == me:
-            own = buf
-        elif n:
-            ops.append(dist.P2POp(dist.isend, buf, group=cg.group, group_peer=peer))
-            labels.append(("send to", ranks[peer]))
-    at = 0
-    for peer, n in recv_list:
-        buf = recv[at:at + n]
-        at += n
-        if peer == me:
-            buf.copy_(own)
-        elif n:
-            ops.append(dist.P2POp(dist.irecv, buf, group=cg.group, group_peer=peer))
-            labels.append(("recv from", ranks[peer]))
-    if not ops:
-        return [], []
-    posted = time.monotonic()
-    try:
-        works = dist.batch_isend_irecv(ops)
-    except Exception as exc:  # noqa: BLE001 - a peer already gone can fail the post itself
-        keep_alive((send, recv))
-        raise comm_error([tuple(labels)], 0, cg, f"{op} (posting)", posted, posted, exc) from exc
-    if len(works) != len(ops):  # coalesced (NCCL): one request for the whole batch
-        labels = [tuple(labels)] * len(works)
-    return works, labels
+    """The old form of :func:`halo.transport.post_rows` (which it calls): the requests and their labels, for
+    :func:`halo.comm.wait_all`. New code posts with ``transport.post_rows`` and waits with ``transport.wait``."""
+    posted = transport.post_rows(cg, op, send, send_list, recv, recv_list)
+    return list(posted.works), list(posted.labels)
 
 
 class Exchanger:
@@ -237,7 +150,7 @@ class Exchanger:
         self.recv_rows = plan.recv_rows
         self.sides = (_Side.of(plan.before), _Side.of(plan.after))
         self.rounds = tuple(side.layers() for side in self.sides)
-        self.pool = BufferPool()
+        self.pool = transport.BufferPool()
         self.op_backward = f"{op} (backward)"
 
     def ext_rows(self) -> int:
@@ -247,11 +160,11 @@ class Exchanger:
     def start(self, x: torch.Tensor) -> dict:
         """Pack every outgoing message in one pass and post all sends and receives; do not wait."""
         rest = [s for i, s in enumerate(x.shape) if i != self.dim]
-        send = self.pool.get((self.send_rows, *rest), x)
+        send = transport.alloc((self.send_rows, *rest), x, self.pool)
         kernels.pack(x, self.dim, self.send_ranges, out=send)
-        recv = self.pool.get((self.recv_rows, *rest), x)
-        works, labels = self._post(send, self.send_counts, recv, self.recv_counts)
-        return {"send": send, "recv": recv, "works": works, "labels": labels, "posted": time.monotonic()}
+        recv = transport.alloc((self.recv_rows, *rest), x, self.pool)
+        posted = self._post(self.op, send, self.send_counts, recv, self.recv_counts)
+        return {"send": send, "recv": recv, "posted": posted}
 
     def finish(self, x: torch.Tensor, pending: dict, out: torch.Tensor | None = None, *,
                reuse: bool = False) -> torch.Tensor:
@@ -269,13 +182,12 @@ class Exchanger:
         interior = x.narrow(dim, i0, ni)
         if interior.numel() and (interior.data_ptr() != mid.data_ptr() or interior.stride() != mid.stride()):
             mid.copy_(interior)
-        wait_all(pending["works"], pending["labels"], self.cg, self.op, pending["posted"], pending)
-        pending["works"] = ()  # finished requests are not kept
+        transport.wait(pending["posted"])  # finished requests are not kept
         recv = pending["recv"]
         return kernels.unpack(mid, self._assemble(recv, 0), self._assemble(recv, 1), dim, out)
 
-    def _post(self, send: torch.Tensor, send_list, recv: torch.Tensor, recv_list) -> tuple[list, list[str]]:
-        return post_messages(self.cg, self.op, send, send_list, recv, recv_list)
+    def _post(self, what: str, send: torch.Tensor, send_list, recv: torch.Tensor, recv_list) -> transport.Posted:
+        return transport.post_rows(self.cg, what, send, send_list, recv, recv_list)
 
     def _assemble(self, recv: torch.Tensor, k: int) -> torch.Tensor:
         """Halo rows of side ``k`` (dim-major) from the receive buffer: a slice, or a gather by a cached map."""
@@ -297,8 +209,7 @@ class Exchanger:
     def halos(self, x: torch.Tensor, pending: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for the messages of :meth:`start` and return the halo rows alone, ``(before, after)``, each in
         ``x``'s layout with its own rows along ``dim`` (no copy of the shard: compute-then-patch)."""
-        wait_all(pending["works"], pending["labels"], self.cg, self.op, pending["posted"], pending)
-        pending["works"] = ()
+        transport.wait(pending["posted"])
         recv = pending["recv"]
         return self._assemble(recv, 0).movedim(0, self.dim), self._assemble(recv, 1).movedim(0, self.dim)
 
@@ -321,17 +232,15 @@ class Exchanger:
         ranks) go back to the rows' owners; do not wait. ``like``: a tensor of ``x``'s shape, dtype and device."""
         rest = [s for i, s in enumerate(like.shape) if i != self.dim]
         grad_recv = self._assemble_adjoint((before, after), rest, like)
-        grad_send = self.pool.get((self.send_rows, *rest), like)
+        grad_send = transport.alloc((self.send_rows, *rest), like, self.pool)
         # Reverse traffic: what this rank received goes back to the sender and vice versa.
-        posted = time.monotonic()
-        works, labels = self._post(grad_recv, self.recv_counts, grad_send, self.send_counts)
-        return {"send": grad_recv, "recv": grad_send, "works": works, "labels": labels, "posted": posted}
+        posted = self._post(self.op_backward, grad_recv, self.recv_counts, grad_send, self.send_counts)
+        return {"send": grad_recv, "recv": grad_send, "posted": posted}
 
     def finish_adjoint(self, pending: dict, base: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Wait for :meth:`start_adjoint` and add what arrives onto ``base``'s rows: into ``out`` (in place when it
         is ``base``, which the caller must own; a fresh tensor when ``None``)."""
-        wait_all(pending["works"], pending["labels"], self.cg, self.op_backward, pending["posted"], pending)
-        pending["works"] = ()
+        transport.wait(pending["posted"])
         if not self.send_ranges:
             return base if out is base else (base.contiguous() if out is None else out.copy_(base))
         if out is base and torch._debug_has_internal_overlap(base) == 1:  # 2: "too hard to tell", views
@@ -368,7 +277,9 @@ class Exchanger:
 
 # -- the registry: exchangers by plan, addressed by small ints (what a compiled graph holds) --------------------
 
-class _Spec(NamedTuple):
+class ExchangeSpec(NamedTuple):
+    """What names an exchanger: the group, the dim, every rank's extent, every rank's needs, boundary, op name."""
+
     group: Any
     dim: int
     sizes: tuple[int, ...]
@@ -377,27 +288,67 @@ class _Spec(NamedTuple):
     op: str
 
 
-_SPEC_IDS: dict[_Spec, int] = {}
-_SPECS: list[_Spec] = []
-_LIVE: collections.OrderedDict = collections.OrderedDict()  # id -> Exchanger, most recent last
-_MAX_LIVE = 256
+#: Exchange plans remembered per context (least recently planned dropped first; one whose exchanger is live is
+#: kept). Each is a few hundred bytes: the cap bounds a process that plans ever new shapes (a sweep of sizes).
+SPECS_CAP = 16384
+#: Exchangers (with their buffers) kept live per context, least recently used dropped (made again from the spec).
+LIVE_CAP = 256
+
+
+@dataclasses.dataclass
+class _ExchangeState:
+    """The exchangers' part of the context: specs by id (ids never reused within a context) and live exchangers."""
+
+    ids: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # spec -> id, LRU
+    specs: dict = dataclasses.field(default_factory=dict)  # id -> spec
+    live: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # id -> Exchanger
+    next_id: int = dataclasses.field(default_factory=id_base)
+
+
+def _state() -> _ExchangeState:
+    return context.state("exchange", _ExchangeState)
 
 
 def exchanger_id(cg: CommGroup, dim: int, sizes: Sequence[int], needs: Sequence[tuple[int, int]], boundary: str,
                  op: str = "halo_exchange") -> int:
     """The id of this rank's exchanger for a plan (made and cached on first use). ``sizes``: every rank's extent
     along ``dim``; ``needs[r]``: the virtual rows rank ``r`` needs. Both must be agreed (the same on every rank)."""
-    spec = _Spec(cg.group, dim, tuple(int(s) for s in sizes), tuple((int(a), int(b)) for a, b in needs),
-                 check_boundary(boundary), op)
-    ex_id = _SPEC_IDS.get(spec)
-    if ex_id is None:
-        try:
-            _plan(spec.sizes, spec.needs, spec.boundary)
-        except ValueError as exc:
-            raise ValueError(f"{op}: {exc}") from None
-        ex_id = _SPEC_IDS[spec] = len(_SPECS)
-        _SPECS.append(spec)
+    spec = ExchangeSpec(cg.group, dim, tuple(int(s) for s in sizes), tuple((int(a), int(b)) for a, b in needs),
+                        check_boundary(boundary), op)
+    state = _state()
+    ex_id = state.ids.get(spec)
+    if ex_id is not None:
+        state.ids.move_to_end(spec)
+        return ex_id
+    try:
+        _plan(spec.sizes, spec.needs, spec.boundary)
+    except ValueError as exc:
+        raise ValueError(f"{op}: {exc}") from None
+    ex_id = state.ids[spec] = state.next_id
+    state.specs[ex_id] = spec
+    state.next_id += 1
+    _evict(state)
     return ex_id
+
+
+def _evict(state: _ExchangeState) -> None:
+    """Drop the least recently planned specs beyond :data:`SPECS_CAP` (a live exchanger's spec is kept)."""
+    for _ in range(len(state.ids) - SPECS_CAP):
+        spec, ex_id = next(iter(state.ids.items()))
+        state.ids.move_to_end(spec)
+        if ex_id not in state.live:
+            del state.ids[spec], state.specs[ex_id]
+
+
+def exchange_spec(ex_id: int) -> ExchangeSpec:
+    """The spec of exchanger ``ex_id``; a clear error for an id this context does not know (evicted past
+    :data:`SPECS_CAP`, or made before ``halo.context.reset()`` or in another context): never another's spec."""
+    spec = _state().specs.get(ex_id)
+    if spec is None:
+        raise LookupError(f"halo: exchanger id {ex_id} is unknown in this context (made before halo.context.reset(), "
+                          f"in another halo.context.use() block, or dropped past halo.exchange.SPECS_CAP="
+                          f"{SPECS_CAP} plans): plan the exchange again")
+    return spec
 
 
 @functools.lru_cache(maxsize=1024)
@@ -407,17 +358,18 @@ def _plan(sizes: tuple[int, ...], needs: tuple[tuple[int, int], ...], boundary: 
 
 def get_exchanger(ex_id: int) -> Exchanger:
     """The exchanger of id ``ex_id`` (rebuilt if it was evicted; its buffers go with it)."""
-    ex = _LIVE.get(ex_id)
+    live = _state().live
+    ex = live.get(ex_id)
     if ex is None:
-        spec = _SPECS[ex_id]
+        spec = exchange_spec(ex_id)
         cg = comm_group(spec.group)
         ex = Exchanger(_plan(spec.sizes, spec.needs, spec.boundary).ranks[cg.index], cg, spec.dim, spec.boundary,
                        spec.op)
-        _LIVE[ex_id] = ex
-        if len(_LIVE) > _MAX_LIVE:
-            _LIVE.popitem(last=False)
+        live[ex_id] = ex
+        if len(live) > LIVE_CAP:
+            live.popitem(last=False)
     else:
-        _LIVE.move_to_end(ex_id)
+        live.move_to_end(ex_id)
     return ex
 
 
@@ -449,7 +401,9 @@ def _strided_like(t: torch.Tensor, shape: Sequence[int], fmt: torch.memory_forma
 
 
 #: One order token per device (``str(device)``): a 1-element int64 tensor every communicating custom op reads and
-#: :func:`order_after` declares mutated, made once and kept (see :func:`order_token`).
+#: :func:`order_after` declares mutated, made once and kept (see :func:`order_token`). Deliberately not in the
+#: context: a compiled graph reads the token as a global (a graph input at a fixed address, kept by CUDA graphs),
+#: and a reset must not hand a graph compiled before it a different tensor. Bounded by the devices of the process.
 _ORDER: dict[str, torch.Tensor] = {}
 
 
@@ -469,6 +423,11 @@ def order_token(device: torch.device) -> torch.Tensor:
     recompiles), read by every communicating custom op and declared mutated right after it (:func:`order_after`)."""
     key = _order_key(device)  # made outside the trace (a constant result), then read as a global: a graph input
     return _ORDER[key]
+
+
+def order_devices() -> tuple[str, ...]:
+    """The devices that have an order token so far (for tests and debugging)."""
+    return tuple(_ORDER)
 
 
 #: ``halo::order_after``: declared to write ``order`` after reading ``after`` (a communicating op's output); computes

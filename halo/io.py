@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import os
 import secrets
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from .comm import CommGroup, all_gather_host, comm_group, gather_words, wait_all
+from . import context, transport
+from .comm import CommGroup, all_gather_host, comm_group, gather_words
 from .partition import split_offsets
 
 __all__ = ["ShardedField", "complete_steps", "read_step", "rechunk", "write_rows"]
@@ -310,8 +309,17 @@ class _Run:
     chunks: tuple[int, int]
 
 
-# (store, name, group ranks) -> the run this process writes: created (or resumed) at its first write_rows call.
-_RUNS: dict[tuple, _Run] = {}
+@dataclass
+class _IOState:
+    """What the writers remember (the :mod:`halo.context` slot ``"io"``): ``runs``, (store, name, group ranks) ->
+    the run this process writes, created (or resumed) at its first ``write_rows`` call. One entry per array
+    written; a :func:`halo.context.reset` starts new runs (as a new process would)."""
+
+    runs: dict = field(default_factory=dict)
+
+
+def _state() -> _IOState:
+    return context.state("io", _IOState)
 
 
 def _pad(values: Sequence[int], fill: int = -1) -> list[int]:
@@ -411,9 +419,9 @@ def write_rows(store: str | os.PathLike, name: str, local: torch.Tensor, shape: 
     me, mine = cg.index, blocks[cg.index]
     data = np.ascontiguousarray(local.detach().cpu().numpy())
     lead_shape = tuple(data.shape[:-2])
-    works, labels, keep = [], [], []
+    sends: list[tuple[int, torch.Tensor]] = []
+    recvs: list[tuple[int, torch.Tensor]] = []
     received: list[tuple[tuple[int, int, int, int], torch.Tensor]] = []
-    posted = time.monotonic()
     if cg.size > 1:
         for j in range(cg.size):
             if j == me:
@@ -422,17 +430,13 @@ def write_rows(store: str | os.PathLike, name: str, local: torch.Tensor, shape: 
             if out is not None:
                 piece = torch.from_numpy(np.ascontiguousarray(
                     data[..., out[0] - mine[0]:out[1] - mine[0], out[2] - mine[2]:out[3] - mine[2]]))
-                works.append(dist.isend(piece, dst=cg.ranks[j], group=cg.host))
-                labels.append(("send to", cg.ranks[j]))
-                keep.append(piece)
+                sends.append((j, piece))
             inc = _meet(blocks[j], regions[me])
             if inc is not None:
                 buf = torch.empty((*lead_shape, inc[1] - inc[0], inc[3] - inc[2]), dtype=local.dtype)
-                works.append(dist.irecv(buf, src=cg.ranks[j], group=cg.host))
-                labels.append(("recv from", cg.ranks[j]))
-                keep.append(buf)
+                recvs.append((j, buf))
                 received.append((inc, buf))
-        wait_all(works, labels, cg, f"{what}: boundary rows", posted, keep)
+        transport.wait(transport.post(cg, f"{what}: boundary rows", sends, recvs, host=True))
     region = regions[me]
     failed: BaseException | None = None
     try:
@@ -497,7 +501,8 @@ def _start_run(store: Any, name: str, shape: tuple[int, ...], dtype: torch.dtype
     """This process's run of ``(store, name)``: made (rank 0 creates or checks the array, records a fresh run id)
     and agreed at the first call; checked against the call after that."""
     key = (_store_key(store), name, cg.ranks)
-    known = _RUNS.get(key)
+    runs = _state().runs
+    known = runs.get(key)
     if known is not None:  # the same on every rank: the same error everywhere
         if (known.shape, known.dtype, known.lead) != (shape, dtype, lead):
             raise ValueError(f"{what}: this run writes {name!r} with shape {known.shape}, dtype {known.dtype}, "
@@ -535,7 +540,7 @@ def _start_run(store: Any, name: str, shape: tuple[int, ...], dtype: torch.dtype
     if status == 3:
         raise ValueError(f"{what}: resume=True but {store} has no run of {name!r} recorded by write_rows to resume")
     run = _Run(int(got[1]), shape, dtype, lead, (int(got[2]), int(got[3])))
-    _RUNS[key] = run
+    runs[key] = run
     return run
 
 

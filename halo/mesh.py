@@ -9,14 +9,18 @@ ranks of one domain group are a contiguous block and data-parallel groups are st
     world 8, domain axes (2, 2)          mesh [[[0,1],[2,3]], [[4,5],[6,7]]]      axes ("dp", "domain_h", "domain_w")
         domain_h groups [0,2] [1,3] [4,6] [5,7]   domain_w groups [0,1] [2,3] ...   domain groups [0..3] [4..7]
 
-Each domain axis shards one tensor dim (``shard_dims``, latitude ``-2`` first) and may be ``periodic``
-(longitude), which makes the first and last rank of that axis neighbours. ``DomainParallelManager`` is the
-NCAR CREDIT API on top of a one-axis mesh; the module-level default is a convenience with an explicit reset,
-never the only way in: every function that communicates also takes a ``group`` or mesh.
+A mesh has k domain axes (:attr:`DomainMesh.axes`, one :class:`DomainAxis` each): the tensor dim the axis
+splits (``shard_dims``, latitude ``-2`` first) and whether it is ``periodic`` (longitude: the first and last rank
+of that axis are neighbours; latitude: not), plus the data-parallel axis ``"dp"``. Latitude only is a one-axis mesh;
+latitude x longitude a two-axis one (halo's layers take these two; the mesh itself takes any k). The NCAR CREDIT
+``DomainParallelManager`` is a facade over a one-axis mesh: every attribute it has answers from that mesh (no second
+code path for groups). The default manager lives in the current :mod:`halo.context` (``"mesh"``), a convenience
+with an explicit reset, never the only way in: every function that communicates also takes a ``group`` or mesh.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -28,7 +32,11 @@ import numpy as np
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import context
+from .comm import create_host_groups, first_ops, register_default_group
+
 __all__ = [
+    "DomainAxis",
     "DomainMesh",
     "DomainParallelManager",
     "device_type_for",
@@ -71,13 +79,35 @@ def device_type_for(backend: str, cuda_available: bool | None = None) -> str:
     return "cpu"
 
 
-_DP_COORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a mesh's domain/axis group -> dp coordinate
+@dataclasses.dataclass
+class _MeshState:
+    """The default manager (``initialize_domain_parallel``), and the data-parallel coordinate of the members of each
+    domain and domain-axis group a mesh made under this context (weak keys: a destroyed group drops out)."""
+
+    manager: DomainParallelManager | None = None
+    dp_coords: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+
+
+def _state() -> _MeshState:
+    return context.state("mesh", _MeshState)
 
 
 def dp_coordinate(group: Any) -> int | None:
     """The data-parallel coordinate of the members of ``group``, a domain group or domain-axis group of a
-    :class:`DomainMesh` (or of the manager's mesh); ``None`` for a group no mesh made."""
-    return _DP_COORDS.get(group) if group is not None else None
+    :class:`DomainMesh` (or of the manager's mesh); ``None`` for a group no mesh made (or one made before the
+    context was reset: ``halo.random`` then keys its stream on the group's ranks, which differ between replicas)."""
+    return _state().dp_coords.get(group) if group is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DomainAxis:
+    """One domain axis of a :class:`DomainMesh`: its name in the ``DeviceMesh``, its number of ranks, the tensor dim
+    it splits and whether its first and last ranks are neighbours (longitude: yes; latitude: no)."""
+
+    name: str
+    size: int
+    dim: int
+    periodic: bool
 
 
 def _blocks(layout: np.ndarray, axis: int) -> list[list[int]]:
@@ -109,11 +139,13 @@ class DomainMesh:
     """A ``(dp, *domain_axes)`` mesh of process groups for one process in an initialised world.
 
     Args:
-        domain_shape: ranks along each domain axis, e.g. ``(4,)`` (latitude) or ``(2, 4)`` (latitude x longitude).
-        shard_dims: the tensor dim each domain axis shards; default ``(-2,)`` / ``(-2, -1)``.
+        domain_shape: ranks along each domain axis, e.g. ``(4,)`` (latitude) or ``(2, 4)`` (latitude x longitude);
+            any number of axes (halo's layers take one or two).
+        shard_dims: the tensor dim each domain axis shards; default ``(-2,)`` / ``(-2, -1)`` (required for more
+            than two axes).
         periodic: per domain axis, whether the first and last ranks are neighbours (longitude).
-        axis_names: names of the domain axes in the ``DeviceMesh``; default ``("domain",)`` or
-            ``("domain_h", "domain_w")``. The data-parallel axis is always ``"dp"``.
+        axis_names: names of the domain axes in the ``DeviceMesh``; default ``("domain",)``,
+            ``("domain_h", "domain_w")`` or ``("domain_0", ...)``. The data-parallel axis is always ``"dp"``.
         world_size: expected world size; checked against the initialised process group.
         device_type: ``DeviceMesh`` device type; default from the devices the job's backend runs on
             (:func:`device_type_for`): ``"cuda"`` for ``nccl`` and for ``"cpu:gloo,cuda:nccl"`` with a GPU
@@ -140,8 +172,9 @@ class DomainMesh:
             domain_shape = (domain_shape,)
         self.domain_shape = tuple(int(s) for s in domain_shape)
         n_axes = len(self.domain_shape)
-        if n_axes not in (1, 2):
-            raise ValueError(f"a domain mesh has 1 or 2 domain axes, got {n_axes}: {self.domain_shape}")
+        if n_axes < 1 or (n_axes > 2 and shard_dims is None):
+            raise ValueError(f"a domain mesh has at least one domain axis, and shard_dims= names the dim of each "
+                             f"beyond two, got domain_shape={self.domain_shape}, shard_dims={shard_dims}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group() first "
@@ -159,7 +192,8 @@ class DomainMesh:
             periodic = (periodic,) * n_axes
         self.periodic = tuple(bool(p) for p in periodic)
         self.axis_names = tuple(axis_names) if axis_names is not None else (
-            ("domain",) if n_axes == 1 else ("domain_h", "domain_w"))
+            ("domain",) if n_axes == 1 else ("domain_h", "domain_w") if n_axes == 2 else
+            tuple(f"domain_{a}" for a in range(n_axes)))
         for name, got in (("shard_dims", self.shard_dims), ("periodic", self.periodic),
                           ("axis_names", self.axis_names)):
             if len(got) != n_axes:
@@ -191,8 +225,6 @@ class DomainMesh:
     def _prepare_groups(self) -> None:
         """The host groups of every group of the mesh (every block of every kind, in one order, on every rank:
         collective) and, for NCCL without a bound device, a first op on each group that includes every member."""
-        from .comm import create_host_groups, first_ops  # comm imports this module for the default group
-
         groups = [self.dp_group] + [self.axis_group(a) for a in range(len(self.domain_shape))]
         kinds = [_blocks(self.layout, 0)] + [_blocks(self.layout, 1 + a) for a in range(len(self.domain_shape))]
         if len(self.domain_shape) > 1:
@@ -200,9 +232,16 @@ class DomainMesh:
             kinds.append([[int(r) for r in block] for block in self.layout.reshape(self.layout.shape[0], -1)])
         for blocks, group in zip(kinds, groups, strict=True):
             create_host_groups(blocks, group)
+        coords = _state().dp_coords
         for group in groups[1:]:  # the groups one sample's shards share: their members' data-parallel coordinate
-            _DP_COORDS[group] = self.coords[0]
+            coords[group] = self.coords[0]
         first_ops(groups)  # one order on every rank; each kind of group partitions the world
+
+    @property
+    def axes(self) -> tuple[DomainAxis, ...]:
+        """The domain axes in order (latitude first): name, ranks, the dim each splits, periodic or not."""
+        return tuple(DomainAxis(*a) for a in zip(self.axis_names, self.domain_shape, self.shard_dims, self.periodic,
+                                                 strict=True))
 
     # -- groups -------------------------------------------------------------------------------------------
     @property
@@ -279,19 +318,33 @@ class DomainMesh:
 
 
 class DomainParallelManager:
-    """NCAR CREDIT's manager: a ``(data_parallel, domain_parallel)`` mesh with one domain axis.
+    """NCAR CREDIT's manager: a facade over a one-axis :class:`DomainMesh` ``(dp, domain)``.
 
     Domain groups are contiguous blocks of ``domain_parallel_size`` ranks; data-parallel groups are strided.
-    ``device_mesh`` has axes ``("dp", "domain")``; ``mesh`` is the underlying :class:`DomainMesh`.
+    ``device_mesh`` has axes ``("dp", "domain")``; ``mesh`` is the underlying :class:`DomainMesh`, and every
+    attribute here (CREDIT's names, its private ones included) is read from it: one description of the groups.
     """
 
     def __init__(self, world_size: int, domain_parallel_size: int, shard_dim: int = -2) -> None:
         mesh_layout(world_size, (domain_parallel_size,))  # validates the numbers before any collective
         self.mesh = DomainMesh((domain_parallel_size,), shard_dims=(shard_dim,), world_size=world_size)
-        self.world_size = world_size
-        self.domain_parallel_size = domain_parallel_size
-        self.data_parallel_size = world_size // domain_parallel_size
-        self.shard_dim = shard_dim
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def domain_parallel_size(self) -> int:
+        return self.mesh.domain_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.dp_size
+
+    @property
+    def shard_dim(self) -> int:
+        """The tensor dim the domain axis splits (``-2``: latitude)."""
+        return self.mesh.shard_dims[0]
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -364,47 +417,49 @@ class DomainParallelManager:
                 f"{self.domain_parallel_size}, shard_dim={self.shard_dim}, rank={self.mesh.rank})")
 
 
-_DEFAULT: DomainParallelManager | None = None
 logger = logging.getLogger(__name__)
 
 
 def __getattr__(name: str) -> Any:
     if name == "_MANAGER":  # CREDIT's name for the module's manager
-        return _DEFAULT
+        return _state().manager
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def initialize_domain_parallel(world_size: int, domain_parallel_size: int,
                                shard_dim: int = -2) -> DomainParallelManager:
-    """Create a :class:`DomainParallelManager` and make it the default used when no group is passed."""
-    global _DEFAULT
-    _DEFAULT = DomainParallelManager(world_size, domain_parallel_size, shard_dim)
-    logger.info("DomainParallelManager: rank=%d, domain_rank=%d/%d, dp_rank=%d/%d, shard_dim=%d", _DEFAULT.mesh.rank,
-                _DEFAULT.domain_rank, domain_parallel_size, _DEFAULT.dp_rank, _DEFAULT.dp_world_size, shard_dim)
-    return _DEFAULT
+    """Create a :class:`DomainParallelManager` and make it the default used when no group is passed (in the
+    current :mod:`halo.context`)."""
+    manager = _state().manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim)
+    logger.info("DomainParallelManager: rank=%d, domain_rank=%d/%d, dp_rank=%d/%d, shard_dim=%d", manager.mesh.rank,
+                manager.domain_rank, domain_parallel_size, manager.dp_rank, manager.dp_world_size, shard_dim)
+    return manager
 
 
 def get_domain_parallel_manager() -> DomainParallelManager | None:
     """The default manager, or ``None`` if none is initialised."""
-    return _DEFAULT
+    return _state().manager
 
 
 def destroy_domain_parallel() -> None:
     """Forget the default manager (its process groups stay valid for anyone holding them)."""
-    global _DEFAULT
-    _DEFAULT = None
+    _state().manager = None
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """``group``, or the default manager's domain group; a clear error if there is neither."""
     if group is not None:
         return group
-    if _DEFAULT is None:
+    manager = _state().manager
+    if manager is None:
         raise RuntimeError(
             "no process group given and no domain-parallel manager initialised: pass group=..., or call "
             "halo.initialize_domain_parallel(world_size, domain_parallel_size) on every rank first"
         )
-    return _DEFAULT.domain_group
+    return manager.domain_group
+
+
+register_default_group(resolve_group)  # comm, one tier down, resolves group=None through this (never imports mesh)
 
 
 @functools.lru_cache(maxsize=64)

@@ -36,15 +36,23 @@ same on every rank. A converted model's first call of each epoch also runs under
 (:mod:`halo.guard`).
 
 ``torch.compile``: the root's entry agreement runs outside the compiled graph (a dynamo-disabled hook), the epoch
-is a global that the graph guards on, and :func:`resolve` runs at trace time (``assume_constant_result``) and
-returns a plan of plain ints and tuples baked into the graph; a new epoch recompiles on every rank alike.
+is state (of the :mod:`halo.context`) that the graph guards on, and :func:`resolve` runs at trace time
+(``assume_constant_result``) and returns a plan of plain ints and tuples baked into the graph; a new epoch recompiles
+on every rank alike.
+
+State. What the planner remembers lives in the context in use (:mod:`halo.context`, slot ``"plans"``):
+:func:`halo.context.reset` forgets the records, the tensors' epochs and the running model's epoch, and the next call
+learns again. Epoch numbers are digests of what was agreed, salted per context (:func:`epoch_number`): no table
+grows with the shapes seen, and what outlives a reset (a module's guarded epochs and recorded sites, a compiled
+graph guarding on the epoch) never matches a later context's epochs. The records (:data:`MAX_RECORDS`, oldest
+first) and the plans' device tensors (:data:`MAX_TENSORS`) are bounded.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
-import itertools
 import os
 import sys
 import warnings
@@ -56,6 +64,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from . import context
 from .agree import Meta, Spec, agree, needs_grad
 from .comm import CommGroup, HaloCommError, comm_group, gather_words, unsharded_default
 from .partition import POLE_MODES, split_problem, split_sizes
@@ -79,11 +88,26 @@ __all__ = [
 VALIDATION_MODES = ("first", "always")
 
 
-class _State:
-    """The epoch of the converted model whose forward is running (``None`` outside one), the mode, and the guard
-    of functional ops active during a model's first call of an epoch (``halo.guard``)."""
+#: The most plans recorded (oldest dropped first: the same sequence on every rank of a group, which makes the same
+#: calls) and the most device tensors of plans kept (:func:`device_tensor`).
+MAX_RECORDS = 4096
+MAX_TENSORS = 1024
+#: The most agreed keys whose epoch number is remembered (:func:`epoch_number`, a pure function: an evicted key gets
+#: the same number again, so eviction never aliases two agreements and never makes one rank re-agree alone).
+EPOCH_CACHE = 4096
 
-    __slots__ = ("depth", "epoch", "guard", "calls", "validation", "mesh_group")
+
+class _State:
+    """What the planner remembers (in the :mod:`halo.context`, slot ``"plans"``): the epoch of the converted model
+    whose forward is running (``None`` outside one), the mode, the guard of functional ops active during a model's
+    first call of an epoch (``halo.guard``), the epochs of tensors halo made, the recorded plans.
+
+    ``salt`` makes this context's epoch numbers its own: epochs name what the ranks agreed on, and things that
+    outlive a :func:`halo.context.reset` (a module's guarded epochs and recorded sites, a compiled graph that guards
+    on the epoch) must not take a later context's epoch for theirs. ``token`` does the same for :class:`Site` ids."""
+
+    __slots__ = ("depth", "epoch", "guard", "calls", "validation", "mesh_group", "guard_on", "salt", "token",
+                 "sites", "provenance", "whole", "records", "tensors")
 
     def __init__(self) -> None:
         self.epoch: int | None = None
@@ -92,12 +116,22 @@ class _State:
         self.guard: Any = None
         self.calls = 0  # site-less calls so far in this forward (their site: their place in the sequence)
         self.mesh_group: Any = None  # the domain group of a model converted on a latitude x longitude mesh
+        self.guard_on = True  # the guard of functional ops on first calls (off only to measure what it costs)
+        self.salt = int.from_bytes(os.urandom(8), "little")  # (not torch's or Python's generator: seeds stay put)
+        self.token = object()
+        self.sites = 0  # site ids issued in this context
+        self.provenance = TensorMap()  # tensor halo made -> its epoch
+        self.whole = TensorMap()  # tensor whole and the same on every rank of a domain group (a global pool's output)
+        self.records: collections.OrderedDict = collections.OrderedDict()
+        self.tensors: collections.OrderedDict = collections.OrderedDict()
 
 
-_STATE = _State()
+#: the planner's state in the context in use (a C-level partial: the hot path's one Python call per fetch)
+_state: Callable[[], _State] = functools.partial(context.state, "plans", _State)
 
 
-#: the guard's class, registered by :mod:`halo.guard` at import (:func:`use_guard`): the planner never imports it
+#: the guard's class, registered by :mod:`halo.guard` at import (:func:`use_guard`): the planner never imports it.
+#: Code, not state: filled once at import, kept by :func:`halo.context.reset`.
 _GUARD_FACTORY: list[Any] = [None]
 
 
@@ -108,8 +142,7 @@ def use_guard(factory: Any) -> None:
 
 def state() -> _State:
     """The planner's state (the running model's epoch, the active guard): read by the guard and the reroute."""
-    return _STATE
-_EPOCHS: dict[Hashable, int] = {}  # what ranks agreed on -> a small int (same sequence on every rank)
+    return _state()
 
 
 class TensorMap:
@@ -134,11 +167,6 @@ class TensorMap:
         return entry[1] if entry is not None and entry[0]() is t else None
 
 
-_PROVENANCE = TensorMap()  # tensor halo made -> its epoch
-_WHOLE = TensorMap()  # tensor that is whole and the same on every rank of a domain group (a global pool's output)
-_RECORDS: collections.OrderedDict = collections.OrderedDict()
-_MAX_RECORDS = 4096
-_site_ids = itertools.count(1)
 _REPLICATED = 0  # the epoch of calls on replicated tensors (epochs proper start at 1)
 
 
@@ -147,17 +175,20 @@ def set_validation(mode: str) -> None:
     learned. ``"always"``: every call agrees (one small host all-gather each; a debugging aid)."""
     if mode not in VALIDATION_MODES:
         raise ValueError(f"unknown validation mode {mode!r}; expected one of {', '.join(VALIDATION_MODES)}")
-    _STATE.validation = mode
+    _state().validation = mode
 
 
 class Site:
     """The identity of a module's calls in the records. A deep copy (an EMA model) or an unpickled module gets a
-    site of its own."""
+    site of its own. Its id is issued by the context in use (unique in it) and issued again in another context
+    (:func:`site_id`): ids never collide with a later context's, nor depend on a process-wide counter."""
 
-    __slots__ = ("id",)
+    __slots__ = ("id", "owner")
 
     def __init__(self) -> None:
-        self.id = next(_site_ids)
+        st = _state()
+        st.sites += 1
+        self.id, self.owner = st.sites, st.token
 
     def __deepcopy__(self, memo: dict) -> Site:
         return Site()
@@ -166,37 +197,57 @@ class Site:
         return (Site, ())
 
 
+def site_id(site: Site, st: _State) -> int:
+    """``site``'s id in the context whose planner state is ``st`` (issued there the first time it is used there)."""
+    if site.owner is not st.token:
+        st.sites += 1
+        site.id, site.owner = st.sites, st.token
+    return site.id
+
+
+@functools.lru_cache(maxsize=EPOCH_CACHE)
+def epoch_number(salt: int, key: Hashable) -> int:
+    """The epoch of the agreement ``key`` in the context of ``salt``: a 62-bit digest of both, so the number names
+    the agreement itself (no table that grows with every shape; the same number after a cache eviction; distinct
+    keys and distinct contexts give distinct numbers but with the odds of a 62-bit collision). ``key`` holds only
+    ints, strings, ``None`` and tuples of them (its ``repr`` is the same in every process)."""
+    digest = hashlib.blake2b(repr((salt, key)).encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 2) + 1  # (0 is the epoch of replicated calls)
+
+
 def _intern(key: Hashable) -> int:
-    epoch = _EPOCHS.get(key)
-    if epoch is None:
-        epoch = _EPOCHS[key] = len(_EPOCHS) + 1
-    return epoch
+    return epoch_number(_state().salt, key)
 
 
 def tag(t: Any, epoch: int | None) -> None:
     """Record that halo made tensor ``t`` under ``epoch`` (its global extents follow from it)."""
     if epoch is not None and isinstance(t, torch.Tensor):
-        _PROVENANCE[t] = epoch
+        _state().provenance[t] = epoch
 
 
 def mark_whole(t: torch.Tensor, source: str) -> None:
     """Record that ``t`` is whole and the same on every domain rank (``source``: the layer that made it)."""
-    _WHOLE[t] = source
+    _state().whole[t] = source
 
 
 def whole_source(t: Any) -> str | None:
     """The layer that made ``t`` whole on every rank (:func:`mark_whole`), or ``None``."""
-    if not _WHOLE._items or not isinstance(t, torch.Tensor):
+    whole = _state().whole
+    if not whole._items or not isinstance(t, torch.Tensor):
         return None
-    return _WHOLE.get(t)
+    return whole.get(t)
+
+
+def _epoch_of(x: torch.Tensor, st: _State) -> int | None:
+    epoch = st.epoch
+    if epoch is not None or torch.compiler.is_compiling():
+        return epoch
+    return st.provenance.get(x)
 
 
 def epoch_of(x: torch.Tensor) -> int | None:
     """The epoch a call on ``x`` belongs to (module docstring); ``None``: agree on this call."""
-    epoch = _STATE.epoch
-    if epoch is not None or torch.compiler.is_compiling():
-        return epoch
-    return _PROVENANCE.get(x)
+    return _epoch_of(x, _state())
 
 
 def field_epoch(group: CommGroup, dim: int, shape: tuple[int, ...]) -> int:
@@ -273,12 +324,13 @@ def _recorded(epoch: int, site: int, group: Any, op: str, local: tuple, specs: t
               allow_empty: bool, make: Callable, extra: tuple, split: bool = False) -> Any:
     """A call with an epoch: the record, or (first time, on every rank alike) an agreement that makes it."""
     key = (epoch, site, group, op, local, specs, coords, allow_empty, make, extra, split)
-    plan = _RECORDS.get(key)
+    records = _state().records
+    plan = records.get(key)
     if plan is None:
         plan = _agree_and_make(group, op, local, specs, coords, allow_empty, make, extra, split)
-        _RECORDS[key] = plan
-        if len(_RECORDS) > _MAX_RECORDS:  # oldest first: the same sequence on every rank
-            _RECORDS.popitem(last=False)
+        records[key] = plan
+        if len(records) > MAX_RECORDS:  # oldest first: the same sequence on every rank
+            records.popitem(last=False)
     return plan
 
 
@@ -305,8 +357,9 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     refuses an odd number of longitudes (the last dim) on every rank.
     """
     specs = spec if isinstance(spec[0], tuple) else (spec,)
-    if _STATE.mesh_group is not None and len(specs) == 1 and not replicated \
-            and (group is None or group is _STATE.mesh_group):
+    st = _state()
+    if st.mesh_group is not None and len(specs) == 1 and not replicated \
+            and (group is None or group is st.mesh_group):
         raise ValueError(f"{op} shards latitude only, but it runs in the forward of a model converted on a latitude "
                          f"x longitude mesh, whose blocks it would take for latitude rows (silently wrong); use a "
                          f"layer with a mesh form (halo.nn.convert.MESH_2D), or convert on latitude rows")
@@ -316,20 +369,20 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     if split is None:  # a layer's call on a channels-first field's H (and W): invariant 1 (docstring)
         split = site is not None and all(len(s) == 1 and s[0] in (-2, -1) for s in specs)
     split = bool(split and not replicated)
-    epoch = _REPLICATED if replicated else epoch_of(x if source is None else source)
-    if epoch is None or _STATE.validation == "always":
+    epoch = _REPLICATED if replicated else _epoch_of(x if source is None else source, st)
+    if epoch is None or st.validation == "always":
         return _agreed(group, op, local, specs, coords, allow_empty, make, extra, split)
     if site is not None:
-        site_id = site.id
-    elif _STATE.epoch is not None and not replicated:
+        site_key = site.id if site.owner is st.token else site_id(site, st)
+    elif st.epoch is not None and not replicated:
         # A functional call inside a converted model: two calls may see the same local shape and different global
         # extents (45 and 44 rows over 2 ranks: rank 1 holds 22 of both), so each call is its own site, named by
         # its place in the forward's sequence of such calls (the same on every rank: they make the same calls).
-        _STATE.calls += 1
-        site_id = -_STATE.calls
+        st.calls += 1
+        site_key = -st.calls
     else:
-        site_id = 0
-    return _recorded(epoch, site_id, group, op, local, specs, coords, allow_empty, make, extra, split)
+        site_key = 0
+    return _recorded(epoch, site_key, group, op, local, specs, coords, allow_empty, make, extra, split)
 
 
 def _first(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
@@ -352,11 +405,14 @@ def shard_sizes(x: torch.Tensor, dim: int = -2, group: Any | None = None, *, op:
 
 def carry(out: Any, x: torch.Tensor) -> None:
     """Outside a converted model: give ``out`` (a halo op's result on ``x``) ``x``'s epoch."""
-    if _STATE.epoch is None and not torch.compiler.is_compiling():
-        epoch = _PROVENANCE.get(x)
+    st = _state()
+    if st.epoch is None and not torch.compiler.is_compiling():
+        provenance = st.provenance
+        epoch = provenance.get(x)
         if epoch is not None:
             for t in pytree.tree_leaves(out):
-                tag(t, epoch)
+                if isinstance(t, torch.Tensor):
+                    provenance[t] = epoch
 
 
 # -- the entry of a converted model --------------------------------------------------------------------------
@@ -397,7 +453,6 @@ def _describe_inputs(args: Any, kwargs: Any, grid: tuple[int, int] | None, cg: C
 
 
 _ENTRY = 0x454E5452  # "ENTR"
-_GUARD = [True]  # the guard of functional ops on first calls (off only to measure what it costs)
 _DYNAMO_DIR = os.path.join("torch", "_dynamo") + os.sep
 
 
@@ -467,10 +522,11 @@ def _watch_backward(module: torch.nn.Module, output: Any) -> None:
 @torch._dynamo.disable
 def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     """Forward pre-hook of a converted model: start (or, inside another converted model, join) its step's epoch."""
-    if _STATE.depth:
-        _STATE.depth += 1
+    st = _state()
+    if st.depth:
+        st.depth += 1
         return
-    _STATE.calls = 0
+    st.calls = 0
     config = module.__dict__["_halo_root"]
     cg = comm_group(config.group)
     op = f"{type(module).__name__} (converted model entry)"
@@ -497,21 +553,21 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         from .replicated import periodic_check
 
         periodic_check(module, cg, forwards, op)
-    _STATE.epoch, _STATE.depth = epoch, 1
-    _STATE.mesh_group = config.group if getattr(config, "w_sharded", False) else None
+    st.epoch, st.depth = epoch, 1
+    st.mesh_group = config.group if getattr(config, "w_sharded", False) else None
     guarded = module.__dict__.setdefault("_halo_guarded", set())
-    first = epoch not in guarded or _STATE.validation == "always"
-    if first and _GUARD[0] and cg.size > 1 and _called_by_dynamo():
+    first = epoch not in guarded or st.validation == "always"
+    if first and st.guard_on and cg.size > 1 and _called_by_dynamo():
         _warn_unguarded(module, epoch)
-    elif first and _GUARD[0] and not _called_by_dynamo():
+    elif first and st.guard_on and not _called_by_dynamo():
         # The first call of this epoch: watch the ops its forward calls itself (``halo.guard``). Not for a compiled
         # model (the graph would be traced under the guard and recompiled without it): check it eagerly first.
         factory = _GUARD_FACTORY[0]
         if factory is None:  # never silently unguarded
             raise RuntimeError("halo: the guard (halo.guard) is not imported; `import halo` imports it")
         names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
-        _STATE.guard = factory(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
-        _STATE.guard.__enter__()
+        st.guard = factory(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
+        st.guard.__enter__()
 
 
 def _warn_unguarded(module: torch.nn.Module, epoch: int) -> None:
@@ -530,11 +586,12 @@ def _warn_unguarded(module: torch.nn.Module, epoch: int) -> None:
 @torch._dynamo.disable
 def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
     """Forward hook of a converted model (also on error): end its epoch; its outputs keep it (losses after it)."""
-    _STATE.depth = max(0, _STATE.depth - 1)
-    if _STATE.depth == 0:
-        guard, _STATE.guard = _STATE.guard, None
-        epoch, _STATE.epoch = _STATE.epoch, None
-        _STATE.mesh_group = None
+    st = _state()
+    st.depth = max(0, st.depth - 1)
+    if st.depth == 0:
+        guard, st.guard = st.guard, None
+        epoch, st.epoch = st.epoch, None
+        st.mesh_group = None
         if guard is not None:
             guard.__exit__(None, None, None)
             if output is not None:  # the call completed: a forward hook's refused result must not be the output
@@ -542,22 +599,23 @@ def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> N
                 module.__dict__.setdefault("_halo_guarded", set()).add(guard.epoch)
         if output is not None and not torch.compiler.is_compiling():
             _watch_backward(module, output)
-        for t in pytree.tree_leaves(output):
-            tag(t, epoch)
+        if epoch is not None:
+            provenance = st.provenance
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor):
+                    provenance[t] = epoch
 
 
 # -- tensors a plan needs on a device ------------------------------------------------------------------------------
 
-_TENSORS: collections.OrderedDict = collections.OrderedDict()
-
-
 def _device_tensor(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     key = (values, dtype, device)
-    t = _TENSORS.get(key)
+    tensors = _state().tensors
+    t = tensors.get(key)
     if t is None:
-        t = _TENSORS[key] = torch.tensor(values, dtype=dtype, device=device)
-        if len(_TENSORS) > 1024:
-            _TENSORS.popitem(last=False)
+        t = tensors[key] = torch.tensor(values, dtype=dtype, device=device)
+        if len(tensors) > MAX_TENSORS:
+            tensors.popitem(last=False)
     return t
 
 

@@ -34,6 +34,7 @@ input dtype. Collectives must be called by every rank of the group in the same o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import context
 from .comm import CommGroup, all_gather_object, comm_group, gather_words, group_by_id, group_id
 from .comm import all_reduce as bounded_all_reduce
 from .mesh import DomainParallelManager, get_domain_parallel_manager, mesh_2d, mesh_coords
@@ -654,35 +656,51 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     _mark_synced(live)
 
 
-# Each parameter's gradient as the last sync left it: id(param) -> (weak references to the parameter and to the
-# gradient tensor, the gradient's version counter then).
-_SYNCED: dict[int, tuple[Any, Any, int]] = {}
+#: The most sync patterns remembered (:func:`_agreed_pattern`; all dropped at once past it).
+MAX_PATTERNS = 256
+
+
+@dataclasses.dataclass
+class _ReduceState:
+    """What the reductions remember (the :mod:`halo.context` slot ``"reduce"``). ``synced``: each parameter's
+    gradient as the last sync left it, id(param) -> (weak references to the parameter and to the gradient tensor,
+    the gradient's version counter then); pruned of dead parameters past ``4 x max(params, 1024)`` entries.
+    ``patterns``: (group ranks, which parameters have a gradient here) -> the union agreed over the group."""
+
+    synced: dict = dataclasses.field(default_factory=dict)
+    patterns: dict = dataclasses.field(default_factory=dict)
+
+
+def _state() -> _ReduceState:
+    return context.state("reduce", _ReduceState)
 
 
 def _mark_synced(params: list[torch.Tensor]) -> None:
     """Remember every synced gradient (the tensor and its version counter, which any later write bumps)."""
     import weakref
 
-    if len(_SYNCED) > 4 * max(len(params), 1024):  # forget parameters that are gone
-        for key in [k for k, (p, _, _) in _SYNCED.items() if p() is None]:
-            del _SYNCED[key]
+    synced = _state().synced
+    if len(synced) > 4 * max(len(params), 1024):  # forget parameters that are gone
+        for key in [k for k, (p, _, _) in synced.items() if p() is None]:
+            del synced[key]
     for p in params:
         if p.grad is not None:
             g = local_grad(p.grad)
-            _SYNCED[id(p)] = (weakref.ref(p), weakref.ref(g), g._version)
+            synced[id(p)] = (weakref.ref(p), weakref.ref(g), g._version)
 
 
 def _refuse_second_sync(params: list[torch.Tensor]) -> None:
     """Raise if a gradient is exactly as the last sync left it (not written by a backward or zeroed since): summing
     it again would multiply it by the domain size. A backward (new gradients, or accumulation into them) and
     ``zero_grad`` clear the mark; no communication, a Python loop over the parameters."""
-    if not _SYNCED:
+    synced = _state().synced
+    if not synced:
         return
     stale = 0
     for p in params:
         if p.grad is None:
             continue
-        mark = _SYNCED.get(id(p))
+        mark = synced.get(id(p))
         if mark is not None and mark[0]() is p:
             g = local_grad(p.grad)
             if mark[1]() is g and g._version == mark[2]:
@@ -772,13 +790,11 @@ def _check_sharded_grads(params: list[torch.Tensor], infos: list[tuple[CommGroup
         return  # one gradient tells the mesh (a model is sharded over one mesh)
 
 
-_PATTERNS: dict[tuple, tuple[bool, ...]] = {}
-
-
 def _agreed_pattern(mask: tuple[bool, ...], info: CommGroup) -> tuple[bool, ...]:
     """The union over ``info``'s ranks of which parameters have a gradient, agreed once per local ``mask``."""
     key = (info.ranks, mask)
-    union = _PATTERNS.get(key)
+    patterns = _state().patterns
+    union = patterns.get(key)
     if union is None:
         digest = hashlib.blake2b(bytes(mask), digest_size=8).digest()
         words = [len(mask), sum(mask), int.from_bytes(digest, "little", signed=True)]
@@ -792,9 +808,9 @@ def _agreed_pattern(mask: tuple[bool, ...], info: CommGroup) -> tuple[bool, ...]
                                  f"require grad: {[len(m) for m in masks]} (group ranks 0..{info.size - 1}); pass "
                                  f"the same model on every rank")
             union = tuple(any(col) for col in zip(*masks, strict=True))
-        if len(_PATTERNS) > 256:
-            _PATTERNS.clear()
-        _PATTERNS[key] = union
+        if len(patterns) > MAX_PATTERNS:
+            patterns.clear()
+        patterns[key] = union
     return union
 
 

@@ -31,6 +31,7 @@ slice of each parameter. Meta tensors (not materialised) are skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -39,25 +40,38 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import CommGroup, all_gather_object, all_reduce, comm_group, gather_words
+from . import context
+from .comm import CommGroup, comm_group
+from .transport import all_gather_object, all_reduce, gather_words
 
 __all__ = ["check_every", "check_replicated", "checksum", "replicated_state"]
 
-_EVERY: list[int | None] = [8]
 _MAGIC = 0x52455043  # "REPC"
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclasses.dataclass
+class _ReplicatedState:
+    """The periodic check's part of the context: how often it runs (every 8 forwards by default; None: off)."""
+
+    every: int | None = 8
+
+
+def _state() -> _ReplicatedState:
+    return context.state("replicated", _ReplicatedState)
 
 
 def check_every(n: int | None = None) -> int | None:
     """Set how often (in forwards of a converted model) its entry checks that the domain group's parameters and
     buffers are still the same on every rank; ``0`` or ``None`` turns the periodic check off. Call it on every rank
     alike. Without an argument, returns the current value. Returns the previous value when setting."""
-    previous = _EVERY[0]
+    state = _state()
+    previous = state.every
     if n is None:
         return previous
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"check_every: expected a non-negative int (0: off), got {n!r}")
-    _EVERY[0] = n or None
+    state.every = n or None
     return previous
 
 
@@ -189,7 +203,7 @@ def _after_failed_checksum(model: nn.Module, cg: CommGroup, op: str, forwards: i
         return  # (the digests are stronger than the checksum: nothing differs after all)
     raise ValueError(
         f"{detail} [found by the periodic "
-        f"check at forward {forwards} (halo.replicated.check_every({_EVERY[0]})); after the first step the usual "
+        f"check at forward {forwards} (halo.replicated.check_every({_state().every})); after the first step the usual "
         f"causes are a forgotten or doubled sync_domain_gradients, an optimizer step on some ranks only, or a wrong "
         f"group]")
 
@@ -198,7 +212,7 @@ def periodic_check(model: nn.Module, cg: CommGroup, forwards: int, op: str) -> N
     """The converted model's entry: every :func:`check_every` forwards (and the first), the checksum's spread over
     the domain group; the full check, naming the tensor, when it is not zero. The same on every rank (the forward
     count is the same on every rank of a group that runs SPMD, and agreed on at the entry)."""
-    every = _EVERY[0]
+    every = _state().every
     if every is None or cg.size == 1 or forwards % every:
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -37,6 +37,7 @@ Under ``torch.compile`` such a module's forward runs eagerly (``torch.compiler.d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -46,12 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import context
 from .comm import CommGroup, all_gather_object, group_by_id, group_id
 from .partition import split_sizes
 from .plans import Site, mark_whole, shard_sizes
 
-__all__ = ["EXACT", "TRUSTED", "WHOLE_MEAN", "Recorder", "calling_module", "install", "site_key", "uninstall",
-           "user_frame"]
+__all__ = ["EXACT", "WHOLE_MEAN", "Recorder", "calling_module", "install", "site_key", "state",
+           "uninstall", "user_frame"]
 
 T = torch.Tensor
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -63,8 +65,19 @@ _TORCH_API = tuple(os.path.join(_TORCH_DIR, *p) for p in (("overrides.py",), ("f
                                                           ("_compile.py",), ("_dynamo",)))
 _MODULE_PY = os.path.join(_TORCH_DIR, "nn", "modules", "module.py")
 
-#: > 0 inside ``halo.guard.trusted()``: the guard checks nothing there, and no call there is a site.
-TRUSTED = [0]
+
+@dataclasses.dataclass
+class _RerouteState:
+    """The reroute's cross-call state (the :mod:`halo.context` slot ``"reroute"``): ``trusted``, the depth of
+    ``halo.guard.trusted()`` blocks being run (> 0: the guard checks nothing there, and no call there is a site)."""
+
+    trusted: int = 0
+
+
+def state() -> _RerouteState:
+    """The reroute's state in the context in use (the guard's ``trusted()`` blocks write it)."""
+    return context.state("reroute", _RerouteState)
+
 
 #: The source of the mark a mean over H computed here leaves on its (whole) result.
 WHOLE_MEAN = "a mean over H computed over the domain (halo.reroute)"
@@ -121,7 +134,8 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> A
 
 # -- the exact computations (what a site does on every call) ----------------------------------------------------------
 
-#: what :mod:`halo.nn` provides at import (:func:`provide`): the core never imports the layers
+#: what :mod:`halo.nn` provides at import (:func:`provide`): the core never imports the layers. Code, not state: a
+#: registration made once at import, kept by :func:`halo.context.reset` (a reset must not unplug the layers).
 _PROVIDED: dict[str, Any] = {}
 
 
@@ -509,7 +523,7 @@ class _Reroute(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in EXACT or TRUSTED[0]:
+        if func not in EXACT or state().trusted:
             return func(*args, **kwargs)
         frame = user_frame()
         if frame is None:

@@ -36,14 +36,13 @@ the result on every rank (the backward is a collective too). Layers: primitives 
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from . import transport
 from .agree import DEVICES, DTYPES, MAX_NDIM, ROW_WORDS, SHAPE_AT, Meta, Spec
-from .comm import CommGroup, comm_group, wait_all
+from .comm import CommGroup, comm_group
 from .mesh import DomainMesh, mesh_coords
 from .partition import split_sizes
 from .plans import field_epoch, resolve, shard_sizes, tag
@@ -101,11 +100,6 @@ def _unpack(buf: torch.Tensor, sizes: tuple[int, ...], dim: int, rows: int,
     return out
 
 
-def _bounded(work: Any, info: CommGroup, what: str, keep: Any) -> None:
-    peers = [g for g in info.ranks if g != info.ranks[info.index]]
-    wait_all([work], [f"the {what} with global ranks {peers}"], info, what, time.monotonic(), keep)
-
-
 def _silent(x: torch.Tensor, sizes: tuple[int, ...], dim: int) -> bool:
     """Nothing to send (every rank computes the same answer: sizes and other dims are agreed)."""
     return max(sizes) == 0 or math.prod(_rest(x, dim)) == 0
@@ -124,8 +118,7 @@ def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGro
     recv = x.new_empty((info.size * rows, *_rest(x, dim)))
     if not _silent(x, sizes, dim):
         send = _pack([x], dim, rows)
-        _bounded(dist.all_gather(_chunks(recv, info.size), send, group=info.group, async_op=True), info, "gather",
-                 (send, recv))
+        transport.all_gather(_chunks(recv, info.size), send, info, "gather")
     return _unpack(recv, sizes, dim, rows, _memory_format(x))
 
 
@@ -138,8 +131,7 @@ def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGrou
     recv = x.new_empty((info.size * rows, *_rest(x, dim))) if here else None
     if not _silent(x, sizes, dim):
         send = _pack([x], dim, rows)
-        _bounded(dist.gather(send, _chunks(recv, info.size) if here else None, group=info.group, group_dst=dst,
-                             async_op=True), info, "gather", (send, recv))
+        transport.gather(send, _chunks(recv, info.size) if here else None, info, "gather", dst)
     return _unpack(recv, sizes, dim, rows, _memory_format(x)) if here else _empty_like(x, dim)
 
 
@@ -156,8 +148,7 @@ def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info
         send = None
         if info.index == src:
             send = _chunks(_pack(list(x.split(list(sizes), dim)), dim, rows), info.size)
-        _bounded(dist.scatter(recv, send, group=info.group, group_src=src, async_op=True), info, "scatter",
-                 (send, recv))
+        transport.scatter(recv, send, info, "scatter", src)
     return recv[:sizes[info.index]].movedim(0, dim).contiguous()
 
 
@@ -170,8 +161,7 @@ def _reduce_scatter_mean(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info
     recv = x.new_zeros((rows, *_rest(x, dim)))
     if not _silent(x, sizes, dim):
         send = _pack(list(x.split(list(sizes), dim)), dim, rows)
-        _bounded(dist.reduce_scatter(recv, _chunks(send, info.size), op=dist.ReduceOp.SUM, group=info.group,
-                                     async_op=True), info, "gather (backward)", (send, recv))
+        transport.reduce_scatter(recv, _chunks(send, info.size), info, "gather (backward)")
         recv.div_(info.size)
     return recv[:sizes[info.index]].movedim(0, dim).contiguous()
 
@@ -322,7 +312,7 @@ def _broadcast_meta(x: Any, info: CommGroup, src: int, dim: int) -> list[int]:
             row[1] = 0  # a bad dim is judged on every rank below
     if info.size > 1:
         t = torch.tensor(row, dtype=torch.int64)  # host data: src's description, once per scatter
-        _bounded(dist.broadcast(t, group=info.host, group_src=src, async_op=True), info, "scatter (shape)", t)
+        transport.broadcast_host(t, info, "scatter (shape)", src)
         row = t.tolist()
     return row
 

@@ -13,6 +13,7 @@ results are seen together (so every rank reaches the same verdict and none waits
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -26,9 +27,6 @@ from typing import Any
 
 __all__ = ["HostWorkCounter", "RankError", "RankTimeout", "run_on_ranks"]
 
-_CTX: Any = None
-
-
 class RankError(RuntimeError):
     """A rank raised; the message carries its rank and traceback."""
 
@@ -37,12 +35,15 @@ class RankTimeout(TimeoutError):
     """The ranks did not all finish in time."""
 
 
+@functools.cache
 def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "halo"])
-    return _CTX
+    """The forkserver context the ranks start from, made once (a pure function of nothing: cached, not a global)."""
+    ctx = mp.get_context("forkserver")
+    # halo.nn too: nearly every rank converts a model, and importing the layers costs each rank ~0.2 s of CPU
+    # (measured by H6), about a minute over the suite's few hundred launches on 2 cores. (torch._dynamo and
+    # inductor cost ~1.5 s a rank, but only the compile tests need them: measure before preloading those.)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "halo", "halo.nn"])
+    return ctx
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, store_path: str,

@@ -29,7 +29,7 @@ def virtual_rank(full, parts, rank, module):
         return make(cg, (sizes,), *extra)
 
     def exchange(x, ex_id, rows, dim=-2):
-        lo, hi = hx._SPECS[ex_id].needs[rank]
+        lo, hi = hx.exchange_spec(ex_id).needs[rank]
         assert hi - lo == rows
         return full.narrow(-2, lo, hi - lo)
 

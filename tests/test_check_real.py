@@ -23,6 +23,9 @@ from torch.overrides import TorchFunctionMode
 from halo.nn.convert import INSIDE
 from halo.testing import run_on_ranks
 
+#: above the rank launches' timeout (one launch runs every check of a world size): pytest must not kill them first
+pytestmark = pytest.mark.timeout(500)
+
 H, W, C = 37, 8, 4
 
 
@@ -242,9 +245,36 @@ def _cases(rank, world, names):
     return out
 
 
+# -- one rank launch per world size runs every check of this file on that many ranks (a launch and its warm-up cost
+# more than most checks); each check makes its own models and inputs, and the one that stands in for an NCCL group
+# runs last and puts halo.check back.
+
+def _all_on_rank(rank, world):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"  # halo's kernels: the torch reference (the interpreter: test_kernels.py)
+    out = {"cases": _cases(rank, world, list(MODELS))}
+    if world == 3:
+        out["stats"] = _stats(rank, world)
+        out["placement"] = _placement(rank, world)
+        return out
+    out["bias_bug"] = _bias_bug(rank, world)
+    out["nccl"] = _nccl_needs_cuda(rank, world)
+    return out
+
+
+_RUNS: dict = {}
+
+
+def _results(world, part):
+    if world not in _RUNS:
+        _RUNS[world] = run_on_ranks(_all_on_rank, world, timeout=400)
+    return [r[part] for r in _RUNS[world]]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_check_equivalence_on_real_model_kinds(world):
-    results = run_on_ranks(_cases, world, list(MODELS), timeout=180)
+    results = _results(world, "cases")
     for name in MODELS:
         texts = {r[(name, False)][3] for r in results} | set()
         assert len({r[(name, False)][3] for r in results}) == 1, texts  # the same report on every rank
@@ -314,12 +344,16 @@ def _bias_bug(rank, world):
 def test_a_wrong_gradient_that_is_zero_in_exact_arithmetic_is_still_reported():
     """The bias's tolerance is relative to its module's gradients (1e-9 x max |weight grad|), not a blanket pass:
     1e-6 added to the gradient of a conv bias before a BatchNorm (exactly 0 unsharded) is reported."""
-    for ok, first, text in run_on_ranks(_bias_bug, 2, timeout=120):
+    for ok, first, text in _results(2, "bias_bug"):
         assert not ok and first == "gradient of conv.bias", text
 
 
 def _mesh_cases(rank, world, names):
+    import os
+
     import halo
+
+    os.environ["TRITON_INTERPRET"] = "0"  # halo's kernels: the torch reference (the interpreter: test_kernels.py)
 
     mesh = halo.DomainMesh((2, 2), periodic=(False, True))
     full = torch.randn(2, C, H, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
@@ -380,7 +414,7 @@ def _stats(rank, world):
 def test_batchnorm_running_statistics_are_compared_after_the_step():
     """Replicated state is checked, not assumed: running statistics that differ on one rank, outputs and gradients
     equal, are reported (and are compared, and equal, in the exact model)."""
-    for bad, good in run_on_ranks(_stats, 3, timeout=120):
+    for bad, good in _results(3, "stats"):
         assert {b.split(":")[0] for b in bad} == {"DIFFERS buffer bn.running_mean after the step",
                                                    "DIFFERS buffer bn.running_var after the step"}, bad
         assert good["buffer bn.running_var after the step"] and good["buffer bn.num_batches_tracked after the step"]
@@ -459,7 +493,7 @@ def test_check_equivalence_makes_nothing_on_the_host_that_meets_the_device():
     """Issue 24: on CUDA, loss weights drawn from a CPU generator times a CUDA output raised. Audited on CPU with a
     stand-in device (``_Placement``): the audit catches exactly that op, and a whole check (dict, tuple, timestep
     and complex outputs; 3 ranks) combines no host-made tensor with the device's."""
-    for control, mixed, oks, _ in run_on_ranks(_placement, 3, timeout=120):
+    for control, mixed, oks, _ in _results(3, "placement"):
         assert len(control) == 1 and control[0].startswith("mul at "), control  # the audit sees the old bug
         assert mixed == [] and all(oks), (mixed, oks)
 
@@ -493,17 +527,19 @@ def _nccl_needs_cuda(rank, world):
     import halo.check
 
     halo.initialize_domain_parallel(world, world)
-    halo.check._backend_needs_cuda = lambda group: True  # as if the group were NCCL
+    saved, halo.check._backend_needs_cuda = halo.check._backend_needs_cuda, lambda group: True  # as if NCCL
     full = torch.randn(2, C, H, W, dtype=torch.float64)
     try:
         halo.check_equivalence(SENet, full)
     except ValueError as exc:
         return str(exc)
+    finally:
+        halo.check._backend_needs_cuda = saved
     return None
 
 
 def test_a_cpu_sample_on_an_nccl_group_is_a_clear_error_on_every_rank():
-    for text in run_on_ranks(_nccl_needs_cuda, 2, timeout=60):
+    for text in _results(2, "nccl"):
         assert text is not None and "communicates CUDA tensors" in text and "sample.to('cuda')" in text, text
 
 

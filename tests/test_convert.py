@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from halo.nn.registry import converts
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks
 
@@ -365,3 +366,91 @@ class Pangu3d(nn.Module):
 def test_conv_transpose3d_is_exact(world):
     types = _check_layers("Pangu3d", world)
     assert types["recover"] == types["up"] == "HaloConvTranspose3d"
+
+
+# -- a layer kind of the user's own, registered with @converts in this file and nothing else -----------------------
+
+class VerticalBlur(nn.Module):
+    """A layer of the user's own that reads other rows: each row's mean with its latitude neighbours (zeros beyond
+    the domain)."""
+
+    def forward(self, x):
+        p = F.pad(x, (0, 0, 1, 1))
+        return (p[..., :-2, :] + p[..., 1:-1, :] + p[..., 2:, :]) / 3
+
+
+class UnregisteredBlur(VerticalBlur.__base__):
+    forward = VerticalBlur.forward  # the same computation, no registration: refused
+
+
+@converts(VerticalBlur)
+class HaloVerticalBlur(nn.Module):
+    """Its halo form: the neighbours' rows by a halo exchange, then the same arithmetic on the extended shard."""
+
+    def __init__(self, blur, *, group=None):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x):
+        import halo
+
+        p = halo.halo_exchange(x, 1, -2, group=self.group, boundary="zeros")
+        with halo.guard.trusted():  # row arithmetic on the extended shard: right by construction
+            return (p[..., :-2, :] + p[..., 1:-1, :] + p[..., 2:, :]) / 3
+
+
+def _registered(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.registry import entries
+
+    group = halo.DomainMesh((world,)).domain_group
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(2, 2, 1), VerticalBlur()).double()
+    model = nn.Sequential(nn.Conv2d(2, 2, 1), VerticalBlur()).double()
+    model.load_state_dict(ref.state_dict())
+    convert_to_domain_parallel(model, group)
+    full = torch.randn(2, 2, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    xf = full.clone().requires_grad_(True)
+    want = ref(xf)
+    (want * want).sum().backward()
+    x = halo.shard(full, group=group).requires_grad_(True)
+    y = model(x)
+    (y * y).sum().backward()
+    try:
+        convert_to_domain_parallel(nn.Sequential(UnregisteredBlur()), group)
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    return {"kind": type(model[1]).__name__, "entry": entries()[VerticalBlur].halo_class.__name__,
+            "forward": float((halo.gather(y.detach(), group=group) - want.detach()).abs().max()),
+            "input grad": float((halo.gather(x.grad, group=group) - xf.grad).abs().max()), "refused": refused}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_layer_registered_with_converts_is_converted_with_nothing_else(world):
+    for r in run_on_ranks(_registered, world, timeout=120):
+        assert r["kind"] == "HaloVerticalBlur" and r["entry"] == "HaloVerticalBlur", r
+        assert r["forward"] < 1e-12 and r["input grad"] < 1e-12, r
+        assert "UnregisteredBlur" in r["refused"] and "is not a layer halo knows" in r["refused"], r["refused"]
+
+
+def _pickled(rank, world):
+    import io
+
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1)).double(),
+                                       halo.DomainMesh((world,)))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    return type(model).__qualname__, type(loaded) is type(model), isinstance(loaded, nn.Sequential)
+
+
+def test_a_converted_torch_container_pickles_and_loads_as_the_same_class():
+    """The root's class is derived once per torch class (halo.nn.convert._rooted) and found again by name."""
+    for r in run_on_ranks(_pickled, 2, timeout=60):
+        assert r == ("_RootedSequential", True, True), r

@@ -197,8 +197,26 @@ def _conversions(rank, world):
     return out
 
 
+def _all_on_rank(rank, world):
+    """The file's 2-rank checks in one launch (a launch costs more than each of them)."""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"  # halo's kernels: the torch reference (the interpreter: test_kernels.py)
+    return {"conversions": _conversions(rank, world), "shards": _shards(rank, world),
+            "multigpu": _multigpu(rank, world)}
+
+
+_RUNS: list = []
+
+
+def _results(part):
+    if not _RUNS:
+        _RUNS.append(run_on_ranks(_all_on_rank, 2, timeout=240))
+    return [r[part] for r in _RUNS[0]]
+
+
 def test_conversions_on_two_ranks():
-    for out in run_on_ranks(_conversions, 2, timeout=120):
+    for out in _results("conversions"):
         assert all(out.values()), {k: v for k, v in out.items() if not v}
 
 
@@ -215,7 +233,7 @@ def _shards(rank, world):
 
 
 def test_shard_gather_roundtrip():
-    results = run_on_ranks(_shards, 2, timeout=60)
+    results = _results("shards")
     for rank, r in enumerate(results):
         assert r["shape"] == (2, 8, 50, 200) and r["rank1"] and r["5d"] == (1, 8, 2, 50, 200)
         assert r["odd"] == (2, 8, 51 - rank, 200)  # CREDIT raises "Cannot shard"; halo splits 101 as 51 + 50
@@ -313,5 +331,5 @@ def _multigpu(rank, world):
 
 
 def test_credit_multigpu_script_on_gloo():
-    for r in run_on_ranks(_multigpu, 2, timeout=120):
+    for r in _results("multigpu"):
         assert all(r.values()), r

@@ -226,7 +226,7 @@ def _order_on_rank(rank: int, world: int, backend: str) -> dict:
     loss.backward()
     results["rollout"] = {"loss": loss.item(), "ga": a.grad, "gb": b.grad,
                           "gp": [p.grad.clone() for p in model.parameters()]}
-    results["token"] = hx.order_token(a0.device).tolist(), len(hx._ORDER)
+    results["token"] = hx.order_token(a0.device).tolist(), len(hx.order_devices())
     del manager
     return results
 

@@ -42,7 +42,7 @@ def _host_groups(rank, world):
 
     # A group whose order is not ascending: group rank i is global rank order[i]; the host table in that order.
     order = [2, 0, 1]
-    if not comm._SORT_RANKS:  # torch 2.11: no new_group(sort_ranks=); the same clear error on every rank
+    if not comm.HAS_SORT_RANKS:  # torch 2.11: no new_group(sort_ranks=); the same clear error on every rank
         try:
             comm.new_group(order, sort_ranks=False)
         except ValueError as exc:
@@ -127,7 +127,7 @@ class _Work:
 def test_wait_under_capture_passes_no_timeout(monkeypatch):
     """set_timeout on NCCL polls the work's event from the host: illegal during graph capture. Under capture the
     wait is the plain stream-ordered one; outside, the bounded one."""
-    from halo import comm
+    from halo import comm, transport
 
     previous = comm.set_timeout(5.0)
     try:
@@ -135,7 +135,7 @@ def test_wait_under_capture_passes_no_timeout(monkeypatch):
         work = _Work()
         comm.wait_all([work], ["peer"], cg, "test", 0.0, None)
         assert isinstance(work.calls[0], timedelta) and 0 < work.calls[0].total_seconds() <= 5.0
-        monkeypatch.setattr(comm, "_capturing", lambda: True)
+        monkeypatch.setattr(transport, "capturing", lambda device=None: True)
         comm.wait_all([work], ["peer"], cg, "test", 0.0, None)
         assert work.calls[1] is None
     finally:
@@ -163,24 +163,24 @@ def test_local_rank_from_launchers():
 def test_buffer_pool_under_capture_and_streams(monkeypatch):
     """While a CUDA graph is captured the pool hands out fresh buffers and keeps none (a replay writes what it
     captured whoever holds it now); buffers are reused only on the stream they were handed out on."""
-    from halo import exchange
+    from halo import transport
 
     like = torch.zeros(1, dtype=torch.float32)
-    pool = exchange.BufferPool()
+    pool = transport.BufferPool()
     a = pool.get((3, 4), like)
     ptr = a.data_ptr()
     del a
     b = pool.get((3, 4), like)
     assert b.data_ptr() == ptr  # free again: reused (the eager path is unchanged)
     del b
-    monkeypatch.setattr(exchange, "_capturing", lambda device: True)
+    monkeypatch.setattr(transport, "capturing", lambda device=None: True)
     held = [pool.get((3, 4), like) for _ in range(3)]
     assert all(t.data_ptr() != ptr for t in held)  # not the pooled buffer, though it is free
     assert len({t.data_ptr() for t in held}) == 3
     assert sum(len(v) for v in pool._pools.values()) == 1  # nothing captured was kept
-    monkeypatch.setattr(exchange, "_capturing", lambda device: False)
-    monkeypatch.setattr(exchange, "_stream_key", lambda device: 7)  # another stream
+    monkeypatch.setattr(transport, "capturing", lambda device=None: False)
+    monkeypatch.setattr(transport, "_stream_key", lambda device: 7)  # another stream
     c = pool.get((3, 4), like)
     assert c.data_ptr() != ptr
-    monkeypatch.setattr(exchange, "_stream_key", lambda device: 0)
+    monkeypatch.setattr(transport, "_stream_key", lambda device: 0)
     assert pool.get((3, 4), like).data_ptr() == ptr

@@ -216,11 +216,11 @@ def test_the_issue_ops_are_classified_not_just_unknown():
 
     for f in (F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm, F.normalize, torch.fft.rfft2,
               torch.fft.irfft2, torch.diff, torch.cummax, torch.logcumsumexp, F.dropout, F.linear):
-        assert f in g._RULES, f
+        assert f in g.RULES, f
     for f in (torch.einsum, F.scaled_dot_product_attention, torch.baddbmm):
-        assert f in g._SPECIAL, f
-    assert not g._PASS & set(g._RULES)  # an op with a rule is never passed by its name alone
-    assert torch.trapezoid not in g._PASS and torch.trapezoid not in g._RULES  # unclassified: refused
+        assert f in g.SPECIAL, f
+    assert not g.PASS & set(g.RULES)  # an op with a rule is never passed by its name alone
+    assert torch.trapezoid not in g.PASS and torch.trapezoid not in g.RULES  # unclassified: refused
 
 
 def _allowed(rank, world):

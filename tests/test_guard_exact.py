@@ -24,7 +24,7 @@ from halo.partition import split_offsets
 from halo.testing import run_on_ranks
 
 #: above the longest rank timeout of this file (cold inductor compiles): pytest must not kill the ranks first
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(700)
 
 
 C, W = 4, 8
@@ -150,10 +150,46 @@ def _close(a, b, what, tol=1e-11):
     assert a.shape == b.shape and float((a - b).abs().max()) <= tol * scale, (what, float((a - b).abs().max()))
 
 
+# -- one rank launch per world size: every check of this file that runs on that many ranks, in one pool ------------
+
+def _all_on_rank(rank, world):
+    """Every check of this file on ``world`` ranks, in one launch (a launch, its imports and dynamo's warm-up cost
+    more than most checks). The checks build their own models and inputs, at their own shapes; the ones that need a
+    first call at new shapes (``_steady``, ``_compiled_first``) see new epochs because each makes its own model, so
+    their order here does not matter; the mesh check (no manager) runs last."""
+    import os
+
+    import torch._dynamo
+
+    os.environ["TRITON_INTERPRET"] = "0"  # halo's kernels: the torch reference (the interpreter: test_kernels.py)
+    out = {"exact": _sharded(rank, world, list(EXACT))}
+    if world == 3:
+        out["refused"] = _refused(rank, world, list(REFUSED))
+        return out
+    out["steady"] = _steady(rank, world)
+    out["compiled"] = _compiled(rank, world)
+    torch._dynamo.reset()
+    out["compiled_first"] = _compiled_first(rank, world)
+    for reentrant in (False, True):
+        out[f"checkpointed_{reentrant}"] = _checkpointed(rank, world, reentrant)
+    out["mesh"] = _mesh(rank, world)
+    return out
+
+
+_RUNS: dict = {}
+
+
+def _results(world, part):
+    """Per-rank results of ``part`` on ``world`` ranks (one launch per world size, cached for the session)."""
+    if world not in _RUNS:
+        _RUNS[world] = run_on_ranks(_all_on_rank, world, timeout=600)
+    return [r[part] for r in _RUNS[world]]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_functional_ops_on_h_are_computed_exactly_on_every_call(world):
     names = list(EXACT)
-    results = run_on_ranks(_sharded, world, names, timeout=300)
+    results = _results(world, "exact")
     for name in names:
         want = _reference(name)
         for rank, r in enumerate(results):
@@ -215,7 +251,7 @@ def _refused(rank, world, names):
 
 
 def test_what_cannot_be_computed_exactly_is_refused_on_every_rank():
-    results = run_on_ranks(_refused, 3, list(REFUSED), timeout=120)
+    results = _results(3, "refused")
     for name, (_, op, says) in REFUSED.items():
         errors = [r[name] for r in results]
         assert all(e is not None for e in errors), (name, errors)
@@ -262,7 +298,7 @@ def _steady(rank, world):
 
 
 def test_later_calls_agree_on_nothing_and_only_modules_with_sites_are_rerouted():
-    for counts, kinds, same, own in run_on_ranks(_steady, 2, timeout=120):
+    for counts, kinds, same, own in _results(2, "steady"):
         assert counts[0] > 0 and counts[1] == counts[2] == 0, counts
         assert kinds == ["NoneType", "NoneType", "_Rerouted", "_Rerouted"], kinds
         assert same == [True, True] and own, (same, own)
@@ -304,7 +340,7 @@ def _compiled(rank, world):
 
 
 def test_compiled_model_runs_the_sites_eagerly_and_equals_the_unsharded_model():
-    results = run_on_ranks(_compiled, 2, timeout=300)
+    results = _results(2, "compiled")
     torch.manual_seed(0)
     ref = Two().double()
     for step in range(3):
@@ -365,7 +401,7 @@ def _checkpointed(rank, world, reentrant):
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_recomputed_in_backward_under_activation_checkpointing(reentrant):
-    results = run_on_ranks(_checkpointed, 2, reentrant, timeout=120)
+    results = _results(2, f"checkpointed_{reentrant}")
     torch.manual_seed(0)
     ref = Checkpointed(reentrant).double()
     for step in range(2):
@@ -411,7 +447,7 @@ def _mesh(rank, world):
 
 
 def test_on_a_latitude_longitude_mesh_a_mean_over_h_stays_refused():
-    errors = run_on_ranks(_mesh, 2, timeout=120)
+    errors = _results(2, "mesh")
     assert len(set(errors)) == 1 and "reduces over H" in errors[0], errors
 
 
@@ -442,6 +478,6 @@ def _compiled_first(rank, world):
 def test_a_compiled_first_call_says_the_guard_did_not_check_it():
     """The guard watches an eager forward only: a first call at new shapes under torch.compile is not checked, and
     halo says so (once per shape), naming the way out, rather than staying silent."""
-    for said in run_on_ranks(_compiled_first, 2, timeout=300):
+    for said in _results(2, "compiled_first"):
         assert said["eager"] == [], said
         assert len(said["compiled"]) == 1 and "Run one eager call" in said["compiled"][0], said

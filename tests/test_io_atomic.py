@@ -47,7 +47,7 @@ def _write_run(rank, world, store, run, die_at):
     full = _field(run)
     for t in range(T):
         if rank == world - 1 and t == die_at:
-            dist.isend = lambda *a, **k: os._exit(7)
+            dist.batch_isend_irecv = lambda *a, **k: os._exit(7)  # halo.transport posts every message
         t0 = time.monotonic()
         try:
             write_rows(store, "pred", full[t, :, offs[rank]:offs[rank + 1]], (T, C, H, W), (t,),
@@ -211,26 +211,27 @@ def test_stalled_rank_bounded_by_set_timeout(tmp_path):
     assert complete_steps(store, "s") == [(0,)]
 
 
-def test_one_process_runs_and_resume(tmp_path, monkeypatch):
+def test_one_process_runs_and_resume(tmp_path):
     """Without torch.distributed: each new run hides the older run's steps; ``resume=True`` keeps them."""
     import halo.io as hio
+    from halo import context
 
     store = str(tmp_path / "one.zarr")
-    monkeypatch.setattr(hio, "_RUNS", {})
     full = _field(5)
-    for t in range(3):
-        hio.write_rows(store, "p", full[t], (T, C, H, W), (t,))
+    with context.use():  # each run in a context of its own, as a new process would be
+        for t in range(3):
+            hio.write_rows(store, "p", full[t], (T, C, H, W), (t,))
     assert hio.complete_steps(store, "p") == [(0,), (1,), (2,)]
-    monkeypatch.setattr(hio, "_RUNS", {})  # a new process: a new run
-    hio.write_rows(store, "p", full[3] + 1, (T, C, H, W), (3,))
+    with context.use():  # a new process: a new run
+        hio.write_rows(store, "p", full[3] + 1, (T, C, H, W), (3,))
     assert hio.complete_steps(store, "p") == [(3,)]
-    monkeypatch.setattr(hio, "_RUNS", {})
+    context.reset()  # (what a reset forgets: this process's runs)
     hio.write_rows(store, "p", full[0], (T, C, H, W), (0,), resume=True)  # continue that run
     assert hio.complete_steps(store, "p") == [(0,), (3,)]
     assert np.array_equal(hio.read_step(store, "p", 3), full[3].numpy() + 1)
     with pytest.raises(ValueError, match="not complete"):
         hio.read_step(store, "p", 1)
-    monkeypatch.setattr(hio, "_RUNS", {})
+    context.reset()
     with pytest.raises(ValueError, match="resume=True but"):
         hio.write_rows(str(tmp_path / "fresh.zarr"), "p", full[0], (T, C, H, W), (0,), resume=True)
     hio.write_rows(store, "whole", full[0, 0], (H, W))  # no index: the whole array is one step

@@ -142,3 +142,51 @@ def test_ddp_on_dp_group_averages_across_dp_only():
         # d/dw sum(w . x) = x, x = rank + 1; averaged over the dp group only (not the domain group).
         expected = sum(r + 1 for r in dp_ranks) / len(dp_ranks)
         assert grad == [expected] * 3, (rank, grad, expected)
+
+
+def _mesh_3_axes(rank, world):
+    import torch.distributed as dist
+
+    from halo import context
+    from halo.mesh import DomainAxis, DomainMesh, DomainParallelManager, dp_coordinate, get_domain_parallel_manager
+
+    mesh = DomainMesh((2, 1, 2), shard_dims=(-3, -2, -1), periodic=(False, False, True))
+    t = torch.tensor([1.0])
+    dist.all_reduce(t, group=mesh.domain_group)
+    out = {"axes": mesh.axes, "names": mesh.device_mesh.mesh_dim_names, "coords": mesh.coords,
+           "n2": mesh.neighbors(2), "n0": mesh.neighbors(0), "count": t.item(), "dp": dp_coordinate(mesh.axis_group(2))}
+    assert out["axes"][2] == DomainAxis("domain_2", 2, -1, True)
+    # the manager is a facade over a one-axis mesh: every attribute answers from it
+    manager = DomainParallelManager(world, 2)
+    m = manager.mesh
+    out["facade"] = ((manager.world_size, manager.domain_parallel_size, manager.data_parallel_size, manager.shard_dim,
+                      manager.domain_rank, manager.dp_rank) == (m.world_size, m.domain_size, m.dp_size,
+                                                                m.shard_dims[0], m.axis_rank(0), m.dp_rank))
+    out["facade groups"] = manager.domain_group is m.domain_group and manager.data_parallel_group is m.dp_group
+    # the default manager lives in the context: a fresh context has none, the old one is back afterwards
+    import halo
+
+    halo.initialize_domain_parallel(world, 2)
+    default = get_domain_parallel_manager()
+    with context.use():
+        out["fresh"] = get_domain_parallel_manager()
+    out["back"] = get_domain_parallel_manager() is default
+    try:
+        DomainMesh((2, 1, 2))
+    except ValueError as e:
+        out["no dims"] = str(e)
+    return out
+
+
+def test_a_mesh_with_three_axes_and_the_manager_facade():
+    results = run_on_ranks(_mesh_3_axes, 4, timeout=120)
+    layout = np.arange(4).reshape(1, 2, 1, 2)
+    for rank, r in enumerate(results):
+        _, i, _, j = (int(c) for c in np.argwhere(layout == rank)[0])
+        assert r["names"] == ("dp", "domain_0", "domain_1", "domain_2") and r["coords"] == (0, i, 0, j)
+        assert [a.dim for a in r["axes"]] == [-3, -2, -1] and [a.size for a in r["axes"]] == [2, 1, 2]
+        assert r["n2"] == (layout[0, i, 0, 1 - j], layout[0, i, 0, 1 - j])  # periodic, two ranks
+        assert r["n0"] == (None if i == 0 else layout[0, 0, 0, j], None if i == 1 else layout[0, 1, 0, j])
+        assert r["count"] == 4 and r["dp"] == 0
+        assert r["facade"] and r["facade groups"] and r["fresh"] is None and r["back"], r
+        assert "shard_dims= names the dim of each beyond two" in r["no dims"], r

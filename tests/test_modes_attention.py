@@ -21,6 +21,8 @@ whole ``Sharded`` model (graph breaks at shard, gather and the long-range regrou
 custom ops). Inductor compiles C++ on CPU: its cells compile the converted ``TinyAttnNet`` (a patch embedding, the
 Swin block, a conv) with ``fullgraph=True``, between eager shard and gather.
 
+halo's kernels run as in test_modes.py (the torch reference, the Triton interpreter in the inductor cells).
+
 Tolerances are test_modes.py's (its docstring gives the argument): 1e-10 in float64, 1e-4 in float32, 6e-2 / 1e-2 of
 the largest reference magnitude under bf16 / fp16 autocast.
 """
@@ -126,6 +128,7 @@ def _randomize(model: nn.Module) -> nn.Module:
 def _modes_on_rank(rank: int, world: int, modes: list[str]) -> dict:
     import copy
     import functools
+    import os
     import time
     import traceback
 
@@ -207,6 +210,9 @@ def _modes_on_rank(rank: int, world: int, modes: list[str]) -> dict:
 
     out: dict = {}
     for mode in modes:
+        # halo's kernels: the torch reference (what CPU ranks run), the Triton interpreter for inductor only (the
+        # real kernels' strides against the fake ones); module docstring
+        os.environ["TRITON_INTERPRET"] = "1" if mode.startswith("inductor") else "0"
         t0 = time.perf_counter()
         try:
             if mode in ("fp64", "fp32"):

@@ -288,3 +288,46 @@ def test_large_mean_float32_stays_accurate():
         for kind, e in r.items():
             assert e["dom_0"] <= u and e["dom_1"] <= u, (kind, e)
             assert e["dom_vs_ref32"] <= 2 * u, (kind, e)
+
+
+# -- one plan over every axis: the norms on a latitude x longitude mesh -------------------------------------------
+
+def _mesh_norms(rank, world, shape):
+    """Each norm built with ``mesh=`` on a block of the field (H and W both split unevenly), vs the unsharded module:
+    output block, input-gradient block, and parameter gradients summed over the domain group."""
+    import torch.distributed as dist
+
+    from halo.mesh import DomainMesh
+
+    mesh = DomainMesh(shape, periodic=(False, True))
+    h, w, c = 11, 7, 4
+    (h0, h1), (w0, w1) = (local_range(n, mesh.axis_size(a), mesh.axis_rank(a)) for a, n in ((0, h), (1, w)))
+    out = {}
+    for kind, kwargs in (("LayerNorm", dict(normalized_shape=(c, h, w))), ("GroupNorm", dict(num_groups=2,
+                         num_channels=c)), ("BatchNorm2d", dict(num_features=c)),
+                         ("InstanceNorm2d", dict(num_features=c, affine=True))):
+        ref = _make(kind, kwargs, 5)
+        dom = DOMAIN[type(ref)](copy.deepcopy(ref), mesh=mesh)
+        full = 3 + torch.randn(2, c, h, w, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        g = torch.randn(2, c, h, w, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+        xf = full.clone().requires_grad_(True)
+        (ref(xf) * g).sum().backward()
+        x = full[..., h0:h1, w0:w1].clone().requires_grad_(True)
+        y = dom(x)
+        (y * g[..., h0:h1, w0:w1]).sum().backward()
+        errs = [_err(y, ref(full).detach()[..., h0:h1, w0:w1]), _err(x.grad, xf.grad[..., h0:h1, w0:w1])]
+        for p, q in zip(dom.parameters(), ref.parameters(), strict=True):
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=mesh.domain_group)
+            errs.append(_err(grad, q.grad))
+        out[kind] = max(errs)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3, 1), (1, 2)])
+def test_norms_on_a_mesh_equal_unsharded(shape):
+    """The norms' one plan over every axis: statistics over the whole domain (every block), DomainLayerNorm's
+    elementwise affine sliced along H and W, on 2 x 2, 3 x 1 and 1 x 2 meshes at odd sizes."""
+    for r in run_on_ranks(_mesh_norms, shape[0] * shape[1], shape, timeout=180):
+        for kind, e in r.items():
+            assert e <= 1e-12, (shape, kind, e)

@@ -34,6 +34,9 @@ def _data():
 
 
 def _run(rank, world):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"  # halo's kernels: the torch reference (the interpreter: test_kernels.py)
     import halo
     from halo.nn import convert_to_domain_parallel
     from halo.rollout import rollout, scores

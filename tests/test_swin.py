@@ -317,6 +317,22 @@ def test_split_granularity():
         split_sizes(8, 2, 0)
 
 
+def test_swin_layers_refuse_a_latitude_x_longitude_mesh():
+    """The Swin layers keep W whole on each rank: their converters (one ``latitude_only`` for V1 and V2) refuse a
+    mesh, and build the halo layer on latitude rows."""
+    import types
+
+    from halo.nn.window import HaloPatchMerging, HaloSwinTransformerBlock, swin_adapter
+
+    block = SwinTransformerBlock(8, (8, 8), num_heads=2, window_size=4, shift_size=2)
+    merge = PatchMerging(8)
+    for layer, halo_class in ((block, HaloSwinTransformerBlock), (merge, HaloPatchMerging)):
+        convert = swin_adapter(layer)
+        with pytest.raises(ValueError, match="shard latitude only"):
+            convert(layer, types.SimpleNamespace(mesh=object(), group=None))
+        assert isinstance(convert(layer, types.SimpleNamespace(mesh=None, group=None)), halo_class)
+
+
 def test_patch_embedding_row_plan_keeps_block_splits():
     from halo.nn.conv import conv_row_plan
 

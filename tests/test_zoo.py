@@ -24,6 +24,9 @@ from torch import nn
 from halo.partition import split_offsets
 from halo.testing import run_on_ranks
 
+#: above the rank launch's timeout (one launch runs every case of a world size): pytest must not kill the ranks first
+pytestmark = pytest.mark.timeout(500)
+
 W = 48
 
 
@@ -228,20 +231,43 @@ def _check_exact(results, name, h):
         assert torch.allclose(got, want, rtol=0, atol=1e-11), (n, (got - want).abs().max())
 
 
+#: what runs on each world size: (model, rows, with the recipe); one launch per world size runs them all, in order
+CASES = {2: [("smp", 64, False)], 3: [("smp", 96, False), ("smp", 80, False), ("weatherbench", 33, False),
+                                     ("weatherbench", 33, True)]}
+
+
+def _run_cases(rank, world):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"  # halo's kernels: the torch reference (the interpreter: test_kernels.py)
+    return {case: _run(rank, world, *case) for case in CASES[world]}
+
+
+_RUNS: dict = {}
+
+
+def _results(world, *case):
+    """Per-rank results of ``case`` (a key of ``CASES[world]``): one launch per world size, cached (a refusal at
+    conversion, the weatherbench model as written, raises before any message, so the next case starts clean)."""
+    if world not in _RUNS:
+        _RUNS[world] = run_on_ranks(_run_cases, world, timeout=400)
+    return [r[case] for r in _RUNS[world]]
+
+
 @pytest.mark.parametrize("world, h", [(2, 64), (3, 96)])
 def test_smp_unet_converts_unchanged_and_exact(world, h):
-    _check_exact(run_on_ranks(_run, world, "smp", h, False, timeout=240), "smp", h)
+    _check_exact(_results(world, "smp", h, False), "smp", h)
 
 
 def test_smp_unet_with_uneven_levels_is_exact():
     """80 rows on 3 ranks: a level of 5 rows (2 + 2 + 1) upsampled by nearest x2 on each shard would be 4 + 4 + 2
     against its skip's 4 + 3 + 3; halo resizes the global field instead (``halo.reroute``)."""
-    _check_exact(run_on_ranks(_run, 3, "smp", 80, False, timeout=240), "smp", 80)
+    _check_exact(_results(3, "smp", 80, False), "smp", 80)
 
 
 def test_weatherbench_resnet_refused_as_written_exact_with_the_recipe():
-    errors = run_on_ranks(_run, 3, "weatherbench", 33, False, timeout=120)
+    errors = _results(3, "weatherbench", 33, False)
     assert all(isinstance(e, str) and "inp.pad (test_zoo.PeriodicPadding2D) is not a layer halo knows" in e
                for e in errors), errors
     assert "custom_converters={PeriodicPadding2D: fn}" in errors[0], errors[0]
-    _check_exact(run_on_ranks(_run, 3, "weatherbench", 33, True, timeout=240), "weatherbench", 33)
+    _check_exact(_results(3, "weatherbench", 33, True), "weatherbench", 33)

@@ -38,6 +38,7 @@ off by exactly the domain size, with no error).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -45,12 +46,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..exchange import exchange
+from .. import context
 from ..mesh import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+from ..nn import DomainGroupNorm, HaloConv2d, HaloConv3d, HaloConvTranspose2d, HaloConvTranspose3d
+from ..nn.convert import TensorPadding
+from ..nn.registry import is_pointwise_conv
 from ..partition import split_offsets, split_sizes
-from ..plans import Site, carry, resolve
+from ..plans import Site
 
 __all__ = [
+    "DomainParallelConv2d",
+    "DomainParallelConv3d",
+    "DomainParallelConvTranspose2d",
+    "DomainParallelConvTranspose3d",
+    "DomainParallelGroupNorm",
     "DomainParallelManager",
     "DomainParallelPeriodicConv2d",
     "HaloExchange",
@@ -73,134 +82,31 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class TensorPadding:
-    """CREDIT's ``TensorPadding`` (``credit.models.crossformer``; a plain object with ``pad`` / ``unpad``) on H-shards.
-
-    ``pad`` pads the *global* field ``(..., lat, lon)`` by ``pad_lat`` rows (``"earth"``: across the poles, rows
-    0, 1, ... mirrored and rolled by half the longitudes, as CREDIT's flip of its rolled field; ``"mirror"``:
-    reflected) and ``pad_lon`` columns (circular; W is whole on each rank); the result is the balanced split of the
-    padded field, so the layers after it see the same rows as on one device. ``unpad`` crops back, re-split. Both
-    are exact and differentiable (halo exchanges); with one rank (or no torch.distributed) they are CREDIT's code.
-    """
-
-    def __init__(self, mode: str = "earth", pad_lat: Any = (40, 40), pad_lon: Any = (40, 40), *,
-                 group: Any | None = None, **kwargs: Any) -> None:
-        if mode not in ("earth", "mirror"):
-            raise ValueError(f"TensorPadding: mode must be 'earth' or 'mirror', got {mode!r}")
-        self.mode, self.pad_NS, self.pad_WE, self.group = mode, tuple(pad_lat), tuple(pad_lon), group
-        self._sites = (Site(), Site())
-
-    def _rows(self, x: torch.Tensor, top: int, bottom: int, boundary: str, site: Site, op: str) -> torch.Tensor:
-        from ..nn.pad import pad_plan
-
-        plan = resolve(x, self.group, op, pad_plan, (x.dim() - 2, top, bottom, boundary, op), site=site)
-        if plan.plain:
-            return self._local_rows(x, top, bottom)
-        out = exchange(x, plan.ex, plan.rows, x.dim() - 2)
-        carry(out, x)
-        return out
-
-    def _local_rows(self, x: torch.Tensor, top: int, bottom: int) -> torch.Tensor:
-        """One rank: CREDIT's own arithmetic (and its crop for negative amounts)."""
-        if top < 0 or bottom < 0:
-            return x[..., -top:x.shape[-2] + bottom, :]
-        if self.mode == "mirror":
-            return torch.nn.functional.pad(x, (0, 0, top, bottom, 0, 0)[:2 * (x.dim() - 2)], mode="reflect")
-        xroll = torch.roll(x, shifts=int(x.shape[-1] // 2), dims=-1)
-        return torch.cat([torch.flip(xroll[..., :top, :], (-2,)), x,
-                          torch.flip(xroll[..., x.shape[-2] - bottom:, :], (-2,))], dim=-2)
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        top, bottom = self.pad_NS
-        left, right = self.pad_WE
-        op = f"TensorPadding.pad ({self.mode})"
-        if self.mode == "mirror" and (left > 0 or right > 0):  # CREDIT's order: longitude first
-            x = torch.nn.functional.pad(x, (left, right, 0, 0, 0, 0)[:2 * (x.dim() - 2)], mode="circular")
-        if top > 0 or bottom > 0:
-            x = self._rows(x, top, bottom, "pole_centered" if self.mode == "earth" else "reflect", self._sites[0], op)
-        if self.mode == "earth" and (left > 0 or right > 0):
-            x = torch.nn.functional.pad(x, (left, right, 0, 0, 0, 0)[:2 * (x.dim() - 2)], mode="circular")
-        return x
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        top, bottom = self.pad_NS
-        left, right = self.pad_WE
-        if top > 0 or bottom > 0:
-            x = self._rows(x, -top, -bottom, "zeros", self._sites[1], f"TensorPadding.unpad ({self.mode})")
-        if left > 0 or right > 0:
-            x = x[..., :, left:x.shape[-1] - right]
-        return x
-
-
-#: Where NCAR CREDIT defines its CrossFormer (miles-credit 2026.2 moved it under credit.models.wxformer).
-_CROSSFORMER_MODULES = ("credit.models.crossformer", "credit.models.wxformer.crossformer")
-
-
-def _is_crossformer(module: nn.Module) -> bool:
-    kind = type(module)
-    return any(k.__module__.startswith(_CROSSFORMER_MODULES) and k.__name__ == "CrossFormer"
-               for k in kind.__mro__) and all(hasattr(module, a) for a in (
-                   "use_interp", "image_height", "image_width", "use_post_block"))
-
-
-def _interp_hook(module: nn.Module, args: Any, output: Any) -> Any:
-    """CrossFormer's last step, ``F.interpolate(x, size=(image_height, image_width), mode="bilinear")`` of its
-    ``(B, C, H, W)`` result before the ``unsqueeze(2)``, as :func:`halo.nn.halo_interpolate` on the shards."""
-    from ..nn.upsample import halo_interpolate
-
-    site = module.__dict__["_halo_interp_site"]
-    y = halo_interpolate(output.squeeze(2), size=(module.image_height, module.image_width), mode="bilinear",
-                         group=module.__dict__["_halo_interp_group"], site=site)
-    return y.unsqueeze(2)
-
-
-def swap_tensor_padding(model: nn.Module, group: Any | None) -> None:
-    """Make CREDIT's objects in ``model`` domain-parallel (the converter calls this; ``revert_domain_parallel``
-    undoes it): ``TensorPadding`` objects held by its modules become :class:`TensorPadding`, and a CrossFormer's final
-    ``F.interpolate`` to the image size (``interp=True``, no post block) runs as ``halo_interpolate`` in a forward hook
-    (its ``use_interp`` is set to False meanwhile: CREDIT's own call would resize each shard to the whole image)."""
-    for module in model.modules():
-        if _is_crossformer(module) and module.use_interp and not module.use_post_block \
-                and "_halo_interp" not in module.__dict__:
-            module.__dict__["_halo_interp_site"] = Site()
-            module.__dict__["_halo_interp_group"] = group
-            module.__dict__["_halo_interp"] = module.register_forward_hook(_interp_hook)
-            module.use_interp = False
-        for name, value in list(vars(module).items()):
-            kind = type(value)
-            if kind.__name__ == "TensorPadding" and kind.__module__.startswith("credit.") \
-                    and hasattr(value, "pad_NS") and hasattr(value, "pad_WE"):
-                twin = TensorPadding(value.mode, value.pad_NS, value.pad_WE, group=group)
-                twin._halo_original = value
-                module.__dict__[name] = twin
-
-
-def unswap_tensor_padding(model: nn.Module) -> None:
-    for module in model.modules():
-        handle = module.__dict__.pop("_halo_interp", None)
-        if handle is not None:
-            handle.remove()
-            module.use_interp = True
-            module.__dict__.pop("_halo_interp_site", None)
-            module.__dict__.pop("_halo_interp_group", None)
-        for name, value in list(vars(module).items()):
-            if isinstance(value, TensorPadding) and hasattr(value, "_halo_original"):
-                module.__dict__[name] = value._halo_original
-
-
 def _manager(manager: DomainParallelManager | None) -> DomainParallelManager | None:
     manager = manager if manager is not None else get_domain_parallel_manager()
     return manager if manager is not None and manager.domain_parallel_size > 1 else None
 
 
-# The splits this rank made (``shard_*``): all rows -> its rows, one per distinct extent; with one extent, its
-# split gives the loss's scale in CREDIT's convention, with several the scale needs the loss's own tensor.
-_ROWS: dict[int, int] = {}
+@dataclasses.dataclass
+class _CreditState:
+    """The splits this rank made (``shard_*``): all rows -> its rows, one per distinct extent (at most
+    :data:`_MAX_EXTENTS`: a trainer shards a handful); with one extent, its split gives the loss's scale in CREDIT's
+    convention, with several the scale needs the loss's own tensor."""
+
+    rows: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+_MAX_EXTENTS = 64
+
+
+def _rows() -> dict[int, int]:
+    return context.state("credit", _CreditState).rows
 
 
 def _remember(local: int, total: int) -> None:
-    if total not in _ROWS and len(_ROWS) < 64:
-        _ROWS[total] = local
+    rows = _rows()
+    if total not in rows and len(rows) < _MAX_EXTENTS:
+        rows[total] = local
 
 
 # -- CREDIT's layer names: halo's layers, with CREDIT's constructor and ``halo_width`` -------------------------------
@@ -250,34 +156,17 @@ def _credit_layer(halo_cls: type, name: str) -> type:
                                                  f"halo's ``{halo_cls.__name__}`` (exact on any split)."})
 
 
-def _layers() -> dict[str, type]:
-    from ..nn import (
-        DomainGroupNorm,
-        HaloConv2d,
-        HaloConv3d,
-        HaloConvTranspose2d,
-        HaloConvTranspose3d,
-    )
+DomainParallelConv2d = _credit_layer(HaloConv2d, "DomainParallelConv2d")
+DomainParallelConv3d = _credit_layer(HaloConv3d, "DomainParallelConv3d")
+DomainParallelConvTranspose2d = _credit_layer(HaloConvTranspose2d, "DomainParallelConvTranspose2d")
+DomainParallelConvTranspose3d = _credit_layer(HaloConvTranspose3d, "DomainParallelConvTranspose3d")
 
-    made = {name: _credit_layer(cls, name) for name, cls in (
-        ("DomainParallelConv2d", HaloConv2d), ("DomainParallelConv3d", HaloConv3d),
-        ("DomainParallelConvTranspose2d", HaloConvTranspose2d), ("DomainParallelConvTranspose3d", HaloConvTranspose3d))}
 
-    def gn_init(self, module: nn.GroupNorm, *, group: Any | None = None) -> None:
+class DomainParallelGroupNorm(DomainGroupNorm):
+    """CREDIT's ``DomainParallelGroupNorm``: halo's ``DomainGroupNorm`` (exact gradients on any split)."""
+
+    def __init__(self, module: nn.GroupNorm, *, group: Any | None = None) -> None:
         DomainGroupNorm.__init__(self, module, group=group)
-
-    made["DomainParallelGroupNorm"] = type("DomainParallelGroupNorm", (DomainGroupNorm,), {"__init__": gn_init})
-    return made
-
-
-_LAYERS: dict[str, type] = {}
-
-
-def _credit_layers() -> dict[str, type]:
-    """CREDIT's layer classes, made on first use (halo.nn imports this package's parent lazily)."""
-    if not _LAYERS:
-        _LAYERS.update(_layers())
-    return _LAYERS
 
 
 class HaloExchange(nn.Module):
@@ -320,11 +209,8 @@ class DomainParallelPeriodicConv2d(nn.Module):
 
 
 def __getattr__(name: str) -> Any:
-    if name == "_MANAGER":
+    if name == "_MANAGER":  # CREDIT's name for the module's manager: the current one, never a copy
         return get_domain_parallel_manager()
-    if name in ("DomainParallelConv2d", "DomainParallelConv3d", "DomainParallelConvTranspose2d",
-                "DomainParallelConvTranspose3d", "DomainParallelGroupNorm"):
-        return _credit_layers()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -334,12 +220,12 @@ def convert_to_domain_parallel(model: nn.Module, manager: DomainParallelManager 
     """CREDIT's signature on halo's converter: ``custom_converters`` map a type to ``factory(module)``; the layers
     it converts are CREDIT's names (``DomainParallelConv2d`` ...: halo's layers)."""
     from ..nn import convert_to_domain_parallel as convert
-    from ..nn.convert import is_pointwise_conv
 
     manager = manager if manager is not None else get_domain_parallel_manager()
     if shard_dim != -2:
         raise ValueError(f"convert_to_domain_parallel: halo's layers shard latitude (shard_dim=-2), got {shard_dim}")
-    layers = _credit_layers()
+    layers = {cls.__name__: cls for cls in (DomainParallelConv2d, DomainParallelConv3d, DomainParallelConvTranspose2d,
+                                            DomainParallelConvTranspose3d, DomainParallelGroupNorm)}
 
     def conv_like(name):
         return lambda m, ctx: m if is_pointwise_conv(m) and "Transpose" not in name else layers[name](
@@ -454,15 +340,16 @@ def domain_loss_scale(manager: DomainParallelManager | None = None, like: torch.
 
         sizes = shard_sizes(like, dim, manager.domain_group, op="domain_loss_scale")
         return manager.domain_parallel_size * sizes[manager.domain_rank] / sum(sizes)
-    if not _ROWS:
+    rows = _rows()
+    if not rows:
         return 1.0
-    if len(_ROWS) > 1:
+    if len(rows) > 1:
         raise ValueError(
-            f"domain_loss_scale: fields of {len(_ROWS)} different extents were sharded "
-            f"({', '.join(f'{t} rows' for t in sorted(_ROWS))}), so which split the loss is over is ambiguous (the "
+            f"domain_loss_scale: fields of {len(rows)} different extents were sharded "
+            f"({', '.join(f'{t} rows' for t in sorted(rows))}), so which split the loss is over is ambiguous (the "
             f"scale P * n_r / N differs between them); pass the tensor the loss is over: "
             f"domain_loss_scale(manager, like=prediction)")
-    ((total, local),) = _ROWS.items()
+    ((total, local),) = rows.items()
     return manager.domain_parallel_size * local / total
 
 

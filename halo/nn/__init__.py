@@ -1,4 +1,7 @@
-"""Domain-parallel layers: each equals its torch twin on the full field, forward and backward."""
+"""Domain-parallel layers: each equals its torch twin on the full field, forward and backward.
+
+Which torch class becomes which of these, and on which axes, is :func:`converts` (``halo.nn.registry``), beside each
+layer's class; the exports below stay explicit (functions and adapter-made layers are not in the registry)."""
 
 from .conv import HaloConv2d, HaloConv3d, HaloConvTranspose2d, HaloConvTranspose3d
 from .convert import convert_to_domain_parallel, revert_domain_parallel
@@ -24,6 +27,7 @@ from .pool import (
     HaloMaxPool2d,
     HaloMaxPool3d,
 )
+from .registry import converts
 from .shuffle import HaloPixelShuffle, HaloPixelUnshuffle
 from .softmax import DomainLogSoftmax, DomainSoftmax
 from .swinv2 import HaloCreditPatchEmbed, HaloCubeEmbedding, HaloSwinV2Block, HaloUTransformer, HaloWindowAttentionV2
@@ -87,6 +91,7 @@ __all__ = [
     "HaloWindowAttentionV2",
     "columns_to_rows",
     "convert_to_domain_parallel",
+    "converts",
     "halo_interpolate",
     "halo_pad",
     "halo_roll",

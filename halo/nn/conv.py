@@ -50,15 +50,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 
 from ..comm import CommGroup
 from ..exchange import Exchange2d, exchange, exchange_2d, exchanger_id, get_exchanger, plan_exchange_2d
+from ..geometry import conv_row_plan, conv_transpose_row_plan
 from ..kernels.reference import alloc_like as kernels_alloc_like
-from ..mesh import group_attribute
-from ..partition import check_boundary, split_offsets, split_sizes
-from ..plans import Site, carry, resolve
-from ._mesh2d import mesh_of, resolve_2d, set_mesh
+from ..partition import check_boundary, split_sizes
+from ..plans import carry, resolve
+from ._mesh2d import mesh_of, resolve_2d
+from .base import HaloLayer, adopt
+from .registry import converts, pointwise_conv
 
 __all__ = [
     "HaloConv2d",
@@ -77,84 +78,7 @@ OVERLAP_DEFAULT = True
 
 # -- pure row arithmetic (no process group: every rank computes the same plan for the whole group) ----------
 
-def _check_out_sizes(out_sizes: Sequence[int], m: int, n: int, what: str, op: str) -> None:
-    empty = [r for r, s in enumerate(out_sizes) if s == 0]
-    if empty:
-        raise ValueError(f"{op}: the output has {m} rows along H ({what}, from {n} input rows) but the domain "
-                         f"group has {len(out_sizes)} ranks; ranks {empty} would get no rows. Use at most {m} "
-                         f"ranks for this layer, or a larger field")
-
-
-def conv_row_plan(sizes: Sequence[int], kernel: int, stride: int, dilation: int, pad: tuple[int, int],
-                  op: str = "conv") -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
-    """Output shard sizes and every rank's needed input rows for a conv along the sharded dim.
-
-    ``sizes``: every rank's input rows (group order); ``pad``: ``(before, after)`` padding. Returns the
-    balanced split of ``M = (N + before + after - d(k-1) - 1) // s + 1`` and, per rank, the virtual input rows
-    ``(lo, hi)`` its output rows ``[o0, o1)`` read: ``[o0*s - before, (o1-1)*s - before + d(k-1) + 1)``.
-
-    A patch embedding (kernel == stride, no padding along H, undilated) whose input shards are all non-empty
-    multiples of the stride keeps its split instead: output ``sizes // stride``, each rank reading its own rows
-    (no message), so a block split (``halo.partition.split_sizes(..., granularity=)``) stays one. For a balanced
-    input this is the balanced split of ``M`` as well (shards that differ by at most one row and are multiples of
-    ``s`` are equal).
-    """
-    if (kernel == stride > 1 and tuple(pad) == (0, 0) and (dilation == 1 or kernel == 1) and sizes
-            and all(s > 0 and s % stride == 0 for s in sizes)):
-        starts = [0]
-        for s in sizes:
-            starts.append(starts[-1] + s)
-        return (tuple(s // stride for s in sizes),
-                tuple((starts[r], starts[r + 1]) for r in range(len(sizes))))
-    n, span = sum(sizes), dilation * (kernel - 1)
-    m = (n + pad[0] + pad[1] - span - 1) // stride + 1
-    if m < 1:
-        raise ValueError(f"{op}: {n} input rows along H with padding {pad} are fewer than the dilated kernel "
-                         f"({span + 1} rows: kernel {kernel}, dilation {dilation})")
-    out_sizes = tuple(split_sizes(m, len(sizes)))
-    _check_out_sizes(out_sizes, m, n, f"kernel {kernel}, stride {stride}, dilation {dilation}, padding {pad}", op)
-    offs = split_offsets(m, len(sizes))
-    needs = tuple((offs[r] * stride - pad[0], (offs[r + 1] - 1) * stride - pad[0] + span + 1)
-                  for r in range(len(sizes)))
-    return out_sizes, needs
-
-
-def conv_transpose_row_plan(sizes: Sequence[int], kernel: int, stride: int, dilation: int, padding: int,
-                            output_padding: int, op: str = "conv_transpose"
-                            ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
-    """Output shard sizes and needed input rows for a transposed conv along the sharded dim.
-
-    Input row ``i`` adds into output rows ``i*s - p + j*d`` (``0 <= j < k``), so output rows ``[o0, o1)`` read
-    ``i`` in ``[ceil((o0 + p - d(k-1)) / s), floor((o1 - 1 + p) / s)]`` (rows outside ``[0, N)`` are zeros).
-    An empty range (rows only reached by ``output_padding`` or between strided taps) is widened to one row,
-    whose contributions land outside ``[o0, o1)``, so that every rank still takes part in the exchange.
-    """
-    n, span = sum(sizes), dilation * (kernel - 1)
-    m = (n - 1) * stride - 2 * padding + span + output_padding + 1
-    if m < 1:
-        raise ValueError(f"{op}: the output would have {m} rows along H (input {n}, kernel {kernel}, stride "
-                         f"{stride}, padding {padding}, dilation {dilation}, output_padding {output_padding})")
-    out_sizes = tuple(split_sizes(m, len(sizes)))
-    _check_out_sizes(out_sizes, m, n, f"kernel {kernel}, stride {stride}, dilation {dilation}, padding "
-                     f"{padding}, output_padding {output_padding}", op)
-    offs = split_offsets(m, len(sizes))
-
-    def reaches(i: int, o0: int, o1: int) -> bool:  # some tap j < k lands in [o0, o1)
-        first = max(0, -((i * stride - padding - o0) // dilation))  # ceil((o0 - i*s + p) / d)
-        return first < kernel and i * stride - padding + first * dilation < o1
-
-    needs = []
-    for r in range(len(sizes)):
-        o0, o1 = offs[r], offs[r + 1]
-        lo = -((span - o0 - padding) // stride)  # ceil((o0 + p - span) / s)
-        hi = (o1 - 1 + padding) // stride + 1
-        # With d > 1 the end rows of that range may fall between the taps: drop them (a few at most).
-        while lo < hi and not reaches(lo, o0, o1):
-            lo += 1
-        while hi > lo and not reaches(hi - 1, o0, o1):
-            hi -= 1
-        needs.append((lo, max(hi, lo + 1)))
-    return out_sizes, tuple(needs)
+# (conv_row_plan, conv_transpose_row_plan: halo.geometry, re-exported here)
 
 
 def _pads(conv: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
@@ -188,31 +112,8 @@ def _crop_rows(y: torch.Tensor, t0: int, t1: int, dim: int = -2) -> torch.Tensor
 
 # -- wrapping an existing module ----------------------------------------------------------------------------
 
-def _adopt(self: nn.Module, conv: nn.Module, base: type, name: str) -> None:
-    """Make ``self`` a copy of ``conv``'s module state that shares its Parameters (same objects).
-
-    Copying the instance dictionary (shallowly, each container on its own) keeps parameter and buffer names,
-    so ``state_dict`` keys stay identical after ``model.layer = HaloConv2d(model.layer)``, and keeps hooks.
-    """
-    if not isinstance(conv, base):
-        raise TypeError(f"{name} wraps a torch.nn.{base.__name__}, got {type(conv).__name__}")
-    if type(conv).forward is not base.forward and not isinstance(conv, _HaloConvMixin):
-        raise TypeError(f"{name}: {type(conv).__name__} overrides forward(); only the standard "
-                        f"nn.{base.__name__} computation can be made halo-aware")
-    if parametrize.is_parametrized(conv):
-        raise TypeError(f"{name}: the conv is parametrized; wrap the plain conv, then register the "
-                        f"parametrization on the {name}")
-    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in conv.parameters(recurse=False)):
-        raise ValueError(f"{name}: the lazy conv is not initialised yet; run it once (or build a {base.__name__})")
-    nn.Module.__init__(self)
-    for key, value in conv.__dict__.items():
-        self.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
-
-
-class _HaloConvMixin:
+class _HaloConvMixin(HaloLayer):
     """Shared construction, configuration and (deep)copy behaviour of the halo conv layers."""
-
-    group = group_attribute()
 
     _base: type[nn.modules.conv._ConvNd]
     _spatial: int
@@ -224,19 +125,16 @@ class _HaloConvMixin:
             if args or kwargs:
                 raise TypeError(f"{name}(conv, ...) takes only group=, boundary=, overlap=, mesh= besides the "
                                 f"module; got extra arguments {args} {sorted(kwargs)}")
-            _adopt(self, conv, self._base, name)
+            adopt(self, conv, self._base, name)
         else:
             super().__init__(conv, *args, **kwargs)  # built like the nn layer: fresh parameters
         if boundary is not None:
             boundary = check_boundary(boundary)
-        self.group, self.boundary, self.overlap = group, boundary, overlap
-        self._halo_site = Site()
-        set_mesh(self, mesh, name)
+        self.boundary, self.overlap = boundary, overlap
+        self.halo_init(group, mesh, name)
         if mesh_of(self) is not None and self._spatial != 2:
             raise ValueError(f"{name}: a latitude x longitude mesh is supported by the 2-d layers only; shard only "
                              f"latitude (a one-axis mesh) for 3-d convolutions")
-        if mesh_of(self) is not None and group is not None and group is not mesh_of(self).domain_group:
-            raise ValueError(f"{name}: group= and mesh= name different groups; with a mesh leave group unset")
 
     @property
     def h_boundary(self) -> str:
@@ -615,6 +513,7 @@ class _HaloConvNd(_HaloConvMixin):
         return self._conv(self._pad_other(ext), self._main_padding(0))
 
 
+@converts(nn.Conv2d, axes=2, keep=pointwise_conv, takes=("group", "boundary", "mesh"))
 class HaloConv2d(_HaloConvNd, nn.Conv2d):
     """``nn.Conv2d`` on an H-shard ``(B, C, H_r, W)``; equals the unsharded conv, forward and backward.
 
@@ -628,6 +527,7 @@ class HaloConv2d(_HaloConvNd, nn.Conv2d):
     _base, _spatial = nn.Conv2d, 2
 
 
+@converts(nn.Conv3d, keep=pointwise_conv, takes=("group", "boundary"))
 class HaloConv3d(_HaloConvNd, nn.Conv3d):
     """``nn.Conv3d`` on ``(B, C, D, H_r, W)`` sharded on H (dim -2); D and W are local. As :class:`HaloConv2d`."""
 
@@ -700,6 +600,7 @@ class _HaloConvTransposeNd(_HaloConvMixin):
         return y
 
 
+@converts(nn.ConvTranspose2d, axes=2)
 class HaloConvTranspose2d(_HaloConvTransposeNd, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` on an H-shard; equals the unsharded layer, forward and backward.
 
@@ -712,6 +613,7 @@ class HaloConvTranspose2d(_HaloConvTransposeNd, nn.ConvTranspose2d):
     _base, _spatial = nn.ConvTranspose2d, 2
 
 
+@converts(nn.ConvTranspose3d)
 class HaloConvTranspose3d(_HaloConvTransposeNd, nn.ConvTranspose3d):
     """``nn.ConvTranspose3d`` on ``(B, C, D, H_r, W)`` sharded on H (dim -2): as :class:`HaloConvTranspose2d`
     (Pangu's patch recovery, 3-d U-Net decoders)."""

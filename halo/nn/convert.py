@@ -18,18 +18,26 @@ the replacement).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ..mesh import DomainParallelManager, GroupRef, get_domain_parallel_manager, mesh_2d
-from ..plans import enter_root, exit_root
+from ..exchange import exchange
+from ..mesh import DomainMesh, DomainParallelManager, GroupRef, get_domain_parallel_manager
+from ..plans import Site, carry, enter_root, exit_root, resolve
 from ..replicated import check_replicated
+from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample  # noqa: F401  (they fill the registry)
+from .pad import pad_plan
+from .registry import Entry, entries, entry_of, is_pointwise_conv
+from .upsample import halo_interpolate
 
-__all__ = ["INSIDE", "MESH_2D", "ConvertContext", "convert_to_domain_parallel", "revert_domain_parallel"]
+__all__ = ["INSIDE", "MESH_2D", "ConvertContext", "TensorPadding", "convert_to_domain_parallel", "is_pointwise_conv",
+           "revert_domain_parallel", "swap_tensor_padding", "unswap_tensor_padding"]
 
 
 @dataclass(frozen=True)
@@ -42,71 +50,16 @@ class ConvertContext:
     mesh: Any = None  # a latitude x longitude DomainMesh (W sharded too), else None
 
 
-def is_pointwise_conv(m: nn.Module, dims: int = 1) -> bool:
-    """A conv that keeps every sharded dim pointwise (kernel 1, stride 1, no padding): H, or H and W."""
-    for d in range(-2, -2 + dims):
-        k = m.kernel_size[d] if len(m.kernel_size) >= 2 else 1
-        s = m.stride[d] if len(m.stride) >= 2 else 1
-        pad = m.padding if isinstance(m.padding, str) else m.padding[d]
-        if not (k == 1 and s == 1 and pad in (0, "valid", "same")):
-            return False
-    return True
+def _mesh_kinds() -> tuple[type, ...]:
+    """The torch classes the registry gives a latitude x longitude form (``axes=2``), in registration order."""
+    return tuple(kind for kind, entry in entries().items() if entry.axes >= 2)
 
 
-#: Layers with a latitude x longitude form (``convert_to_domain_parallel(model, mesh=DomainMesh((ph, pw)))``),
-#: and global adaptive pools (output 1 x 1); others that act on H or W are refused on such a mesh, naming the layer.
-MESH_2D = (nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.AvgPool2d, nn.LPPool2d, nn.Upsample, nn.GroupNorm,
-           nn.BatchNorm2d, nn.InstanceNorm2d, nn.PixelShuffle, nn.PixelUnshuffle)
-
-
-def _builtin_converters() -> dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None]:
-    from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample
-
-    def on(cls, **extra):  # the domain group, and the mesh when W is sharded too (None: latitude rows)
-        return lambda m, ctx: cls(m, group=ctx.group, mesh=ctx.mesh, **extra)
-
-    def c2d(m, ctx):
-        if is_pointwise_conv(m, 2 if ctx.mesh is not None else 1):
-            return m
-        return conv.HaloConv2d(m, group=ctx.group, boundary=ctx.boundary, mesh=ctx.mesh)
-
-    def c3d(m, ctx):
-        return m if is_pointwise_conv(m) else conv.HaloConv3d(m, group=ctx.group, boundary=ctx.boundary)
-
-    def layer_norm(m, ctx):
-        if len(m.normalized_shape) == 1:  # over W (or features) only: pointwise in latitude
-            return m
-        return norm.DomainLayerNorm(m, group=ctx.group)
-
-    return {
-        nn.Conv2d: c2d,
-        nn.Conv3d: c3d,
-        nn.ConvTranspose2d: on(conv.HaloConvTranspose2d),
-        nn.ConvTranspose3d: lambda m, ctx: conv.HaloConvTranspose3d(m, group=ctx.group),
-        nn.MaxPool2d: on(pool.HaloMaxPool2d),
-        nn.AvgPool2d: on(pool.HaloAvgPool2d),
-        nn.LPPool2d: on(pool.HaloLPPool2d),
-        nn.MaxPool3d: lambda m, ctx: pool.HaloMaxPool3d(m, group=ctx.group),  # latitude rows only (as 3-d convs)
-        nn.AvgPool3d: lambda m, ctx: pool.HaloAvgPool3d(m, group=ctx.group),
-        nn.AdaptiveAvgPool2d: on(pool.HaloAdaptiveAvgPool2d),
-        nn.AdaptiveMaxPool2d: on(pool.HaloAdaptiveMaxPool2d),
-        nn.Upsample: on(upsample.HaloUpsample),
-        nn.GroupNorm: on(norm.DomainGroupNorm),
-        nn.BatchNorm2d: lambda m, ctx: norm.DomainBatchNorm2d(m, group=ctx.group, mesh=ctx.mesh, dp_group=ctx.dp_group),
-        nn.InstanceNorm2d: on(norm.DomainInstanceNorm2d),
-        nn.LayerNorm: layer_norm,
-        nn.Softmax: lambda m, ctx: softmax.DomainSoftmax(m),
-        nn.LogSoftmax: lambda m, ctx: softmax.DomainLogSoftmax(m),
-        nn.PixelShuffle: on(shuffle.HaloPixelShuffle),
-        nn.PixelUnshuffle: on(shuffle.HaloPixelUnshuffle),
-        nn.Dropout: on(dropout.DomainDropout),
-        nn.Dropout1d: on(dropout.DomainDropout1d),
-        nn.Dropout2d: on(dropout.DomainDropout2d),
-        nn.Dropout3d: on(dropout.DomainDropout3d),
-        nn.AlphaDropout: on(dropout.DomainAlphaDropout),
-        nn.FeatureAlphaDropout: on(dropout.DomainFeatureAlphaDropout),
-        **{kind: on(pad.HaloPad2d) for kind in pad.PADDING_MODULES},
-    }
+#: Layers with a latitude x longitude form (``convert_to_domain_parallel(model, DomainMesh((ph, pw)))``), as the
+#: registry (``halo.nn.registry``) has them at import: those with a ``mesh_ok`` check (``nn.Upsample`` modes,
+#: adaptive pools: global ones only) have it for some instances; others that act on H or W are refused on such a
+#: mesh, naming the layer. The converter reads the registry itself (a layer registered later counts too).
+MESH_2D = _mesh_kinds()
 
 
 #: Leaf modules that act on each grid point independently: kept as they are.
@@ -155,12 +108,8 @@ def _overrides_any_base(kind: type) -> bool:
 
 
 def _halo_name(base: type) -> str:
-    return {nn.Conv2d: "HaloConv2d", nn.Conv3d: "HaloConv3d", nn.ConvTranspose2d: "HaloConvTranspose2d",
-            nn.ConvTranspose3d: "HaloConvTranspose3d",
-            nn.BatchNorm2d: "DomainBatchNorm2d", nn.GroupNorm: "DomainGroupNorm", nn.LayerNorm: "DomainLayerNorm",
-            nn.InstanceNorm2d: "DomainInstanceNorm2d", nn.Upsample: "HaloUpsample", nn.MaxPool2d: "HaloMaxPool2d",
-            nn.AvgPool2d: "HaloAvgPool2d", nn.MaxPool3d: "HaloMaxPool3d",
-            nn.AvgPool3d: "HaloAvgPool3d", nn.LPPool2d: "HaloLPPool2d"}.get(base, f"layer for nn.{base.__name__}")
+    entry = entries().get(base)
+    return entry.halo_class.__name__ if entry is not None else f"layer for nn.{base.__name__}"
 
 
 def _unknown(path: str, kind: type, own: list[str], children: bool = False, inner: list[str] | None = None) -> str:
@@ -192,7 +141,7 @@ def _unknown(path: str, kind: type, own: list[str], children: bool = False, inne
     return f"{path} ({_name(kind)}) {what}. {pointwise}{rest}"
 
 
-def _converted_inside(module: nn.Module, builtin: dict) -> list[str]:
+def _converted_inside(module: nn.Module, builtin: dict[type, Entry], ctx: ConvertContext) -> list[str]:
     """The submodules of ``module`` that halo replaces (or refuses): kept unconverted inside a module declared
     pointwise (``{T: None}``), they would compute each shard on its own."""
     found = []
@@ -200,11 +149,10 @@ def _converted_inside(module: nn.Module, builtin: dict) -> list[str]:
         if m is module:
             continue
         kind = type(m)
-        if isinstance(m, (nn.Conv2d, nn.Conv3d)) and is_pointwise_conv(m):
-            continue
-        if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
-            continue
-        if any(b in builtin for b in kind.__mro__) or isinstance(m, GLOBAL) or _adapter(m) is not None:
+        entry = entry_of(kind, builtin)
+        if entry is not None and entry.keeps(m, ctx):
+            continue  # a pointwise conv, a LayerNorm over W alone
+        if entry is not None or isinstance(m, GLOBAL) or _adapter(m) is not None:
             found.append(f"{name} ({_name(kind)})")
     return found
 
@@ -214,7 +162,6 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Module] | None:
     """Converters for third-party layers recognised by name (timm, torchvision: not imported here)."""
-    from . import dropout, norm
 
     kind = type(module)
     if kind.__name__ == "BatchNormAct2d" and isinstance(module, nn.BatchNorm2d) \
@@ -250,9 +197,39 @@ def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Modu
     return swinv2_adapter(module) or swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
 
 
+def _convert_context(target: Any, boundary: str | None) -> tuple[ConvertContext, int]:
+    """What the layers are converted onto, from a manager, a :class:`halo.DomainMesh` (one axis: latitude rows; two:
+    latitude x longitude) or a process group (latitude rows over it); ``None``: the initialised manager."""
+    op = "convert_to_domain_parallel"
+    if target is None:
+        target = get_domain_parallel_manager()
+        if target is None:
+            raise RuntimeError(f"{op} needs a manager, a mesh or a group: call halo.initialize_domain_parallel("
+                               f"world_size, domain_parallel_size) first or pass one")
+    if isinstance(target, DomainParallelManager):
+        if target.shard_dim not in (-2,):
+            raise ValueError(f"the domain-parallel layers shard latitude (shard_dim=-2); the manager has "
+                             f"shard_dim={target.shard_dim}")
+        target = target.mesh
+    if isinstance(target, DomainMesh):
+        if len(target.domain_shape) > 2:
+            raise ValueError(f"{op}: halo's layers take a mesh of one domain axis (latitude) or two (latitude x "
+                             f"longitude), got {len(target.domain_shape)}: {target.domain_shape}")
+        rows = len(target.domain_shape) == 1
+        if tuple(target.shard_dims) not in (((-2,), (2,)) if rows else ((-2, -1), (2, 3))):
+            raise ValueError(f"{op}: a mesh must shard latitude (dim -2){'' if rows else ' then longitude (-1)'}, "
+                             f"got shard_dims={target.shard_dims}")
+        dp_group = target.dp_group if target.dp_size > 1 else None
+        return ConvertContext(target.domain_group, dp_group, boundary, None if rows else target), target.domain_size
+    if isinstance(target, dist.ProcessGroup):
+        return ConvertContext(target, None, boundary), dist.get_world_size(target)
+    raise TypeError(f"{op}(model, X): X is a halo.DomainParallelManager, a halo.DomainMesh or a "
+                    f"torch.distributed.ProcessGroup, got {type(target).__module__}.{type(target).__qualname__}")
+
+
 def convert_to_domain_parallel(
     model: nn.Module,
-    manager: DomainParallelManager | None = None,
+    manager: DomainParallelManager | DomainMesh | dist.ProcessGroup | None = None,
     custom_converters: dict[type, Callable[[nn.Module, ConvertContext], nn.Module] | None] | None = None,
     *,
     boundary: str | None = None,
@@ -263,7 +240,11 @@ def convert_to_domain_parallel(
 
     Args:
         model: any module tree; it is changed in place and returned.
-        manager: whose groups to use; default the initialised manager (a clear error if there is none).
+        manager: what to shard over, in this one position: a :class:`halo.DomainParallelManager` (CREDIT's:
+            latitude rows), a :class:`halo.DomainMesh` (one domain axis: latitude rows; two: latitude x longitude,
+            see ``mesh``) or a ``torch.distributed.ProcessGroup`` (latitude rows over its ranks, no data-parallel
+            group); default the initialised manager (a clear error if there is none, a ``TypeError`` naming the
+            type for anything else).
         custom_converters: ``{LayerType: fn(module, ctx) -> replacement}`` (checked before the built-ins, so
             it can also override them; the replacement is taken as complete: its children are not converted
             again), or ``{LayerType: None}`` to declare a layer pointwise in latitude.
@@ -277,44 +258,28 @@ def convert_to_domain_parallel(
             messages and the reductions the math needs (``halo.plans``). With ``mesh=``, every input whose last
             dim is a block's or the grid's width must be this rank's block (checked on each rank: a latitude
             shard with all longitudes is refused, where the layers would take it for a field ``pw`` times wider).
-        mesh: a ``halo.DomainMesh((ph, pw))`` with two domain axes: shard latitude over ``ph`` ranks and longitude
-            over ``pw`` (instead of ``manager``). The layers in ``MESH_2D`` get their latitude x longitude forms
-            (H exchanged, then W; poles rolled across the W ranks); a layer acting on H or W without such a form
-            is refused, naming it — so is ``nn.Linear`` (on a ``(B, C, H, W)`` tensor it mixes the sharded W;
-            declare it with ``custom_converters={nn.Linear: None}`` where it acts on channels-last features).
-            Code in ``forward`` is watched along W too (``F.pad``/``roll``/``cat``/reductions/windows of a field's
-            last dim are refused, naming the line); run :func:`halo.check_equivalence` for what it cannot see.
+        mesh: the old keyword for a mesh in ``manager``'s place (kept): a ``halo.DomainMesh((ph, pw))`` with two domain
+            axes shards latitude over ``ph`` ranks and longitude over ``pw``. The layers in ``MESH_2D`` get their
+            latitude x longitude forms (H exchanged, then W; poles rolled across the W ranks); a layer acting on H or W
+            without such a form is refused, naming it — so is ``nn.Linear`` (on a ``(B, C, H, W)`` tensor it mixes the
+            sharded W; declare it with ``custom_converters={nn.Linear: None}`` where it acts on channels-last features).
+            Code in ``forward`` is watched along W too (``F.pad``/``roll``/``cat``/reductions/windows of a field's last
+            dim are refused, naming the line); run :func:`halo.check_equivalence` for what it cannot see.
 
     Raises:
-        ValueError: the manager shards something other than latitude (dim -2), or a layer has no
-            domain-parallel form (naming the layer's path and type).
+        ValueError: the manager or mesh shards something other than latitude (dim -2; then longitude), or a
+            layer has no domain-parallel form (naming the layer's path and type).
+        TypeError: ``manager`` is none of a manager, a mesh or a process group.
     """
-    mesh2 = mesh_2d(mesh)
-    if mesh is not None and mesh2 is None:
-        raise ValueError(f"convert_to_domain_parallel: mesh= takes a halo.DomainMesh with two domain axes (latitude "
-                         f"x longitude), got {mesh!r}; for latitude only pass a manager")
-    if mesh2 is not None:
+    if mesh is not None:  # the keyword of old: the same as passing the mesh in manager's place
         if manager is not None:
-            raise ValueError("convert_to_domain_parallel: pass a manager (latitude only) or a mesh (latitude x "
-                             "longitude), not both")
-        if tuple(mesh2.shard_dims) not in ((-2, -1), (2, 3)):
-            raise ValueError(f"convert_to_domain_parallel: the mesh must shard dims (-2, -1), got "
-                             f"{mesh2.shard_dims}")
-        ctx = ConvertContext(mesh2.domain_group, mesh2.dp_group if mesh2.dp_size > 1 else None, boundary, mesh2)
-        domain_group, domain_size = mesh2.domain_group, mesh2.domain_size
-    else:
-        manager = manager if manager is not None else get_domain_parallel_manager()
-        if manager is None:
-            raise RuntimeError("convert_to_domain_parallel needs a manager: call "
-                               "halo.initialize_domain_parallel(world_size, domain_parallel_size) first or pass one")
-        if manager.shard_dim not in (-2,):
-            raise ValueError(f"the domain-parallel layers shard latitude (shard_dim=-2); the manager has "
-                             f"shard_dim={manager.shard_dim}")
-        dp_group = manager.data_parallel_group if manager.data_parallel_size > 1 else None
-        ctx = ConvertContext(manager.domain_group, dp_group, boundary)
-        domain_group, domain_size = manager.domain_group, manager.domain_world_size
+            raise ValueError("convert_to_domain_parallel: pass a manager, a mesh or a group once (in the second "
+                             "position), not both a manager and mesh=")
+        manager = mesh
+    ctx, domain_size = _convert_context(manager, boundary)
+    domain_group = ctx.group
     custom = dict(custom_converters or {})
-    builtin = _builtin_converters()
+    builtin = entries()
 
     replaced: dict[int, nn.Module] = {}  # id(original) -> its one replacement (a module used in several slots)
     visited: set[int] = set()
@@ -329,7 +294,7 @@ def convert_to_domain_parallel(
             if fn is INSIDE:
                 return None
             if fn is None:
-                inner = _converted_inside(child, builtin)
+                inner = _converted_inside(child, builtin, ctx)
                 if inner:
                     raise ValueError(
                         f"custom_converters={{{kind.__name__}: None}} declares {path} ({_name(kind)}) pointwise in "
@@ -345,14 +310,14 @@ def convert_to_domain_parallel(
         if ctx.mesh is not None and not (kind.__name__ == "BatchNormAct2d" and isinstance(child, nn.BatchNorm2d)):
             _check_mesh_2d(child, path, builtin)
         if kind in builtin:
-            return builtin[kind](child, ctx)
+            return builtin[kind].make(child, ctx)
         adapter = _adapter(child)
         if adapter is not None:
             return adapter(child, ctx)
         base = next((b for b in kind.__mro__[1:] if b in builtin), None)
         if base is not None:  # a subclass of a layer halo converts
             if _same_forward(kind, base):
-                return builtin[base](child, ctx)  # only __init__ differs (nn.UpsamplingBilinear2d, ...)
+                return builtin[base].make(child, ctx)  # only __init__ differs (nn.UpsamplingBilinear2d, ...)
             raise ValueError(
                 f"{path} ({_name(kind)}) subclasses nn.{base.__name__} but has a forward() of its own, which halo "
                 f"cannot make domain-parallel as it is (converting only the nn.{base.__name__} part would run the "
@@ -375,7 +340,7 @@ def convert_to_domain_parallel(
         children = next(child.children(), None) is not None
         if children and not own and not _overrides_any_base(kind):
             return None  # a container or a composite block without state of its own: convert inside it
-        raise ValueError(_unknown(path, kind, own, children, _converted_inside(child, builtin)))
+        raise ValueError(_unknown(path, kind, own, children, _converted_inside(child, builtin, ctx)))
 
     def visit(parent: nn.Module, prefix: str) -> None:
         whole = False  # a global pool came before in this Sequential: the rest computes on its whole result
@@ -419,10 +384,8 @@ def convert_to_domain_parallel(
                 f"module cannot be replaced in place: convert a module that holds it (nn.Sequential(layer)) or "
                 f"build the halo layer directly (e.g. halo.nn.HaloConv2d(conv))")
     visit(model, "")
-    from ..compat.credit import swap_tensor_padding  # CREDIT CrossFormer's padding object (not a module)
-
     if ctx.mesh is None:  # on a mesh W is sharded too: CREDIT's own pad() stays, and the guard refuses it
-        swap_tensor_padding(model, domain_group)
+        swap_tensor_padding(model, domain_group)  # CREDIT CrossFormer's padding object (not a module)
     _make_root(model, domain_group, grid, w_sharded=ctx.mesh is not None,
                mesh_shape=tuple(ctx.mesh.domain_shape) if ctx.mesh is not None else None)
     _guard_whole(model, tails, domain_size)
@@ -432,33 +395,31 @@ def convert_to_domain_parallel(
     return model
 
 
-def _check_mesh_2d(child: nn.Module, path: str, builtin: dict) -> None:
-    """On a latitude x longitude mesh: refuse a layer that would act on H or W without a 2-d form."""
+def _check_mesh_2d(child: nn.Module, path: str, builtin: dict[type, Entry]) -> None:
+    """On a latitude x longitude mesh: refuse a layer that would act on H or W without a 2-d form (the registry's
+    ``axes`` and ``mesh_ok`` say which have one)."""
     kind = type(child)
-    base = next((b for b in kind.__mro__ if b in builtin), None)
-    if base in MESH_2D:
-        if base is nn.Upsample and child.mode not in ("nearest", "nearest-exact", "bilinear", "bicubic", "area"):
-            raise ValueError(f"{path} ({_name(kind)}): mode {child.mode!r} has no latitude x longitude form")
-        return
-    if base in (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d) and child.output_size in (1, (1, 1)):
-        return  # a global pool (squeeze-excitation, scSE, CBAM): whole on every rank
-    from .pad import PADDING_MODULES
-
-    if base in PADDING_MODULES:
-        return  # padding modules: H over the H ranks, W over the W ranks
-    random = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-    if base in random or (kind.__name__ in ("DropPath", "StochasticDepth") and _adapter(child) is not None):
+    entry = entry_of(kind, builtin)
+    if entry is not None and entry.on_mesh(child):
+        return  # a 2-d form: H over the H ranks, W over the W ranks (dropouts: draws keyed on global indices)
+    if entry is None and kind.__name__ in ("DropPath", "StochasticDepth") and _adapter(child) is not None:
         return  # draws keyed on global (row, column) indices
     linear = isinstance(child, nn.Linear | nn.Bilinear)
-    if not linear and base is None and _adapter(child) is None:
+    if not linear and entry is None and _adapter(child) is None:
         return  # pointwise, a container, or unknown: the usual rules decide
+    kinds = [k for k, e in builtin.items() if e.axes >= 2]
+    some = [k.__name__ for k in kinds if builtin[k].mesh_ok is not None]
+    setting = (f"; this {kind.__name__}'s settings have none (mode, output size: {', '.join(some)} have a 2-d form "
+               f"for some settings only, e.g. global adaptive pools (output 1 x 1))" if entry is not None
+               and entry.axes >= 2 else "")
     raise ValueError(
-        f"{path} ({_name(kind)}) has no latitude x longitude form in halo: on a mesh that shards both H and W, halo "
-        f"converts {', '.join(b.__name__ for b in MESH_2D)}, padding modules, dropouts, global adaptive pools "
-        f"(output 1 x 1) and timm's BatchNormAct2d, and keeps pointwise layers; "
+        f"{path} ({_name(kind)}) has no latitude x longitude form in halo{setting}: on a mesh that shards both H and "
+        f"W, halo converts {', '.join(k.__name__ for k in kinds if builtin[k].mesh_ok is None)}, {', '.join(some)} "
+        f"(global adaptive pools: output 1 x 1), timm's BatchNormAct2d and drop-paths, and keeps pointwise layers; "
         + ("nn.Linear on a (B, C, H, W) tensor mixes the sharded W (declare it with custom_converters="
            "{nn.Linear: None} if it acts on channels-last features only); " if linear else "")
-        + "shard latitude only (a manager), or give custom_converters={" + kind.__name__ + ": fn}")
+        + "shard latitude only (a manager, a one-axis mesh or a group), or give custom_converters={"
+        + kind.__name__ + ": fn}")
 
 
 def _global_pool(m: nn.Module, domain_size: int) -> bool:
@@ -478,7 +439,6 @@ def _guard_whole(model: nn.Module, tails: list[nn.Module], domain_size: int) -> 
     (it would take the copies for shards). Nothing is installed in a model without a global pool; under
     ``torch.compile`` the hooks do nothing."""
     from .. import plans
-    from . import pool
 
     for handle in model.__dict__.pop("_halo_whole_hooks", []):  # converting again: install afresh
         handle.remove()
@@ -565,21 +525,16 @@ def _make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_sha
         model.register_forward_hook(exit_root, with_kwargs=True, always_call=True)
 
 
-_ROOTED: dict[type, type] = {}
-
-
+@functools.cache  # a pure function of a torch.nn class (a bounded set): one derived class each
 def _rooted(kind: type) -> type:
-    """``kind`` with a ``forward`` defined here (module-level, so a model holding it pickles)."""
-    cls = _ROOTED.get(kind)
-    if cls is None:
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return kind.forward(self, *args, **kwargs)
+    """``kind`` with a ``forward`` defined here; pickled by name, found again by this module's ``__getattr__``."""
 
-        name = f"_Rooted{kind.__name__}"
-        cls = type(kind.__name__, (kind,), {"forward": forward, "__module__": __name__, "__qualname__": name,
-                                             "_halo_unrooted": kind})
-        _ROOTED[kind] = globals()[name] = cls
-    return cls
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return kind.forward(self, *args, **kwargs)
+
+    name = f"_Rooted{kind.__name__}"
+    return type(kind.__name__, (kind,), {"forward": forward, "__module__": __name__, "__qualname__": name,
+                                         "_halo_unrooted": kind})
 
 
 def __getattr__(name: str) -> Any:
@@ -607,8 +562,6 @@ def _drop_root(model: nn.Module) -> None:
 def revert_domain_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`convert_to_domain_parallel` in place; parameters and buffers carry over to the originals."""
     _drop_root(model)
-    from ..compat.credit import unswap_tensor_padding
-
     unswap_tensor_padding(model)
     from .swinv2 import unswap_models  # CREDIT's Swin and FuXi models: their class back
 
@@ -629,3 +582,119 @@ def revert_domain_parallel(model: nn.Module) -> nn.Module:
                     original.train(child.training)  # model.eval() after conversion reached only the child
                 parent._modules[name] = original
     return model
+
+
+# -- NCAR CREDIT's CrossFormer: its plain (non-module) padding object and its final resize ----------------------------
+# halo's support of CREDIT's *models* sits with the layers (as its CrossFormer attention in halo.nn.longrange and its
+# Swin in halo.nn.swinv2); CREDIT's *API* (halo.compat.credit) sits above and re-exports TensorPadding.
+
+class TensorPadding:
+    """CREDIT's ``TensorPadding`` (``credit.models.crossformer``; a plain object with ``pad`` / ``unpad``) on H-shards.
+
+    ``pad`` pads the *global* field ``(..., lat, lon)`` by ``pad_lat`` rows (``"earth"``: across the poles, rows
+    0, 1, ... mirrored and rolled by half the longitudes, as CREDIT's flip of its rolled field; ``"mirror"``:
+    reflected) and ``pad_lon`` columns (circular; W is whole on each rank); the result is the balanced split of the
+    padded field, so the layers after it see the same rows as on one device. ``unpad`` crops back, re-split. Both
+    are exact and differentiable (halo exchanges); with one rank (or no torch.distributed) they are CREDIT's code.
+    """
+
+    def __init__(self, mode: str = "earth", pad_lat: Any = (40, 40), pad_lon: Any = (40, 40), *,
+                 group: Any | None = None, **kwargs: Any) -> None:
+        if mode not in ("earth", "mirror"):
+            raise ValueError(f"TensorPadding: mode must be 'earth' or 'mirror', got {mode!r}")
+        self.mode, self.pad_NS, self.pad_WE, self.group = mode, tuple(pad_lat), tuple(pad_lon), group
+        self._sites = (Site(), Site())
+
+    def _rows(self, x: torch.Tensor, top: int, bottom: int, boundary: str, site: Site, op: str) -> torch.Tensor:
+        plan = resolve(x, self.group, op, pad_plan, (x.dim() - 2, top, bottom, boundary, op), site=site)
+        if plan.plain:
+            return self._local_rows(x, top, bottom)
+        out = exchange(x, plan.ex, plan.rows, x.dim() - 2)
+        carry(out, x)
+        return out
+
+    def _local_rows(self, x: torch.Tensor, top: int, bottom: int) -> torch.Tensor:
+        """One rank: CREDIT's own arithmetic (and its crop for negative amounts)."""
+        if top < 0 or bottom < 0:
+            return x[..., -top:x.shape[-2] + bottom, :]
+        if self.mode == "mirror":
+            return torch.nn.functional.pad(x, (0, 0, top, bottom, 0, 0)[:2 * (x.dim() - 2)], mode="reflect")
+        xroll = torch.roll(x, shifts=int(x.shape[-1] // 2), dims=-1)
+        return torch.cat([torch.flip(xroll[..., :top, :], (-2,)), x,
+                          torch.flip(xroll[..., x.shape[-2] - bottom:, :], (-2,))], dim=-2)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        top, bottom = self.pad_NS
+        left, right = self.pad_WE
+        op = f"TensorPadding.pad ({self.mode})"
+        if self.mode == "mirror" and (left > 0 or right > 0):  # CREDIT's order: longitude first
+            x = torch.nn.functional.pad(x, (left, right, 0, 0, 0, 0)[:2 * (x.dim() - 2)], mode="circular")
+        if top > 0 or bottom > 0:
+            x = self._rows(x, top, bottom, "pole_centered" if self.mode == "earth" else "reflect", self._sites[0], op)
+        if self.mode == "earth" and (left > 0 or right > 0):
+            x = torch.nn.functional.pad(x, (left, right, 0, 0, 0, 0)[:2 * (x.dim() - 2)], mode="circular")
+        return x
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        top, bottom = self.pad_NS
+        left, right = self.pad_WE
+        if top > 0 or bottom > 0:
+            x = self._rows(x, -top, -bottom, "zeros", self._sites[1], f"TensorPadding.unpad ({self.mode})")
+        if left > 0 or right > 0:
+            x = x[..., :, left:x.shape[-1] - right]
+        return x
+
+
+#: Where NCAR CREDIT defines its CrossFormer (miles-credit 2026.2 moved it under credit.models.wxformer).
+_CROSSFORMER_MODULES = ("credit.models.crossformer", "credit.models.wxformer.crossformer")
+
+
+def _is_crossformer(module: nn.Module) -> bool:
+    kind = type(module)
+    return any(k.__module__.startswith(_CROSSFORMER_MODULES) and k.__name__ == "CrossFormer"
+               for k in kind.__mro__) and all(hasattr(module, a) for a in (
+                   "use_interp", "image_height", "image_width", "use_post_block"))
+
+
+def _interp_hook(module: nn.Module, args: Any, output: Any) -> Any:
+    """CrossFormer's last step, ``F.interpolate(x, size=(image_height, image_width), mode="bilinear")`` of its
+    ``(B, C, H, W)`` result before the ``unsqueeze(2)``, as :func:`halo.nn.halo_interpolate` on the shards."""
+    site = module.__dict__["_halo_interp_site"]
+    y = halo_interpolate(output.squeeze(2), size=(module.image_height, module.image_width), mode="bilinear",
+                         group=module.__dict__["_halo_interp_group"], site=site)
+    return y.unsqueeze(2)
+
+
+def swap_tensor_padding(model: nn.Module, group: Any | None) -> None:
+    """Make CREDIT's objects in ``model`` domain-parallel (the converter calls this; ``revert_domain_parallel``
+    undoes it): ``TensorPadding`` objects held by its modules become :class:`TensorPadding`, and a CrossFormer's final
+    ``F.interpolate`` to the image size (``interp=True``, no post block) runs as ``halo_interpolate`` in a forward hook
+    (its ``use_interp`` is set to False meanwhile: CREDIT's own call would resize each shard to the whole image)."""
+    for module in model.modules():
+        if _is_crossformer(module) and module.use_interp and not module.use_post_block \
+                and "_halo_interp" not in module.__dict__:
+            module.__dict__["_halo_interp_site"] = Site()
+            module.__dict__["_halo_interp_group"] = group
+            module.__dict__["_halo_interp"] = module.register_forward_hook(_interp_hook)
+            module.use_interp = False
+        for name, value in list(vars(module).items()):
+            kind = type(value)
+            if kind.__name__ == "TensorPadding" and kind.__module__.startswith("credit.") \
+                    and hasattr(value, "pad_NS") and hasattr(value, "pad_WE"):
+                twin = TensorPadding(value.mode, value.pad_NS, value.pad_WE, group=group)
+                twin._halo_original = value
+                module.__dict__[name] = twin
+
+
+def unswap_tensor_padding(model: nn.Module) -> None:
+    """Undo :func:`swap_tensor_padding` (``revert_domain_parallel`` calls this)."""
+    for module in model.modules():
+        handle = module.__dict__.pop("_halo_interp", None)
+        if handle is not None:
+            handle.remove()
+            module.use_interp = True
+            module.__dict__.pop("_halo_interp_site", None)
+            module.__dict__.pop("_halo_interp_group", None)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, TensorPadding) and hasattr(value, "_halo_original"):
+                module.__dict__[name] = value._halo_original

@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from .. import random as hr
-from ..mesh import GroupRef
-from ..plans import Site
-from ._mesh2d import mesh_of, set_mesh
+from .base import HaloLayer
+from .registry import converts
 
 __all__ = [
     "DomainAlphaDropout",
@@ -34,25 +33,13 @@ __all__ = [
 ]
 
 
-class _DomainRandom:
-    """Mixin: the group (resolved at call time), the site of its plans, the module path its errors name."""
-
-    _group_ref: GroupRef
+class _DomainRandom(HaloLayer):
+    """Mixin: the layer base (the group, resolved at call time; the site of its plans; the mesh, whose blocks the
+    draws of ``halo.random`` index globally), and the module path its errors name."""
 
     def _init_halo(self, group: Any | None, mesh: Any | None = None) -> None:
-        self._group_ref = GroupRef(group)
-        self._halo_site = Site()
+        self.halo_init(group, mesh)
         self._halo_path = ""
-        set_mesh(self, mesh, type(self).__name__)
-
-    @property
-    def _mesh(self) -> Any | None:
-        """A latitude x longitude mesh (blocks), else ``None``."""
-        return mesh_of(self)
-
-    @property
-    def group(self) -> Any | None:
-        return self._group_ref.group
 
     def _name(self) -> str:
         return self._halo_path or type(self).__name__
@@ -82,6 +69,7 @@ def _check_tokens(module: _DomainRandom, x: torch.Tensor) -> None:
             f"dropout on it is refused rather than guessed")
 
 
+@converts(nn.Dropout, axes=2)
 class DomainDropout(_DomainRandom, nn.Dropout):
     """``nn.Dropout`` with masks keyed on global indices: ``DomainDropout(dropout, group=...)`` or
     ``DomainDropout(p, inplace, group=...)``."""
@@ -94,7 +82,7 @@ class DomainDropout(_DomainRandom, nn.Dropout):
         if not self.training or self.p == 0.0:
             return x
         _check_tokens(self, x)
-        return hr.dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site, mesh=self._mesh)
+        return hr.dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site, mesh=self.halo_mesh)
 
 
 class _FeatureDropout(_DomainRandom):
@@ -110,27 +98,31 @@ class _FeatureDropout(_DomainRandom):
             return x
         batched = x.dim() != self._batched_dims - 1 or self._base is nn.Dropout2d  # torch: 3-d is (N, C, L) there
         return hr.feature_dropout(x, self.p, True, self.inplace, batched=batched, group=self.group,
-                                  site=self._halo_site, mesh=self._mesh)
+                                  site=self._halo_site, mesh=self.halo_mesh)
 
 
+@converts(nn.Dropout1d, axes=2)
 class DomainDropout1d(_FeatureDropout, nn.Dropout1d):
     """``nn.Dropout1d``: whole channels, the same on every domain rank."""
 
     _base, _batched_dims = nn.Dropout1d, 3
 
 
+@converts(nn.Dropout2d, axes=2)
 class DomainDropout2d(_FeatureDropout, nn.Dropout2d):
     """``nn.Dropout2d``: whole channels, the same on every domain rank."""
 
     _base, _batched_dims = nn.Dropout2d, 4
 
 
+@converts(nn.Dropout3d, axes=2)
 class DomainDropout3d(_FeatureDropout, nn.Dropout3d):
     """``nn.Dropout3d``: whole channels, the same on every domain rank."""
 
     _base, _batched_dims = nn.Dropout3d, 5
 
 
+@converts(nn.AlphaDropout, axes=2)
 class DomainAlphaDropout(_DomainRandom, nn.AlphaDropout):
     """``nn.AlphaDropout`` with masks keyed on global indices."""
 
@@ -142,9 +134,11 @@ class DomainAlphaDropout(_DomainRandom, nn.AlphaDropout):
         if not self.training or self.p == 0.0:
             return x
         _check_tokens(self, x)
-        return hr.alpha_dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site, mesh=self._mesh)
+        return hr.alpha_dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site,
+                                mesh=self.halo_mesh)
 
 
+@converts(nn.FeatureAlphaDropout, axes=2)
 class DomainFeatureAlphaDropout(_DomainRandom, nn.FeatureAlphaDropout):
     """``nn.FeatureAlphaDropout``: whole channels, the same on every domain rank."""
 
@@ -156,7 +150,7 @@ class DomainFeatureAlphaDropout(_DomainRandom, nn.FeatureAlphaDropout):
         if not self.training or self.p == 0.0:
             return x
         return hr.alpha_dropout(x, self.p, True, self.inplace, feature=True, group=self.group,
-                                site=self._halo_site, mesh=self._mesh)
+                                site=self._halo_site, mesh=self.halo_mesh)
 
 
 class DomainDropPath(_DomainRandom, nn.Module):
@@ -188,7 +182,7 @@ class DomainDropPath(_DomainRandom, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return hr.drop_path(x, self.drop_prob, self.training, self.scale_by_keep, mode=self.mode, group=self.group,
-                            site=self._halo_site, mesh=self._mesh)
+                            site=self._halo_site, mesh=self.halo_mesh)
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob}, scale_by_keep={self.scale_by_keep}, mode={self.mode!r}, " \

@@ -8,11 +8,11 @@ over H needs whole columns. Both become local after a *regroup*: a permutation o
 sharded dim, from the balanced split of the rows to a split in which every rank holds whole groups.
 
 ``regroup(x, plan)`` is that permutation as an autograd Function. Forward: each rank packs the rows each peer
-gets into one contiguous buffer (one ``index_select``), the ranks exchange them with ``batch_isend_irecv``
-(gloo has no ``all_to_all``; one point-to-point message per pair that shares rows, bounded waits naming the
-peers), and each rank places what arrives (one ``index_copy_``). A permutation's adjoint is its inverse, so the
-backward is the same code with the plan reversed: the gradient rows travel back to where the rows came from
-(dot-product tested). Nothing is summed or duplicated: forward and backward are exact copies.
+gets into one contiguous buffer (one ``index_select``), the ranks exchange them through ``halo.transport``
+(``post_rows`` / ``wait``: gloo has no ``all_to_all``; one point-to-point message per pair that shares rows,
+bounded waits naming the peers), and each rank places what arrives (one ``index_copy_``). A permutation's
+adjoint is its inverse, so the backward is the same code with the plan reversed: the gradient rows travel back to
+where the rows came from (dot-product tested). Nothing is summed or duplicated: forward and backward are exact copies.
 
 ``DomainCrossFormerAttention`` is CREDIT's ``Attention`` with the same parameters and attribute names
 (``norm``, ``to_qkv``, ``to_out``, ``dpb``, ``heads``, ``scale``, ``attn_type``, ``window_size``,
@@ -41,20 +41,19 @@ attention weights in training is refused (it would need sharding-invariant draws
 from __future__ import annotations
 
 import contextlib
-import copy
-import time
+import dataclasses
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..comm import CommGroup, comm_group, wait_all
-from ..exchange import post_messages
+from ..comm import CommGroup, comm_group
 from ..guard import place
-from ..mesh import group_attribute
 from ..partition import offsets, split_sizes
-from ..plans import Site, carry, device_tensor, resolve
+from ..plans import carry, device_tensor, resolve
+from ..transport import post_rows, wait
+from .base import HaloLayer, adopt
 
 __all__ = [
     "DomainCrossFormerAttention",
@@ -70,7 +69,8 @@ __all__ = [
 
 # -- the plan: a permutation of global rows, from one split to another ------------------------------------------
 
-class RegroupPlan(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class RegroupPlan:
     """One rank's part of a row permutation along ``dim``. ``sends[k] = (peer, local input rows)`` and
     ``recvs[k] = (peer, local output rows)``, both in the order of the output positions (so a sender's and a
     receiver's lists pair up); ``rows_in`` / ``rows_out``: this rank's extents before and after. ``group`` is the
@@ -166,14 +166,12 @@ def _run_plain(x: torch.Tensor, plan: RegroupPlan) -> torch.Tensor:
     cg = comm_group(plan.group) if plan.group is not None else None
     send = xm.index_select(0, device_tensor(plan.send_index, torch.int64, device)) if plan.send_index else None
     recv = xm.new_empty((len(plan.recv_index), *rest)) if plan.recv_index else None
-    works, labels, posted = [], [], time.monotonic()
-    if cg is not None:
-        works, labels = post_messages(cg, plan.op, send, plan.send_counts, recv, plan.recv_counts)
+    posted = post_rows(cg, plan.op, send, plan.send_counts, recv, plan.recv_counts) if cg is not None else None
     if plan.own_src:
         out.index_copy_(0, device_tensor(plan.own_dst, torch.int64, device),
                         xm.index_select(0, device_tensor(plan.own_src, torch.int64, device)))
-    if works:
-        wait_all(works, labels, cg, plan.op, posted, (send, recv))
+    if posted is not None:
+        wait(posted)
     if recv is not None:
         out.index_copy_(0, device_tensor(plan.recv_index, torch.int64, device), recv)
     return out.movedim(0, dim)
@@ -206,7 +204,8 @@ def regroup(x: torch.Tensor, plan: RegroupPlan) -> torch.Tensor:
 
 # -- axial attention over H: rows <-> columns ----------------------------------------------------------------------
 
-class _AxialPlan(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _AxialPlan:
     regroup: RegroupPlan
     height: int  # global H
     rows: int  # this rank's rows (H-shards)
@@ -230,7 +229,7 @@ def _columns_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], width: in
 def _rows_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], height: int, op: str) -> _AxialPlan:
     (cols,) = extents
     fwd = _columns_plan(cg, (tuple(split_sizes(height, cg.size)),), sum(cols), op)
-    return fwd._replace(regroup=fwd.regroup.inverse()._replace(op=op))
+    return dataclasses.replace(fwd, regroup=dataclasses.replace(fwd.regroup.inverse(), op=op))
 
 
 def rows_to_columns(x: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
@@ -274,7 +273,8 @@ def long_range_plan(cg: CommGroup, dim: int, sizes: Sequence[int], window: int, 
     return regroup_plan(cg, dim, sizes, [n * window for n in per], source, op)
 
 
-class _CFPlan(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _CFPlan:
     forward: RegroupPlan | None  # the regroup before the attention (long: the groups; short: whole windows)
     short: bool = False
 
@@ -367,12 +367,11 @@ def _empty_unguarded(g: torch.Tensor) -> Any:
     return torch._C.DisableTorchFunction() if g.shape[-2] == 0 else contextlib.nullcontext()
 
 
-class DomainCrossFormerAttention(nn.Module):
+class DomainCrossFormerAttention(HaloLayer, nn.Module):
     """CREDIT's CrossFormer ``Attention`` (short or long distance) on an H-shard ``(B, dim, H_r, W)`` (module
     docstring): the same numbers, the same state_dict keys. Wraps an existing module (its Parameters and buffers
     are shared)."""
 
-    group = group_attribute()
     #: for ``halo.check_equivalence``: the output is a field (compared), the submodules see windows or regrouped rows
     _halo_check = "children"
 
@@ -386,11 +385,8 @@ class DomainCrossFormerAttention(nn.Module):
                             f"{missing}")
         if attention.attn_type not in ("short", "long"):
             raise ValueError(f"{name}: attn_type must be 'short' or 'long', got {attention.attn_type!r}")
-        for key, value in attention.__dict__.items():  # shares Parameters; keeps names (state_dict keys unchanged)
-            # a copy of its own type: hooks' dicts are OrderedDicts (a handle keeps a weak reference to them)
-            self.__dict__[key] = copy.copy(value) if isinstance(value, dict) else value
-        self.group = group
-        self._halo_site = Site()
+        adopt(self, attention, name=name)  # shares Parameters; keeps names (state_dict keys unchanged)
+        self.halo_init(group)
 
     def extra_repr(self) -> str:
         return f"attn_type={self.attn_type!r}, window_size={self.window_size}, heads={self.heads}"

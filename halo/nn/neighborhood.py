@@ -36,10 +36,10 @@ smaller than the window (refused like newer NATTEN).
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,9 +47,9 @@ from torch import nn
 from ..comm import CommGroup
 from ..exchange import exchange, exchanger_id
 from ..guard import place
-from ..mesh import group_attribute
 from ..partition import offsets
 from ..plans import Site, carry, device_tensor, resolve
+from .base import HaloLayer, adopt
 
 __all__ = [
     "DomainNeighborhoodAttention2D",
@@ -189,7 +189,8 @@ def neighborhood_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.
 
 # -- sharded ------------------------------------------------------------------------------------------------
 
-class NAPlan(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class NAPlan:
     """A neighbourhood-attention call as planned for this rank: the global height, this rank's query rows, the
     first key row it holds after the exchange (``lo``) and the exchange (``ex`` -1: one rank, nothing to send)."""
 
@@ -248,7 +249,7 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     return out
 
 
-class DomainNeighborhoodAttention2D(nn.Module):
+class DomainNeighborhoodAttention2D(HaloLayer, nn.Module):
     """``natten.NeighborhoodAttention2D`` on an H-shard ``(B, H_r, W, C)`` (module docstring): same attributes
     (``qkv``, ``rpb``, ``proj``, ``attn_drop``, ``proj_drop``, ``num_heads``, ``head_dim``, ``scale``,
     ``kernel_size``, ``dilation``), so a NATTEN checkpoint loads, and the same numbers as NATTEN's unfused path.
@@ -257,8 +258,6 @@ class DomainNeighborhoodAttention2D(nn.Module):
     qk_scale=None, attn_drop=0.0, proj_drop=0.0``; NATTEN < 0.15's ``bias=`` is the same as ``rel_pos_bias``), or
     wrap an existing one (``DomainNeighborhoodAttention2D(natten_module)``: its Parameters are shared).
     """
-
-    group = group_attribute()
 
     def __init__(self, dim: Any, num_heads: int | None = None, kernel_size: int | Sequence[int] | None = None,
                  dilation: int | Sequence[int] = 1, rel_pos_bias: bool = False, qkv_bias: bool = True,
@@ -288,8 +287,7 @@ class DomainNeighborhoodAttention2D(nn.Module):
             self.attn_drop = nn.Dropout(attn_drop)
             self.proj = nn.Linear(dim, dim)
             self.proj_drop = nn.Dropout(proj_drop)
-        self.group = group
-        self._halo_site = Site()
+        self.halo_init(group)
 
     def _adopt(self, m: nn.Module) -> None:
         name = type(self).__name__
@@ -299,9 +297,7 @@ class DomainNeighborhoodAttention2D(nn.Module):
         causal = getattr(m, "is_causal", False)
         if any(causal) if isinstance(causal, (tuple, list)) else causal:
             raise ValueError(f"{name}: causal neighbourhood attention (is_causal={causal}) is not supported")
-        for key, value in m.__dict__.items():  # shares Parameters; keeps names (state_dict keys unchanged)
-            # a copy of its own type: hooks' dicts are OrderedDicts (a handle keeps a weak reference to them)
-            self.__dict__[key] = copy.copy(value) if isinstance(value, dict) else value
+        adopt(self, m, name=name)  # shares Parameters; keeps names (state_dict keys unchanged)
         self.kernel_size = _pair(m.kernel_size, "kernel_size")
         self.dilation = _pair(m.dilation, "dilation")
         self.__dict__.setdefault("head_dim", m.qkv.in_features // m.num_heads)

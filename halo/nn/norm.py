@@ -26,6 +26,10 @@ autograd runs through ``var_mean``, the combine and the all-reduce's exact adjoi
 integers from every rank's extents, agreed on once per epoch (``halo.plans``: the agreement also checks that B,
 C, W, dtype agree across ranks, so a mismatch raises on every rank) and made into a device tensor once. Over the
 data-parallel group of a batch norm the counts ride in the same all-reduce instead (batches may differ).
+The extents come as one plan per sharded axis (:meth:`halo.nn.base.HaloLayer.axis_plans`: H on latitude rows; H
+and W on a latitude x longitude mesh, ``mesh=``), combined into every domain rank's block (:func:`_norm_plan`):
+statistics are over the whole domain either way, with no second code path, and ``DomainLayerNorm`` slices its
+global affine along every sharded axis.
 
 GroupNorm and InstanceNorm (statistics per (sample, group), so the local reduction is over contiguous rows)
 take a fused path instead, :class:`_DomainGroupNormFn`: the same Chan combine with one all-reduce forward and
@@ -39,9 +43,9 @@ bf16/fp16 inputs: statistics and normalisation in fp32, output in the input dtyp
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +54,13 @@ from torch.autograd.function import once_differentiable
 
 from .. import reroute
 from ..comm import CommGroup, comm_group, group_by_id, group_id
-from ..comm import all_reduce as bounded_all_reduce
 from ..exchange import backward_order_token, order_after, order_communication, order_token
 from ..mesh import GroupRef, get_domain_parallel_manager
-from ..plans import Site, device_tensor, resolve, shard_sizes
+from ..plans import device_tensor, shard_sizes
 from ..reduce import accumulation_dtype, all_reduce
-from ._mesh2d import mesh_of, resolve_2d, set_mesh
+from ..transport import all_reduce as bounded_all_reduce
+from .base import AxisPlan, HaloLayer, adopt
+from .registry import converts
 
 __all__ = ["DomainBatchNorm2d", "DomainBatchNormAct2d", "DomainGroupNorm", "DomainInstanceNorm2d", "DomainLayerNorm",
            "domain_var_mean"]
@@ -148,13 +153,11 @@ def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     return y
 
 
-def _plan(module: nn.Module, x: torch.Tensor, op: str) -> Any:
-    """Every rank's H extent and the group, agreed on (or recalled: ``halo.plans``) before any rank checks shapes
-    locally (invariant 4). A tensor without a dim -2 is refused by the agreement itself, on every rank."""
-    mesh = mesh_of(module)
-    if mesh is not None:
-        return resolve_2d(x, mesh, op, _norm_plan_2d, (mesh.domain_shape[1],), module._halo_site)
-    return resolve(x, module._group_ref.group, op, _norm_plan, site=module._halo_site)
+def _plan(module: HaloLayer, x: torch.Tensor, op: str) -> NormPlan:
+    """Every rank's extents along every sharded axis and the domain group, agreed on (or recalled: ``halo.plans``)
+    before any rank checks shapes locally (invariant 4). A tensor without a dim -2 is refused by the agreement
+    itself, on every rank."""
+    return _norm_plan(module.axis_plans(x, op, _norm_axis, (module.group,)))
 
 
 def _update_running(module: nn.Module, mean: torch.Tensor, var: torch.Tensor, count: int,
@@ -355,7 +358,8 @@ def _autocast_group_norm(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class NormPlan(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class NormPlan:
     """Every rank's H extent and the domain group (by :func:`halo.comm.group_id`), as a norm call needs them;
     ``cols``: every rank's W extent on a latitude x longitude mesh (``None``: W is whole, the same everywhere)."""
 
@@ -364,6 +368,7 @@ class NormPlan(NamedTuple):
     index: int
     gid: int
     cols: tuple[int, ...] | None = None
+    axes: tuple[NormAxis, ...] = ()  # the per-axis plans it was made of (H, then W on a mesh)
 
     def cells(self, width: int) -> tuple[int, ...]:
         """Every rank's grid points (``width``: the local W when W is not sharded)."""
@@ -372,16 +377,40 @@ class NormPlan(NamedTuple):
         return tuple(h * w for h, w in zip(self.sizes, self.cols, strict=True))
 
 
-def _norm_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> NormPlan:
-    return NormPlan(extents[0], cg.size, cg.index, group_id(cg))
+@dataclasses.dataclass(frozen=True)
+class NormAxis(AxisPlan):
+    """One sharded axis as a norm sees it: every rank's extent along it (``sizes``, this rank's line of the mesh),
+    this rank's first index on it (``offset``), and the domain group the statistics are reduced over (``gid``, of
+    ``size`` ranks, this rank ``index``): the whole domain on either decomposition, never the axis's line."""
+
+    sizes: tuple[int, ...] = ()
+    offset: int = 0
+    gid: int = -1
+    size: int = 1
+    index: int = 0
 
 
-def _norm_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, width: int) -> NormPlan:
-    """Every rank of the domain group (row-major over the mesh) from the extents of this rank's H and W lines."""
-    sizes_h, sizes_w = extents
-    ranks = range(cg.size)
-    return NormPlan(tuple(sizes_h[r // width] for r in ranks), cg.size, cg.index, group_id(cg),
-                    tuple(sizes_w[r % width] for r in ranks))
+def _norm_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, domain: Any) -> NormAxis:
+    """The norm's geometry along one axis (:meth:`halo.nn.base.HaloLayer.axis_plans`): nothing to exchange, only
+    the extents and the domain group."""
+    dom = comm_group(domain)
+    return NormAxis(cg.size == 1, dim=dim, sizes=sizes, offset=sum(sizes[:cg.index]), gid=group_id(dom),
+                    size=dom.size, index=dom.index)
+
+
+def _norm_plan(axes: tuple[NormAxis, ...]) -> NormPlan:
+    """Every rank of the domain group's extent along each axis, from the per-axis plans: the domain's ranks are
+    row-major over the axes (a mesh's order; one axis: the group's)."""
+    first = axes[0]
+    per_axis: list[list[int]] = [[] for _ in axes]
+    for r in range(first.size):
+        rest = r
+        for a in range(len(axes) - 1, -1, -1):
+            n = len(axes[a].sizes)
+            per_axis[a].append(axes[a].sizes[rest % n])
+            rest //= n
+    cols = tuple(per_axis[1]) if len(axes) > 1 else None
+    return NormPlan(tuple(per_axis[0]), first.size, first.index, first.gid, cols, axes)
 
 
 def _group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -399,7 +428,7 @@ def _group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias:
 
 # -- adopting a torch module -----------------------------------------------------------------------------------
 
-def _adopt(self: nn.Module, base: type, args: tuple, kwargs: dict) -> None:
+def _adopt(self: HaloLayer, base: type, args: tuple, kwargs: dict) -> None:
     """Become ``args[0]`` (an instance of ``base``), sharing its parameters and buffers; or build ``base(*args)``."""
     if args and isinstance(args[0], base):
         if len(args) > 1 or kwargs:
@@ -408,31 +437,18 @@ def _adopt(self: nn.Module, base: type, args: tuple, kwargs: dict) -> None:
         src = args[0]
     else:
         src = base(*args, **kwargs)
-    # Every attribute of the source; containers copied (new dicts, same tensors) so the two stay separate.
-    self.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in src.__dict__.items()})
+    adopt(self, src)  # every attribute of the source; containers copied (new dicts, same tensors)
 
 
-def _groups(self: nn.Module, group: Any | None, mesh: Any | None) -> None:
-    """The domain group (a latitude x longitude mesh's whole domain group when ``mesh`` is given) and the site."""
-    set_mesh(self, mesh, type(self).__name__)
-    mesh2 = mesh_of(self)
-    if mesh2 is not None:
-        if group is not None and group is not mesh2.domain_group:
-            raise ValueError(f"{type(self).__name__}: group= and mesh= name different groups; with a mesh leave "
-                             f"group unset")
-        group = mesh2.domain_group
-    self._group_ref = GroupRef(group)
-    self._halo_site = Site()
+class _DomainNorm(HaloLayer):
+    """Mixin: the layer base, with ``group`` the group of the whole domain (a mesh's domain group on a latitude x
+    longitude mesh: the statistics are over every grid point), resolved at call time (a manager created after
+    conversion is used)."""
 
-
-class _DomainNorm:
-    """Mixin: the group (resolved at call time, so a manager created after conversion is used)."""
-
-    _group_ref: GroupRef
-
-    @property
-    def group(self) -> Any | None:
-        return self._group_ref.group
+    def _init(self, group: Any | None, mesh: Any | None) -> None:
+        self.halo_init(group, mesh)
+        if self.halo_mesh is not None:  # the statistics' group: every rank of the mesh's domain
+            self.group = self.halo_mesh.domain_group
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", domain-parallel"
@@ -445,6 +461,7 @@ def _check_4d(x: torch.Tensor, name: str) -> None:
 
 # -- the layers ------------------------------------------------------------------------------------------------
 
+@converts(nn.GroupNorm, axes=2)
 class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
     """``nn.GroupNorm`` over the whole domain: ``DomainGroupNorm(gn, group=...)`` or built like ``nn.GroupNorm``.
 
@@ -453,7 +470,7 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
 
     def __init__(self, *args: Any, group: Any | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.GroupNorm, args, kwargs)
-        _groups(self, group, mesh)
+        self._init(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = _plan(self, x, "DomainGroupNorm")
@@ -466,6 +483,7 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
         return _group_norm(_autocast_group_norm(x), self.num_groups, self.weight, self.bias, self.eps, plan)[0]
 
 
+@converts(nn.BatchNorm2d, axes=2, takes=("group", "dp_group", "mesh"))
 class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
     """``nn.BatchNorm2d`` with training statistics over the batch and the whole domain, and by default over
     the data-parallel group too (``SyncBatchNorm``), so that dp x domain training equals unsharded training on
@@ -485,7 +503,7 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
     def __init__(self, *args: Any, group: Any | None = None, dp_group: Any | None = None,
                  sync_dp: bool | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.BatchNorm2d, args, kwargs)
-        _groups(self, group, mesh)
+        self._init(group, mesh)
         self._dp_ref = GroupRef(dp_group)
         self.sync_dp = sync_dp
 
@@ -538,6 +556,7 @@ class DomainBatchNormAct2d(DomainBatchNorm2d):
         return self.act(self.drop(super().forward(x)))
 
 
+@converts(nn.InstanceNorm2d, axes=2)
 class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
     """``nn.InstanceNorm2d`` with statistics per (sample, channel) over the whole domain; ``affine`` and/or
     ``track_running_stats`` as torch (running statistics: the batch mean of the per-instance mean and unbiased
@@ -546,7 +565,7 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
 
     def __init__(self, *args: Any, group: Any | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.InstanceNorm2d, args, kwargs)
-        _groups(self, group, mesh)
+        self._init(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() not in (3, 4):
@@ -573,6 +592,7 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
         return y
 
 
+@converts(nn.LayerNorm, keep=lambda m, ctx: len(m.normalized_shape) == 1)  # over W alone: pointwise in H
 class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
     """``nn.LayerNorm`` whose ``normalized_shape`` covers H and W, e.g. ``(C, H, W)`` of the *global* field.
 
@@ -584,30 +604,31 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
 
     def __init__(self, *args: Any, group: Any | None = None, mesh: Any | None = None, **kwargs: Any) -> None:
         _adopt(self, nn.LayerNorm, args, kwargs)
-        _groups(self, group, mesh)
+        self._init(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = len(self.normalized_shape)
         if k < 2:
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         shape = tuple(self.normalized_shape)
-        if mesh_of(self) is not None:
-            raise NotImplementedError(f"DomainLayerNorm over {shape} (H and W) is not implemented on a latitude x "
-                                      f"longitude mesh; shard latitude only, or normalise over channels")
         plan = _plan(self, x, "DomainLayerNorm")
-        sizes = plan.sizes
         if x.dim() < k:
             raise ValueError(f"DomainLayerNorm: input of shape {tuple(x.shape)} has fewer dims than "
                              f"normalized_shape {shape}")
-        got = tuple(x.shape[-k:-2]) + (sum(sizes), x.shape[-1])
-        if got != shape:
+        got = list(x.shape[-k:])
+        for a in plan.axes:  # every sharded axis: its global extent (H; W too on a mesh)
+            got[a.dim - x.dim()] = sum(a.sizes)
+        if tuple(got) != shape:
             raise ValueError(f"DomainLayerNorm: normalized_shape {shape} (global) but the input's last {k} dims "
-                             f"are {got} with H summed over the {plan.size} ranks {list(sizes)}")
-        var, mean, _ = domain_var_mean(x, tuple(range(-k, 0)), self.group, sizes=sizes, op="DomainLayerNorm")
+                             f"are {tuple(got)} with H summed over the {plan.size} ranks {list(plan.sizes)}")
+        var, mean, _ = domain_var_mean(x, tuple(range(-k, 0)), self.group, sizes=plan.sizes, op="DomainLayerNorm",
+                                       cols=plan.cols)
         y = _normalize(x, var, mean, self.eps)
-        start, rows = sum(sizes[:plan.index]), sizes[plan.index]
-        weight = self.weight.narrow(-2, start, rows) if self.weight is not None else None
-        bias = self.bias.narrow(-2, start, rows) if self.bias is not None else None
+        weight, bias = self.weight, self.bias
+        for a in plan.axes:  # this rank's slice of the global elementwise affine, along every sharded axis
+            d, rows = a.dim - x.dim(), x.shape[a.dim]
+            weight = weight.narrow(d, a.offset, rows) if weight is not None else None
+            bias = bias.narrow(d, a.offset, rows) if bias is not None else None
         return _affine(y, weight, bias).to(x.dtype)
 
 

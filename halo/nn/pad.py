@@ -14,19 +14,19 @@ input are known from the plan, and the rank pads its inner rows with the value a
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommGroup
-from ..exchange import exchange, exchanger_id
-from ..mesh import group_attribute
-from ..partition import split_offsets
-from ..plans import Site, carry, resolve, shard_sizes
-from ._mesh2d import mesh_of, resolve_2d, set_mesh
-from .pool import check_output_rows
+from ..exchange import exchanger_id
+from ..geometry import check_output_rows, pad_needs
+from ..plans import Site, shard_sizes
+from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
+from .registry import converts
 
 __all__ = ["PADDING_MODULES", "HaloPad2d", "halo_pad", "pad_like"]
 
@@ -39,13 +39,11 @@ if hasattr(nn, "CircularPad2d"):
 _W_MODE = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
 
 
-class PadPlan(NamedTuple):
-    """A padding call as planned for this rank: the exchange of its output rows (``plain``: one rank); ``lead``
-    and ``trail``: how many of them lie above / below the input (padding rows)."""
+@dataclasses.dataclass(frozen=True)
+class PadPlan(AxisPlan):
+    """One axis of a padding call as planned for this rank: the exchange of its output rows (``plain``: one rank
+    along the axis); ``lead`` and ``trail``: how many of them lie before / after the input (padding rows)."""
 
-    plain: bool
-    ex: int = -1
-    rows: int = 0
     lead: int = 0
     trail: int = 0
 
@@ -54,23 +52,27 @@ def pad_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int, top:
               op: str) -> PadPlan:
     (sizes,) = extents
     if cg.size == 1:
-        return PadPlan(True)
+        return PadPlan(True, dim=dim)
     n = sum(sizes)
     m = n + top + bottom
     check_output_rows(op, m, n, cg.size, f", padding (top {top}, bottom {bottom})")
-    offs = split_offsets(m, cg.size)
-    needs = tuple((offs[r] - top, offs[r + 1] - top) for r in range(cg.size))
+    needs = pad_needs(n, cg.size, top, bottom)
     lo, hi = needs[cg.index]
     rows = hi - lo
     lead = min(rows, max(0, -lo))
     trail = min(rows - lead, max(0, hi - n))
-    return PadPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, op), rows, lead, trail)
+    return PadPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, op), rows, dim, lead, trail)
 
 
-class HaloPad2d(nn.Module):
+def _pad_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, before: int, after: int, boundary: str,
+              op: str) -> PadPlan:
+    """One axis (H rows, or W columns on a mesh) of :func:`pad_plan` (the per-axis geometry of the base)."""
+    return pad_plan(cg, (sizes,), dim, before, after, boundary, op)
+
+
+@converts(*PADDING_MODULES, axes=2)
+class HaloPad2d(HaloLayer, nn.Module):
     """A torch 2-d padding module on an H-shard (module docstring); ``HaloPad2d(nn.ReflectionPad2d(2))``."""
-
-    group = group_attribute()
 
     def __init__(self, pad: nn.Module, *, group: Any | None = None, mesh: Any | None = None) -> None:
         super().__init__()
@@ -82,20 +84,15 @@ class HaloPad2d(nn.Module):
         self.padding = tuple(int(p) for p in pad.padding)
         self.boundary = PADDING_MODULES[kind]
         self.kind = kind.__name__
-        self.group = group
-        self._halo_site = Site()
-        set_mesh(self, mesh, "HaloPad2d")
+        self.halo_init(group, mesh, "HaloPad2d")
 
     def extra_repr(self) -> str:
         value = f", value={self.value}" if self.value else ""
         return f"{self.kind}, padding={self.padding}{value}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mesh = mesh_of(self)
-        if mesh is not None:
-            return _pad_2d(x, self.padding, self.boundary, self.value, mesh, self._halo_site, f"HaloPad2d({self.kind})")
-        return halo_pad(x, self.padding, self.boundary, self.value, group=self.group, site=self._halo_site,
-                        op=f"HaloPad2d({self.kind})")
+        return _pad(x, self.padding, self.boundary, self.value, self.group, self.halo_mesh, self._halo_site,
+                    f"HaloPad2d({self.kind})")
 
 
 def halo_pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str = "zeros", value: float = 0.0, *,
@@ -103,56 +100,44 @@ def halo_pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str 
     """``F.pad(x, padding)`` of the global field on its H-shard (module docstring): ``padding`` is ``(left, right,
     top, bottom)`` in global rows; ``boundary`` ``"zeros"`` (with ``value``), ``"reflect"``, ``"replicate"`` or
     ``"circular"``. The output is the balanced split of the padded field."""
+    return _pad(x, padding, boundary, value, group, None, site, op)
+
+
+def _pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str, value: float, group: Any | None,
+         mesh: Any | None, site: Site | None, op: str) -> torch.Tensor:
+    """Padding on latitude rows (``mesh`` ``None``) or on a block of a latitude x longitude mesh: each sharded axis
+    is one planned exchange whose boundary is the padding mode (the output is the padded field's balanced split
+    along it); an axis that is not sharded (W on latitude rows, or one rank along an axis) is padded as torch does.
+    A constant's value fills the padding rows and columns in one ``F.pad`` at the end."""
     left, right, top, bottom = (int(p) for p in padding)
-    plan = resolve(x, group, op, pad_plan, (x.dim() - 2, top, bottom, boundary, op), site=site)
-    if x.dim() not in (3, 4):  # after the agreement (the number of dims is agreed): on every rank alike
-        raise ValueError(f"{op}: expected a (B, C, H, W) or (C, H, W) shard, got shape {tuple(x.shape)}")
-    if plan.plain:
-        if boundary == "zeros":
-            return F.pad(x, (left, right, top, bottom), value=value)
-        return F.pad(x, (left, right, top, bottom), mode=_W_MODE[boundary])
-    out = exchange(x, plan.ex, plan.rows, x.dim() - 2)
-    if boundary == "zeros" and value != 0:  # the padding rows take the value, as W's columns do
-        inner = out.narrow(-2, plan.lead, plan.rows - plan.lead - plan.trail)
-        out = F.pad(inner, (left, right, plan.lead, plan.trail), value=value)
-    elif left or right:  # W is not sharded: pad it as the module does
-        out = F.pad(out, (left, right, 0, 0), mode=_W_MODE[boundary])
-    carry(out, x)
-    return out
-
-
-def _pad_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, pads: tuple[int, int, int, int],
-                 boundary: str, op: str) -> tuple[PadPlan, PadPlan]:
-    from ..comm import comm_group
-
-    left, right, top, bottom = pads
-    return (pad_plan(comm_group(groups[0]), (extents[0],), 2, top, bottom, boundary, f"{op} (H)"),
-            pad_plan(comm_group(groups[1]), (extents[1],), 3, left, right, boundary, f"{op} (W)"))
-
-
-def _pad_2d(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str, value: float, mesh: Any,
-            site: Site | None, op: str) -> torch.Tensor:
-    """A padding module on a block of a latitude x longitude mesh: H over the H ranks, then W over the W ranks (each
-    the one-axis plan: the output is the padded field's balanced split along both); a constant's value as torch."""
-    left, right, top, bottom = (int(p) for p in padding)
-    plans = resolve_2d(x, mesh, op, _pad_plan_2d, ((left, right, top, bottom), boundary, op), site)
-    if x.dim() != 4:  # after the agreement (the number of dims is agreed): on every rank alike
+    plans = run_axes(x, op, _pad_axis, (boundary, op), group=group, mesh=mesh, site=site,
+                     per_axis=((top, bottom), (left, right)))
+    if len(plans) > 1 and x.dim() != 4:  # a mesh block; after the agreement (the number of dims is agreed)
         raise ValueError(f"{op}: expected a (B, C, H, W) block, got shape {tuple(x.shape)}")
-    out, lead, trail = x, [0, 0], [0, 0]
-    for k, (plan, (a, b)) in enumerate(zip(plans, ((top, bottom), (left, right)), strict=True)):
-        d = 2 + k
-        if plan.plain:  # one rank along this axis: torch's pad of it (zeros here, the value below)
-            flat = (0, 0, a, b) if d == 2 else (a, b, 0, 0)
-            out = F.pad(out, flat, mode=_W_MODE[boundary]) if boundary != "zeros" else F.pad(out, flat)
-            lead[k], trail[k] = max(a, 0), max(b, 0)
-        else:
-            out = exchange(out, plan.ex, plan.rows, d)
-            lead[k], trail[k] = plan.lead, plan.trail
-    if boundary == "zeros" and value != 0:  # the padding rows and columns take the value
-        inner = out[..., lead[0]:out.shape[-2] - trail[0], lead[1]:out.shape[-1] - trail[1]]
-        out = F.pad(inner, (lead[1], trail[1], lead[0], trail[0]), value=value)
-    carry(out, x)
-    return out
+    if x.dim() not in (3, 4):
+        raise ValueError(f"{op}: expected a (B, C, H, W) or (C, H, W) shard, got shape {tuple(x.shape)}")
+    out = exchange_axes(x, plans)
+    crops, fills = [], []  # per axis (H, W): rows cropped before the value's F.pad, and the F.pad's amounts
+    for k, (a, b) in enumerate(((top, bottom), (left, right))):
+        plan = plans[k] if k < len(plans) else None
+        if plan is not None and not plan.plain:  # exchanged: its padding rows hold zeros or the boundary's rows
+            edge = (plan.lead, plan.trail) if boundary == "zeros" and value != 0 else (0, 0)
+            crops.append(edge)
+            fills.append(edge)
+        elif boundary == "zeros":  # not sharded here: the constant's F.pad below pads it
+            crops.append((0, 0))
+            fills.append((a, b))
+        else:  # not sharded here: pad it as the module does
+            if a or b:
+                out = F.pad(out, (0, 0, a, b) if k == 0 else (a, b, 0, 0), mode=_W_MODE[boundary])
+            crops.append((0, 0))
+            fills.append((0, 0))
+    if any(crops[0] + crops[1]):
+        (h0, h1), (w0, w1) = crops
+        out = out[..., h0:out.shape[-2] - h1, w0:out.shape[-1] - w1]
+    if any(fills[0] + fills[1]):
+        out = F.pad(out, (*fills[1], *fills[0]), value=value)
+    return finish(out, x)
 
 
 def pad_like(x: torch.Tensor, ref: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:

@@ -49,6 +49,7 @@ A window pool (max, average) whose output has fewer rows than ranks raises the s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -60,13 +61,15 @@ from torch import nn
 from torch.nn.modules.utils import _pair, _triple
 
 from ..comm import CommGroup
-from ..comm import all_reduce as bounded_all_reduce
 from ..exchange import exchange, exchanger_id, like_format
+from ..geometry import adaptive_plan, adaptive_starts_ends, check_output_rows, widen_plan, window_plan
 from ..mesh import group_attribute
-from ..partition import split_offsets
 from ..plans import Site, carry, mark_whole, resolve
 from ..reduce import all_reduce
+from ..transport import all_reduce as bounded_all_reduce
 from ._mesh2d import mesh_of, resolve_2d, set_mesh
+from .base import AxisPlan, HaloLayer
+from .registry import converts
 
 __all__ = [
     "HaloAdaptiveAvgPool2d",
@@ -93,65 +96,7 @@ def _formatted(out: Any, x: torch.Tensor) -> Any:
 
 # -- pure geometry (no process group: testable for thousands of configurations in one process) --------------
 
-def window_plan(n: int, m: int, parts: int, kernel: int, stride: int, padding: int,
-                dilation: int = 1) -> tuple[tuple[int, int, int, int], ...]:
-    """Per rank ``(lo, hi, crop, rows)`` of a strided window op along one dim (see the module docstring).
-
-    ``[lo, hi)`` are the global input rows the rank runs the local op on (inside ``[0, n)``, ``lo`` a multiple
-    of ``stride``), ``crop`` the local outputs to drop before its ``rows`` output rows.
-    """
-    offs = split_offsets(m, parts)
-    reach = dilation * (kernel - 1) + 1
-    c_max = -(-padding // stride)
-    plan = []
-    for r in range(parts):
-        o0, o1 = offs[r], offs[r + 1]
-        crop = min(o0, c_max)
-        lo = (o0 - crop) * stride
-        hi = min(n, (o1 - 1) * stride - padding + reach) if o1 > o0 else lo
-        plan.append((lo, hi, crop, o1 - o0))
-    return tuple(plan)
-
-
-def widen_plan(plan: tuple[tuple[int, int, int, int], ...], n: int, min_rows: int,
-               stride: int) -> tuple[tuple[int, int, int, int], ...]:
-    """``plan`` (of :func:`window_plan`) with every rank's rows ``[lo, hi)`` widened to at least ``min_rows``
-    (``torch.nn.functional.avg_pool3d`` refuses an input with fewer rows than its kernel, even where padding or
-    ``ceil_mode`` give it an output). First down to ``n``: rows after ``hi`` only add local outputs after the kept
-    ones, and leave the kept windows (which end at or before ``hi``) and their divisors as they were. Then up by whole
-    strides: ``lo`` stays a multiple of ``stride``, and each stride adds one local output in front, dropped
-    (``crop + 1``). ``n >= min_rows`` (torch checks the global op so), so every rank gets there."""
-    out = []
-    for lo, hi, crop, rows in plan:
-        if rows and hi - lo < min_rows:
-            hi = min(n, lo + min_rows)
-            up = min(lo // stride, -(-(min_rows - (hi - lo)) // stride))
-            lo, crop = lo - up * stride, crop + up
-        out.append((lo, hi, crop, rows))
-    return tuple(out)
-
-
-def adaptive_starts_ends(n: int, m: int) -> tuple[list[int], list[int]]:
-    """Torch's adaptive windows along one dim: ``[floor(o*n/m), ceil((o+1)*n/m))`` for ``o < m``."""
-    return [(o * n) // m for o in range(m)], [-(-((o + 1) * n) // m) for o in range(m)]
-
-
-def adaptive_plan(n: int, m: int, parts: int) -> tuple[tuple[int, int, int, int], ...]:
-    """Per rank ``(lo, hi, o0, o1)``: the input rows ``[lo, hi)`` its adaptive output rows ``[o0, o1)`` read."""
-    offs = split_offsets(m, parts)
-    starts, ends = adaptive_starts_ends(n, m)
-    return tuple((starts[offs[r]], ends[offs[r + 1] - 1], offs[r], offs[r + 1]) if offs[r + 1] > offs[r]
-                 else (0, 0, offs[r], offs[r]) for r in range(parts))
-
-
-def check_output_rows(op: str, m: int, n: int, parts: int, detail: str = "") -> None:
-    """Every rank of the group needs at least one output row (the output is the balanced split of ``m``)."""
-    if m < parts:
-        raise ValueError(
-            f"{op}: the output has {m} rows along H ({n} input rows{detail}) but the domain group has {parts} "
-            f"ranks; every rank needs at least one output row: use at most {max(m, 1)} ranks for this layer"
-            + ("; for a global pool use nn.AdaptiveAvgPool2d(1) / AdaptiveMaxPool2d(1), whose result halo makes "
-               "whole on every rank" if m == 1 else ""))
+# (window_plan, widen_plan, adaptive_plan, check_output_rows: halo.geometry, re-exported here)
 
 
 _META_OPS = {"max": F.max_pool2d, "avg": F.avg_pool2d, "adaptive_avg": F.adaptive_avg_pool2d,
@@ -168,78 +113,78 @@ def _global_rows(shape: tuple[int, ...], n: int, op: str, args: tuple) -> tuple[
     return _global_shape(op, (*shape[:-2], n, shape[-1]), args)
 
 
-class PoolPlan(NamedTuple):
-    """A pool call as planned for this rank: the exchange of rows ``[lo, lo + rows)`` and the local outputs to keep
-    (``crop`` dropped, then ``out`` rows); ``plain``: one rank, the torch op itself."""
+#: A size along the dims a per-axis plan does not shard, for torch's size rule on meta tensors: large enough for any
+#: window (the output along the planned dim does not depend on it; the dim's own checks run where it is planned,
+#: or in torch's local op where it is whole on every rank alike).
+_ANY_SIZE = 1 << 20
 
-    plain: bool
-    ex: int = -1
-    rows: int = 0
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan(AxisPlan):
+    """One axis of a pool call as planned for this rank: the exchange of rows ``[lo, lo + rows)`` and the local
+    outputs to keep (``crop`` dropped, then ``out`` rows); ``plain``: one rank along the axis (all of it, no crop)."""
+
     lo: int = 0
     crop: int = 0
     out: int = 0
-    n: int = 0  # the global H (3-d max-pool indices are global flat indices d*H*W + h*W + w)
+    n: int = 0  # the global extent (max-pool indices are global flat indices: d*H*W + h*W + w)
 
 
-def _window_pool_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str, kind: str, shape: tuple,
-                      args: tuple, geometry: tuple[int, int, int, int], detail: str) -> PoolPlan:
-    (sizes,) = extents
-    if cg.size == 1:
-        return PoolPlan(True)
+def _window_pool_plan(cg: CommGroup, sizes: tuple[int, ...], dim: int, geometry: tuple[int, int, int, int], op: str,
+                      kind: str, shape: tuple, args: tuple, detail: str) -> PoolPlan:
+    """The geometry of a windowed pool along one axis (H, or W on a mesh; ``dim`` names it)."""
     n = sum(sizes)
-    m = _global_rows(shape, n, kind, args)[-2]
+    if cg.size == 1:
+        return PoolPlan(True, rows=n, dim=dim, n=n)
+    if dim == len(shape) - 1:
+        op = f"{op} (W)"
+    probe = [s if d == dim or d < len(shape) - 2 else _ANY_SIZE for d, s in enumerate(shape)]
+    probe[dim] = n
+    m = _global_shape(kind, tuple(probe), args)[dim]
     check_output_rows(op, m, n, cg.size, detail)
     plan = window_plan(n, m, cg.size, *geometry)
     if kind == "avg3d":  # torch's avg_pool3d wants at least a kernel of input rows, padding not counted
         plan = widen_plan(plan, n, geometry[0], geometry[1])
     lo, hi, crop, rows = plan[cg.index]
-    ex = exchanger_id(cg, len(shape) - 2, sizes, tuple((a, b) for a, b, _, _ in plan), "zeros", op)
-    return PoolPlan(False, ex, hi - lo, lo, crop, rows, n)
+    ex = exchanger_id(cg, dim, sizes, tuple((a, b) for a, b, _, _ in plan), "zeros", op)
+    return PoolPlan(False, ex, hi - lo, dim, lo, crop, rows, n)
 
 
-class PoolPlan2d(NamedTuple):
-    """A pool on a latitude x longitude mesh: per axis ``(exchanger id, rows, lo, crop, out)``."""
-
-    h: tuple[int, int, int, int, int]
-    w: tuple[int, int, int, int, int]
-    width: int  # the global W (max-pool indices are global flat indices h*W + w)
-
-
-def _window_pool_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, op: str, kind: str,
-                         shape: tuple, args: tuple, geometry: tuple[tuple[int, ...], ...], detail: str) -> PoolPlan2d:
-    from ..comm import comm_group
-
-    n = (sum(extents[0]), sum(extents[1]))
-    m = _global_shape(kind, (*shape[:-2], *n), args)[-2:]
-    axes = []
-    for a in range(2):
-        sub = comm_group(groups[a])
-        axis = "H" if a == 0 else "W"
-        check_output_rows(f"{op} ({axis})", m[a], n[a], sub.size, detail)
-        plan = window_plan(n[a], m[a], sub.size, *geometry[a])
-        lo, hi, crop, rows = plan[sub.index]
-        ex = exchanger_id(sub, len(shape) - 2 + a, extents[a], tuple((p0, p1) for p0, p1, _, _ in plan), "zeros", op)
-        axes.append((ex, hi - lo, lo, crop, rows))
-    return PoolPlan2d(axes[0], axes[1], n[1])
+def _window_plans(module: HaloLayer, x: torch.Tensor, op: str, kind: str, args: tuple, geometry: tuple,
+                  detail: str) -> tuple[PoolPlan, ...] | None:
+    """The per-axis plans of a windowed pool (``geometry[a]``: ``(kernel, stride, padding, dilation)`` along axis
+    ``a``), or ``None`` where every axis is whole (one rank: the torch op itself)."""
+    plans = module.axis_plans(x, op, _window_pool_plan, (op, kind, tuple(x.shape), args, detail),
+                             per_axis=tuple((g,) for g in geometry))
+    return None if all(p.plain for p in plans) else plans
 
 
-def _run_2d(x: torch.Tensor, plan: PoolPlan2d) -> torch.Tensor:
-    d = x.dim() - 2
-    return exchange(exchange(x, plan.h[0], plan.h[1], d), plan.w[0], plan.w[1], d + 1)
-
-
-def _crop_2d(t: torch.Tensor, plan: PoolPlan2d) -> torch.Tensor:
-    return t.narrow(-2, plan.h[3], plan.h[4]).narrow(-1, plan.w[3], plan.w[4])
+def _crop(t: torch.Tensor, plans: tuple[PoolPlan, ...]) -> torch.Tensor:
+    """This rank's outputs of the local op on the exchanged rows: ``crop`` dropped, then ``out`` kept, per axis."""
+    for p in plans:
+        if not p.plain:
+            t = t.narrow(p.dim, p.crop, p.out)
+    return t
 
 
 def _run(x: torch.Tensor, plan: Any) -> torch.Tensor:
-    """Rows ``[lo, lo + rows)`` of the global field, autograd-exact (the caller's op consumes them)."""
+    """Rows ``[lo, lo + rows)`` of the global field along H, autograd-exact (an adaptive pool consumes them)."""
     return exchange(x, plan.ex, plan.rows, x.dim() - 2)
+
+
+def _global_index(idx: torch.Tensor, plans: tuple[PoolPlan, ...], width: int) -> torch.Tensor:
+    """A 2-d max pool's local flat index ``h*cols + w`` over the exchanged block as the unsharded op's ``h*W + w``."""
+    h = plans[0]
+    if len(plans) == 1 or plans[1].plain:  # W whole: cols == W
+        return idx + h.lo * width if not h.plain else idx
+    w = plans[1]
+    return (idx // w.rows + h.lo) * w.n + idx % w.rows + w.lo
 
 
 # -- max / average pooling --------------------------------------------------------------------------------
 
-class HaloMaxPool2d(nn.MaxPool2d):
+@converts(nn.MaxPool2d, axes=2)
+class HaloMaxPool2d(HaloLayer, nn.MaxPool2d):
     """``nn.MaxPool2d`` on an H-sharded field; output = the balanced split of the global output rows.
 
     Built from an existing ``nn.MaxPool2d`` (same arguments, same ``repr``, no state). Every argument torch
@@ -247,66 +192,41 @@ class HaloMaxPool2d(nn.MaxPool2d):
     flat indices ``h*W + w``, as the unsharded op returns).
     """
 
-    group = group_attribute()
-
     def __init__(self, pool: nn.MaxPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.MaxPool2d):
             raise TypeError(f"HaloMaxPool2d wraps an nn.MaxPool2d, got {type(pool).__name__}"
                             + _adaptive_hint(pool))
         super().__init__(pool.kernel_size, pool.stride, pool.padding, pool.dilation,
                          return_indices=pool.return_indices, ceil_mode=pool.ceil_mode)
-        self.group = group
-        self._halo_site = Site()
-        set_mesh(self, mesh, "HaloMaxPool2d")
+        self.halo_init(group, mesh)
 
     def forward(self, x: torch.Tensor):
         op = "HaloMaxPool2d"
         k, s, p, d = (_pair(a)[0] for a in (self.kernel_size, self.stride, self.padding, self.dilation))
         args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
         detail = f", kernel {k}, stride {s}, padding {p}, dilation {d}, ceil_mode={self.ceil_mode}"
-        mesh = mesh_of(self)
-        if mesh is not None:
-            k2, s2, p2, d2 = _pair(self.kernel_size), _pair(self.stride), _pair(self.padding), _pair(self.dilation)
-            geometry = ((k2[0], s2[0], p2[0], d2[0]), (k2[1], s2[1], p2[1], d2[1]))
-            plan = resolve_2d(x, mesh, op, _window_pool_plan_2d, (op, "max", tuple(x.shape), args, geometry, detail),
-                              self._halo_site)
-            out = F.max_pool2d(_run_2d(x, plan), self.kernel_size, self.stride, self.padding, self.dilation,
-                               ceil_mode=self.ceil_mode, return_indices=self.return_indices)
-            if self.return_indices:
-                out, idx = out
-                cols = plan.w[1]  # local flat index -> global: (lo_h + i // cols) * W + lo_w + i % cols
-                idx = _crop_2d(idx, plan)
-                idx = (idx // cols + plan.h[2]) * plan.width + idx % cols + plan.w[2]
-                out = _crop_2d(out, plan), idx
-            else:
-                out = _crop_2d(out, plan)
-            out = _formatted(out, x)
-            carry(out, x)
-            return out
-        plan = resolve(x, self.group, op, _window_pool_plan, (op, "max", tuple(x.shape), args, (k, s, p, d), detail),
-                       site=self._halo_site)
-        if plan.plain:
-            return super().forward(x)
-        out = F.max_pool2d(_run(x, plan), self.kernel_size, self.stride, self.padding, self.dilation,
+        k2, s2, p2, d2 = _pair(self.kernel_size), _pair(self.stride), _pair(self.padding), _pair(self.dilation)
+        geometry = ((k2[0], s2[0], p2[0], d2[0]), (k2[1], s2[1], p2[1], d2[1]))
+        plans = _window_plans(self, x, op, "max", args, geometry, detail)
+        if plans is None:
+            return nn.MaxPool2d.forward(self, x)
+        out = F.max_pool2d(self.exchange_axes(x, plans), self.kernel_size, self.stride, self.padding, self.dilation,
                            ceil_mode=self.ceil_mode, return_indices=self.return_indices)
-        if not self.return_indices:
-            out = out.narrow(-2, plan.crop, plan.out)
-        else:
+        if self.return_indices:
             out, idx = out
-            out = out.narrow(-2, plan.crop, plan.out), idx.narrow(-2, plan.crop, plan.out) + plan.lo * x.shape[-1]
-        out = _formatted(out, x)
-        carry(out, x)
-        return out
+            out = _crop(out, plans), _global_index(_crop(idx, plans), plans, x.shape[-1])
+        else:
+            out = _crop(out, plans)
+        return self.finish(_formatted(out, x), x)
 
 
-class HaloAvgPool2d(nn.AvgPool2d):
+@converts(nn.AvgPool2d, axes=2)
+class HaloAvgPool2d(HaloLayer, nn.AvgPool2d):
     """``nn.AvgPool2d`` on an H-sharded field; output = the balanced split of the global output rows.
 
     Every argument torch accepts is supported (padding, ceil_mode, count_include_pad, divisor_override): the
     local op is torch's with the same arguments, so the divisors are torch's own. Forward bitwise equal.
     """
-
-    group = group_attribute()
 
     def __init__(self, pool: nn.AvgPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AvgPool2d):
@@ -314,9 +234,7 @@ class HaloAvgPool2d(nn.AvgPool2d):
                             + _adaptive_hint(pool))
         super().__init__(pool.kernel_size, pool.stride, pool.padding, ceil_mode=pool.ceil_mode,
                          count_include_pad=pool.count_include_pad, divisor_override=pool.divisor_override)
-        self.group = group
-        self._halo_site = Site()
-        set_mesh(self, mesh, "HaloAvgPool2d")
+        self.halo_init(group, mesh)
 
     def _pool(self, t: torch.Tensor) -> torch.Tensor:
         return F.avg_pool2d(t, self.kernel_size, self.stride, self.padding, self.ceil_mode,
@@ -328,22 +246,12 @@ class HaloAvgPool2d(nn.AvgPool2d):
         args = (self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
                 self.divisor_override)
         detail = f", kernel {k}, stride {s}, padding {p}, ceil_mode={self.ceil_mode}"
-        mesh = mesh_of(self)
-        if mesh is not None:
-            k2, s2, p2 = _pair(self.kernel_size), _pair(self.stride), _pair(self.padding)
-            geometry = ((k2[0], s2[0], p2[0], 1), (k2[1], s2[1], p2[1], 1))
-            plan = resolve_2d(x, mesh, op, _window_pool_plan_2d, (op, "avg", tuple(x.shape), args, geometry, detail),
-                              self._halo_site)
-            out = like_format(_crop_2d(self._pool(_run_2d(x, plan)), plan), x)
-            carry(out, x)
-            return out
-        plan = resolve(x, self.group, op, _window_pool_plan, (op, "avg", tuple(x.shape), args, (k, s, p, 1), detail),
-                       site=self._halo_site)
-        if plan.plain:
-            return super().forward(x)
-        out = like_format(self._pool(_run(x, plan)).narrow(-2, plan.crop, plan.out), x)
-        carry(out, x)
-        return out
+        k2, s2, p2 = _pair(self.kernel_size), _pair(self.stride), _pair(self.padding)
+        geometry = ((k2[0], s2[0], p2[0], 1), (k2[1], s2[1], p2[1], 1))
+        plans = _window_plans(self, x, op, "avg", args, geometry, detail)
+        if plans is None:
+            return nn.AvgPool2d.forward(self, x)
+        return self.finish(_crop(self._pool(self.exchange_axes(x, plans)), plans), x)
 
 
 # -- 3-d max / average pooling: (B, C, D, H, W) fields, H (dim -2) sharded ------------------------------------
@@ -366,7 +274,8 @@ def _global_index_3d(idx: torch.Tensor, plan: PoolPlan, width: int) -> torch.Ten
     return idx // plane * (plan.n * width) + idx % plane + plan.lo * width
 
 
-class HaloMaxPool3d(nn.MaxPool3d):
+@converts(nn.MaxPool3d)
+class HaloMaxPool3d(HaloLayer, nn.MaxPool3d):
     """``nn.MaxPool3d`` on a ``(B, C, D, H, W)`` field sharded along H (dim -2); output = the balanced split of the
     global output rows.
 
@@ -376,16 +285,12 @@ class HaloMaxPool3d(nn.MaxPool3d):
     flat indices ``d*H*W + h*W + w``). Latitude rows only: a latitude x longitude mesh is refused.
     """
 
-    group = group_attribute()
-
     def __init__(self, pool: nn.MaxPool3d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.MaxPool3d):
             raise TypeError(f"HaloMaxPool3d wraps an nn.MaxPool3d, got {type(pool).__name__}")
         super().__init__(pool.kernel_size, pool.stride, pool.padding, pool.dilation,
                          return_indices=pool.return_indices, ceil_mode=pool.ceil_mode)
-        self.group = group
-        self._halo_site = Site()
-        set_mesh(self, mesh, "HaloMaxPool3d")
+        self.halo_init(group, mesh)
         _no_mesh_3d(self, "HaloMaxPool3d")
 
     def forward(self, x: torch.Tensor):
@@ -393,24 +298,21 @@ class HaloMaxPool3d(nn.MaxPool3d):
         k, s, p, d = geometry = _h_geometry(self.kernel_size, self.stride, self.padding, self.dilation)
         args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
         detail = f", kernel {k}, stride {s}, padding {p}, dilation {d} along H, ceil_mode={self.ceil_mode}"
-        plan = resolve(x, self.group, op, _window_pool_plan, (op, "max3d", tuple(x.shape), args, geometry, detail),
-                       site=self._halo_site)
-        if plan.plain:
-            return super().forward(x)
-        out = F.max_pool3d(_run(x, plan), self.kernel_size, self.stride, self.padding, self.dilation,
+        plans = _window_plans(self, x, op, "max3d", args, (geometry,), detail)
+        if plans is None:
+            return nn.MaxPool3d.forward(self, x)
+        out = F.max_pool3d(self.exchange_axes(x, plans), self.kernel_size, self.stride, self.padding, self.dilation,
                            ceil_mode=self.ceil_mode, return_indices=self.return_indices)
-        if not self.return_indices:
-            out = out.narrow(-2, plan.crop, plan.out)
-        else:
+        if self.return_indices:
             out, idx = out
-            out = (out.narrow(-2, plan.crop, plan.out),
-                   _global_index_3d(idx.narrow(-2, plan.crop, plan.out), plan, x.shape[-1]))
-        out = _formatted(out, x)
-        carry(out, x)
-        return out
+            out = _crop(out, plans), _global_index_3d(_crop(idx, plans), plans[0], x.shape[-1])
+        else:
+            out = _crop(out, plans)
+        return self.finish(_formatted(out, x), x)
 
 
-class HaloAvgPool3d(nn.AvgPool3d):
+@converts(nn.AvgPool3d)
+class HaloAvgPool3d(HaloLayer, nn.AvgPool3d):
     """``nn.AvgPool3d`` on a ``(B, C, D, H, W)`` field sharded along H (dim -2); output = the balanced split of the
     global output rows.
 
@@ -419,16 +321,12 @@ class HaloAvgPool3d(nn.AvgPool3d):
     bitwise equal. Latitude rows only: a latitude x longitude mesh is refused.
     """
 
-    group = group_attribute()
-
     def __init__(self, pool: nn.AvgPool3d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AvgPool3d):
             raise TypeError(f"HaloAvgPool3d wraps an nn.AvgPool3d, got {type(pool).__name__}")
         super().__init__(pool.kernel_size, pool.stride, pool.padding, ceil_mode=pool.ceil_mode,
                          count_include_pad=pool.count_include_pad, divisor_override=pool.divisor_override)
-        self.group = group
-        self._halo_site = Site()
-        set_mesh(self, mesh, "HaloAvgPool3d")
+        self.halo_init(group, mesh)
         _no_mesh_3d(self, "HaloAvgPool3d")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -437,15 +335,12 @@ class HaloAvgPool3d(nn.AvgPool3d):
         args = (self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
                 self.divisor_override)
         detail = f", kernel {k}, stride {s}, padding {p} along H, ceil_mode={self.ceil_mode}"
-        plan = resolve(x, self.group, op, _window_pool_plan, (op, "avg3d", tuple(x.shape), args, geometry, detail),
-                       site=self._halo_site)
-        if plan.plain:
-            return super().forward(x)
-        out = F.avg_pool3d(_run(x, plan), self.kernel_size, self.stride, self.padding, self.ceil_mode,
+        plans = _window_plans(self, x, op, "avg3d", args, (geometry,), detail)
+        if plans is None:
+            return nn.AvgPool3d.forward(self, x)
+        out = F.avg_pool3d(self.exchange_axes(x, plans), self.kernel_size, self.stride, self.padding, self.ceil_mode,
                            self.count_include_pad, self.divisor_override)
-        out = like_format(out.narrow(-2, plan.crop, plan.out), x)
-        carry(out, x)
-        return out
+        return self.finish(_crop(out, plans), x)
 
 
 # -- adaptive pooling ---------------------------------------------------------------------------------------
@@ -691,6 +586,7 @@ def halo_adaptive_max_pool2d(x: torch.Tensor, output_size, return_indices: bool 
     return adaptive_pool(x, output_size, group, "halo_adaptive_max_pool2d", True, return_indices)
 
 
+@converts(nn.AdaptiveAvgPool2d, axes=2, mesh_ok=lambda m: m.output_size in (1, (1, 1)))
 class HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` on an H-sharded field (windows depend on the global extent: computed from it).
 
@@ -715,6 +611,7 @@ class HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
         return adaptive_pool(x, self.output_size, self.group, "HaloAdaptiveAvgPool2d", False, False, self._halo_site)
 
 
+@converts(nn.AdaptiveMaxPool2d, axes=2, mesh_ok=lambda m: m.output_size in (1, (1, 1)))
 class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
     """``nn.AdaptiveMaxPool2d`` on an H-sharded field; indices (``return_indices``) are global flat ``h*W + w``."""
 
@@ -739,6 +636,7 @@ class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
 
 # -- conversion ---------------------------------------------------------------------------------------------
 
+@converts(nn.LPPool2d, axes=2)
 class HaloLPPool2d(nn.LPPool2d):
     """``nn.LPPool2d`` on an H-sharded field (and on a latitude x longitude mesh), computed as torch computes it:
     ``(avg_pool2d(x ** p) * kh * kw) ** (1 / p)`` (a max pool of ``|x|`` for ``p = ±inf``), with the pool a

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..mesh import GroupRef
 from ..plans import shard_sizes
 from .upsample import halo_interpolate
 
@@ -42,12 +43,14 @@ def _global_hw(t: torch.Tensor, group: Any, op: str) -> tuple[GlobalExtent, Glob
 
 def _twin_as(cls: type, m: nn.Module, group: Any) -> nn.Module:
     """An instance of ``cls`` holding ``m``'s state and children (same Parameters and buffers; own containers), so
-    ``state_dict`` keys are unchanged and ``revert_domain_parallel`` puts ``m`` back."""
+    ``state_dict`` keys are unchanged and ``revert_domain_parallel`` puts ``m`` back. Not a
+    :class:`halo.nn.base.HaloLayer`: the converter must still walk into its children (a layer of halo's own it
+    leaves as it is)."""
     t = object.__new__(cls)
     for key, value in m.__dict__.items():
         # a copy of its own type: hooks' dicts are OrderedDicts (a hook handle keeps a weak reference to them)
         t.__dict__[key] = copy.copy(value) if isinstance(value, dict) else value
-    t.__dict__["_halo_group"] = group
+    t.__dict__["_halo_group"] = GroupRef(group)  # by reference: a deep copy or a pickle of the model shares it
     return t
 
 
@@ -56,7 +59,7 @@ class HaloUnetDecoder(nn.Module):
 
     def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
         op = "smp UnetDecoder"
-        spatial_shapes = [_global_hw(f, self._halo_group, op) for f in features][::-1]
+        spatial_shapes = [_global_hw(f, self._halo_group.group, op) for f in features][::-1]
         features = features[1:][::-1]  # drop the first skip (the input's resolution); from the head of the encoder
         head, skip_connections = features[0], features[1:]
         x = self.center(head)
@@ -74,7 +77,7 @@ class HaloUnetDecoderBlock(nn.Module):
                 skip_connection: torch.Tensor | None = None) -> torch.Tensor:
         op = "smp UnetDecoderBlock"
         if skip_connection is not None:
-            size = _global_hw(skip_connection, self._halo_group, op)
+            size = _global_hw(skip_connection, self._halo_group.group, op)
         elif isinstance(target_height, GlobalExtent):
             size = (target_height, target_width)
         else:
@@ -83,7 +86,7 @@ class HaloUnetDecoderBlock(nn.Module):
                 f"converted UnetDecoder: on a shard that height is this rank's, and halo cannot tell the field's; "
                 f"convert the whole decoder (halo.nn.convert_to_domain_parallel of the model), or pass a skip")
         feature_map = halo_interpolate(feature_map, size=tuple(size), mode=self.interpolation_mode,
-                                       group=self._halo_group)
+                                       group=self._halo_group.group)
         if skip_connection is not None:
             feature_map = torch.cat([feature_map, skip_connection], dim=1)
             feature_map = self.attention1(feature_map)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..plans import Site
+from .base import HaloLayer
+from .registry import converts
 
 __all__ = ["DomainLogSoftmax", "DomainSoftmax"]
 
@@ -42,26 +43,28 @@ def _check(module: nn.Module, x: torch.Tensor) -> None:
         f"cannot do on its own. Normalise over channels, or gather the field first (halo.gather)")
 
 
-class DomainSoftmax(nn.Softmax):
+@converts(nn.Softmax, takes=())
+class DomainSoftmax(HaloLayer, nn.Softmax):
     """``nn.Softmax`` on an H-shard (module docstring): the same numbers, or an error naming the module."""
 
     def __init__(self, softmax: nn.Softmax, path: str = "") -> None:
         super().__init__(softmax.dim)
         self._halo_path = path
-        self._halo_site = Site()  # a halo layer: conversion leaves it as it is
+        self.halo_init()  # a halo layer: conversion leaves it as it is
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check(self, x)
         return super().forward(x)
 
 
-class DomainLogSoftmax(nn.LogSoftmax):
+@converts(nn.LogSoftmax, takes=())
+class DomainLogSoftmax(HaloLayer, nn.LogSoftmax):
     """``nn.LogSoftmax`` on an H-shard (module docstring): the same numbers, or an error naming the module."""
 
     def __init__(self, softmax: nn.LogSoftmax, path: str = "") -> None:
         super().__init__(softmax.dim)
         self._halo_path = path
-        self._halo_site = Site()
+        self.halo_init()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check(self, x)

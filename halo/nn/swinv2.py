@@ -9,7 +9,9 @@ windows computes its windows on its own, exactly; the attention module is run as
 exchange, :func:`halo.nn.window.roll_needs`), and the shifted-window mask, whose rows for this rank's windows are
 cut from the block's own mask buffer (built by timm / CREDIT from the *global* resolution; CREDIT's labels regions
 along H only, and that is what is cut), or built from global rows (timm's ``dynamic_mask``). Padding to a window
-multiple (timm) pads the last rank's partial window, sized from the global H.
+multiple (timm) pads the last rank's partial window, sized from the global H. All of this is V1's code, not a copy
+of it: :func:`halo.nn.window.shifted_window_attention`, ``shifted_window_plan`` and ``block_window_mask`` serve
+both blocks (V2 adds its refusals' hints, CREDIT's blocks do not pad).
 
 ===============================  =====================================================  ============================
 layer                            replaces (recognised by name and attributes)           what it needs / refuses
@@ -47,22 +49,30 @@ built with ``p = 0.125``; refused, set it to 0).
 
 from __future__ import annotations
 
-import copy
+import dataclasses
+import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommGroup
-from ..exchange import exchange, exchanger_id
 from ..guard import place
-from ..mesh import GroupRef, group_attribute
+from ..mesh import GroupRef
 from ..partition import offsets, split_sizes
 from ..plans import Site, carry, resolve, shard_sizes
+from .base import HaloLayer
 from .longrange import RegroupPlan, regroup, regroup_plan
-from .window import roll_needs, window_attention_mask, window_partition, window_reverse
+from .window import (
+    SwinPlan,
+    adopt_recognised,
+    block_window_mask,
+    broken_windows,
+    latitude_only,
+    shifted_window_attention,
+    shifted_window_plan,
+)
 
 __all__ = [
     "HaloCreditPatchEmbed",
@@ -73,17 +83,6 @@ __all__ = [
     "swinv2_adapter",
     "unswap_models",
 ]
-
-
-def _adopt(self: nn.Module, module: nn.Module, name: str, attrs: tuple[str, ...]) -> None:
-    """Make ``self`` share ``module``'s state (parameters, buffers, children, attributes: the same objects), so that
-    ``state_dict`` keys and hooks stay as they are (invariant 6)."""
-    missing = [a for a in attrs if not hasattr(module, a)]
-    if missing:
-        raise TypeError(f"{name} adopts a {type(module).__name__}, which has no {', '.join(missing)}")
-    nn.Module.__init__(self)
-    for key, value in module.__dict__.items():
-        self.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
 
 
 class _unwatched:  # noqa: N801 - a context manager, named like one
@@ -109,7 +108,7 @@ def _drops(module: nn.Module) -> list[str]:
             if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
 
 
-class HaloWindowAttentionV2(nn.Module):
+class HaloWindowAttentionV2(HaloLayer, nn.Module):
     """timm's V2 ``WindowAttention`` or CREDIT's ``WindowMultiHeadAttention`` / ``...NoPos`` (same parameters and
     buffers), run by its own class's ``forward`` on this rank's windows: windows are independent, and the position
     bias depends on the window only. Windows are not fields, so halo's guard does not watch inside. Dropout inside
@@ -117,9 +116,9 @@ class HaloWindowAttentionV2(nn.Module):
     draw differently from the unsharded model: with ``p > 0`` in training it is refused."""
 
     def __init__(self, attn: nn.Module) -> None:
-        _adopt(self, attn, "HaloWindowAttentionV2", ("qkv", "proj", "logit_scale", "num_heads"))
+        adopt_recognised(self, attn, "HaloWindowAttentionV2", ("qkv", "proj", "logit_scale", "num_heads"))
         self._halo_kind = type(attn)
-        self._halo_site = Site()
+        self.halo_init()
 
     def __getattr__(self, name: str) -> Any:
         """The adopted class's own methods (its forward calls helpers such as CREDIT's
@@ -145,33 +144,10 @@ class HaloWindowAttentionV2(nn.Module):
             return self._halo_kind.forward(self, x, mask)
 
 
-class SwinV2Plan(NamedTuple):
-    """A block's attention as planned for this rank: ``plain`` (one rank: the third party's computation), else the
-    global height, this rank's window rows ``[w0, w1)``, the zero rows it pads at the bottom, and the two roll
-    exchanges (``-1``: no shift along H)."""
-
-    plain: bool
-    height: int = 0
-    w0: int = 0
-    w1: int = 0
-    pad: int = 0
-    roll: int = -1
-    unroll: int = -1
-    rows: int = 0
-
-
-def _whole(sizes: list[int] | tuple[int, ...], window: int, pads: bool) -> list[int]:
-    """The ranks whose shard starts or ends inside a window (the last may end in a partial one when ``pads``)."""
-    offs = offsets(sizes)
-    last = len(sizes) - 1
-    return [r for r in range(len(sizes))
-            if offs[r] % window or ((r < last or not pads) and sizes[r] % window)]
-
-
 def _fits(h: int, window: int, parts: int, pads: bool) -> str:
     """What would work at this level: world sizes whose balanced split of ``h`` keeps windows whole, the nearest
     ``h`` that does for ``parts`` ranks, and the block split."""
-    ok = [p for p in range(2, max(2, math.ceil(h / window)) + 1) if not _whole(split_sizes(h, p), window, pads)]
+    ok = [p for p in range(2, max(2, math.ceil(h / window)) + 1) if not broken_windows(split_sizes(h, p), window, pads)]
     step = parts * window
     near = sorted({m for m in (h // step * step, (h // step + 1) * step) if m > 0})
     out = [f"these {h} rows keep whole windows on "
@@ -188,32 +164,25 @@ def _fits(h: int, window: int, parts: int, pads: bool) -> str:
 
 
 def _v2_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], window: int, shift: int, pads: bool, where: str,
-             op: str) -> SwinV2Plan:
+             op: str) -> SwinPlan:
     (sizes,) = extents
     if cg.size == 1:
-        return SwinV2Plan(True)
+        return SwinPlan(True)
     h = sum(sizes)
     if not pads and h % window:
         raise ValueError(f"{op} at {where}: its level has {h} rows along H, not a multiple of its window of {window} "
                          f"rows, and the block does not pad (the unsharded block cannot partition them either)")
-    bad = _whole(sizes, window, pads)
+    bad = broken_windows(sizes, window, pads)
     if bad:
         raise ValueError(
             f"{op} at {where}: its attention windows are {window} rows tall and must stay whole on each rank (a window "
             f"split across ranks would attend to part of itself only), but this level's {h} rows along H are held "
             f"as {list(sizes)} rows by the {cg.size} ranks (ranks {bad} start or end inside a window): "
             f"{_fits(h, window, cg.size, pads)}")
-    r, offs = cg.index, offsets(sizes)
-    w0, w1 = offs[r] // window, math.ceil(offs[r + 1] / window)
-    pad = math.ceil(h / window) * window - h if pads and r == cg.size - 1 else 0
-    roll = unroll = -1
-    if shift % h:
-        roll = exchanger_id(cg, 1, sizes, roll_needs(sizes, -shift), "circular", op)
-        unroll = exchanger_id(cg, 1, sizes, roll_needs(sizes, shift), "circular", op)
-    return SwinV2Plan(False, h, w0, w1, pad, roll, unroll, sizes[r])
+    return shifted_window_plan(cg, sizes, window, shift, pads, op)
 
 
-class HaloSwinV2Block(nn.Module):
+class HaloSwinV2Block(HaloLayer, nn.Module):
     """timm's ``SwinTransformerV2Block`` or CREDIT's ``SwinTransformerV2CrBlock`` on an H-shard ``(B, H_r, W, C)``
     made of whole windows (module docstring). Post-norm, as both: ``x + drop_path1(norm1(attn(x)))`` then
     ``x + drop_path2(norm2(mlp(x)))`` (then CREDIT's ``norm3``). The attention rolls the shard by ``-shift`` across
@@ -221,63 +190,28 @@ class HaloSwinV2Block(nn.Module):
     the mask rows of those windows, and rolls back. Parameters, buffers and children are the block's (``attn``
     becomes a :class:`HaloWindowAttentionV2` sharing its parameters)."""
 
-    group = group_attribute()
-
     def __init__(self, block: nn.Module, *, group: Any | None = None) -> None:
-        _adopt(self, block, "HaloSwinV2Block",
-               ("norm1", "attn", "norm2", "mlp", "window_size", "shift_size", "drop_path1", "drop_path2"))
+        adopt_recognised(self, block, "HaloSwinV2Block",
+                         ("norm1", "attn", "norm2", "mlp", "window_size", "shift_size", "drop_path1", "drop_path2"))
         if not isinstance(self._modules["attn"], HaloWindowAttentionV2):
             self._modules["attn"] = HaloWindowAttentionV2(self._modules["attn"])
         self._halo_credit = type(block).__name__ == "SwinTransformerV2CrBlock"  # no padding, feat_size, norm3
         self._halo_path = type(block).__name__  # the converter sets the block's path
-        self.group = group
-        self._halo_site = Site()
+        self.halo_init(group)
 
-    def _mask(self, plan: SwinV2Plan, height: int, x: torch.Tensor) -> torch.Tensor | None:
-        if not any(self.shift_size):
-            return None
-        ws, wp = tuple(self.window_size), x.shape[2]
-        if not self._halo_credit and getattr(self, "dynamic_mask", False):
-            rows = None if plan.plain else (plan.w0, plan.w1)
-            return window_attention_mask(height, wp, ws, tuple(self.shift_size), rows, dtype=x.dtype,
-                                         device=x.device)
-        mask = self.attn_mask
-        n_h, n_w = math.ceil(height / ws[0]), wp // ws[1]
-        if mask is None or mask.shape[0] != n_h * n_w:
-            size = "feat_size" if self._halo_credit else "input_resolution"
-            raise ValueError(
-                f"HaloSwinV2Block at {self._halo_path}: the block's attn_mask (built for {size} "
-                f"{tuple(getattr(self, size))}) has {None if mask is None else mask.shape[0]} windows, but the field "
-                f"of {height} x {x.shape[2]} rows has {n_h} x {n_w}; build the block for this resolution")
-        return mask if plan.plain else mask[plan.w0 * n_w:plan.w1 * n_w]
+    def _attn(self, x: torch.Tensor, plan: SwinPlan) -> torch.Tensor:
+        size = "feat_size" if self._halo_credit else "input_resolution"
 
-    def _attn(self, x: torch.Tensor, plan: SwinV2Plan) -> torch.Tensor:
-        b, h, w, c = x.shape
-        ws, (sh, sw) = tuple(self.window_size), tuple(self.shift_size)
-        has_shift = any(self.shift_size)
-        if has_shift:
-            if plan.plain:
-                x = torch.roll(x, shifts=(-sh, -sw), dims=(1, 2))
-            else:
-                if plan.roll >= 0:
-                    x = exchange(x, plan.roll, plan.rows, 1)
-                x = torch.roll(x, shifts=-sw, dims=2) if sw else x
-        if not self._halo_credit:  # timm pads to a window multiple (the global H's: the last rank's rows)
-            pad_h = (ws[0] - h % ws[0]) % ws[0] if plan.plain else plan.pad
-            x = F.pad(x, (0, 0, 0, (ws[1] - w % ws[1]) % ws[1], 0, pad_h))
-        _, hp, wp, _ = x.shape
-        windows = window_partition(x, ws).view(-1, ws[0] * ws[1], c)
-        windows = self.attn(windows, mask=self._mask(plan, h if plan.plain else plan.height, x))
-        x = window_reverse(windows.view(-1, ws[0], ws[1], c), ws, hp, wp)
-        x = x[:, :h, :w, :].contiguous()
-        if has_shift:
-            if plan.plain:
-                x = torch.roll(x, shifts=(sh, sw), dims=(1, 2))
-            else:
-                if plan.unroll >= 0:
-                    x = exchange(x, plan.unroll, plan.rows, 1)
-                x = torch.roll(x, shifts=sw, dims=2) if sw else x
-        return x
+        def mask(height: int, width: int, xp: torch.Tensor) -> torch.Tensor | None:
+            return block_window_mask(
+                plan, height, width, tuple(self.window_size), tuple(self.shift_size), getattr(self, "attn_mask", None),
+                dynamic=not self._halo_credit and bool(getattr(self, "dynamic_mask", False)), dtype=xp.dtype,
+                device=xp.device, what=lambda: f"HaloSwinV2Block at {self._halo_path}: the block's attn_mask (built "
+                                               f"for {size} {tuple(getattr(self, size))})")
+
+        # timm pads to a window multiple (the global H's: the last rank's rows); CREDIT's blocks do not pad
+        return shifted_window_attention(x, plan, tuple(self.window_size), tuple(self.shift_size), self.attn, mask,
+                                        pads=not self._halo_credit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = "HaloSwinV2Block"
@@ -301,7 +235,8 @@ class HaloSwinV2Block(nn.Module):
 
 # -- CREDIT's patch embedding and FuXi's cube embedding / U-transformer ----------------------------------------
 
-class _Global(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _Global:
     rows: int  # the global extent along the sharded dim
     offset: int  # this rank's first row
 
@@ -311,21 +246,18 @@ def _global_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> _Global
     return _Global(sum(sizes), offsets(sizes)[cg.index])
 
 
-class HaloCreditPatchEmbed(nn.Module):
+class HaloCreditPatchEmbed(HaloLayer, nn.Module):
     """CREDIT Swin's ``PatchEmbed`` (``proj`` conv of kernel = stride = patch, then ``norm`` over channels) on an
     H-shard ``(B, C, H_r, W)``: its check that the height is the model's ``img_size`` is made on the global H (the
     shard's would always fail), and ``proj`` is a :class:`halo.nn.HaloConv2d`."""
 
-    group = group_attribute()
-
     def __init__(self, embed: nn.Module, *, group: Any | None = None) -> None:
         from .conv import HaloConv2d
 
-        _adopt(self, embed, "HaloCreditPatchEmbed", ("proj", "norm", "img_size", "patch_size"))
+        adopt_recognised(self, embed, "HaloCreditPatchEmbed", ("proj", "norm", "img_size", "patch_size"))
         if not isinstance(self._modules["proj"], HaloConv2d):
             self._modules["proj"] = HaloConv2d(self._modules["proj"], group=group)
-        self.group = group
-        self._halo_site = Site()
+        self.halo_init(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = "HaloCreditPatchEmbed"
@@ -341,22 +273,19 @@ class HaloCreditPatchEmbed(nn.Module):
         return y
 
 
-class HaloCubeEmbedding(nn.Module):
+class HaloCubeEmbedding(HaloLayer, nn.Module):
     """FuXi's ``CubeEmbedding`` (a ``Conv3d`` of kernel = stride = patch over ``(T, H, W)``, then ``norm`` over the
     embedding per token) on an H-shard ``(B, C, T, H_r, W)``: ``proj`` is a :class:`halo.nn.HaloConv3d`, the norm is
     applied per token as FuXi's flatten / transpose does, and its reshape to the *global* patch grid
     (``patches_resolution``) becomes a check of the global extents (the unsharded reshape fails where they differ)."""
 
-    group = group_attribute()
-
     def __init__(self, embed: nn.Module, *, group: Any | None = None) -> None:
         from .conv import HaloConv3d
 
-        _adopt(self, embed, "HaloCubeEmbedding", ("proj", "norm", "embed_dim", "patches_resolution"))
+        adopt_recognised(self, embed, "HaloCubeEmbedding", ("proj", "norm", "embed_dim", "patches_resolution"))
         if not isinstance(self._modules["proj"], HaloConv3d):
             self._modules["proj"] = HaloConv3d(self._modules["proj"], group=group)
-        self.group = group
-        self._halo_site = Site()
+        self.halo_init(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = "HaloCubeEmbedding"
@@ -372,18 +301,15 @@ class HaloCubeEmbedding(nn.Module):
         return y
 
 
-class HaloUTransformer(nn.Module):
+class HaloUTransformer(HaloLayer, nn.Module):
     """FuXi's ``UTransformer`` (down block, pad to a window multiple, Swin V2 stage, crop, concatenation with the
     shortcut, up block) on an H-shard: the pad (a converted ``ZeroPad2d``: the balanced split of the padded field)
     and the crop are in global rows (:func:`halo.nn.halo_pad` with the negative padding), where FuXi's
     ``x[:, :, top:pad_lat - bottom]`` would cut every shard. Its children are converted as usual."""
 
-    group = group_attribute()
-
     def __init__(self, module: nn.Module, *, group: Any | None = None) -> None:
-        _adopt(self, module, "HaloUTransformer", ("down", "pad", "layer", "up", "padding", "use_noise"))
-        self.group = group
-        self._halo_site = Site()
+        adopt_recognised(self, module, "HaloUTransformer", ("down", "pad", "layer", "up", "padding", "use_noise"))
+        self.halo_init(group)
         self._halo_crop_site = Site()
 
     def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None, forecast_step: Any = None) -> torch.Tensor:
@@ -494,10 +420,9 @@ def _fuxi_forward(self: nn.Module, x: torch.Tensor, noise: torch.Tensor | None =
     return x
 
 
-_SWAPPED: dict[type, type] = {}
 _MODEL_STATE = ("_halo_group", "_halo_pos_site", "_halo_fuxi_site", "_halo_in_site", "_halo_out_site",
                 "_halo_in_rows")
-#: the models converted in place: class name -> (its module, halo's methods)
+#: the models converted in place: class name -> (its module, halo's methods) (import-time tables, read-only)
 _MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "SwinTransformerV2Cr": ("credit.models.swin", {"forward_features": _cr_forward_features,
                                                    "forward_head": _cr_forward_head}),
@@ -505,16 +430,12 @@ _MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _swapped(kind: type) -> type:
-    """The subclass of ``kind`` with halo's methods, defined in this module under ``_Halo<name>`` (so that a
-    converted model pickles, and loads in a fresh process through this module's ``__getattr__``)."""
-    cls = _SWAPPED.get(kind)
-    if cls is None:
-        name = f"_Halo{kind.__name__}"
-        cls = type(kind.__name__, (kind,), {**_MODELS[kind.__name__][1], "__module__": __name__,
-                                             "__qualname__": name, "_halo_swapped_from": kind})
-        _SWAPPED[kind] = globals()[name] = cls
-    return cls
+@functools.cache  # a pure function of the class (at most one per entry of _MODELS); not state: the class must stay
+def _swapped(kind: type) -> type:  # the same object for isinstance and pickling, so no context reset forgets it
+    """The subclass of ``kind`` with halo's methods, named in this module as ``_Halo<name>`` (so that a converted
+    model pickles, and loads in a fresh process: this module's ``__getattr__`` returns this same class)."""
+    return type(kind.__name__, (kind,), {**_MODELS[kind.__name__][1], "__module__": __name__,
+                                         "__qualname__": f"_Halo{kind.__name__}", "_halo_swapped_from": kind})
 
 
 def __getattr__(name: str) -> Any:
@@ -547,13 +468,8 @@ def unswap_models(model: nn.Module) -> None:
 
 # -- recognising the classes (halo.nn.convert._adapter) ---------------------------------------------------------
 
-def _latitude_only(make: Any) -> Any:
-    def convert(m: nn.Module, ctx: Any) -> nn.Module | None:
-        if getattr(ctx, "mesh", None) is not None:
-            raise ValueError(f"{type(m).__name__}: halo's Swin V2 layers shard latitude only (W whole on each rank); "
-                             f"convert with a 1-D domain (no W sharding)")
-        return make(m, ctx.group)
-    return convert
+def _v2_only(make: Any) -> Any:
+    return latitude_only(make, "Swin V2 layers")
 
 
 def _model(m: nn.Module, group: Any) -> None:
@@ -573,23 +489,23 @@ def swinv2_adapter(module: nn.Module) -> Any:
     blocks = {"norm1", "attn", "norm2", "mlp", "drop_path1", "drop_path2"}
     if kind == "SwinTransformerV2Block" and blocks <= set(mods) and _v2_attention(mods["attn"]) \
             and hasattr(mods["attn"], "cpb_mlp") and hasattr(module, "input_resolution"):
-        return _latitude_only(lambda m, g: HaloSwinV2Block(m, group=g))
+        return _v2_only(lambda m, g: HaloSwinV2Block(m, group=g))
     if kind == "SwinTransformerV2CrBlock" and blocks | {"norm3"} <= set(mods) and _v2_attention(mods["attn"]) \
             and hasattr(module, "feat_size"):
-        return _latitude_only(lambda m, g: HaloSwinV2Block(m, group=g))
+        return _v2_only(lambda m, g: HaloSwinV2Block(m, group=g))
     if not where.startswith("credit.models."):
         return None
     if where.startswith("credit.models.swin"):
         if kind == "PatchEmbed" and isinstance(mods.get("proj"), nn.Conv2d) and "norm" in mods \
                 and hasattr(module, "img_size"):
-            return _latitude_only(lambda m, g: HaloCreditPatchEmbed(m, group=g))
+            return _v2_only(lambda m, g: HaloCreditPatchEmbed(m, group=g))
         if kind == "SwinTransformerV2Cr" and {"patch_embed", "stages", "head"} <= set(mods):
-            return _latitude_only(_model)
+            return _v2_only(_model)
     if where.startswith("credit.models.fuxi"):
         if kind == "CubeEmbedding" and isinstance(mods.get("proj"), nn.Conv3d):
-            return _latitude_only(lambda m, g: HaloCubeEmbedding(m, group=g))
+            return _v2_only(lambda m, g: HaloCubeEmbedding(m, group=g))
         if kind == "UTransformer" and {"down", "pad", "layer", "up"} <= set(mods):
-            return _latitude_only(lambda m, g: HaloUTransformer(m, group=g))
+            return _v2_only(lambda m, g: HaloUTransformer(m, group=g))
         if kind == "Fuxi" and {"cube_embedding", "u_transformer", "fc"} <= set(mods):
-            return _latitude_only(_model)
+            return _v2_only(_model)
     return None

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..plans import Site, mark_whole, shard_sizes, whole_source
+from .base import HaloLayer
 from .conv import HaloConv2d
 from .norm import DomainGroupNorm
 from .pad import halo_pad
@@ -125,7 +126,7 @@ def _plain_conv(conv: nn.Conv2d) -> nn.Conv2d:
     return plain
 
 
-class HaloConv2dSame(nn.Module):
+class HaloConv2dSame(HaloLayer, nn.Module):
     """timm's ``Conv2dSame`` (TF "same": ``pad_same`` of the input, then an unpadded conv) on an H-shard.
 
     The H padding follows from the global rows (every rank's extent, agreed once per shape), and is applied to the
@@ -144,7 +145,7 @@ class HaloConv2dSame(nn.Module):
             self._parameters["bias"] = conv.bias
         else:
             self.bias = None
-        self.group = group
+        self.halo_init(group)  # the group (held by reference: a deep copy shares it), halo's own to the converter
         self.kernel_size, self.stride, self.dilation = conv.kernel_size, conv.stride, conv.dilation
         self._size_site = Site()
         self._pad_site = Site()
@@ -194,7 +195,7 @@ class DomainGroupNormAct(DomainGroupNorm):
 
 # -- BlurPool2d -----------------------------------------------------------------------------------------------------
 
-class DomainBlurPool2d(nn.Module):
+class DomainBlurPool2d(HaloLayer, nn.Module):
     """timm's ``BlurPool2d`` (reflect padding, then a fixed depthwise binomial filter with a stride) on an H-shard:
     a ``HaloConv2d`` with reflect boundary whose weight is the filter (not a Parameter: no gradient, and the
     checkpoint is unchanged — ``filt`` stays a non-persistent buffer)."""
@@ -208,7 +209,7 @@ class DomainBlurPool2d(nn.Module):
                                                                      blur.pad_mode)
         self.padding = blur.padding
         self.register_buffer("filt", blur.filt, persistent=False)
-        self.group = group
+        self.halo_init(group)
         self.__dict__["_convs"] = {}
 
     def _conv(self, channels: int) -> nn.Module:

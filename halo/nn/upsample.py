@@ -50,11 +50,12 @@ from torch import nn
 from .. import reroute
 from ..comm import CommGroup
 from ..exchange import exchange, exchanger_id, like_format
-from ..mesh import group_attribute
 from ..partition import split_offsets
 from ..plans import Site, carry, device_tensor, resolve
-from ._mesh2d import mesh_layout, mesh_of, set_mesh
+from ._mesh2d import mesh_layout, mesh_of
+from .base import HaloLayer
 from .pool import adaptive_pool, check_output_rows
+from .registry import converts
 
 __all__ = ["HaloUpsample", "halo_interpolate", "interpolate_2d", "kernel_scales", "row_taps"]
 
@@ -407,19 +408,19 @@ def interpolate_2d(x: torch.Tensor, mesh: Any, size=None, scale_factor=None, mod
     return y.transpose(-1, -2)
 
 
-class HaloUpsample(nn.Upsample):
-    """``nn.Upsample`` on an H-sharded field (same arguments and ``repr``; no state): see :func:`halo_interpolate`."""
+@converts(nn.Upsample, axes=2, mesh_ok=lambda m: m.mode in ("nearest", "nearest-exact", "bilinear", "bicubic", "area"))
+class HaloUpsample(HaloLayer, nn.Upsample):
+    """``nn.Upsample`` on an H-sharded field (same arguments and ``repr``; no state): see :func:`halo_interpolate`.
 
-    group = group_attribute()
+    On a latitude x longitude mesh the resize is two one-axis passes (H, then W on the transposed block), each with
+    a site of its own: the W pass's input is the H pass's output, so its plan cannot be agreed with the H one."""
 
     def __init__(self, up: nn.Upsample, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(up, nn.Upsample):
             raise TypeError(f"HaloUpsample wraps an nn.Upsample, got {type(up).__name__}")
         super().__init__(up.size, up.scale_factor, up.mode, up.align_corners, up.recompute_scale_factor)
-        self.group = group
-        self._halo_site = Site()
+        self.halo_init(group, mesh)
         self._halo_site_w = Site()
-        set_mesh(self, mesh, "HaloUpsample")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mesh = mesh_of(self)

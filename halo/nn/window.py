@@ -40,9 +40,10 @@ differently per rank); ``DropPath`` and the MLP's dropouts become halo's shardin
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,17 +52,24 @@ from torch import nn
 from ..comm import CommGroup
 from ..exchange import exchange, exchanger_id
 from ..guard import place
-from ..mesh import group_attribute
 from ..partition import offsets, split_offsets, split_sizes
-from ..plans import Site, carry, resolve
+from ..plans import carry, resolve
+from .base import HaloLayer, adopt
 
 __all__ = [
     "HaloPatchEmbed",
     "HaloPatchMerging",
     "HaloSwinTransformerBlock",
     "HaloWindowAttention",
+    "SwinPlan",
+    "adopt_recognised",
+    "block_window_mask",
+    "broken_windows",
     "halo_roll",
+    "latitude_only",
     "roll_needs",
+    "shifted_window_attention",
+    "shifted_window_plan",
     "window_attention_mask",
     "window_partition",
     "window_reverse",
@@ -125,7 +133,11 @@ def roll_needs(sizes: tuple[int, ...], shift: int) -> tuple[tuple[int, int], ...
 
 # -- halo_roll ------------------------------------------------------------------------------------------------
 
-class RollPlan(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class RollPlan:
+    """A :func:`halo_roll` as planned for this rank: ``plain`` (``torch.roll``, by ``shift``), else the exchange
+    ``ex`` that brings the ``rows`` of the rolled shard."""
+
     plain: bool
     ex: int = -1
     rows: int = 0
@@ -165,19 +177,17 @@ def halo_roll(x: torch.Tensor, shift: int, dim: int = -2, group: Any | None = No
 
 # -- modules --------------------------------------------------------------------------------------------------
 
-def _adopt(self: nn.Module, module: nn.Module, name: str, attrs: tuple[str, ...]) -> None:
-    """Make ``self`` share ``module``'s state (parameters, buffers, children, attributes; same objects), so that
-    ``state_dict`` keys and hooks stay as they are."""
+def adopt_recognised(self: nn.Module, module: nn.Module, name: str, attrs: tuple[str, ...]) -> None:
+    """:func:`halo.nn.base.adopt` of a third party's layer recognised by its name and attributes (timm's, CREDIT's;
+    Swin V1 and V2): ``self`` shares ``module``'s state (parameters, buffers, children, attributes: the same objects),
+    so that ``state_dict`` keys and hooks stay as they are (invariant 6); each of ``attrs`` must be there."""
     missing = [a for a in attrs if not hasattr(module, a)]
     if missing:
-        raise TypeError(f"{name} adopts a timm {name.removeprefix('Halo')}, but {type(module).__name__} has no "
-                        f"{', '.join(missing)}")
-    nn.Module.__init__(self)
-    for key, value in module.__dict__.items():
-        self.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
+        raise TypeError(f"{name} adopts a {type(module).__name__}, which has no {', '.join(missing)}")
+    adopt(self, module, name=name)
 
 
-class HaloWindowAttention(nn.Module):
+class HaloWindowAttention(HaloLayer, nn.Module):
     """timm's ``WindowAttention`` (same parameters and buffers): multi-head self-attention within each window with
     the relative position bias, plus the shifted-window mask of this rank's windows. Windows are independent, so
     this is exact on any rank's windows; it is halo's own (the converter does not look inside it)."""
@@ -186,10 +196,10 @@ class HaloWindowAttention(nn.Module):
     _halo_check = "self"
 
     def __init__(self, attn: nn.Module) -> None:
-        _adopt(self, attn, "HaloWindowAttention",
-               ("qkv", "proj", "relative_position_bias_table", "relative_position_index", "num_heads", "scale",
-                "window_area"))
-        self._halo_site = Site()
+        adopt_recognised(self, attn, "HaloWindowAttention",
+                         ("qkv", "proj", "relative_position_bias_table", "relative_position_index", "num_heads",
+                          "scale", "window_area"))
+        self.halo_init()
 
     def _get_rel_pos_bias(self) -> torch.Tensor:
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(
@@ -229,7 +239,8 @@ class HaloWindowAttention(nn.Module):
         return self.proj(x)
 
 
-class SwinPlan(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class SwinPlan:
     """A block's attention as planned for this rank: ``plain`` (one rank: timm's computation), else the global
     height, this rank's window rows ``[w0, w1)``, the zero rows it pads at the bottom, and the two roll exchanges
     (``-1``: no shift along H)."""
@@ -244,28 +255,94 @@ class SwinPlan(NamedTuple):
     rows: int = 0
 
 
-def _swin_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], window: int, shift: int, op: str) -> SwinPlan:
-    (sizes,) = extents
+def broken_windows(sizes: tuple[int, ...] | list[int], window: int, pads: bool) -> list[int]:
+    """The ranks whose shard starts or ends inside a window of ``window`` rows (the last may end in a partial one
+    when the block ``pads`` to a window multiple)."""
+    offs = offsets(sizes)
+    last = len(sizes) - 1
+    return [r for r in range(len(sizes)) if offs[r] % window or ((r < last or not pads) and sizes[r] % window)]
+
+
+def shifted_window_plan(cg: CommGroup, sizes: tuple[int, ...], window: int, shift: int, pads: bool,
+                        op: str) -> SwinPlan:
+    """This rank's :class:`SwinPlan` on shards of whole windows (checked by the caller, :func:`broken_windows`):
+    its window rows, the last rank's padding (``pads``: timm pads to a window multiple, CREDIT does not) and the two
+    roll exchanges of the shift along H. Swin V1 and V2 blocks alike (``halo.nn.swinv2``)."""
     if cg.size == 1:
         return SwinPlan(True)
-    h = sum(sizes)
-    offs = offsets(sizes)
-    hp = math.ceil(h / window) * window
-    bad = [r for r in range(cg.size) if offs[r] % window or (r < cg.size - 1 and sizes[r] % window)]
-    if bad:
-        raise ValueError(
-            f"{op}: a rank's shard must be made of whole attention windows of {window} rows along H (dim 1), but "
-            f"the ranks hold {list(sizes)} rows of {h} (ranks {bad} start or end inside a window); shard the field "
-            f"with halo.shard(x, dim, granularity={window}) (times the patch size before a patch embedding), e.g. "
-            f"{_example(h, window, cg.size)}")
-    r = cg.index
+    r, offs = cg.index, offsets(sizes)
+    h = offs[-1]
     w0, w1 = offs[r] // window, math.ceil(offs[r + 1] / window)
-    pad = hp - h if r == cg.size - 1 else 0
+    pad = math.ceil(h / window) * window - h if pads and r == cg.size - 1 else 0
     roll = unroll = -1
     if shift % h:
         roll = exchanger_id(cg, 1, sizes, roll_needs(sizes, -shift), "circular", op)
         unroll = exchanger_id(cg, 1, sizes, roll_needs(sizes, shift), "circular", op)
     return SwinPlan(False, h, w0, w1, pad, roll, unroll, sizes[r])
+
+
+def _swin_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], window: int, shift: int, op: str) -> SwinPlan:
+    (sizes,) = extents
+    bad = broken_windows(sizes, window, True) if cg.size > 1 else []
+    if bad:
+        h = sum(sizes)
+        raise ValueError(
+            f"{op}: a rank's shard must be made of whole attention windows of {window} rows along H (dim 1), but "
+            f"the ranks hold {list(sizes)} rows of {h} (ranks {bad} start or end inside a window); shard the field "
+            f"with halo.shard(x, dim, granularity={window}) (times the patch size before a patch embedding), e.g. "
+            f"{_example(h, window, cg.size)}")
+    return shifted_window_plan(cg, sizes, window, shift, True, op)
+
+
+def block_window_mask(plan: SwinPlan, height: int, width: int, window_size: tuple[int, int],
+                      shift_size: tuple[int, int], attn_mask: torch.Tensor | None, *, dynamic: bool,
+                      dtype: torch.dtype, device: torch.device, what: Callable[[], str]) -> torch.Tensor | None:
+    """The shifted-window mask of this rank's windows: built from global rows (``dynamic``), else cut from the
+    block's own ``attn_mask`` buffer (made for the global resolution by timm / CREDIT). ``height``: the global H;
+    ``width``: the padded W. ``what()`` starts the error that a buffer made for another resolution raises."""
+    if not any(shift_size):
+        return None
+    ws = tuple(window_size)
+    if dynamic:
+        rows = None if plan.plain else (plan.w0, plan.w1)
+        return window_attention_mask(height, width, ws, tuple(shift_size), rows, dtype=dtype, device=device)
+    n_h, n_w = math.ceil(height / ws[0]), width // ws[1]
+    if attn_mask is None or attn_mask.shape[0] != n_h * n_w:
+        raise ValueError(f"{what()} has {None if attn_mask is None else attn_mask.shape[0]} windows, but the field of "
+                         f"{height} x {width} rows has {n_h} x {n_w}; build the block for this resolution")
+    return attn_mask if plan.plain else attn_mask[plan.w0 * n_w:plan.w1 * n_w]
+
+
+def _roll(x: torch.Tensor, plan: SwinPlan, ex: int, sh: int, sw: int) -> torch.Tensor:
+    """``torch.roll(x, (sh, sw), (1, 2))`` on this rank's rows: H across ranks by the plan's exchange ``ex``."""
+    if plan.plain:
+        return torch.roll(x, shifts=(sh, sw), dims=(1, 2))
+    x = exchange(x, ex, plan.rows, 1) if ex >= 0 else x
+    return torch.roll(x, shifts=sw, dims=2) if sw else x
+
+
+def shifted_window_attention(x: torch.Tensor, plan: SwinPlan, window_size: tuple[int, int],
+                             shift_size: tuple[int, int], attend: Callable[..., torch.Tensor],
+                             mask: Callable[[int, int, torch.Tensor], torch.Tensor | None], *,
+                             pads: bool = True) -> torch.Tensor:
+    """A Swin block's attention on this rank's rows ``(B, H_r, W, C)`` (timm's ``_attn``; V1 and V2 blocks alike):
+    the cyclic shift by ``-shift`` (H across ranks: the plan's roll exchange), padding to whole windows (``pads``:
+    timm; the last rank's partial window), ``attend(windows, mask=mask(global H, padded W, padded x))`` on this
+    rank's windows, the crop, and the shift back (the unroll exchange)."""
+    b, h, w, c = x.shape
+    ws, (sh, sw) = tuple(window_size), tuple(shift_size)
+    has_shift = bool(sh or sw)
+    if has_shift:
+        x = _roll(x, plan, plan.roll, -sh, -sw)
+    if pads:
+        pad_h = (ws[0] - h % ws[0]) % ws[0] if plan.plain else plan.pad
+        x = F.pad(x, (0, 0, 0, (ws[1] - w % ws[1]) % ws[1], 0, pad_h))
+    _, hp, wp, _ = x.shape
+    windows = window_partition(x, ws).view(-1, ws[0] * ws[1], c)
+    windows = attend(windows, mask=mask(h if plan.plain else plan.height, wp, x))
+    x = window_reverse(windows.view(-1, ws[0], ws[1], c), ws, hp, wp)
+    x = x[:, :h, :w, :].contiguous()
+    return _roll(x, plan, plan.unroll, sh, sw) if has_shift else x
 
 
 def _example(h: int, window: int, parts: int) -> str:
@@ -274,7 +351,7 @@ def _example(h: int, window: int, parts: int) -> str:
     return f"(but {h} rows are not {parts} or more whole windows of {window} rows)"
 
 
-class HaloSwinTransformerBlock(nn.Module):
+class HaloSwinTransformerBlock(HaloLayer, nn.Module):
     """timm's ``SwinTransformerBlock`` on an H-shard ``(B, H_r, W, C)`` made of whole windows (module docstring).
 
     ``x + drop_path1(attn(norm1(x)))`` then ``x + drop_path2(mlp(norm2(x)))`` as timm; the attention rolls the
@@ -284,62 +361,23 @@ class HaloSwinTransformerBlock(nn.Module):
     (``attn`` becomes a :class:`HaloWindowAttention` sharing its parameters).
     """
 
-    group = group_attribute()
-
     def __init__(self, block: nn.Module, *, group: Any | None = None) -> None:
-        _adopt(self, block, "HaloSwinTransformerBlock",
-               ("norm1", "attn", "norm2", "mlp", "window_size", "shift_size", "drop_path1", "drop_path2"))
+        adopt_recognised(self, block, "HaloSwinTransformerBlock",
+                         ("norm1", "attn", "norm2", "mlp", "window_size", "shift_size", "drop_path1",
+                          "drop_path2"))
         if not isinstance(self._modules["attn"], HaloWindowAttention):
             self._modules["attn"] = HaloWindowAttention(self._modules["attn"])
-        self.group = group
-        self._halo_site = Site()
-
-    def _mask(self, plan: SwinPlan, x: torch.Tensor, wp: int) -> torch.Tensor | None:
-        if not any(self.shift_size):
-            return None
-        ws = tuple(self.window_size)
-        height = plan.height if not plan.plain else x.shape[1]
-        if getattr(self, "dynamic_mask", False):
-            rows = None if plan.plain else (plan.w0, plan.w1)
-            return window_attention_mask(height, wp, ws, tuple(self.shift_size), rows, dtype=x.dtype,
-                                         device=x.device)
-        mask = self.attn_mask
-        n_h, n_w = math.ceil(height / ws[0]), wp // ws[1]
-        if mask is None or mask.shape[0] != n_h * n_w:
-            raise ValueError(
-                f"HaloSwinTransformerBlock: the block's attn_mask (built for input_resolution "
-                f"{tuple(self.input_resolution)}) has {None if mask is None else mask.shape[0]} windows, but the "
-                f"field of {height} x {x.shape[2]} rows has {n_h} x {n_w}; build the block for this resolution "
-                f"(set_input_size) or with dynamic_mask=True")
-        return mask if plan.plain else mask[plan.w0 * n_w:plan.w1 * n_w]
+        self.halo_init(group)
 
     def _attn(self, x: torch.Tensor, plan: SwinPlan) -> torch.Tensor:
-        b, h, w, c = x.shape
-        ws, (sh, sw) = tuple(self.window_size), tuple(self.shift_size)
-        has_shift = any(self.shift_size)
-        if has_shift:
-            if plan.plain:
-                x = torch.roll(x, shifts=(-sh, -sw), dims=(1, 2))
-            else:
-                if plan.roll >= 0:
-                    x = exchange(x, plan.roll, plan.rows, 1)
-                x = torch.roll(x, shifts=-sw, dims=2) if sw else x
-        pad_h = (ws[0] - h % ws[0]) % ws[0] if plan.plain else plan.pad
-        pad_w = (ws[1] - w % ws[1]) % ws[1]
-        x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
-        _, hp, wp, _ = x.shape
-        windows = window_partition(x, ws).view(-1, ws[0] * ws[1], c)
-        windows = self.attn(windows, mask=self._mask(plan, x, wp))
-        x = window_reverse(windows.view(-1, ws[0], ws[1], c), ws, hp, wp)
-        x = x[:, :h, :w, :].contiguous()
-        if has_shift:
-            if plan.plain:
-                x = torch.roll(x, shifts=(sh, sw), dims=(1, 2))
-            else:
-                if plan.unroll >= 0:
-                    x = exchange(x, plan.unroll, plan.rows, 1)
-                x = torch.roll(x, shifts=sw, dims=2) if sw else x
-        return x
+        def mask(height: int, width: int, xp: torch.Tensor) -> torch.Tensor | None:
+            return block_window_mask(
+                plan, height, width, tuple(self.window_size), tuple(self.shift_size), getattr(self, "attn_mask", None),
+                dynamic=bool(getattr(self, "dynamic_mask", False)), dtype=xp.dtype, device=xp.device,
+                what=lambda: f"HaloSwinTransformerBlock: the block's attn_mask (built for input_resolution "
+                             f"{tuple(self.input_resolution)}; set_input_size, or dynamic_mask=True)")
+
+        return shifted_window_attention(x, plan, tuple(self.window_size), tuple(self.shift_size), self.attn, mask)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = "HaloSwinTransformerBlock"
@@ -358,7 +396,11 @@ class HaloSwinTransformerBlock(nn.Module):
         return y
 
 
-class MergePlan(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class MergePlan:
+    """A patch merging as planned for this rank: ``plain`` (one rank), else the exchange ``ex`` that brings the
+    ``rows`` of input this rank's output rows read."""
+
     plain: bool
     ex: int = -1
     rows: int = 0
@@ -383,20 +425,17 @@ def _merge_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str) ->
     return MergePlan(False, exchanger_id(cg, 1, sizes, needs, "zeros", op), hi - lo)
 
 
-class HaloPatchMerging(nn.Module):
+class HaloPatchMerging(HaloLayer, nn.Module):
     """timm's ``PatchMerging`` (2x2 neighbours concatenated, ``norm`` over ``4 * dim``, ``reduction``) on an H-shard
     ``(B, H_r, W, C)``: shards of even offsets (a block split) give ``ceil(H_r / 2)`` rows each, read from their own
     rows; any other split gives the balanced split of ``ceil(H / 2)`` (one exchange). Odd H: the zero row timm pads
     comes from the exchange's zero boundary."""
 
-    group = group_attribute()
-
     def __init__(self, merge: nn.Module, *, group: Any | None = None) -> None:
-        _adopt(self, merge, "HaloPatchMerging", ("norm", "reduction"))
+        adopt_recognised(self, merge, "HaloPatchMerging", ("norm", "reduction"))
         # timm's Swin V2 PatchMerging normalises after the reduction (over its output features)
         self._halo_post_norm = type(merge).__module__.endswith("swin_transformer_v2")
-        self.group = group
-        self._halo_site = Site()
+        self.halo_init(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = "HaloPatchMerging"
@@ -414,7 +453,8 @@ class HaloPatchMerging(nn.Module):
         return y
 
 
-class EmbedPlan(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class EmbedPlan:
     pad: int = 0  # zero rows this rank adds at the bottom (dynamic_img_pad, last rank)
 
 
@@ -430,23 +470,20 @@ def _embed_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], img_size: A
     return EmbedPlan(pad)
 
 
-class HaloPatchEmbed(nn.Module):
+class HaloPatchEmbed(HaloLayer, nn.Module):
     """timm's ``PatchEmbed`` (``proj`` conv of kernel = stride = patch, then the output format and ``norm``) on an
     H-shard ``(B, C, H_r, W)``: ``img_size`` is checked against the global H, ``dynamic_img_pad`` pads the last
     rank, and ``proj`` is a :class:`halo.nn.HaloConv2d` (shards that are multiples of the patch give ``n // patch``
     rows each, so a block split stays one)."""
 
-    group = group_attribute()
-
     def __init__(self, embed: nn.Module, *, group: Any | None = None) -> None:
         from .conv import HaloConv2d
 
-        _adopt(self, embed, "HaloPatchEmbed", ("proj", "norm", "patch_size", "flatten", "output_fmt"))
+        adopt_recognised(self, embed, "HaloPatchEmbed", ("proj", "norm", "patch_size", "flatten", "output_fmt"))
         proj = self._modules["proj"]
         if not isinstance(proj, HaloConv2d):
             self._modules["proj"] = HaloConv2d(proj, group=group)
-        self.group = group
-        self._halo_site = Site()
+        self.halo_init(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = "HaloPatchEmbed"
@@ -484,12 +521,14 @@ class HaloPatchEmbed(nn.Module):
 
 # -- recognising timm's classes (halo.nn.convert._adapter) ---------------------------------------------------
 
-def _whole_w(make: Any) -> Any:
-    def convert(m: nn.Module, ctx: Any) -> nn.Module:
+def latitude_only(make: Callable[[nn.Module, Any], nn.Module | None], what: str = "Swin layers") -> Callable:
+    """The converter of a recognised layer that shards latitude only (W whole on each rank; Swin V1 and V2):
+    ``make(module, group)``, refused on a latitude x longitude mesh with the same error on every rank."""
+    def convert(m: nn.Module, ctx: Any) -> nn.Module | None:
         if getattr(ctx, "mesh", None) is not None:
-            raise ValueError(f"{type(m).__name__}: halo's Swin layers shard latitude only (W whole on each rank); "
+            raise ValueError(f"{type(m).__name__}: halo's {what} shard latitude only (W whole on each rank); "
                              f"convert with a 1-D domain (no W sharding)")
-        return make(m, group=ctx.group)
+        return make(m, ctx.group)
     return convert
 
 
@@ -499,14 +538,14 @@ def swin_adapter(module: nn.Module) -> Any:
     if kind == "SwinTransformerBlock" and {"norm1", "attn", "norm2", "mlp", "drop_path1", "drop_path2"} <= set(mods) \
             and hasattr(module, "window_size") and hasattr(module, "shift_size") \
             and hasattr(mods["attn"], "relative_position_bias_table") and not hasattr(mods["attn"], "logit_scale"):
-        return _whole_w(HaloSwinTransformerBlock)
+        return latitude_only(lambda m, g: HaloSwinTransformerBlock(m, group=g))
     if kind == "PatchMerging" and {"norm", "reduction"} <= set(mods) and isinstance(mods["reduction"], nn.Linear) \
             and isinstance(mods["norm"], nn.LayerNorm):
         v2 = type(module).__module__.endswith("swin_transformer_v2")  # the reduction, then norm over its output
         features = mods["reduction"].out_features if v2 else mods["reduction"].in_features
         if tuple(mods["norm"].normalized_shape) == (features,):
-            return _whole_w(HaloPatchMerging)  # v1: norm over 4*dim, then the reduction
+            return latitude_only(lambda m, g: HaloPatchMerging(m, group=g))  # v1: norm over 4*dim, then the reduction
     if kind == "PatchEmbed" and isinstance(mods.get("proj"), nn.Conv2d) and "norm" in mods \
             and all(hasattr(module, a) for a in ("patch_size", "flatten", "output_fmt")):
-        return _whole_w(HaloPatchEmbed)
+        return latitude_only(lambda m, g: HaloPatchEmbed(m, group=g))
     return None
