@@ -7,6 +7,7 @@ ColossalAI initializers in ``halo.groups``.
 
 # halo.io and halo.checkpoint as attributes (not in __all__: a star import must not shadow the stdlib's io)
 from . import checkpoint as checkpoint
+from . import context as context  # halo.context.reset() / use(): the one state object
 from . import guard as guard  # registers the guard with the planner (halo.plans.use_guard)
 from . import io as io
 from .check import check_equivalence

@@ -44,6 +44,7 @@ __all__ = [
     "HaloCommError",
     "SPECS_CAP",
     "HaloHandle",
+    "communicating",
     "exchange",
     "exchange_spec",
     "exchanger_id",
@@ -560,7 +561,7 @@ def order_communication(*ops: Any) -> None:
 _COMMUNICATING: set[str] = {"halo::order_after"}
 
 
-def _communicating(op: Any) -> bool:
+def communicating(op: Any) -> bool:
     """Whether ``op`` (an ``OpOverload``) is one of halo's communicating custom ops or ``halo::order_after``."""
     name = getattr(op, "name", None)
     return callable(name) and name() in _COMMUNICATING
@@ -576,7 +577,7 @@ def _save_communication_in_checkpoints() -> None:
     (convolutions, normalisation, activations) from the saved exchanged shards in backward — correct on every rank
     alike, at the cost of keeping the exchanged (extended) shards of the region, which eager checkpointing recomputes
     (re-posting the messages in backward). A ``context_fn`` of your own (selective checkpointing) must save them
-    too: return ``MUST_SAVE`` where ``halo.exchange._communicating(op)``. Eager checkpointing is unchanged. Where
+    too: return ``MUST_SAVE`` where ``halo.exchange.communicating(op)``. Eager checkpointing is unchanged. Where
     the policy is absent (another torch), nothing is patched."""
     try:
         from torch._higher_order_ops import wrap
@@ -590,7 +591,7 @@ def _save_communication_in_checkpoints() -> None:
         return
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        if _communicating(op):
+        if communicating(op):
             from torch.utils.checkpoint import CheckpointPolicy
 
             return CheckpointPolicy.MUST_SAVE
@@ -614,7 +615,7 @@ def _save_communication_in_tagged_nodes(wrap: Any) -> None:
             from torch.utils.checkpoint import CheckpointPolicy
 
             for node in gmod.graph.nodes:
-                if node.op == "call_function" and _communicating(node.target):
+                if node.op == "call_function" and communicating(node.target):
                     node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         return gmod
 

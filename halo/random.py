@@ -40,8 +40,9 @@ ops stay torch's: after :func:`manual_seed` they draw the same on every rank —
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,7 +90,8 @@ def _stream(cg: CommGroup) -> int:
 
 # -- the plan of a draw: where this rank's elements sit in the field, and a one-time check of the generators ------
 
-class RandomPlan(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class RandomPlan:
     """The sharded dim's global extent, this rank's first index along it, and the stream."""
 
     total: int
@@ -115,8 +117,11 @@ def _generator_digest(device: str) -> tuple[int, int]:
     return int(w[0]), int(w[1])
 
 
-def _random_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: str, op: str) -> RandomPlan:
-    """Made once per plan on every rank alike: compares the ranks' generator states, then the offsets."""
+def _random_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: str, op: str,
+                 shape: tuple[int, ...] = ()) -> RandomPlan:
+    """Made once per plan on every rank alike: compares the ranks' generator states over the whole domain group,
+    then places this rank along every axis: ``extents`` holds its line's extents per axis (one axis: latitude rows;
+    two: the H line and the W line of a latitude x longitude mesh of ``shape``, ranks row-major)."""
     if cg.size > 1:
         table = gather_words([_AGREE_RNG, *_generator_digest(device)], cg, op)
         differ = [r for r in range(cg.size) if (table[r] != table[0]).any()]
@@ -127,29 +132,22 @@ def _random_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: st
                 f"and a domain group must draw the same key to give every shard of a sample the same dropout and "
                 f"drop-path. Seed every rank alike with halo.random.manual_seed(seed) (data-parallel replicas still "
                 f"draw differently), and draw from torch's generator in the same order on every domain rank")
-    sizes = extents[0]
-    return RandomPlan(sum(sizes), sum(sizes[:cg.index]), _stream(cg))
-
-
-def _random_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: str, op: str,
-                    pw: int) -> RandomPlan:
-    """On a latitude x longitude mesh: this rank's rows within its H line and columns within its W line."""
-    sizes_h, sizes_w = extents
-    plan = _random_plan(cg, (sizes_h,), device, op)  # the generator check over the whole domain group
-    i, j = divmod(cg.index, pw)
-    return RandomPlan(sum(sizes_h), sum(sizes_h[:i]), plan.stream, sum(sizes_w), sum(sizes_w[:j]))
+    coords = np.unravel_index(cg.index, shape or (cg.size,))
+    starts = [sum(sizes[:int(c)]) for sizes, c in zip(extents, coords, strict=True)]
+    if len(extents) == 2:  # a latitude x longitude mesh: the global W and this rank's first column
+        return RandomPlan(sum(extents[0]), starts[0], _stream(cg), sum(extents[1]), starts[1])
+    return RandomPlan(sum(extents[0]), starts[0], _stream(cg))
 
 
 def _plan(x: torch.Tensor, dim: int, group: Any, op: str, site: Site | None, mesh: Any | None = None) -> RandomPlan:
-    if mesh is not None:
-        if dim % max(x.dim(), 1) != x.dim() - 2:
-            raise ValueError(f"{op}: on a latitude x longitude mesh the field's H and W are its last two dims")
-        pw = mesh.domain_shape[1]
-        return resolve(x, mesh.domain_group, op, _random_plan_2d, (str(x.device), op, pw), site=site,
-                       spec=((-2,), (-1,)), coords=mesh_coords(tuple(mesh.domain_shape)), grad=False,
+    if mesh is None:  # latitude rows: one axis, the sharded dim ``dim``
+        return resolve(x, group, op, _random_plan, (str(x.device), op), site=site, spec=(dim,), grad=False,
                        allow_empty=True)
-    return resolve(x, group, op, _random_plan, (str(x.device), op), site=site, spec=(dim,), grad=False,
-                   allow_empty=True)
+    if dim % max(x.dim(), 1) != x.dim() - 2:
+        raise ValueError(f"{op}: on a latitude x longitude mesh the field's H and W are its last two dims")
+    shape = tuple(mesh.domain_shape)
+    return resolve(x, mesh.domain_group, op, _random_plan, (str(x.device), op, shape), site=site,
+                   spec=((-2,), (-1,)), coords=mesh_coords(shape), grad=False, allow_empty=True)
 
 
 def _field_bits(x: torch.Tensor, d: int, plan: RandomPlan, key: torch.Tensor, tag: int) -> torch.Tensor:

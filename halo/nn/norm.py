@@ -447,8 +447,7 @@ class _DomainNorm(HaloLayer):
 
     def _init(self, group: Any | None, mesh: Any | None) -> None:
         self.halo_init(group, mesh)
-        if self.halo_mesh is not None:  # the statistics' group: every rank of the mesh's domain
-            self.group = self.halo_mesh.domain_group
+        self.group = self.domain_group  # the statistics' group: every rank of the domain, on either decomposition
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", domain-parallel"
