@@ -55,17 +55,26 @@ from .mesh import dp_coordinate, mesh_coords
 from .plans import Site, carry, resolve
 
 __all__ = [
+    "TAG_DROP",
+    "TAG_NORMAL_1",
+    "TAG_NORMAL_2",
+    "TAG_UNIFORM",
     "alpha_dropout",
     "drop_path",
+    "draw_key",
     "dropout",
     "feature_dropout",
+    "keep_threshold",
     "manual_seed",
     "rand_like",
     "randn_like",
 ]
 
 _ONE = 1 << BITS  # draws are integers in [0, 2**24)
-_TAG_DROP, _TAG_UNIFORM, _TAG_NORMAL_1, _TAG_NORMAL_2 = 0, 1, 2, 3
+#: the op a draw is for, a word of Philox's counter: dropout's keep/drop, rand_like's, randn_like's two uniforms
+#: (Box-Muller). Ops drawing at one element with one key never reuse each other's numbers. Public for references
+#: that recompute halo's draws on the whole field in one process (``philox.bits(draw_key(dev), ..., TAG_DROP)``).
+TAG_DROP, TAG_UNIFORM, TAG_NORMAL_1, TAG_NORMAL_2 = 0, 1, 2, 3
 
 
 def manual_seed(seed: int) -> None:
@@ -162,8 +171,9 @@ def _field_bits(x: torch.Tensor, d: int, plan: RandomPlan, key: torch.Tensor, ta
     return u.view(*x.shape[:-1], plan.width).narrow(-1, plan.col0, w)
 
 
-def _key(device: torch.device) -> torch.Tensor:
-    """This call's key: one draw from torch's generator on ``device`` (no host read)."""
+def draw_key(device: torch.device) -> torch.Tensor:
+    """This call's key: one draw from torch's generator on ``device`` (no host read); every random op of this module
+    draws one per call, so a reference seeded alike (``torch.manual_seed``) and calling this gets the same key."""
     return torch.randint(1 << 62, (1,), dtype=torch.int64, device=device)
 
 
@@ -175,7 +185,8 @@ def _space(x: torch.Tensor, dim: int, plan: RandomPlan) -> tuple[int, int, int]:
     return int(x.shape[dim]) * inner, plan.total * inner, plan.offset * inner
 
 
-def _threshold(p: float) -> int:
+def keep_threshold(p: float) -> int:
+    """The 24-bit draw at or above which an element is kept by a dropout of probability ``p`` (module docstring)."""
     return min(_ONE, max(0, round(p * _ONE)))
 
 
@@ -239,7 +250,7 @@ class _DropoutFn(torch.autograd.Function):
         ctx.scale = scale
         if kernels.backend_for(x, "dropout") == "triton":
             return kernels.dropout(x, key, run, stride, offset, stream, threshold, scale)
-        keep = (kernels.bits(key, x.numel(), run, stride, offset, stream, _TAG_DROP) >= threshold).view(x.shape)
+        keep = (kernels.bits(key, x.numel(), run, stride, offset, stream, TAG_DROP) >= threshold).view(x.shape)
         ctx.save_for_backward(keep)
         return philox.masked(x, keep, scale)
 
@@ -291,10 +302,10 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: boo
     plan = _plan(x, d, group, op, site, mesh)
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
     if plan.width:
-        keep = _field_bits(x, d, plan, _key(x.device), _TAG_DROP) >= _threshold(p)
+        keep = _field_bits(x, d, plan, draw_key(x.device), TAG_DROP) >= keep_threshold(p)
         return _finish(philox.masked(x, keep, scale), x, inplace)
     run, stride, offset = _space(x, d, plan)
-    out = _fused_dropout(x, _key(x.device), run, stride, offset, plan.stream, _threshold(p), scale)
+    out = _fused_dropout(x, draw_key(x.device), run, stride, offset, plan.stream, keep_threshold(p), scale)
     return _finish(out.view(x.shape), x, inplace)
 
 
@@ -304,8 +315,8 @@ def _unit_mask(x: torch.Tensor, shape: tuple[int, ...], p: float, stream: int) -
     n = 1
     for s in shape:
         n *= int(s)
-    u = _bits(_key(x.device), n, 1, 1, 0, stream, _TAG_DROP)
-    return (u >= _threshold(p)).view(shape)
+    u = _bits(draw_key(x.device), n, 1, 1, 0, stream, TAG_DROP)
+    return (u >= keep_threshold(p)).view(shape)
 
 
 def _check_group(x: torch.Tensor, group: Any, op: str, site: Site | None, mesh: Any | None = None) -> int:
@@ -379,7 +390,7 @@ def alpha_dropout(x: torch.Tensor, p: float = 0.5, training: bool = False, inpla
     else:
         d = _field_dim(x, dim, op)
         plan = _plan(x, d, group, op, site, mesh)
-        keep = _field_bits(x, d, plan, _key(x.device), _TAG_DROP) >= _threshold(p)
+        keep = _field_bits(x, d, plan, draw_key(x.device), TAG_DROP) >= keep_threshold(p)
     if p == 1.0:
         return _finish(x * 0, x, inplace)
     a = 1.0 / ((_ALPHA * _ALPHA * p + 1) * (1 - p)) ** 0.5
@@ -398,7 +409,7 @@ def rand_like(x: torch.Tensor, *, dim: int = -2, group: Any | None = None, dtype
               site: Site | None = None, mesh: Any | None = None) -> torch.Tensor:
     """Uniform noise on ``[0, 1)`` (multiples of 2**-24) for a shard of a field: each element's value depends only
     on its global index, so the noise is the same however the field is split."""
-    u = _uniform(x, _TAG_UNIFORM, dim, group, "halo.random.rand_like", site, _key(x.device), mesh)
+    u = _uniform(x, TAG_UNIFORM, dim, group, "halo.random.rand_like", site, draw_key(x.device), mesh)
     out = u.to(dtype or x.dtype) * (1.0 / _ONE)
     carry(out, x)
     return out
@@ -410,9 +421,9 @@ def randn_like(x: torch.Tensor, *, dim: int = -2, group: Any | None = None, dtyp
     rounded): each element's value depends only on its global index, so it is the same however the field is split.
     """
     op = "halo.random.randn_like"
-    key = _key(x.device)
-    u1 = _uniform(x, _TAG_NORMAL_1, dim, group, op, site, key, mesh).to(torch.float64).add_(1.0).mul_(1.0 / _ONE)
-    u2 = _uniform(x, _TAG_NORMAL_2, dim, group, op, site, key, mesh).to(torch.float64).mul_(2.0 * np.pi / _ONE)
+    key = draw_key(x.device)
+    u1 = _uniform(x, TAG_NORMAL_1, dim, group, op, site, key, mesh).to(torch.float64).add_(1.0).mul_(1.0 / _ONE)
+    u2 = _uniform(x, TAG_NORMAL_2, dim, group, op, site, key, mesh).to(torch.float64).mul_(2.0 * np.pi / _ONE)
     out = (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(u2)).to(dtype or x.dtype)
     carry(out, x)
     return out

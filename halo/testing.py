@@ -9,6 +9,11 @@ ranks that had not finished. A hang is a failure, never a stuck test run.
 
 Test pattern: let ``fn`` compute and *return* what it measured; assert in the parent, where all ranks'
 results are seen together (so every rank reaches the same verdict and none waits alone on a failed peer).
+
+``run_on_ranks_outcomes`` is the same launch for tests of failures (a rank that dies, a peer that never answers,
+a write interrupted half-way): every rank's own outcome, ``("ok", result)``, ``("error", traceback)``,
+``("died", exit code)`` or ``("timeout", None)``, instead of the first error; so a test can check that the
+survivors raised the clear error they should, within their bound, rather than hang.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-__all__ = ["HostWorkCounter", "RankError", "RankTimeout", "run_on_ranks"]
+__all__ = ["HostWorkCounter", "RankError", "RankTimeout", "run_on_ranks", "run_on_ranks_outcomes"]
 
 class RankError(RuntimeError):
     """A rank raised; the message carries its rank and traceback."""
@@ -95,21 +100,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: s
         RankError: a rank raised (the lowest failing rank's traceback is in the message).
         RankTimeout: not all ranks finished within ``timeout``.
     """
-    if world_size <= 0:
-        raise ValueError(f"world_size must be positive, got {world_size}")
-    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="halo_ranks_") as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs, conns = [], []
-        for rank in range(world_size):
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, name=f"halo-rank-{rank}",
-                            args=(fn, rank, world_size, args, store_path, backend,
-                                  pg_timeout or timeout, threads, child_conn))
-            p.start()
-            child_conn.close()
-            procs.append(p)
-            conns.append(parent_conn)
+        procs, conns = _start(fn, world_size, args, os.path.join(tmp, "store"), backend, pg_timeout or timeout, threads)
         results: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout
         pending = {c: r for r, c in enumerate(conns)}
@@ -166,6 +158,59 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: s
     if missing:
         raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
     return [results[r][1] for r in range(world_size)]
+
+
+def _start(fn: Callable[..., Any], world_size: int, args: tuple, store_path: str, backend: str, pg_timeout: float,
+           threads: int) -> tuple[list[Any], list[Any]]:
+    """Start the ranks from the forkserver: their processes and the parent's ends of their result pipes."""
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    ctx = _context()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, name=f"halo-rank-{rank}",
+                        args=(fn, rank, world_size, args, store_path, backend, pg_timeout, threads, child_conn))
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
+    return procs, conns
+
+
+def run_on_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+                          pg_timeout: float = 30.0, backend: str = "gloo", threads: int = 1) -> list[tuple[str, Any]]:
+    """Run ``fn(rank, world_size, *args)`` as :func:`run_on_ranks` does, but return every rank's own outcome.
+
+    A rank that raises or dies does not hide the others (``run_on_ranks`` raises at the first error): the result
+    is, in rank order, ``("ok", result)``, ``("error", "Type: message\ntraceback")``, ``("died", exit code)``
+    (the process ended without sending a result) or ``("timeout", None)`` (still running at ``timeout``: killed).
+    For tests of what the survivors of a failure do; ``pg_timeout`` (the process group's own bound) should be
+    shorter than ``timeout`` so that a rank waiting on a dead peer reports its error instead of being killed.
+    """
+    with tempfile.TemporaryDirectory(prefix="halo_ranks_") as tmp:
+        procs, conns = _start(fn, world_size, args, os.path.join(tmp, "store"), backend, pg_timeout, threads)
+        results: dict[int, tuple[str, Any]] = {}
+        pending = dict(enumerate(conns))
+        deadline = time.monotonic() + timeout
+        try:
+            while pending and time.monotonic() < deadline:
+                for c in wait(list(pending.values()), timeout=deadline - time.monotonic()):
+                    r = next(q for q, cc in pending.items() if cc is c)
+                    del pending[r]
+                    try:
+                        results[r] = pickle.loads(c.recv_bytes())
+                    except EOFError:
+                        procs[r].join(5)
+                        results[r] = ("died", procs[r].exitcode)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+            for c in conns:
+                c.close()
+    return [results.get(r, ("timeout", None)) for r in range(world_size)]
 
 
 # -- what a step costs on the host ---------------------------------------------------------------------------------

@@ -369,9 +369,11 @@ def _mesh_cases(rank, world, names):
 
 def test_check_equivalence_on_a_latitude_longitude_mesh():
     """The same verdicts on a 2x2 mesh (37 x 11: uneven blocks both ways): the scSE branch is whole, the features
-    list assembled block by block."""
-    results = run_on_ranks(_mesh_cases, 4, ["scse", "features"], timeout=180)
-    for name in ("scse", "features"):
+    list assembled block by block, a complex field assembled part by part (as one real tensor of pairs its last dim
+    would be taken for longitude: the correct model was reported as differing in shape)."""
+    names = ["scse", "features", "complex"]
+    results = run_on_ranks(_mesh_cases, 4, names, timeout=180)
+    for name in names:
         assert len({r[(name, True)][3] for r in results}) == 1
         ok, _, _, text = results[0][(name, False)]
         assert ok, text
@@ -499,7 +501,7 @@ def test_check_equivalence_makes_nothing_on_the_host_that_meets_the_device():
 
 
 def test_weights_are_drawn_on_the_host_and_live_on_the_outputs_device():
-    from halo.check import _weights
+    from halo.check_record import weights as _weights
 
     like = torch.empty(2, 3, 5, device="meta", dtype=torch.float32)
     w = _weights(like, torch.Generator().manual_seed(1))

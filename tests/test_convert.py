@@ -451,6 +451,6 @@ def _pickled(rank, world):
 
 
 def test_a_converted_torch_container_pickles_and_loads_as_the_same_class():
-    """The root's class is derived once per torch class (halo.nn.convert._rooted) and found again by name."""
+    """The root's class is derived once per torch class (halo.nn.root.rooted) and found again by name."""
     for r in run_on_ranks(_pickled, 2, timeout=60):
         assert r == ("_RootedSequential", True, True), r

@@ -38,6 +38,7 @@ def _strides_on_rank(rank: int, world: int) -> dict:
 
     import halo
     import halo.exchange as hx
+    import halo.exchange_ops as hops
     import halo.nn.norm as hn
     import halo.random as hr
     import halo.reduce as hred
@@ -66,10 +67,10 @@ def _strides_on_rank(rank: int, world: int) -> dict:
         out[name] = ([_meta(t) for t in real], [_meta(t) for t in fake])
 
     for kind, x in inputs.items():
-        both(f"exchange/{kind}", hx._exchange_op, x, order, plan.ex, 2, plan.rows)
+        both(f"exchange/{kind}", hops.exchange_op, x, order, plan.ex, 2, plan.rows)
         g = torch.randn(2, 6, plan.rows, x.shape[-1], dtype=torch.float64)
         g = g.contiguous(memory_format=torch.channels_last) if kind == "channels_last" else g
-        both(f"exchange_adjoint/{kind}", hx._exchange_adjoint_op, g, order, plan.ex, 2, rows)
+        both(f"exchange_adjoint/{kind}", hops.exchange_adjoint_op, g, order, plan.ex, 2, rows)
         same = same_shape[kind]  # an all-reduce takes one shape on every rank
         both(f"all_reduce/{kind}", hred._all_reduce_op, same, order, "sum", gid)
         both(f"all_reduce_bf16/{kind}", hred._all_reduce_op, same.to(torch.bfloat16), order, "mean",

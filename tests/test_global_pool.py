@@ -175,18 +175,20 @@ def test_global_pools_convert_exactly(name, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_pool_with_fewer_output_rows_than_ranks(world):
-    """The pool alone: 2 output rows over 3 ranks, (avg and max, indices global), and a (1, 5) output."""
+    """The pool alone: 2 output rows over 3 ranks, (avg and max, indices global), and a (1, 5) output; of
+    (B, C, H, W) fields and of (C, H, W) ones (a rank without rows of a window pools an empty part)."""
     results = run_on_ranks(_pool_only, world, timeout=60)
     full, wts = _inputs()
     for r in results:
         for (size, kind), got in r.items():
-            x = full.clone().requires_grad_(True)
-            if kind == "avg":
+            x = (full[0] if kind.endswith("3d") else full).clone().requires_grad_(True)
+            w = wts[0] if kind.endswith("3d") else wts
+            if kind.startswith("avg"):
                 y = F.adaptive_avg_pool2d(x, size)
                 idx = None
             else:
                 y, idx = F.adaptive_max_pool2d(x, size, return_indices=True)
-            (y * wts[..., :y.shape[-2], :y.shape[-1]]).sum().backward()
+            (y * w[..., :y.shape[-2], :y.shape[-1]]).sum().backward()
             assert torch.allclose(got["out"], y, rtol=0, atol=1e-12), (size, kind)
             assert torch.allclose(got["grad"], x.grad, rtol=0, atol=1e-12), (size, kind)
             if idx is not None:
@@ -202,15 +204,16 @@ def _pool_only(rank, world):
     offs = split_offsets(H, world)
     results = {}
     for size in ((1, 5), (world - 1, 3)):
-        for kind in ("avg", "max"):
-            x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+        for kind in ("avg", "max", "avg3d", "max3d"):  # 3d: a (C, H, W) field, as torch's adaptive pools take
+            three = kind.endswith("3d")
+            x = (full[0] if three else full)[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
             idx = None
-            if kind == "avg":
+            if kind.startswith("avg"):
                 y = halo_adaptive_avg_pool2d(x, size)
             else:
                 y, idx = halo_adaptive_max_pool2d(x, size, return_indices=True)
             # Each rank's consumers use their own part of the whole result: rank r takes its share of the weights.
-            share = (wts[..., :y.shape[-2], :y.shape[-1]] / world)
+            share = ((wts[0] if three else wts)[..., :y.shape[-2], :y.shape[-1]] / world)
             (y * share).sum().backward()
             results[(size, kind)] = {"out": y.detach(), "idx": idx, "grad": halo.gather(x.grad)}
     return results
@@ -295,3 +298,81 @@ def test_psp_levels_resized_to_a_shards_size_are_exact(sizes):
     for got in results:
         assert isinstance(got, torch.Tensor), got
         assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+
+
+# -- one global-pool path on either decomposition: meshes with an axis of one rank --------------------------------
+
+#: mesh shape -> (output_size, path): "whole" (every sharded axis a global pool), "rows" (H windowed, W on each rank
+#: alone: the balanced split of H), "refused" (a windowed axis beside a sharded one).
+MESH_CASES = {(1, 3): [(1, "whole"), ((2, 1), "whole"), ((4, 2), "whole"), ((1, 4), "refused")],
+              (3, 1): [(1, "whole"), ((2, 3), "whole"), ((5, 4), "rows"), ((7, None), "rows")]}
+
+
+def _mesh_pools(rank, world, shape):
+    import halo
+    from halo.nn import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d
+    from halo.partition import local_range
+
+    mesh = halo.DomainMesh(shape)
+    (h0, h1), (w0, w1) = (local_range(n, mesh.axis_size(a), mesh.axis_rank(a)) for a, n in ((0, H), (1, W)))
+    full, wts = _inputs()
+    full = (2 * full).round() / 2  # a 0.5 grid: ties within and across ranks for the max
+    results = {}
+    for size, path in MESH_CASES[shape]:
+        for kind in ("avg", "max"):
+            pool = nn.AdaptiveAvgPool2d(size) if kind == "avg" else nn.AdaptiveMaxPool2d(size, return_indices=True)
+            layer = (HaloAdaptiveAvgPool2d if kind == "avg" else HaloAdaptiveMaxPool2d)(pool, mesh=mesh)
+            x = full[..., h0:h1, w0:w1].clone().requires_grad_(True)
+            try:
+                y = layer(x)
+            except ValueError as exc:
+                results[(size, kind)] = {"error": str(exc)}
+                continue
+            y, idx = y if kind == "max" else (y, None)
+            m = pool(full)[0 if kind == "max" else slice(None)].shape[-2]
+            if path == "whole":  # each rank's consumers use their own share of the whole result
+                (y * wts[..., :y.shape[-2], :y.shape[-1]] / world).sum().backward()
+                rows = (0, m)
+            else:  # this rank's rows of the output
+                rows = local_range(m, shape[0], mesh.axis_rank(0))
+                (y * wts[..., rows[0]:rows[1], :y.shape[-1]]).sum().backward()
+            results[(size, kind)] = {"out": y.detach(), "idx": idx, "rows": rows, "grad": x.grad,
+                                     "block": (h0, h1, w0, w1), "whole": halo.plans.whole_source(y) is not None}
+    return results
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (3, 1)])
+def test_global_pool_path_on_meshes_with_a_rank_alone_on_an_axis(shape):
+    """The one global-pool path reduces over the domain whatever the decomposition: a 1 x 3 mesh (W sharded alone:
+    H whole on each rank, pooled by torch) and a 3 x 1 mesh (latitude rows as a mesh), outputs 1 x 1 and more than one
+    output along the unsharded axis; on the 3 x 1 mesh a windowed H is the rows path. Values bitwise (max: indices
+    too, ties across ranks: torch's winner), the input gradient at 1e-12, the result marked whole only where it is.
+    A windowed axis beside a sharded one raises the same error on every rank."""
+    results = run_on_ranks(_mesh_pools, 3, shape, timeout=120)
+    full, wts = _inputs()
+    full = (2 * full).round() / 2
+    for size, path in MESH_CASES[shape]:
+        for kind in ("avg", "max"):
+            got = [r[(size, kind)] for r in results]
+            if path == "refused":
+                assert len({g.get("error") for g in got}) == 1, got
+                assert "only as a global pool" in got[0]["error"] and "1 x 4" in got[0]["error"], got[0]
+                continue
+            x = full.clone().requires_grad_(True)
+            if kind == "avg":
+                ref, ref_idx = F.adaptive_avg_pool2d(x, size), None
+            else:
+                ref, ref_idx = F.adaptive_max_pool2d(x, size, return_indices=True)
+            (ref * wts[..., :ref.shape[-2], :ref.shape[-1]]).sum().backward()
+            for g in got:
+                assert "error" not in g, (size, kind, g)
+                a, b = g["rows"]
+                assert g["whole"] == (path == "whole"), (size, kind)
+                want = ref.detach()[..., a:b, :]
+                if kind == "max":
+                    assert torch.equal(g["out"], want) and torch.equal(g["idx"], ref_idx[..., a:b, :]), (size, kind)
+                else:
+                    assert torch.allclose(g["out"], want, rtol=0, atol=1e-14), (size, kind)
+                h0, h1, w0, w1 = g["block"]
+                err = (g["grad"] - x.grad[..., h0:h1, w0:w1]).abs().max()
+                assert err <= 1e-12, (size, kind, err)

@@ -118,6 +118,25 @@ def test_granularity_and_errors(tmp_path):
         field.sample(T)
 
 
+def test_stats_of_a_variable_whose_time_dim_is_not_first():
+    """dims (level, time, lat, lon): every channel's statistics are its own level's (before: the slab of every
+    step was cut into channels as if time came first, mixing the levels' values, silently)."""
+    from halo.io import ShardedField
+
+    rng = np.random.default_rng(1)
+    values = rng.standard_normal((L, T, H, W)) + 100 * np.arange(L)[:, None, None, None]
+    ds = xr.Dataset({"t": (("level", "time", "lat", "lon"), values), "u": (("lat", "lon"), values[0, 0] * 3)},
+                    coords={"lat": np.linspace(90, -90, H)})
+    field = ShardedField(ds)
+    assert field.channels == ["t[0]", "t[1]", "u"]
+    mean, std = field.stats(torch.float64)
+    levels = values.reshape(L, -1)
+    assert np.allclose(mean.numpy(), [*levels.mean(1), 3 * values[0, 0].mean()], rtol=1e-12)
+    assert np.allclose(std.numpy(), [*levels.std(1), 3 * values[0, 0].std()], rtol=1e-10)
+    want = np.concatenate([values[:, 1], 3 * values[None, 0, 0]])  # (t[0], t[1], u) at step 1
+    assert np.array_equal(field.sample(1, torch.float64).numpy(), want)
+
+
 def test_rechunk_writes_a_store_chunked_for_slabs(tmp_path):
     pytest.importorskip("zarr")
     from halo.io import ShardedField, rechunk

@@ -211,6 +211,41 @@ def test_stalled_rank_bounded_by_set_timeout(tmp_path):
     assert complete_steps(store, "s") == [(0,)]
 
 
+def _marker_lost(rank, world, store):
+    """Step 0 written; then group rank 0 loses the step markers' metadata (a disk error where only it writes): at
+    step 1 its marker write fails. Every rank returns ``(step, error type, message)``."""
+    import shutil
+
+    import torch.distributed as dist
+
+    import halo
+    from halo.io import write_rows
+
+    halo.set_timeout(20.0)
+    offs = split_offsets(H, world)
+    full = _field(5)
+    for t in range(2):
+        try:
+            write_rows(store, "m", full[t, :, offs[rank]:offs[rank + 1]], (T, C, H, W), (t,), group=dist.group.WORLD)
+        except Exception as exc:  # noqa: BLE001
+            return t, type(exc).__name__, str(exc)
+        if t == 0 and rank == 0:
+            shutil.rmtree(os.path.join(store, "halo_steps", "m"))
+    return "finished"
+
+
+def test_a_marker_that_cannot_be_written_fails_the_step_on_every_rank(tmp_path):
+    """The marker is written last, by group rank 0 alone; when that write fails, every rank raises the same error
+    for that step (before: rank 0 raised and the others returned, as if the step were complete, and went on to the
+    next step alone)."""
+    results = run_on_ranks(_marker_lost, 3, str(tmp_path / "m.zarr"), timeout=120)
+    for rank, (step, kind, msg) in enumerate(results):
+        assert step == 1 and kind == "RuntimeError", results
+        assert "marking the step complete failed on group rank 0 (global 0) (" in msg, msg
+        assert msg.endswith("its rows are in the store but the step is not reported complete"), msg
+        assert ("ArrayNotFoundError" in msg) if rank == 0 else ("(see its error)" in msg), (rank, msg)
+
+
 def test_one_process_runs_and_resume(tmp_path):
     """Without torch.distributed: each new run hides the older run's steps; ``resume=True`` keeps them."""
     import halo.io as hio
@@ -242,7 +277,7 @@ def test_one_process_runs_and_resume(tmp_path):
 def test_chunk_owners_tile_the_array():
     """Pure arithmetic, many grids: the regions the ranks write (whole chunks, each by the rank holding its first
     row and column) tile the array exactly once; along latitude a rank sends at most P - 1 rows to its neighbour."""
-    from halo.io import _meet, _owned
+    from halo.io_write import _meet, _owned
 
     for h in list(range(1, 40)) + [181, 721]:
         for p in range(1, 9):

@@ -14,7 +14,7 @@ a literal name. The rules:
 (d) ``halo.nn`` never imports ``halo.compat`` or the tools, and neither the core nor the API tier imports
     ``halo.compat`` (a compat layer plugs into what it adapts, never the reverse);
 (e) no private name (``_x``) imported from another module or read off one (``plans._STATE``); a private module
-    (``halo.nn._mesh2d``) is imported only inside its own package;
+    (``_x.py``) is imported only inside its own package;
 (f) ``halo.kernels`` imports nothing of halo outside itself (the kernels are the bottom of the house).
 
 What breaks a rule today is listed in :data:`EXPECTED_VIOLATIONS`, each with its reason (issue 22). A test fails when

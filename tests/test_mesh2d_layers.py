@@ -515,3 +515,55 @@ def test_padding_modules_on_mesh(shape):
     for r in run_on_ranks(_pad_ranks, shape[0] * shape[1], shape, timeout=180):
         for name, err in r.items():
             assert err <= TOL, (name, err)
+
+
+def _conv_same_ranks(rank, world, shape):
+    os.environ["TRITON_INTERPRET"] = "0"
+    import _thirdparty as tp
+
+    tp.load()
+    from timm.layers import Conv2dSame
+
+    from halo.mesh import DomainMesh
+    from halo.nn import HaloConv2dSame, convert_to_domain_parallel
+
+    mesh = DomainMesh(shape, periodic=(False, True))
+    out = {}
+    full = torch.randn(2, 4, 21, 26, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for i, conv in enumerate((Conv2dSame(4, 4, 3, stride=2), Conv2dSame(4, 4, 4), Conv2dSame(4, 4, 3, dilation=2),
+                              Conv2dSame(4, 4, (5, 3), stride=(3, 2), groups=4, bias=False))):
+        conv = conv.double()
+        model = convert_to_domain_parallel(nn.Sequential(conv), mesh=mesh)
+        assert isinstance(model[0], HaloConv2dSame), type(model[0])
+        xf = full.clone().requires_grad_(True)
+        yr = conv(xf)
+        g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        params = list(conv.parameters())
+        (yr * g).sum().backward()
+        pref = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        x = _block(full, mesh).clone().requires_grad_(True)
+        y = model(x)
+        (y * _block(g, mesh)).sum().backward()
+        pg = [p.grad.clone() for p in params]
+        for t in pg:
+            torch.distributed.all_reduce(t, group=mesh.domain_group)
+        want = _block(yr.detach(), mesh)
+        out[f"conv{i}"] = max([float((y - want).abs().max()) if y.shape == want.shape else float("inf"),
+                               float((x.grad - _block(xf.grad, mesh)).abs().max())]
+                              + [float((a - b).abs().max()) for a, b in zip(pg, pref, strict=True)])
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3)])
+def test_timm_conv2d_same_on_mesh(shape):
+    """timm's ``Conv2dSame`` (TF "same": the padding from each axis's global extent) on blocks of a mesh."""
+    import _thirdparty as tp
+
+    if tp.missing():
+        pytest.skip(f"the zoo's packages are not installed: {tp.missing()} (tests/_thirdparty.py)")
+    results = run_on_ranks(_conv_same_ranks, shape[0] * shape[1], shape, timeout=300)
+    for r in results:
+        for name, err in r.items():
+            assert err <= TOL, (name, err)

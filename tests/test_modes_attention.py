@@ -21,7 +21,8 @@ whole ``Sharded`` model (graph breaks at shard, gather and the long-range regrou
 custom ops). Inductor compiles C++ on CPU: its cells compile the converted ``TinyAttnNet`` (a patch embedding, the
 Swin block, a conv) with ``fullgraph=True``, between eager shard and gather.
 
-halo's kernels run as in test_modes.py (the torch reference, the Triton interpreter in the inductor cells).
+halo's kernels run as in test_modes.py (the torch reference, the Triton interpreter in the inductor cells). The loop
+over the modes, the comparison and the per-cell verdict are tests/_modes.py's, shared with test_modes.py.
 
 Tolerances are test_modes.py's (its docstring gives the argument): 1e-10 in float64, 1e-4 in float32, 6e-2 / 1e-2 of
 the largest reference magnitude under bf16 / fp16 autocast.
@@ -29,11 +30,13 @@ the largest reference magnitude under bf16 / fp16 autocast.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+from _modes import MODES, TOL, Harness, check_cell, rel, run_modes, whole_field_dropouts
 from test_longrange import Attention as CrossAttention
-from test_modes import TOL, WholeFieldDropout, _null, _rel
 from test_neighborhood import NeighborhoodAttention2D
 from test_swin import SwinTransformerBlock
 from torch import nn
@@ -47,8 +50,6 @@ pytestmark = pytest.mark.timeout(1000)
 H, W, C, P, G = 56, 16, 2, 2, 8  # rows, columns, channels, patch, split granularity (patch x the Swin window)
 WS = G // P  # the attention windows, at the patch grid (28 x 8)
 
-MODES = ["fp64", "fp32", "bf16", "fp16_scaler", "channels_last", "ckpt_reentrant", "ckpt", "no_grad",
-         "inference_mode", "accumulate", "aot_eager", "inductor", "inductor_channels_last"]
 
 
 class AttnNet(nn.Module):
@@ -123,162 +124,72 @@ def _randomize(model: nn.Module) -> nn.Module:
     return model
 
 
-# -- what every rank runs ----------------------------------------------------------------------------------------
+# -- what every rank runs: tests/_modes.py's shared loop, with this file's model and cells --------------------------
 
-def _modes_on_rank(rank: int, world: int, modes: list[str]) -> dict:
-    import copy
-    import functools
-    import os
-    import time
-    import traceback
+class AttnHarness(Harness):
+    """The converted model inside :class:`Sharded` takes the whole field and gives the whole output on every rank
+    (replicated); its parameters are the inner net's."""
 
-    import torch.distributed as dist
-    from torch.utils.checkpoint import checkpoint
+    net, tiny, rows = AttnNet, TinyAttnNet, H
 
-    import halo
-    from halo.nn import convert_to_domain_parallel
+    def models(self, cls, dtype, fmt=torch.contiguous_format):
+        from halo.nn import convert_to_domain_parallel
 
-    manager = halo.initialize_domain_parallel(world, world)
-
-    def models(cls, dtype, fmt=torch.contiguous_format):
         torch.manual_seed(0)
         ref = _randomize(cls().double()).to(dtype)
         for p in ref.parameters():  # channels_last: the 2-d convs' weights (Module.to refuses the 3-d conv's)
             if p.dim() == 4:
                 p.data = p.data.contiguous(memory_format=fmt)
-        dom = Sharded(convert_to_domain_parallel(copy.deepcopy(ref), manager))
-        for name, mod in list(ref.named_children()):
-            if isinstance(mod, nn.Dropout):
-                setattr(ref, name, WholeFieldDropout(mod.p))
+        dom = Sharded(convert_to_domain_parallel(copy.deepcopy(ref), self.manager))
+        whole_field_dropouts(ref)
         return ref, dom
 
-    def data(dtype, fmt=torch.contiguous_format, seed=1):
+    def data(self, dtype, fmt=torch.contiguous_format, seed=1):
         g = torch.Generator().manual_seed(seed)
         xf = torch.randn(2, C, H, W, generator=g, dtype=torch.float64).to(dtype).contiguous(memory_format=fmt)
         wf = torch.randn(2, C, H // P, W // P, generator=g, dtype=torch.float64)  # the output's shape
         return xf, wf
 
-    def step(model, x, w, ctx=None, run=None):
-        torch.manual_seed(123)  # dropout keys come from torch's generator: the same for both models
-        with ctx() if ctx is not None else _null():
-            y = (run if run is not None else model)(x)
-        return y, (y.double() * w).sum()
+    def part(self, t):
+        return t  # whole in, whole out
 
-    def grads(dom, ref):
-        """Worst parameter-gradient error relative to the largest reference gradient (module docstring of
-        test_modes.py), after the domain's sum; a gradient in another dtype than its parameter fails."""
-        scale = max(q.grad.detach().abs().max().item() for q in ref.parameters() if q.grad is not None)
-        errs = [(0.0, "")]
-        mine, theirs = dict(dom.net.named_parameters()), dict(ref.named_parameters())
-        if set(mine) != set(theirs):
-            return float("inf"), f"parameter names differ: {sorted(set(mine) ^ set(theirs))}"
-        for name, p in mine.items():
-            q = theirs[name]
-            if q.grad is None and p.grad is None:
-                continue
-            if p.grad is None or q.grad is None:
-                return float("inf"), f"{name}: grad {p.grad is not None} here, {q.grad is not None} unsharded"
-            g = p.grad.detach().clone()
-            if g.dtype != p.dtype:
-                return float("inf"), f"grad of {name} is {g.dtype}, its parameter {p.dtype}"
-            dist.all_reduce(g)
-            ok = g.shape == q.grad.shape and bool(torch.isfinite(g).all())
-            errs.append(((g.double() - q.grad.double()).abs().max().item() / scale if ok else float("inf"), name))
-        worst = max(errs)
-        return worst[0], f"worst: {worst[1]}"
+    def params(self, dom):
+        return dict(dom.net.named_parameters())
 
-    def compare(dom, ref, dtype, fmt=torch.contiguous_format, ctx=None, dom_run=None, ref_run=None, backward=True,
-                seeds=(1,)):
-        res: dict = {"y": 0.0, "gx": 0.0}
-        for seed in seeds:  # more than one: gradients accumulate over the micro-batches
-            xf, w = data(dtype, fmt, seed)
-            x, xr = xf.clone().requires_grad_(True), xf.clone().requires_grad_(True)
-            y, loss = step(dom, x, w, ctx, dom_run)
-            yr, loss_r = step(ref, xr, w, ctx, ref_run)
-            res["y"] = max(res["y"], _rel(y, yr))
-            res["dtype"] = (str(y.dtype), str(yr.dtype))
-            res["channels_last"] = (y.is_contiguous(memory_format=torch.channels_last),
-                                    yr.is_contiguous(memory_format=torch.channels_last))
-            if backward:
-                loss.backward()
-                loss_r.backward()
-                res["gx"] = max(res["gx"], _rel(x.grad, xr.grad))
-                res["gx_dtype"] = (str(x.grad.dtype), str(xr.grad.dtype))
-        if backward:
-            res["gp"], res["gp_note"] = grads(dom, ref)
-        return res
+    def inductor(self, dom):
+        """The inner net compiled (fullgraph), between eager shard and gather."""
+        object.__setattr__(dom, "run", torch.compile(dom.net, backend="inductor", fullgraph=True))
+        return dom, None
 
-    out: dict = {}
-    for mode in modes:
-        # halo's kernels: the torch reference (what CPU ranks run), the Triton interpreter for inductor only (the
-        # real kernels' strides against the fake ones); module docstring
-        os.environ["TRITON_INTERPRET"] = "1" if mode.startswith("inductor") else "0"
-        t0 = time.perf_counter()
-        try:
-            if mode in ("fp64", "fp32"):
-                dtype = torch.float64 if mode == "fp64" else torch.float32
-                ref, dom = models(AttnNet, dtype)
-                res = compare(dom, ref, dtype)
-            elif mode == "bf16":
-                ref, dom = models(AttnNet, torch.float32)
-                res = compare(dom, ref, torch.float32, ctx=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
-            elif mode == "fp16_scaler":
-                ref, dom = models(AttnNet, torch.float32)
-                res = _fp16_scaler(dom, ref, data, step, grads)
-            elif mode == "channels_last":
-                ref, dom = models(AttnNet, torch.float64, torch.channels_last)
-                res = compare(dom, ref, torch.float64, torch.channels_last)
-            elif mode in ("ckpt_reentrant", "ckpt"):
-                ref, dom = models(AttnNet, torch.float64)
-                reentrant = mode == "ckpt_reentrant"
-                res = compare(dom, ref, torch.float64,
-                              dom_run=functools.partial(checkpoint, dom, use_reentrant=reentrant),
-                              ref_run=functools.partial(checkpoint, ref, use_reentrant=reentrant))
-            elif mode in ("no_grad", "inference_mode"):
-                ref, dom = models(AttnNet, torch.float64)
-                res = compare(dom, ref, torch.float64, backward=False,
-                              ctx=torch.no_grad if mode == "no_grad" else torch.inference_mode)
-            elif mode == "accumulate":
-                ref, dom = models(AttnNet, torch.float64)
-                res = compare(dom, ref, torch.float64, seeds=(1, 2))
-            elif mode == "aot_eager":  # every layer kind on 2 ranks; the tiny model on 3 (compile time)
-                ref, dom = models(AttnNet if world == 2 else TinyAttnNet, torch.float64)
-                res = compare(dom, ref, torch.float64, dom_run=torch.compile(dom, backend="aot_eager"))
-            elif mode in ("inductor", "inductor_channels_last"):
-                fmt = torch.channels_last if mode == "inductor_channels_last" else torch.contiguous_format
-                ref, dom = models(TinyAttnNet, torch.float64, fmt)
-                object.__setattr__(dom, "run", torch.compile(dom.net, backend="inductor", fullgraph=True))
-                res = compare(dom, ref, torch.float64, fmt)
-            else:
-                raise ValueError(mode)
-        except Exception:  # noqa: BLE001 - returned to the parent, which fails the cell with the traceback
-            res = {"error": traceback.format_exc()[-4000:]}
-        res["seconds"] = time.perf_counter() - t0
-        out[mode] = res
-    return out
+    def fp16_scaler(self, dom, ref):
+        return _fp16_scaler(self, dom, ref)
 
 
-def _fp16_scaler(dom, ref, data, step, grads) -> dict:
+def _modes_on_rank(rank: int, world: int, modes: list[str]) -> dict:
+    return run_modes(AttnHarness(rank, world), modes)
+
+
+def _fp16_scaler(h: AttnHarness, dom: nn.Module, ref: nn.Module) -> dict:
     """fp16 autocast with ``torch.amp.GradScaler("cpu")``: the scaled backward on both models, the unscaled
     gradients compared, one optimizer step each, the parameters compared after it. (The overflow on one rank is
     test_modes.py's: it does not depend on the layers.)"""
+    import torch.distributed as dist
+
     fp16 = lambda: torch.autocast("cpu", dtype=torch.float16)  # noqa: E731
-    xf, w = data(torch.float32)
+    xf, w = h.data(torch.float32)
     x, xr = xf.clone().requires_grad_(True), xf.clone().requires_grad_(True)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) for _ in range(2)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (dom, ref)]
-    y, loss = step(dom, x, w, fp16)
-    yr, loss_r = step(ref, xr, w, fp16)
-    res: dict = {"y": _rel(y, yr), "dtype": (str(y.dtype), str(yr.dtype))}
+    y, loss = h.step(dom, x, w, fp16)
+    yr, loss_r = h.step(ref, xr, w, fp16)
+    res: dict = {"y": rel(y, yr), "dtype": (str(y.dtype), str(yr.dtype))}
     scalers[0].scale(loss).backward()
     scalers[1].scale(loss_r).backward()
-    res["gx"] = _rel(x.grad, xr.grad)
+    res["gx"] = rel(x.grad, xr.grad)
     res["gx_dtype"] = (str(x.grad.dtype), str(xr.grad.dtype))
     for opt, scaler in zip(opts, scalers, strict=True):
         scaler.unscale_(opt)
-    res["gp"], res["gp_note"] = grads(dom, ref)  # sums dom's gradients over the domain (in place: on a copy)
-    import torch.distributed as dist
-
+    res["gp"], res["gp_note"] = h.grads(dom, ref)  # sums dom's gradients over the domain (in place: on a copy)
     for p in dom.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
@@ -286,7 +197,7 @@ def _fp16_scaler(dom, ref, data, step, grads) -> dict:
         scaler.step(opt)
         scaler.update()
     res["stepped"] = all(scaler.get_scale() == 2.0 ** 4 for scaler in scalers)  # no overflow: both stepped
-    res["params_after_step"] = max(_rel(p, q) for p, q in zip(dom.net.parameters(), ref.parameters(), strict=True))
+    res["params_after_step"] = max(rel(p, q) for p, q in zip(dom.net.parameters(), ref.parameters(), strict=True))
     return res
 
 
@@ -306,27 +217,9 @@ def _results(world: int) -> list[dict]:
     return _RESULTS[world]
 
 
-def _tol(mode: str) -> float:
-    return {"fp32": TOL["fp32"], "bf16": TOL["bf16"], "fp16_scaler": TOL["fp16"]}.get(mode, TOL["fp64"])
-
-
 @pytest.mark.parametrize(("mode", "world"), _CELLS)
 def test_mode(mode: str, world: int) -> None:
     per_rank = [r[mode] for r in _results(world)]
-    for rank, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {rank}, mode {mode}:\n{res['error']}"
-        tol = _tol(mode)
-        assert res["y"] <= tol, (rank, "forward", res)
-        assert res["dtype"][0] == res["dtype"][1], (rank, "output dtype", res)
-        if "channels_last" in res:
-            assert res["channels_last"][0] == res["channels_last"][1], (rank, "memory format", res)
-        if mode not in ("no_grad", "inference_mode"):
-            assert res["gx"] <= tol, (rank, "input gradient", res)
-            assert res["gx_dtype"][0] == res["gx_dtype"][1], (rank, "input gradient dtype", res)
-            assert res["gp"] <= tol, (rank, "parameter gradients", res.get("gp_note"), res)
-    if mode in ("channels_last", "inductor_channels_last"):
-        assert all(r["channels_last"] == (True, True) for r in per_rank), per_rank
-    if mode == "bf16":
-        assert all(r["dtype"] == ("torch.bfloat16", "torch.bfloat16") for r in per_rank), per_rank
+    check_cell(mode, per_rank)
     if mode == "fp16_scaler":
         assert all(r["stepped"] and r["params_after_step"] <= TOL["fp16"] for r in per_rank), per_rank

@@ -150,7 +150,7 @@ def test_errors_agree_on_every_rank():
 def test_interpolate_sweep_one_process(dtype, tol):
     """Many heights (odd, even, 1-2 rows per rank) x modes x sizes on 2, 3 and 7 virtual ranks, float64 and
     float32: bitwise where promised, else within a few ulps (tol: float64 1e-14, float32 2e-6 relative)."""
-    import halo.nn.pool as pool_mod
+    import halo.nn.base as base_mod  # the layer base agrees and exchanges (run_axes, exchange_axes)
     import halo.nn.upsample as up_mod
 
     failures, count = [], 0
@@ -164,7 +164,7 @@ def test_interpolate_sweep_one_process(dtype, tol):
                         continue
                     outs = []
                     for r in range(parts):
-                        with virtual_rank(full, parts, r, up_mod) as x, virtual_rank(full, parts, r, pool_mod):
+                        with virtual_rank(full, parts, r, base_mod) as x:
                             outs.append(up_mod.halo_interpolate(x, mode=mode, align_corners=ac, **kw))
                     got = torch.cat(outs, dim=-2)
                     count += 1
@@ -212,3 +212,83 @@ def test_module_surface():
         assert torch.equal(layer(x), up(x))  # one process without torch.distributed: the plain op
     with pytest.raises(TypeError, match="nn.Upsample"):
         HaloUpsample(nn.MaxPool2d(2))
+
+
+# -- a latitude x longitude mesh: one agreement per call, both axes' maps the global call's kernel's ------------
+
+MESH_CASES = [  # (channels, channels_last, H, W, nn.Upsample arguments)
+    # torch's two nearest kernels round these maps apart (H rows 22 and 44 of 66, W column 43 of 86); the global
+    # call runs the generic kernel (H + W output > 128, 2 channels) where a block's own call would run the other
+    (2, False, 39, 30, dict(size=(66, 86), mode="nearest")),
+    (4, True, 39, 30, dict(size=(66, 86), mode="nearest")),  # channels-last, 4 channels: that kernel globally
+    (2, False, 26, 30, dict(size=(44, 58), mode="nearest")),  # the channels-last kernel (H + W output <= 128)
+    (3, False, 21, 26, dict(scale_factor=2, mode="bilinear")),
+    (3, False, 40, 60, dict(scale_factor=2, mode="bilinear")),  # a block's short output padded to the global kernel
+    (3, False, 21, 26, dict(scale_factor=(1.5, 0.7), mode="bicubic")),
+    (3, True, 21, 26, dict(size=(9, 12), mode="area")),
+]
+
+
+def _mesh_cases(rank, world, shape, cases):
+    os.environ["TRITON_INTERPRET"] = "0"
+    from halo.mesh import DomainMesh
+    from halo.nn import HaloUpsample
+    from halo.partition import local_range
+    from halo.testing import HostWorkCounter
+
+    mesh = DomainMesh(shape, periodic=(False, True))
+
+    def block(t):
+        (h0, h1), (w0, w1) = (local_range(t.shape[d], mesh.axis_size(a), mesh.axis_rank(a))
+                              for a, d in ((0, -2), (1, -1)))
+        return t[..., h0:h1, w0:w1]
+
+    out = []
+    for i, (c, channels_last, h, w, kw) in enumerate(cases):
+        full = torch.randn(2, c, h, w, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+        if channels_last:
+            full = full.contiguous(memory_format=torch.channels_last)
+        up = nn.Upsample(**kw)
+        layer = HaloUpsample(up, mesh=mesh)
+        xf = full.clone().requires_grad_(True)
+        ref = up(xf)
+        g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(100 + i), dtype=torch.float64)
+        (ref * g).sum().backward()
+        x = block(full).clone(memory_format=torch.preserve_format).requires_grad_(True)
+        with HostWorkCounter() as counter:
+            y = layer(x)
+        (y * block(g)).sum().backward()
+        want = block(ref.detach())
+        # <A x, g> and <x, A^T g> of this rank's part (summed over ranks by the test), for halo and for torch itself
+        dots = [float((y.detach() * block(g)).sum()), float((x.detach() * x.grad).sum()),
+                float((ref.detach() * g).sum()), float((full * xf.grad).sum())]
+        out.append({"agreements": counter.counts.get("agreement", 0), "shape": y.shape == want.shape, "dots": dots,
+                    "exact": y.shape == want.shape and torch.equal(y.detach(), want),
+                    "fwd": rel_err(y.detach(), want) if y.shape == want.shape else float("inf"),
+                    "grad": rel_err(x.grad, block(xf.grad)),
+                    "channels_last": y.is_contiguous(memory_format=torch.channels_last) == channels_last})
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3)])
+def test_mesh_one_agreement_and_the_global_kernels_maps(shape):
+    """HaloUpsample on a latitude x longitude mesh (uneven blocks) plans both axes in one agreement per call (two
+    one-axis passes took two), and its nearest maps are those of the kernel the one-call 2-d op runs: bitwise where
+    torch's two kernels round apart; linear modes and area within a few ulps, forward and backward, in float64."""
+    results = run_on_ranks(_mesh_cases, shape[0] * shape[1], shape, MESH_CASES, timeout=300)
+    for i, case in enumerate(MESH_CASES):
+        per_rank = [res[i] for res in results]
+        assert all(p["agreements"] == 1 for p in per_rank), (case, per_rank)
+        assert all(p["shape"] and p["channels_last"] for p in per_rank), (case, per_rank)
+        if case[-1]["mode"] == "nearest":
+            assert all(p["exact"] for p in per_rank), (case, [p["fwd"] for p in per_rank])
+        else:
+            assert max(p["fwd"] for p in per_rank) <= 1e-13, (case, per_rank)
+        halo_ax, halo_atg = (sum(p["dots"][k] for p in per_rank) for k in (0, 1))
+        torch_ax, torch_atg = per_rank[0]["dots"][2:]
+        assert abs(halo_ax - halo_atg) <= 1e-12 * abs(halo_ax), (case, halo_ax, halo_atg)  # the exact adjoint
+        if abs(torch_ax - torch_atg) <= 1e-12 * abs(torch_ax):
+            assert max(p["grad"] for p in per_rank) <= 1e-12, (case, per_rank)
+        else:  # torch's nearest backward reads another map than its generic forward kernel (float64: only the
+            # forward computes the source index in double): its gradient is not its forward's adjoint; halo's is
+            assert case[-1]["mode"] == "nearest" and not case[1], (case, torch_ax, torch_atg)

@@ -49,7 +49,7 @@ from torch import nn
 from .. import context
 from ..mesh import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 from ..nn import DomainGroupNorm, HaloConv2d, HaloConv3d, HaloConvTranspose2d, HaloConvTranspose3d
-from ..nn.convert import TensorPadding
+from ..nn.credit_padding import TensorPadding
 from ..nn.registry import is_pointwise_conv
 from ..partition import split_offsets, split_sizes
 from ..plans import Site

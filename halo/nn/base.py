@@ -34,12 +34,38 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..comm import CommGroup, comm_group
-from ..exchange import exchange, like_format
-from ..mesh import DomainMesh, group_attribute
+from ..exchange import exchange, like_format, pole_step
+from ..mesh import DomainMesh, group_attribute, mesh_2d, mesh_coords
 from ..plans import Site, carry, resolve
-from ._mesh2d import mesh_layout, mesh_of, set_mesh
 
-__all__ = ["AxisPlan", "HaloLayer", "adopt", "run_axes"]
+__all__ = ["AxisPlan", "HaloLayer", "adopt", "mesh_layout", "mesh_of", "run_axes", "set_mesh"]
+
+
+def set_mesh(module: nn.Module, mesh: DomainMesh | None, name: str) -> None:
+    """Store ``mesh`` on ``module`` (not a parameter, buffer or submodule: the ``state_dict`` is unchanged)."""
+    if mesh is not None and not isinstance(mesh, DomainMesh):
+        raise TypeError(f"{name}: mesh= takes a halo.DomainMesh, got {type(mesh).__name__}")
+    if mesh is not None and len(mesh.domain_shape) == 2:
+        if tuple(mesh.shard_dims) not in ((-2, -1), (2, 3)):
+            raise ValueError(f"{name}: a latitude x longitude mesh must shard dims (-2, -1), got {mesh.shard_dims}")
+        mesh_layout(mesh)  # its groups looked up now, outside any traced forward
+    module.__dict__["_halo_mesh"] = mesh
+
+
+def mesh_layout(mesh: DomainMesh) -> tuple[Any, tuple[Any, Any], tuple[tuple[int, int], ...], int]:
+    """The domain group, the axis groups, the coordinates and the W size of a mesh, looked up once per mesh (not in a
+    traced forward: ``torch.compile`` sees constants)."""
+    cached = mesh.__dict__.get("_halo_layout")
+    if cached is None:
+        cached = (mesh.domain_group, (mesh.axis_group(0), mesh.axis_group(1)),
+                  mesh_coords(tuple(mesh.domain_shape)), mesh.domain_shape[1])
+        mesh.__dict__["_halo_layout"] = cached
+    return cached
+
+
+def mesh_of(module: nn.Module) -> DomainMesh | None:
+    """The module's latitude x longitude mesh, or ``None`` (latitude only)."""
+    return mesh_2d(module.__dict__.get("_halo_mesh"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +77,9 @@ class AxisPlan:
     ex: int = -1
     rows: int = 0
     dim: int = -2
+    #: The exchange is a :func:`halo.exchange.pole_step` (set by :func:`run_axes`): the rows across the pole arrive
+    #: by a second exchange after the first, so a layer must not read the first's halos alone (compute-then-patch).
+    rolled: bool = dataclasses.field(default=False, kw_only=True)
 
 
 def _one_axis(cg: CommGroup, extents: tuple[tuple[int, ...], ...], make: Callable, dim: int,
@@ -61,9 +90,16 @@ def _one_axis(cg: CommGroup, extents: tuple[tuple[int, ...], ...], make: Callabl
 
 def _mesh_axes(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, make: Callable,
                dims: tuple[int, int], per_axis: tuple, extra: tuple) -> tuple:
-    """A latitude x longitude mesh: the layer's geometry on the H line of this rank, then on its W line."""
-    return tuple(make(comm_group(g), tuple(sizes), d, *(per_axis[a] if per_axis else ()), *extra)
-                 for a, (g, sizes, d) in enumerate(zip(groups, extents, dims, strict=True)))
+    """A latitude x longitude mesh: the layer's geometry on the H line of this rank, then on its W line; across a
+    pole the H exchange gains its roll along W (:func:`halo.exchange.pole_step`), for every layer alike."""
+    plans = [make(comm_group(g), tuple(sizes), d, *(per_axis[a] if per_axis else ()), *extra)
+             for a, (g, sizes, d) in enumerate(zip(groups, extents, dims, strict=True))]
+    h = plans[0]
+    if isinstance(h, AxisPlan) and not h.plain and h.ex >= 0:
+        ex = pole_step(h.ex, groups[1], tuple(extents[1]), plans[1].dim if isinstance(plans[1], AxisPlan) else dims[1])
+        if ex != h.ex:
+            plans[0] = dataclasses.replace(h, ex=ex, rolled=True)
+    return tuple(plans)
 
 
 def run_axes(x: torch.Tensor, op: str, make: Callable, extra: tuple = (), *, group: Any | None = None,
@@ -143,6 +179,12 @@ class HaloLayer:
     def halo_mesh(self) -> DomainMesh | None:
         """The layer's latitude x longitude mesh, or ``None`` (latitude rows of :attr:`group`)."""
         return mesh_of(self)
+
+    @property
+    def halo_axes(self) -> int:
+        """How many axes of the field are sharded: 1 (latitude rows) or 2 (a latitude x longitude mesh)."""
+        mesh = mesh_of(self)
+        return 1 if mesh is None else len(mesh.domain_shape)
 
     @property
     def domain_group(self) -> Any | None:

@@ -43,22 +43,20 @@ converted model, input from an activation; 2-core VM, 2026-11-30; benchmarks/RES
 from __future__ import annotations
 
 import copy
-import types
+import dataclasses
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommGroup
-from ..exchange import Exchange2d, exchange, exchange_2d, exchanger_id, get_exchanger, plan_exchange_2d
+from ..exchange import exchanger_id, get_exchanger
 from ..geometry import conv_row_plan, conv_transpose_row_plan
 from ..kernels.reference import alloc_like as kernels_alloc_like
 from ..partition import check_boundary, split_sizes
-from ..plans import carry, resolve
-from ._mesh2d import mesh_of, resolve_2d
-from .base import HaloLayer, adopt
+from .base import AxisPlan, HaloLayer, adopt
 from .registry import converts, pointwise_conv
 
 __all__ = [
@@ -132,7 +130,7 @@ class _HaloConvMixin(HaloLayer):
             boundary = check_boundary(boundary)
         self.boundary, self.overlap = boundary, overlap
         self.halo_init(group, mesh, name)
-        if mesh_of(self) is not None and self._spatial != 2:
+        if self.halo_axes > 1 and self._spatial != 2:
             raise ValueError(f"{name}: a latitude x longitude mesh is supported by the 2-d layers only; shard only "
                              f"latitude (a one-axis mesh) for 3-d convolutions")
 
@@ -160,19 +158,13 @@ class _HaloConvMixin(HaloLayer):
         """What fills W columns beyond the domain on a latitude x longitude mesh: the conv's ``padding_mode``."""
         return _MODE_BOUNDARY[self.padding_mode]
 
-    def _resolve(self, x: torch.Tensor, make: Any, extra: tuple) -> Any:
-        """This call's plan (``halo.plans.resolve``): every rank's H extent is agreed on (or recalled) *before* any
-        shape check, so that the checks after it fail identically on every rank and none waits alone."""
-        # No shape check before the agreement: a rank that raised on its own shape here would leave its peers
-        # waiting in theirs (invariant 4). The agreement itself refuses a tensor without a dim -2 on every rank.
-        name = type(self).__name__
-        mesh = mesh_of(self)
-        if mesh is not None:
-            plan = resolve_2d(x, mesh, name, make, extra, self._halo_site)
-        else:
-            plan = resolve(x, self.group, name, make, extra, site=self._halo_site)
+    def _plans(self, x: torch.Tensor, make: Any, extra: tuple, per_axis: tuple) -> tuple:
+        """This call's plan per sharded axis (H; then W on a mesh), agreed on (or recalled) *before* any shape
+        check, so that the checks after it fail identically on every rank and none waits alone (invariant 4: the
+        agreement itself refuses a tensor without a dim -2 on every rank)."""
+        plans = self.axis_plans(x, type(self).__name__, make, extra, per_axis)
         self._check_input(x)
-        return plan
+        return plans
 
     def _shape_names(self) -> str:
         return "B, C, D, H, W" if self._spatial == 3 else "B, C, H, W"
@@ -187,25 +179,23 @@ class _HaloConvMixin(HaloLayer):
                              f"{x.shape[-nd - 1]} in shape {tuple(x.shape)}")
 
 
-class ConvPlan(NamedTuple):
-    """A conv call as planned for this rank: ``plain`` (one rank, the wrapped conv itself), or the exchange (id,
-    rows of the extended shard) and ``patch``: compute-then-patch's halo width ``p`` (0: pad-then-conv)."""
+@dataclasses.dataclass(frozen=True)
+class ConvPlan(AxisPlan):
+    """One axis of a conv call as planned for this rank (:class:`halo.nn.base.AxisPlan`: ``plain``, or the exchange
+    and its extended rows) and ``patch``: compute-then-patch's halo width ``p`` along it (0: pad-then-conv)."""
 
-    plain: bool
-    ex: int = -1
-    rows: int = 0
     patch: int = 0
 
 
-def _conv_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], name: str, dim: int, kernel: int, stride: int,
-               dilation: int, pads: tuple[tuple[int, int], ...], boundary: str, padding_mode: str,
-               overlap: bool) -> ConvPlan:
-    (sizes,) = extents
+def _conv_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, kernel: int, stride: int, dilation: int,
+               pad: tuple[int, int], boundary: str, tensor_dim: int, padding_mode: str, overlap: bool,
+               name: str) -> ConvPlan:
+    """One sharded axis of a conv (the per-axis geometry of :meth:`HaloLayer.axis_plans`): the rows of
+    ``tensor_dim`` (of the batched input) this rank needs, from the axis's kernel, stride, dilation and padding."""
     if cg.size == 1 and boundary == _MODE_BOUNDARY[padding_mode]:
-        return ConvPlan(True)
-    h = dim - 2
-    _, needs = conv_row_plan(sizes, kernel, stride, dilation, pads[h], op=name)
-    pt, pb = pads[h]
+        return ConvPlan(True, dim=tensor_dim)  # one rank along the axis: the conv pads it itself
+    _, needs = conv_row_plan(sizes, kernel, stride, dilation, pad, op=name)
+    pt, pb = pad
     # Compute-then-patch applies to a stride-1 conv whose output rows are its input rows (symmetric padding
     # p = d(k-1)/2) on shards of at least p rows; decided from group-wide numbers only, so every rank takes the
     # same path. Its exchange is pad-then-conv's (rows [start - p, stop + p)), of which it uses the halos alone.
@@ -213,16 +203,7 @@ def _conv_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], name: str, d
     patch = pt if (overlap and stride == 1 and pt == pb > 0 and 2 * pt == dilation * (kernel - 1)
                    and min(sizes) >= pt and list(sizes) == split_sizes(sum(sizes), cg.size)) else 0
     lo, hi = needs[cg.index]
-    return ConvPlan(False, exchanger_id(cg, dim, sizes, needs, boundary, name), hi - lo, patch)
-
-
-def _conv_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, name: str,
-                  kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
-                  pads: tuple[tuple[int, int], ...], boundaries: tuple[str, str]) -> Exchange2d:
-    """A conv on a latitude x longitude mesh: each axis's needed rows from its own geometry (as along H alone)."""
-    needs = tuple(conv_row_plan(extents[k], kernel[k], stride[k], dilation[k], pads[k],
-                                op=f"{name} ({'H' if k == 0 else 'W'})")[1] for k in range(2))
-    return plan_exchange_2d(groups, extents, needs, boundaries, (2, 3), name)
+    return ConvPlan(False, exchanger_id(cg, tensor_dim, sizes, needs, boundary, name), hi - lo, tensor_dim, patch)
 
 
 class _PatchConvFn(torch.autograd.Function):
@@ -362,18 +343,18 @@ class _CircularPadFn(torch.autograd.Function):
         return gx, None, None, None
 
 
-def _circular_pad(t: torch.Tensor, pads: Sequence[tuple[int, int]], skip: int) -> torch.Tensor:
-    """``t`` padded circularly along its last ``len(pads)`` dims by ``pads[i] = (before, after)``, but dim ``skip``
-    (index into ``pads``); torch's own op where a pad exceeds its dim (which torch then refuses)."""
+def _circular_pad(t: torch.Tensor, pads: Sequence[tuple[int, int]], skip: tuple[int, ...]) -> torch.Tensor:
+    """``t`` padded circularly along its last ``len(pads)`` dims by ``pads[i] = (before, after)``, but the dims in
+    ``skip`` (indices into ``pads``); torch's own op where a pad exceeds its dim (which torch then refuses)."""
     nd = len(pads)
     if torch.compiler.is_compiling() or any(max(a, b) > t.shape[t.dim() - nd + i]
-                                            for i, (a, b) in enumerate(pads) if i != skip):
+                                            for i, (a, b) in enumerate(pads) if i not in skip):
         flat: list[int] = []
         for i in reversed(range(nd)):  # F.pad lists the last dim first
-            flat += [0, 0] if i == skip else list(pads[i])
+            flat += [0, 0] if i in skip else list(pads[i])
         return F.pad(t, flat, mode="circular")
     for i, (a, b) in enumerate(pads):
-        if i != skip and (a or b):
+        if i not in skip and (a or b):
             t = _CircularPadFn.apply(t, t.dim() - nd + i, a, b)
     return t
 
@@ -383,20 +364,21 @@ class _HaloConvNd(_HaloConvMixin):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pads = tuple(_pads(self))
-        if mesh_of(self) is not None:
-            return self._forward_2d(x, pads)
-        h = self._spatial - 2
+        nd, name = self._spatial, type(self).__name__
         overlap = OVERLAP_DEFAULT if self.overlap is None else bool(self.overlap)
-        extra = (type(self).__name__, self._spatial, self.kernel_size[h],
-                 self.stride[h], self.dilation[h], pads, self.h_boundary, self.padding_mode, overlap)
-        plan = self._resolve(x, _conv_plan, extra)
-        if plan.plain:
+        # Per sharded axis (H, then W on a mesh): its kernel, stride, dilation, padding, boundary, tensor dim.
+        per_axis = tuple((self.kernel_size[i], self.stride[i], self.dilation[i], pads[i], boundary, nd + a)
+                         for a, (i, boundary) in enumerate(((nd - 2, self.h_boundary), (nd - 1, self.w_boundary))))
+        plans = self._plans(x, _conv_axis, (self.padding_mode, overlap, name), per_axis)
+        skip = tuple(plan.dim - 2 for plan in plans if not plan.plain)  # the spatial dims exchanged
+        if not skip:
             return self._base.forward(self, x)
-        unbatched = x.dim() == self._spatial + 1
+        unbatched = x.dim() == nd + 1
         xb = x.unsqueeze(0) if unbatched else x
         cast = autocast_dtype(xb)
         xb = _cast(xb, cast)  # what autocast's conv would cast to, before the exchange (half the bytes)
-        if plan.patch and not torch.compiler.is_compiling():
+        plan = plans[0]
+        if len(plans) == 1 and plan.patch and not plan.rolled and not torch.compiler.is_compiling():
             # The Function computes in the dtype torch's conv would under autocast: its inputs are cast here, by
             # autograd-visible casts (so every gradient comes back in its input's own dtype), and autocast is off
             # inside, so its forward and backward convs see one dtype (as torch's own conv under autocast).
@@ -404,23 +386,8 @@ class _HaloConvNd(_HaloConvMixin):
             with _no_autocast(xb, cast):
                 y = _PatchConvFn.apply(self._pad_other(xb), xb.detach(), weight, bias, self, plan.ex, plan.patch)
         else:
-            y = self._local_conv(exchange(xb, plan.ex, plan.rows, self._spatial), list(pads))
-        y = y.squeeze(0) if unbatched else y
-        carry(y, x)
-        return y
-
-    def _forward_2d(self, x: torch.Tensor, pads: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """Latitude x longitude mesh: exchange H then W (the boundary modes are the padding), conv unpadded."""
-        name = type(self).__name__
-        extra = (name, tuple(self.kernel_size), tuple(self.stride), tuple(self.dilation), pads,
-                 (self.h_boundary, self.w_boundary))
-        plan = self._resolve(x, _conv_plan_2d, extra)
-        unbatched = x.dim() == 3
-        xb = _cast(x.unsqueeze(0) if unbatched else x, autocast_dtype(x))  # as autocast would, before exchanging
-        y = self._conv(exchange_2d(xb, plan), (0, 0))
-        y = y.squeeze(0) if unbatched else y
-        carry(y, x)
-        return y
+            y = self._conv(self._pad_other(self.exchange_axes(xb, plans), skip), self._main_padding(0, skip))
+        return self.finish(y.squeeze(0) if unbatched else y, x)
 
     def _conv(self, x: torch.Tensor, padding: Sequence[int], weight: torch.Tensor | None = None,
               bias: Any = _OWN) -> torch.Tensor:
@@ -428,21 +395,26 @@ class _HaloConvNd(_HaloConvMixin):
         return fn(x, self.weight if weight is None else weight, self.bias if bias is _OWN else bias, self.stride,
                   tuple(padding), self.dilation, self.groups)
 
-    def _other_padded_by_conv(self) -> bool:
-        """Whether the conv itself pads the dims other than H (zeros, symmetric), else ``F.pad`` does."""
-        pads, h = _pads(self), self._spatial - 2
-        return self.padding_mode == "zeros" and all(a == b for i, (a, b) in enumerate(pads) if i != h)
+    def _skip(self, skip: tuple[int, ...] | None) -> tuple[int, ...]:
+        return (self._spatial - 2,) if skip is None else skip
 
-    def _pad_other(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` padded along the dims other than H as the wrapped conv pads them (``t`` itself if the conv does)."""
-        if self._other_padded_by_conv():
+    def _other_padded_by_conv(self, skip: tuple[int, ...] | None = None) -> bool:
+        """Whether the conv itself pads the spatial dims not in ``skip`` (the exchanged ones; default H) (zeros,
+        symmetric), else ``F.pad`` does."""
+        pads, skip = _pads(self), self._skip(skip)
+        return self.padding_mode == "zeros" and all(a == b for i, (a, b) in enumerate(pads) if i not in skip)
+
+    def _pad_other(self, t: torch.Tensor, skip: tuple[int, ...] | None = None) -> torch.Tensor:
+        """``t`` padded along the spatial dims not in ``skip`` as the wrapped conv pads them (``t`` itself if the
+        conv does)."""
+        if self._other_padded_by_conv(skip):
             return t
-        pads, h = _pads(self), self._spatial - 2
+        pads, skip = _pads(self), self._skip(skip)
         if self.padding_mode == "circular":
-            return _circular_pad(t, pads, h)
+            return _circular_pad(t, pads, skip)
         flat: list[int] = []
         for i in reversed(range(self._spatial)):  # F.pad lists the last dim first
-            flat += [0, 0] if i == h else list(pads[i])
+            flat += [0, 0] if i in skip else list(pads[i])
         return F.pad(t, flat, mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
 
     def _interior(self, t: torch.Tensor) -> torch.Tensor:
@@ -456,10 +428,13 @@ class _HaloConvNd(_HaloConvMixin):
                 t = t.narrow(d, a, t.shape[d] - a - b)
         return t
 
-    def _main_padding(self, p: int) -> list[int]:
+    def _main_padding(self, p: int, skip: tuple[int, ...] | None = None) -> list[int]:
+        """The conv's own padding: ``p`` along H (compute-then-patch's zero rows) when ``skip`` is the default,
+        0 along every dim in ``skip``, the layer's padding (or 0 where :meth:`_pad_other` padded) elsewhere."""
         pads, h = _pads(self), self._spatial - 2
-        by_conv = self._other_padded_by_conv()
-        return [p if i == h else (a if by_conv else 0) for i, (a, _) in enumerate(pads)]
+        by_conv = self._other_padded_by_conv(skip)
+        skip = self._skip(skip)
+        return [(p if i == h else 0) if i in skip else (a if by_conv else 0) for i, (a, _) in enumerate(pads)]
 
     def _conv_main(self, xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p: int) -> torch.Tensor:
         return self._conv(xp, self._main_padding(p), weight, bias)
@@ -508,10 +483,6 @@ class _HaloConvNd(_HaloConvMixin):
                 (g_strip,) = torch.autograd.grad(self._pad_other(t), t, g_strip)
         return g_strip.narrow(-2, 0 if side == 0 else g_strip.shape[-2] - p, p)
 
-    def _local_conv(self, ext: torch.Tensor, pads: list[tuple[int, int]]) -> torch.Tensor:
-        """Conv of the H-extended shard: no H padding; the other dims padded as the wrapped conv does."""
-        return self._conv(self._pad_other(ext), self._main_padding(0))
-
 
 @converts(nn.Conv2d, axes=2, keep=pointwise_conv, takes=("group", "boundary", "mesh"))
 class HaloConv2d(_HaloConvNd, nn.Conv2d):
@@ -552,52 +523,32 @@ class _HaloConvTransposeNd(_HaloConvMixin):
             raise ValueError(f"{name}: only padding_mode 'zeros' is supported (as nn.{self._base.__name__}), got "
                              f"{self.padding_mode!r}")
         size = None if output_size is None else tuple(int(v) for v in output_size)
-        geometry = (tuple(self.kernel_size), tuple(self.stride), tuple(self.dilation), tuple(self.padding),
-                    tuple(self.output_padding))
-        if mesh_of(self) is not None:
-            return self._forward_2d(x, size, geometry)
-        extra = (tuple(x.shape), size, *geometry, nd, name)
-        plan = self._resolve(x, _conv_transpose_plan, extra)
-        if plan.plain:
+        per_axis = tuple((self.kernel_size[i], self.stride[i], self.dilation[i], self.padding[i],
+                          self.output_padding[i], i, nd + a) for a, i in enumerate((nd - 2, nd - 1)))
+        plans = self._plans(x, _transpose_axis_plan, (size, nd, name), per_axis)
+        if all(plan.plain for plan in plans):
             return self._base.forward(self, x, output_size)
         unbatched = x.dim() == nd + 1
         xb = _cast(x.unsqueeze(0) if unbatched else x, autocast_dtype(x))  # as autocast would, before exchanging
-        ext = exchange(xb, plan.ex, plan.rows, nd)  # H: dim -2, i.e. nd of the batched input
-        stride, dilation = list(self.stride), list(self.dilation)
-        padding, out_pad = list(self.padding), list(plan.op_other)
-        stride[-2], dilation[-2], padding[-2], out_pad[-2] = plan.stride, plan.dilation, 0, 0
+        ext = self.exchange_axes(xb, plans)
+        # An exchanged axis: no padding (the crop below takes this rank's output rows); the others (whole on this
+        # rank) as torch pads them.
+        skip = tuple(plan.dim - 2 for plan in plans if not plan.plain)
+        padding = [0 if i in skip else self.padding[i] for i in range(nd)]
+        out_pad = [0 if i in skip else _output_padding(
+            xb.shape[2 + i], None if size is None else size[len(size) - nd + i], self.kernel_size[i], self.stride[i],
+            self.dilation[i], self.padding[i], self.output_padding[i], name) for i in range(nd)]
+        fused = all(plan.fused for plan in plans if not plan.plain)
         fn = F.conv_transpose2d if nd == 2 else F.conv_transpose3d
-        y = fn(ext, self.weight, self.bias if plan.fused else None, tuple(stride), tuple(padding), tuple(out_pad),
-               self.groups, tuple(dilation))
-        y = _crop_rows(y, plan.t0, plan.t1)
-        if not plan.fused and self.bias is not None:  # in the conv's output dtype (bf16 under autocast)
+        y = fn(ext, self.weight, self.bias if fused else None, self.stride, tuple(padding), tuple(out_pad),
+               self.groups, self.dilation)
+        for plan in plans:
+            if not plan.plain:
+                y = _crop_rows(y, plan.t0, plan.t1, plan.dim)
+        if not fused and self.bias is not None:  # in the conv's output dtype (bf16 under autocast)
             y = y + self.bias.to(y.dtype).view(-1, *([1] * nd))
         y = _keep_channels_last(y, xb, self.weight)
-        y = y.squeeze(0) if unbatched else y
-        carry(y, x)
-        return y
-
-
-    def _forward_2d(self, x: torch.Tensor, size: tuple[int, ...] | None, geometry: tuple) -> torch.Tensor:
-        """Latitude x longitude mesh: the rows and columns that reach this rank's output block, conv, crop."""
-        name = type(self).__name__
-        plan = self._resolve(x, _conv_transpose_plan_2d, (tuple(x.shape), size, *geometry, name))
-        unbatched = x.dim() == 3
-        xb = _cast(x.unsqueeze(0) if unbatched else x, autocast_dtype(x))  # as autocast would, before exchanging
-        # By field, not by unpacking the plan: dynamo of torch 2.11/2.12 cannot iterate a NamedTuple returned by an
-        # assume_constant_result function (its hasattr(__iter__) guard has no source: NotImplementedError).
-        (ex_h, rows_h, t0h, t1h, fused_h), (ex_w, rows_w, t0w, t1w, fused_w) = plan.h, plan.w
-        ext = exchange(exchange(xb, ex_h, rows_h, 2), ex_w, rows_w, 3)
-        fused = fused_h and fused_w
-        y = F.conv_transpose2d(ext, self.weight, self.bias if fused else None, self.stride, 0, 0, self.groups,
-                               self.dilation)
-        y = _crop_rows(_crop_rows(y, t0h, t1h, -2), t0w, t1w, -1)
-        if not fused and self.bias is not None:
-            y = y + self.bias.to(y.dtype).view(-1, 1, 1)
-        y = _keep_channels_last(y, xb, self.weight)
-        y = y.squeeze(0) if unbatched else y
-        carry(y, x)
-        return y
+        return self.finish(y.squeeze(0) if unbatched else y, x)
 
 
 @converts(nn.ConvTranspose2d, axes=2)
@@ -621,37 +572,41 @@ class HaloConvTranspose3d(_HaloConvTransposeNd, nn.ConvTranspose3d):
     _base, _spatial = nn.ConvTranspose3d, 3
 
 
-class ConvTransposePlan(NamedTuple):
-    """A transposed conv as planned for this rank: the exchange, the local output rows ``[t0, t1)`` to keep, and
-    whether the bias can go into the conv (``fused``) or must also land on zero-extended rows."""
+@dataclasses.dataclass(frozen=True)
+class ConvTransposePlan(AxisPlan):
+    """One axis of a transposed conv as planned for this rank (:class:`halo.nn.base.AxisPlan`), the local output
+    rows ``[t0, t1)`` to keep along it, and whether the bias can go into the conv (``fused``) or must also land on
+    zero-extended rows."""
 
-    plain: bool
-    ex: int = -1
-    rows: int = 0
     t0: int = 0
     t1: int = 0
     fused: bool = True
-    op_other: tuple[int, ...] = ()  # output padding of every spatial dim (H's is applied by the crop)
-    stride: int = 1
-    dilation: int = 1
 
 
-def _conv_transpose_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], shape: tuple[int, ...],
-                         output_size: tuple[int, ...] | None, kernel: tuple[int, ...], stride: tuple[int, ...],
-                         dilation: tuple[int, ...], padding: tuple[int, ...], output_padding: tuple[int, ...],
-                         nd: int = 2, name: str = "HaloConvTranspose2d") -> ConvTransposePlan:
-    (sizes,) = extents
+def _output_padding(n: int, size: int | None, k: int, s: int, d: int, p: int, given: int, name: str) -> int:
+    """The output padding along one axis of global input extent ``n``: ``given``, or what makes the output ``size``
+    long (torch's ``_output_padding``, per axis: every axis's rule depends on its own extent alone)."""
+    if size is None:
+        return given
+    least = (n - 1) * s - 2 * p + d * (k - 1) + 1
+    if not least <= size <= least + s - 1:
+        raise ValueError(f"{name}: requested an output size of {size} along an axis of {n} input rows, but valid "
+                         f"sizes range from {least} to {least + s - 1}")
+    return size - least
+
+
+def _transpose_axis_plan(cg: CommGroup, sizes: tuple[int, ...], dim: int, k: int, s: int, d: int, p: int,
+                         output_padding: int, spatial: int, tensor_dim: int, output_size: tuple[int, ...] | None,
+                         nd: int, name: str) -> ConvTransposePlan:
+    """One sharded axis of a transposed conv (the per-axis geometry of :meth:`HaloLayer.axis_plans`)."""
+    if output_size is not None and len(output_size) not in (nd, nd + 1, nd + 2):
+        raise ValueError(f"{name}: output_size must have {nd} or {nd + 2} elements, got {len(output_size)}")
     if cg.size == 1:
-        return ConvTransposePlan(True)
-    n = sum(sizes)
-    batched = shape if len(shape) == nd + 2 else (1, *shape)
-    global_x = torch.empty((*batched[:-2], n, batched[-1]), device="meta")
-    ops = nn.ConvTranspose2d._output_padding(
-        types.SimpleNamespace(output_padding=output_padding), global_x,
-        None if output_size is None else list(output_size), list(stride), list(padding), list(kernel), nd,
-        list(dilation))
-    out = _transpose_axis(cg, sizes, kernel[-2], stride[-2], dilation[-2], padding[-2], ops[-2], nd, name)
-    return ConvTransposePlan(False, *out, tuple(int(v) for v in ops), stride[-2], dilation[-2])
+        return ConvTransposePlan(True, dim=tensor_dim)
+    size = None if output_size is None else output_size[len(output_size) - nd + spatial]
+    op_pad = _output_padding(sum(sizes), size, k, s, d, p, output_padding, name)
+    ex, rows, t0, t1, fused = _transpose_axis(cg, sizes, k, s, d, p, op_pad, tensor_dim, name)
+    return ConvTransposePlan(False, ex, rows, tensor_dim, t0, t1, fused)
 
 
 def _transpose_axis(cg: CommGroup, sizes: tuple[int, ...], k: int, s: int, d: int, p: int, op_pad: int, dim: int,
@@ -667,27 +622,3 @@ def _transpose_axis(cg: CommGroup, sizes: tuple[int, ...], k: int, s: int, d: in
     length = (hi - lo - 1) * s + d * (k - 1) + 1
     fused = t0 >= 0 and t1 <= length  # else bias must also land on the zero-extended rows
     return ex, hi - lo, t0, t1, fused
-
-
-class ConvTranspose2dPlan(NamedTuple):
-    """A transposed conv on a latitude x longitude mesh: per axis ``(exchanger id, rows, t0, t1, fused)``."""
-
-    h: tuple[int, int, int, int, bool]
-    w: tuple[int, int, int, int, bool]
-
-
-def _conv_transpose_plan_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple,
-                            shape: tuple[int, ...], output_size: tuple[int, ...] | None, kernel: tuple[int, ...],
-                            stride: tuple[int, ...], dilation: tuple[int, ...], padding: tuple[int, ...],
-                            output_padding: tuple[int, ...], name: str) -> ConvTranspose2dPlan:
-    from ..comm import comm_group
-
-    batched = shape if len(shape) == 4 else (1, *shape)
-    global_x = torch.empty((*batched[:-2], sum(extents[0]), sum(extents[1])), device="meta")
-    ops = nn.ConvTranspose2d._output_padding(
-        types.SimpleNamespace(output_padding=output_padding), global_x,
-        None if output_size is None else list(output_size), list(stride), list(padding), list(kernel), 2,
-        list(dilation))
-    axes = [_transpose_axis(comm_group(groups[a]), extents[a], kernel[a], stride[a], dilation[a], padding[a],
-                            ops[a], 2 + a, f"{name} ({'H' if a == 0 else 'W'})") for a in range(2)]
-    return ConvTranspose2dPlan(*axes)

@@ -18,36 +18,26 @@ the replacement).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..exchange import exchange
-from ..mesh import DomainMesh, DomainParallelManager, GroupRef, get_domain_parallel_manager
-from ..plans import Site, carry, enter_root, exit_root, resolve
+from ..mesh import DomainMesh, DomainParallelManager
 from ..replicated import check_replicated
+from ..reroute import uninstall
 from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample  # noqa: F401  (they fill the registry)
-from .pad import pad_plan
+from .adapters import adapter
+from .credit_padding import TensorPadding, swap_tensor_padding, unswap_tensor_padding
 from .registry import Entry, entries, entry_of, is_pointwise_conv
-from .upsample import halo_interpolate
+from .root import drop_root, global_pool, guard_whole, make_root, rooted
+from .swinv2 import unswap_models
+from .target import ConvertContext, convert_context
 
+# re-exported where they lived before: ConvertContext (halo.nn.target), TensorPadding and its swaps (credit_padding)
 __all__ = ["INSIDE", "MESH_2D", "ConvertContext", "TensorPadding", "convert_to_domain_parallel", "is_pointwise_conv",
            "revert_domain_parallel", "swap_tensor_padding", "unswap_tensor_padding"]
-
-
-@dataclass(frozen=True)
-class ConvertContext:
-    """What a converter needs: the domain group, the data-parallel group, the latitude boundary override."""
-
-    group: Any
-    dp_group: Any
-    boundary: str | None
-    mesh: Any = None  # a latitude x longitude DomainMesh (W sharded too), else None
 
 
 def _mesh_kinds() -> tuple[type, ...]:
@@ -152,79 +142,12 @@ def _converted_inside(module: nn.Module, builtin: dict[type, Entry], ctx: Conver
         entry = entry_of(kind, builtin)
         if entry is not None and entry.keeps(m, ctx):
             continue  # a pointwise conv, a LayerNorm over W alone
-        if entry is not None or isinstance(m, GLOBAL) or _adapter(m) is not None:
+        if entry is not None or isinstance(m, GLOBAL) or adapter(m) is not None:
             found.append(f"{name} ({_name(kind)})")
     return found
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def _adapter(module: nn.Module) -> Callable[[nn.Module, ConvertContext], nn.Module] | None:
-    """Converters for third-party layers recognised by name (timm, torchvision: not imported here)."""
-
-    kind = type(module)
-    if kind.__name__ == "BatchNormAct2d" and isinstance(module, nn.BatchNorm2d) \
-            and {"drop", "act"} <= set(module._modules):  # timm.layers.BatchNormAct2d: batch norm, drop, act
-        return lambda m, ctx: norm.DomainBatchNormAct2d(m, group=ctx.group, dp_group=ctx.dp_group, mesh=ctx.mesh)
-    stateless = not module._parameters and not module._buffers and not module._modules
-    if stateless and kind.__name__ == "DropPath" and hasattr(module, "drop_prob"):  # timm's and its copies
-        return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group, mesh=ctx.mesh)
-    if stateless and kind.__name__ == "StochasticDepth" and hasattr(module, "p") and hasattr(module, "mode"):
-        return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group, mesh=ctx.mesh)  # torchvision.ops
-    if kind.__name__ == "NeighborhoodAttention2D" and all(  # natten.NeighborhoodAttention2D (any version)
-            hasattr(module, a) for a in ("qkv", "proj", "rpb", "num_heads", "kernel_size", "dilation", "scale")):
-        from .neighborhood import DomainNeighborhoodAttention2D
-
-        return lambda m, ctx: DomainNeighborhoodAttention2D(m, group=ctx.group)
-    # NCAR CREDIT's CrossFormer / WXFormer (miles-credit 2026.2 moved it under credit.models.wxformer)
-    if kind.__module__.startswith(("credit.models.crossformer", "credit.models.wxformer.crossformer")):
-        if kind.__name__ == "Attention" and all(hasattr(module, a) for a in (
-                "attn_type", "window_size", "heads", "scale", "norm", "to_qkv", "to_out", "dpb", "rel_pos_indices")):
-            from .longrange import DomainCrossFormerAttention
-
-            return lambda m, ctx: DomainCrossFormerAttention(m, group=ctx.group)
-        if kind.__name__ == "LayerNorm" and set(module._parameters) == {"g", "b"} \
-                and tuple(module.g.shape[2:]) == (1, 1):  # over channels (dim 1): pointwise in latitude
-            return lambda m, ctx: m
-        if kind.__name__ == "DynamicPositionBias" and hasattr(module, "layers"):  # an MLP of relative positions
-            return lambda m, ctx: m
-    from .smp_layers import smp_adapter  # smp's U-Net decoder: resizes to global level sizes
-    from .swinv2 import swinv2_adapter  # timm's SwinTransformerV2Block; CREDIT's Swin (V2 Cr) and FuXi
-    from .timm_layers import timm_adapter  # timm's channel norms, activations, layer scale, Conv2dSame, heads, ...
-    from .window import swin_adapter  # timm's SwinTransformerBlock, PatchMerging (v1), PatchEmbed
-
-    return swinv2_adapter(module) or swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
-
-
-def _convert_context(target: Any, boundary: str | None) -> tuple[ConvertContext, int]:
-    """What the layers are converted onto, from a manager, a :class:`halo.DomainMesh` (one axis: latitude rows; two:
-    latitude x longitude) or a process group (latitude rows over it); ``None``: the initialised manager."""
-    op = "convert_to_domain_parallel"
-    if target is None:
-        target = get_domain_parallel_manager()
-        if target is None:
-            raise RuntimeError(f"{op} needs a manager, a mesh or a group: call halo.initialize_domain_parallel("
-                               f"world_size, domain_parallel_size) first or pass one")
-    if isinstance(target, DomainParallelManager):
-        if target.shard_dim not in (-2,):
-            raise ValueError(f"the domain-parallel layers shard latitude (shard_dim=-2); the manager has "
-                             f"shard_dim={target.shard_dim}")
-        target = target.mesh
-    if isinstance(target, DomainMesh):
-        if len(target.domain_shape) > 2:
-            raise ValueError(f"{op}: halo's layers take a mesh of one domain axis (latitude) or two (latitude x "
-                             f"longitude), got {len(target.domain_shape)}: {target.domain_shape}")
-        rows = len(target.domain_shape) == 1
-        if tuple(target.shard_dims) not in (((-2,), (2,)) if rows else ((-2, -1), (2, 3))):
-            raise ValueError(f"{op}: a mesh must shard latitude (dim -2){'' if rows else ' then longitude (-1)'}, "
-                             f"got shard_dims={target.shard_dims}")
-        dp_group = target.dp_group if target.dp_size > 1 else None
-        return ConvertContext(target.domain_group, dp_group, boundary, None if rows else target), target.domain_size
-    if isinstance(target, dist.ProcessGroup):
-        return ConvertContext(target, None, boundary), dist.get_world_size(target)
-    raise TypeError(f"{op}(model, X): X is a halo.DomainParallelManager, a halo.DomainMesh or a "
-                    f"torch.distributed.ProcessGroup, got {type(target).__module__}.{type(target).__qualname__}")
 
 
 def convert_to_domain_parallel(
@@ -276,7 +199,7 @@ def convert_to_domain_parallel(
             raise ValueError("convert_to_domain_parallel: pass a manager, a mesh or a group once (in the second "
                              "position), not both a manager and mesh=")
         manager = mesh
-    ctx, domain_size = _convert_context(manager, boundary)
+    ctx, domain_size = convert_context(manager, boundary)
     domain_group = ctx.group
     custom = dict(custom_converters or {})
     builtin = entries()
@@ -311,9 +234,9 @@ def convert_to_domain_parallel(
             _check_mesh_2d(child, path, builtin)
         if kind in builtin:
             return builtin[kind].make(child, ctx)
-        adapter = _adapter(child)
-        if adapter is not None:
-            return adapter(child, ctx)
+        third_party = adapter(child)  # timm, torchvision, NATTEN, CREDIT, smp: by name (halo.nn.adapters)
+        if third_party is not None:
+            return third_party(child, ctx)
         base = next((b for b in kind.__mro__[1:] if b in builtin), None)
         if base is not None:  # a subclass of a layer halo converts
             if _same_forward(kind, base):
@@ -351,7 +274,7 @@ def convert_to_domain_parallel(
             if whole:
                 tails.append(child)
                 continue
-            if isinstance(parent, nn.Sequential) and _global_pool(child, domain_size):
+            if isinstance(parent, nn.Sequential) and global_pool(child, domain_size):
                 whole = True
             if id(child) in replaced:
                 if parent._modules[name] is not replaced[id(child)]:
@@ -386,9 +309,9 @@ def convert_to_domain_parallel(
     visit(model, "")
     if ctx.mesh is None:  # on a mesh W is sharded too: CREDIT's own pad() stays, and the guard refuses it
         swap_tensor_padding(model, domain_group)  # CREDIT CrossFormer's padding object (not a module)
-    _make_root(model, domain_group, grid, w_sharded=ctx.mesh is not None,
+    make_root(model, domain_group, grid, w_sharded=ctx.mesh is not None,
                mesh_shape=tuple(ctx.mesh.domain_shape) if ctx.mesh is not None else None)
-    _guard_whole(model, tails, domain_size)
+    guard_whole(model, tails, domain_size)
     # every rank of the domain group must hold the same parameters and buffers (a model built after
     # torch.manual_seed(rank) would otherwise differ silently): one small agreement at conversion
     check_replicated(model, domain_group, op="convert_to_domain_parallel")
@@ -402,10 +325,10 @@ def _check_mesh_2d(child: nn.Module, path: str, builtin: dict[type, Entry]) -> N
     entry = entry_of(kind, builtin)
     if entry is not None and entry.on_mesh(child):
         return  # a 2-d form: H over the H ranks, W over the W ranks (dropouts: draws keyed on global indices)
-    if entry is None and kind.__name__ in ("DropPath", "StochasticDepth") and _adapter(child) is not None:
+    if entry is None and kind.__name__ in ("DropPath", "StochasticDepth") and adapter(child) is not None:
         return  # draws keyed on global (row, column) indices
     linear = isinstance(child, nn.Linear | nn.Bilinear)
-    if not linear and entry is None and _adapter(child) is None:
+    if not linear and entry is None and adapter(child) is None:
         return  # pointwise, a container, or unknown: the usual rules decide
     kinds = [k for k, e in builtin.items() if e.axes >= 2]
     some = [k.__name__ for k in kinds if builtin[k].mesh_ok is not None]
@@ -422,155 +345,14 @@ def _check_mesh_2d(child: nn.Module, path: str, builtin: dict[type, Entry]) -> N
         + kind.__name__ + ": fn}")
 
 
-def _global_pool(m: nn.Module, domain_size: int) -> bool:
-    """An adaptive pool whose ``output_size`` gives fewer rows than there are ranks: its result is whole on every
-    rank (``halo.nn.pool``)."""
-    if not isinstance(m, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)):
-        return False
-    size = m.output_size
-    rows = size if isinstance(size, int) else size[0]
-    return rows is not None and rows < domain_size
-
-
-def _guard_whole(model: nn.Module, tails: list[nn.Module], domain_size: int) -> None:
-    """With a global pool in the model (its result whole on every rank), hooks that keep whole tensors away from
-    the layers that split rows: the modules after the pool in its Sequential run as torch's own on the whole
-    tensor (and must get one); kept pointwise modules pass the mark on; a halo layer given a whole tensor raises
-    (it would take the copies for shards). Nothing is installed in a model without a global pool; under
-    ``torch.compile`` the hooks do nothing."""
-    from .. import plans
-
-    for handle in model.__dict__.pop("_halo_whole_hooks", []):  # converting again: install afresh
-        handle.remove()
-    if not any(_global_pool(m, domain_size) for m in model.modules()):
-        return
-    handles = model.__dict__.setdefault("_halo_whole_hooks", [])
-    tail_ids = {id(m) for m in tails}
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-
-    def expect_whole(module, args):
-        if torch.compiler.is_compiling() or not args:
-            return
-        if plans.whole_source(args[0]) is None and isinstance(args[0], torch.Tensor):
-            raise ValueError(
-                f"{names.get(id(module), type(module).__name__)} ({type(module).__name__}) follows a global pool "
-                f"in an nn.Sequential, so halo keeps it as torch's own layer on the pool's result (whole on every "
-                f"rank), but its input is not that result (the Sequential's forward does not chain its modules in "
-                f"order?): move it out of that Sequential")
-
-    def pass_on(module, args, output):
-        if torch.compiler.is_compiling() or not args:
-            return
-        source = plans.whole_source(args[0])
-        if source is not None:
-            for t in output if isinstance(output, tuple) else (output,):
-                if isinstance(t, torch.Tensor):
-                    plans.mark_whole(t, source)
-
-    def refuse_whole(module, args):
-        if torch.compiler.is_compiling() or not args:
-            return
-        source = plans.whole_source(args[0])
-        if source is not None:
-            raise ValueError(
-                f"{names.get(id(module), type(module).__name__)} ({type(module).__name__}) is given the result of a "
-                f"global pool ({source}), which is whole and the same on every rank; this layer would take the "
-                f"ranks' copies for shards of a field. Put the pool and the layers that use its result in one "
-                f"nn.Sequential (halo then keeps those layers as torch's own), or use the result only in pointwise "
-                f"ops (as squeeze-excitation does)")
-
-    for m in model.modules():
-        if m is model:
-            continue
-        if id(m) in tail_ids:
-            handles.append(m.register_forward_pre_hook(expect_whole))
-            handles.append(m.register_forward_hook(pass_on))
-        elif "_halo_site" in m.__dict__ and not isinstance(m, (pool.HaloAdaptiveAvgPool2d,
-                                                                 pool.HaloAdaptiveMaxPool2d)):
-            handles.append(m.register_forward_pre_hook(refuse_whole))
-        elif next(m.children(), None) is None and "_halo_site" not in m.__dict__:
-            handles.append(m.register_forward_hook(pass_on))  # a kept pointwise layer: whole in, whole out
-
-
-@dataclass(frozen=True)
-class RootConfig:
-    """What a converted model's entry needs: the domain group (shared by copies) and the declared grid."""
-
-    group_ref: GroupRef
-    grid: tuple[int, int] | None
-    w_sharded: bool = False  # a latitude x longitude mesh: the guard watches W too
-    mesh_shape: tuple[int, int] | None = None  # with a declared grid: the mesh whose blocks the inputs are
-
-    @property
-    def group(self) -> Any:
-        return self.group_ref.group
-
-
-def _make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_sharded: bool = False,
-               mesh_shape: tuple[int, int] | None = None) -> None:
-    """Make ``model`` a converted model's root: its calls start (or join) a step's epoch (``halo.plans``)."""
-    if grid is not None:
-        if len(grid) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in grid):
-            raise ValueError(f"grid must be (H, W), two positive ints, got {grid!r}")
-        grid = (int(grid[0]), int(grid[1]))
-    had = "_halo_root" in model.__dict__
-    model.__dict__["_halo_root"] = RootConfig(GroupRef(group), grid, w_sharded, mesh_shape)
-    if type(model).__module__.startswith("torch.nn"):
-        # torch.compile traces a torch.nn container's call *with* its hooks (and the entry hook runs outside any
-        # graph: fullgraph=True would fail); the same class under a forward of halo's own makes dynamo run the
-        # hooks eagerly and trace the forward, as for a user's model. isinstance, state_dict and repr are unchanged.
-        model.__class__ = _rooted(type(model))
-    if not had:
-        model.register_forward_pre_hook(enter_root, with_kwargs=True)
-        model.register_forward_hook(exit_root, with_kwargs=True, always_call=True)
-
-
-@functools.cache  # a pure function of a torch.nn class (a bounded set): one derived class each
-def _rooted(kind: type) -> type:
-    """``kind`` with a ``forward`` defined here; pickled by name, found again by this module's ``__getattr__``."""
-
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return kind.forward(self, *args, **kwargs)
-
-    name = f"_Rooted{kind.__name__}"
-    return type(kind.__name__, (kind,), {"forward": forward, "__module__": __name__, "__qualname__": name,
-                                         "_halo_unrooted": kind})
-
-
-def __getattr__(name: str) -> Any:
-    """``_RootedSequential`` and friends made on demand: a pickled converted model loads in a fresh process."""
-    kind = getattr(nn, name.removeprefix("_Rooted"), None) if name.startswith("_Rooted") else None
-    if isinstance(kind, type) and issubclass(kind, nn.Module):
-        return _rooted(kind)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _drop_root(model: nn.Module) -> None:
-    unrooted = type(model).__dict__.get("_halo_unrooted")
-    if unrooted is not None:
-        model.__class__ = unrooted
-    if model.__dict__.pop("_halo_root", None) is None:
-        return
-    for hooks, fn in ((model._forward_pre_hooks, enter_root), (model._forward_hooks, exit_root)):
-        for key in [k for k, h in hooks.items() if h is fn]:
-            del hooks[key]
-            for extra in (model._forward_pre_hooks_with_kwargs, model._forward_hooks_with_kwargs,
-                          model._forward_hooks_always_called):
-                extra.pop(key, None)
-
-
 def revert_domain_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`convert_to_domain_parallel` in place; parameters and buffers carry over to the originals."""
-    _drop_root(model)
+    drop_root(model)
     unswap_tensor_padding(model)
-    from .swinv2 import unswap_models  # CREDIT's Swin and FuXi models: their class back
-
-    unswap_models(model)
+    unswap_models(model)  # CREDIT's Swin and FuXi models: their class back
     for handle in model.__dict__.pop("_halo_whole_hooks", []):
         handle.remove()
-    from ..reroute import uninstall  # functional ops computed exactly at their sites: the class's forward back
-
-    uninstall(model)
+    uninstall(model)  # functional ops computed exactly at their sites: the class's forward back
     done: set[int] = set()
     for parent in list(model.modules()):
         for name, child in list(parent._modules.items()):  # every slot
@@ -584,117 +366,10 @@ def revert_domain_parallel(model: nn.Module) -> nn.Module:
     return model
 
 
-# -- NCAR CREDIT's CrossFormer: its plain (non-module) padding object and its final resize ----------------------------
-# halo's support of CREDIT's *models* sits with the layers (as its CrossFormer attention in halo.nn.longrange and its
-# Swin in halo.nn.swinv2); CREDIT's *API* (halo.compat.credit) sits above and re-exports TensorPadding.
-
-class TensorPadding:
-    """CREDIT's ``TensorPadding`` (``credit.models.crossformer``; a plain object with ``pad`` / ``unpad``) on H-shards.
-
-    ``pad`` pads the *global* field ``(..., lat, lon)`` by ``pad_lat`` rows (``"earth"``: across the poles, rows
-    0, 1, ... mirrored and rolled by half the longitudes, as CREDIT's flip of its rolled field; ``"mirror"``:
-    reflected) and ``pad_lon`` columns (circular; W is whole on each rank); the result is the balanced split of the
-    padded field, so the layers after it see the same rows as on one device. ``unpad`` crops back, re-split. Both
-    are exact and differentiable (halo exchanges); with one rank (or no torch.distributed) they are CREDIT's code.
-    """
-
-    def __init__(self, mode: str = "earth", pad_lat: Any = (40, 40), pad_lon: Any = (40, 40), *,
-                 group: Any | None = None, **kwargs: Any) -> None:
-        if mode not in ("earth", "mirror"):
-            raise ValueError(f"TensorPadding: mode must be 'earth' or 'mirror', got {mode!r}")
-        self.mode, self.pad_NS, self.pad_WE, self.group = mode, tuple(pad_lat), tuple(pad_lon), group
-        self._sites = (Site(), Site())
-
-    def _rows(self, x: torch.Tensor, top: int, bottom: int, boundary: str, site: Site, op: str) -> torch.Tensor:
-        plan = resolve(x, self.group, op, pad_plan, (x.dim() - 2, top, bottom, boundary, op), site=site)
-        if plan.plain:
-            return self._local_rows(x, top, bottom)
-        out = exchange(x, plan.ex, plan.rows, x.dim() - 2)
-        carry(out, x)
-        return out
-
-    def _local_rows(self, x: torch.Tensor, top: int, bottom: int) -> torch.Tensor:
-        """One rank: CREDIT's own arithmetic (and its crop for negative amounts)."""
-        if top < 0 or bottom < 0:
-            return x[..., -top:x.shape[-2] + bottom, :]
-        if self.mode == "mirror":
-            return torch.nn.functional.pad(x, (0, 0, top, bottom, 0, 0)[:2 * (x.dim() - 2)], mode="reflect")
-        xroll = torch.roll(x, shifts=int(x.shape[-1] // 2), dims=-1)
-        return torch.cat([torch.flip(xroll[..., :top, :], (-2,)), x,
-                          torch.flip(xroll[..., x.shape[-2] - bottom:, :], (-2,))], dim=-2)
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        top, bottom = self.pad_NS
-        left, right = self.pad_WE
-        op = f"TensorPadding.pad ({self.mode})"
-        if self.mode == "mirror" and (left > 0 or right > 0):  # CREDIT's order: longitude first
-            x = torch.nn.functional.pad(x, (left, right, 0, 0, 0, 0)[:2 * (x.dim() - 2)], mode="circular")
-        if top > 0 or bottom > 0:
-            x = self._rows(x, top, bottom, "pole_centered" if self.mode == "earth" else "reflect", self._sites[0], op)
-        if self.mode == "earth" and (left > 0 or right > 0):
-            x = torch.nn.functional.pad(x, (left, right, 0, 0, 0, 0)[:2 * (x.dim() - 2)], mode="circular")
-        return x
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        top, bottom = self.pad_NS
-        left, right = self.pad_WE
-        if top > 0 or bottom > 0:
-            x = self._rows(x, -top, -bottom, "zeros", self._sites[1], f"TensorPadding.unpad ({self.mode})")
-        if left > 0 or right > 0:
-            x = x[..., :, left:x.shape[-1] - right]
-        return x
-
-
-#: Where NCAR CREDIT defines its CrossFormer (miles-credit 2026.2 moved it under credit.models.wxformer).
-_CROSSFORMER_MODULES = ("credit.models.crossformer", "credit.models.wxformer.crossformer")
-
-
-def _is_crossformer(module: nn.Module) -> bool:
-    kind = type(module)
-    return any(k.__module__.startswith(_CROSSFORMER_MODULES) and k.__name__ == "CrossFormer"
-               for k in kind.__mro__) and all(hasattr(module, a) for a in (
-                   "use_interp", "image_height", "image_width", "use_post_block"))
-
-
-def _interp_hook(module: nn.Module, args: Any, output: Any) -> Any:
-    """CrossFormer's last step, ``F.interpolate(x, size=(image_height, image_width), mode="bilinear")`` of its
-    ``(B, C, H, W)`` result before the ``unsqueeze(2)``, as :func:`halo.nn.halo_interpolate` on the shards."""
-    site = module.__dict__["_halo_interp_site"]
-    y = halo_interpolate(output.squeeze(2), size=(module.image_height, module.image_width), mode="bilinear",
-                         group=module.__dict__["_halo_interp_group"], site=site)
-    return y.unsqueeze(2)
-
-
-def swap_tensor_padding(model: nn.Module, group: Any | None) -> None:
-    """Make CREDIT's objects in ``model`` domain-parallel (the converter calls this; ``revert_domain_parallel``
-    undoes it): ``TensorPadding`` objects held by its modules become :class:`TensorPadding`, and a CrossFormer's final
-    ``F.interpolate`` to the image size (``interp=True``, no post block) runs as ``halo_interpolate`` in a forward hook
-    (its ``use_interp`` is set to False meanwhile: CREDIT's own call would resize each shard to the whole image)."""
-    for module in model.modules():
-        if _is_crossformer(module) and module.use_interp and not module.use_post_block \
-                and "_halo_interp" not in module.__dict__:
-            module.__dict__["_halo_interp_site"] = Site()
-            module.__dict__["_halo_interp_group"] = group
-            module.__dict__["_halo_interp"] = module.register_forward_hook(_interp_hook)
-            module.use_interp = False
-        for name, value in list(vars(module).items()):
-            kind = type(value)
-            if kind.__name__ == "TensorPadding" and kind.__module__.startswith("credit.") \
-                    and hasattr(value, "pad_NS") and hasattr(value, "pad_WE"):
-                twin = TensorPadding(value.mode, value.pad_NS, value.pad_WE, group=group)
-                twin._halo_original = value
-                module.__dict__[name] = twin
-
-
-def unswap_tensor_padding(model: nn.Module) -> None:
-    """Undo :func:`swap_tensor_padding` (``revert_domain_parallel`` calls this)."""
-    for module in model.modules():
-        handle = module.__dict__.pop("_halo_interp", None)
-        if handle is not None:
-            handle.remove()
-            module.use_interp = True
-            module.__dict__.pop("_halo_interp_site", None)
-            module.__dict__.pop("_halo_interp_group", None)
-        for name, value in list(vars(module).items()):
-            if isinstance(value, TensorPadding) and hasattr(value, "_halo_original"):
-                module.__dict__[name] = value._halo_original
+def __getattr__(name: str) -> Any:
+    """``_RootedSequential`` and friends (``halo.nn.root``): a converted model pickled before the root moved there
+    names this module, and loads in a fresh process."""
+    kind = getattr(nn, name.removeprefix("_Rooted"), None) if name.startswith("_Rooted") else None
+    if isinstance(kind, type) and issubclass(kind, nn.Module):
+        return rooted(kind)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

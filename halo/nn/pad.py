@@ -96,11 +96,13 @@ class HaloPad2d(HaloLayer, nn.Module):
 
 
 def halo_pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str = "zeros", value: float = 0.0, *,
-             group: Any | None = None, site: Site | None = None, op: str = "halo_pad") -> torch.Tensor:
+             group: Any | None = None, site: Site | None = None, op: str = "halo_pad",
+             mesh: Any | None = None) -> torch.Tensor:
     """``F.pad(x, padding)`` of the global field on its H-shard (module docstring): ``padding`` is ``(left, right,
     top, bottom)`` in global rows; ``boundary`` ``"zeros"`` (with ``value``), ``"reflect"``, ``"replicate"`` or
-    ``"circular"``. The output is the balanced split of the padded field."""
-    return _pad(x, padding, boundary, value, group, None, site, op)
+    ``"circular"``. The output is the balanced split of the padded field (along H and W: of a block of ``mesh``,
+    a :class:`halo.DomainMesh` with two domain axes, where given)."""
+    return _pad(x, padding, boundary, value, group, mesh, site, op)
 
 
 def _pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str, value: float, group: Any | None,

@@ -43,6 +43,13 @@ whole (``halo.plans.mark_whole``): the converter keeps the modules after the poo
 torch's own (they compute on the whole tensor: an ASPP branch's BatchNorm gets the unsharded statistics) and makes
 a halo layer that is handed a whole tensor elsewhere raise instead of taking the copies for shards.
 
+That global pool is one path on either decomposition: the per-axis plans (one agreement) give, along each axis,
+this rank's part of every window (its block's offset and the global extent; latitude rows are a mesh whose W is
+whole on every rank: offset 0, extent local), torch's op runs on each block of a window's parts, and the shares
+are reduced over the layer's domain group (every rank of a mesh). So a latitude x longitude mesh pools blocks to
+1 x 1 (the form the converter gives it: a windowed adaptive pool there is refused, on every rank alike) with the
+same numbers and winners as latitude rows.
+
 A window pool (max, average) whose output has fewer rows than ranks raises the same ``ValueError`` on every rank
 (the global extent comes from one all-gather, so all ranks agree).
 """
@@ -52,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,15 +67,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.utils import _pair, _triple
 
-from ..comm import CommGroup
-from ..exchange import exchange, exchanger_id, like_format
+from ..comm import CommGroup, comm_group
+from ..exchange import exchanger_id, like_format
 from ..geometry import adaptive_plan, adaptive_starts_ends, check_output_rows, widen_plan, window_plan
-from ..mesh import group_attribute
-from ..plans import Site, carry, mark_whole, resolve
+from ..plans import Site, mark_whole
 from ..reduce import all_reduce
 from ..transport import all_reduce as bounded_all_reduce
-from ._mesh2d import mesh_of, resolve_2d, set_mesh
-from .base import AxisPlan, HaloLayer
+from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
 from .registry import converts
 
 __all__ = [
@@ -167,11 +172,6 @@ def _crop(t: torch.Tensor, plans: tuple[PoolPlan, ...]) -> torch.Tensor:
     return t
 
 
-def _run(x: torch.Tensor, plan: Any) -> torch.Tensor:
-    """Rows ``[lo, lo + rows)`` of the global field along H, autograd-exact (an adaptive pool consumes them)."""
-    return exchange(x, plan.ex, plan.rows, x.dim() - 2)
-
-
 def _global_index(idx: torch.Tensor, plans: tuple[PoolPlan, ...], width: int) -> torch.Tensor:
     """A 2-d max pool's local flat index ``h*cols + w`` over the exchanged block as the unsharded op's ``h*W + w``."""
     h = plans[0]
@@ -256,8 +256,9 @@ class HaloAvgPool2d(HaloLayer, nn.AvgPool2d):
 
 # -- 3-d max / average pooling: (B, C, D, H, W) fields, H (dim -2) sharded ------------------------------------
 
-def _no_mesh_3d(module: nn.Module, name: str) -> None:
-    if mesh_of(module) is not None:
+def _no_mesh_3d(module: HaloLayer, name: str) -> None:
+    """3-d pools plan along H alone: a mesh that also shards W is refused when the layer is made."""
+    if module.halo_axes > 1:
         raise ValueError(f"{name}: a latitude x longitude mesh is supported by the 2-d layers only; shard only "
                          f"latitude (a one-axis mesh) for 3-d pools")
 
@@ -345,105 +346,147 @@ class HaloAvgPool3d(HaloLayer, nn.AvgPool3d):
 
 # -- adaptive pooling ---------------------------------------------------------------------------------------
 
-class AdaptivePlan(NamedTuple):
-    """An adaptive pool as planned for this rank: the exchange of rows ``[lo, lo + rows)``, and per local output
-    row its window ``(start - lo, length)`` and global start (for indices). ``whole``: fewer output rows than
-    ranks, so every rank computes its share of *every* output row (``windows``: the part of each window on this
-    rank, ``(local start, length, global start)``; ``sizes``: each window's length) and the shares are reduced."""
+#: ``(local start, length, global start, window length)``: the rows of one window along an axis that a rank pools.
+Part = tuple[int, int, int, int]
 
-    plain: bool
-    ex: int = -1
-    rows: int = 0
-    windows: tuple[tuple[int, int, int], ...] = ()
-    w_out: int = 0
+
+@dataclasses.dataclass(frozen=True)
+class AdaptivePlan(AxisPlan):
+    """One axis of an adaptive pool as planned for this rank: ``out`` outputs along the axis, of a global extent
+    ``n`` whose first ``first`` indices are on the ranks before this one. ``plain``: one rank along the axis (torch's
+    op over all of it, ``rows == n``). ``whole``: fewer outputs than ranks (a global pool along the axis): ``parts``
+    holds this rank's part of every window (empty parts included) and the result is reduced over the domain. Else
+    windowed: the exchange ``ex`` of ``rows`` rows and, in ``parts``, the window of each local output (its start in
+    the exchanged rows)."""
+
     whole: bool = False
-    sizes: tuple[int, ...] = ()
+    parts: tuple[Part, ...] = ()
+    out: int = 0
+    first: int = 0
+    n: int = 0
 
 
-def _adaptive_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str, shape: tuple, output_size: Any,
-                   is_max: bool) -> AdaptivePlan:
-    (sizes,) = extents
-    if cg.size == 1:
-        return AdaptivePlan(True)
+def _adaptive_axis_plan(cg: CommGroup, sizes: tuple[int, ...], dim: int, op: str, kind: str, shape: tuple,
+                        output_size: Any) -> AdaptivePlan:
+    """The geometry of an adaptive pool along one axis (H; W too on a mesh: ``dim`` names it). Output ``o`` pools
+    the rows ``[floor(o*n/m), ceil((o+1)*n/m))`` of the axis (:func:`halo.geometry.adaptive_starts_ends`)."""
     n = sum(sizes)
-    m, w_out = _global_rows(shape, n, "adaptive_max" if is_max else "adaptive_avg", (output_size,))[-2:]
-    if m < cg.size:  # a global pool (squeeze-excitation, ASPP, PSP): the result whole on every rank
-        first = sum(sizes[:cg.index])
+    probe = list(shape)
+    probe[dim] = n  # torch's size rule and checks; the other dims are this rank's (only ``dim``'s output is read)
+    m = _global_shape(kind, tuple(probe), (output_size,))[dim]
+    if cg.size == 1:
+        return AdaptivePlan(True, rows=n, dim=dim, out=m, n=n)
+    first = sum(sizes[:cg.index])
+    starts, ends = adaptive_starts_ends(n, m)
+    if m < cg.size:  # a global pool along the axis (squeeze-excitation, ASPP, PSP): the result whole on every rank
         last = first + sizes[cg.index]
-        starts, ends = adaptive_starts_ends(n, m)
-        parts = tuple((max(a, first) - first, max(0, min(b, last) - max(a, first)), max(a, first))
+        parts = tuple((max(a, first) - first, max(0, min(b, last) - max(a, first)), max(a, first), b - a)
                       for a, b in zip(starts, ends, strict=True))
-        return AdaptivePlan(False, windows=parts, w_out=w_out, whole=True,
-                            sizes=tuple(b - a for a, b in zip(starts, ends, strict=True)))
+        return AdaptivePlan(False, dim=dim, whole=True, parts=parts, out=m, first=first, n=n)
     plan = adaptive_plan(n, m, cg.size)
     lo, hi, o0, o1 = plan[cg.index]
-    starts, ends = adaptive_starts_ends(n, m)
-    ex = exchanger_id(cg, len(shape) - 2, sizes, tuple((a, b) for a, b, _, _ in plan), "zeros", op)
-    windows = tuple((starts[o] - lo, ends[o] - starts[o], starts[o]) for o in range(o0, o1))
-    return AdaptivePlan(False, ex, hi - lo, windows, w_out)
+    ex = exchanger_id(cg, dim, sizes, tuple((a, b) for a, b, _, _ in plan), "zeros", op)
+    parts = tuple((starts[o] - lo, ends[o] - starts[o], starts[o], ends[o] - starts[o]) for o in range(o0, o1))
+    return AdaptivePlan(False, ex, hi - lo, dim, parts=parts, out=m, first=first, n=n)
 
 
-def adaptive_pool(x: torch.Tensor, output_size, group: Any | None, op: str, is_max: bool, return_indices: bool,
-                  site: Site | None = None):
-    """An adaptive average or max pool of the global field on its H-shards (the modules and functions below)."""
-    fn = F.adaptive_max_pool2d if is_max else F.adaptive_avg_pool2d
-    plan = resolve(x, group, op, _adaptive_plan, (op, tuple(x.shape), output_size, is_max), site=site)
-    if plan.plain:
-        return fn(x, output_size, return_indices) if is_max else fn(x, output_size)
-    if plan.whole:
-        result = _whole_pool(x, plan, group, is_max, return_indices)
-        for t in result if isinstance(result, tuple) else (result,):
-            mark_whole(t, op)
-        return result
-    ext = _run(x, plan)
-    outs, idxs = [], []
-    for start, length, global_start in plan.windows:
-        # Output row o pools exactly rows [starts[o], ends[o]): torch's op on them with output height 1 is
-        # the same window, summed (or compared) in the same order as on the full field.
-        window = ext.narrow(-2, start, length)
+def _adaptive_path(plans: tuple[AdaptivePlan, ...], op: str, output_size: Any) -> str:
+    """How a call runs, from its per-axis plans (agreed: the same answer, or the same error, on every rank):
+    ``"plain"`` (every axis on this rank alone: torch's op), ``"whole"`` (every sharded axis a global pool: the result
+    whole on every rank), ``"rows"`` (H windowed, every other axis on this rank alone: the balanced split of H)."""
+    if all(p.plain for p in plans):
+        return "plain"
+    if all(p.plain or p.whole for p in plans):
+        return "whole"
+    if all(p.plain for p in plans[1:]):
+        return "rows"
+    raise ValueError(f"{op}: on a latitude x longitude mesh an adaptive pool has a form here only as a global pool "
+                     f"(fewer outputs than ranks along every sharded axis: output 1 x 1); output_size={output_size} "
+                     f"gives {' x '.join(str(p.out) for p in plans)} of a {' x '.join(str(p.n) for p in plans)} "
+                     f"field: shard latitude only (a manager), or pool to 1 x 1")
+
+
+def _w_out(output_size: Any, width: int) -> int:
+    """The output extent along W of an adaptive pool of ``width`` columns (torch's rule: ``None`` keeps the size)."""
+    w = output_size if isinstance(output_size, int) else output_size[-1]
+    return width if w is None else int(w)
+
+
+#: One axis as :func:`_pool_blocks` reads it: its parts, each part's output extent along the axis, this rank's first
+#: global index along it, its global extent.
+Axis = tuple[tuple[Part, ...], int, int, int]
+
+
+def _block_axes(plans: tuple[AdaptivePlan, ...], width: int, w_out: int) -> tuple[Axis, Axis]:
+    """H and W of a call as blocks: a plain axis is one part (all of it, torch's ``out`` outputs), a whole or
+    windowed one its parts (one output each). On latitude rows W is whole on every rank: offset 0, extent local."""
+    axes = tuple((((0, p.rows, 0, p.rows),), p.out, 0, p.n) if p.plain else (p.parts, 1, p.first, p.n)
+                 for p in plans)
+    if len(axes) < 2:
+        axes += ((((0, width, 0, width),), w_out, 0, width),)
+    return axes  # type: ignore[return-value]
+
+
+def _cat(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
+
+
+def _pool_blocks(t: torch.Tensor, axes: tuple[Axis, Axis], is_max: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch's adaptive op on each block of ``t`` (the rows of an H part x the columns of a W part, with that axis's
+    output extent), the results side by side; a max's indices as the global flat ``h*W + w``. The average of a part
+    of a window is weighted by its share of the window: the shares of all ranks sum to the window's mean."""
+    (hparts, oh, _, _), (wparts, ow, _, width) = axes
+    lead = t.shape[:-2]
+    rows_v, rows_i = [], []
+    for hs, hl, hg, hn in hparts:
+        vals, idxs = [], []
+        for ws, wl, wg, wn in wparts:
+            if not (hl and wl):  # no rows of this window here
+                vals.append(t.new_full((*lead, oh, ow), float("-inf") if is_max else 0.0))
+                if is_max:
+                    idxs.append(torch.full((*lead, oh, ow), _NO_INDEX, dtype=torch.int64, device=t.device))
+                continue
+            block = t.narrow(-2, hs, hl)
+            if (ws, wl) != (0, t.shape[-1]):
+                block = block.narrow(-1, ws, wl)
+            if is_max:  # the same window in the same order as on the full field: torch's winner within the block
+                v, i = F.adaptive_max_pool2d(block, (oh, ow), True)
+                idxs.append(i + hg * width if (wg, wl) == (0, width) else (i // wl + hg) * width + i % wl + wg)
+            else:  # the aten op itself: F.adaptive_avg_pool2d turns a (1, 1) output into a mean (another sum order)
+                v = torch.ops.aten._adaptive_avg_pool2d(block, [oh, ow])
+                if hl * wl != hn * wn:
+                    v = v * (hl * wl / (hn * wn))
+            vals.append(v)
+        rows_v.append(_cat(vals, -1))
         if is_max:
-            out, idx = fn(window, (1, plan.w_out), True)
-            outs.append(out)
-            idxs.append(idx + global_start * x.shape[-1])
-        else:
-            # The aten op itself: F.adaptive_avg_pool2d turns a (1, 1) output into a mean (another sum order).
-            outs.append(torch.ops.aten._adaptive_avg_pool2d(window, [1, plan.w_out]))
-    out = torch.cat(outs, dim=-2)
-    result = (out, torch.cat(idxs, dim=-2)) if is_max and return_indices else out
-    carry(result, x)
-    return result
+            rows_i.append(_cat(idxs, -1))
+    return _cat(rows_v, -2), (_cat(rows_i, -2) if is_max else None)
 
 
-class _WholeMaxFn(torch.autograd.Function):
-    """An adaptive max pool with fewer output rows than ranks: every rank's window maxima, the maximum over ranks,
-    and the winner of each window as torch picks it (the first maximum in row-major order: the smallest global
-    flat index among the ranks that hold the maximum). Backward: each window's gradient, summed over the ranks
-    (each rank's consumers contributed their part), goes to the winner's element on the rank that holds it."""
+class _GlobalMaxFn(torch.autograd.Function):
+    """A global max pool: every rank's maxima of its parts of the windows, the maximum over the domain, and the
+    winner of each window as torch picks it (the first maximum in row-major order: the smallest global flat index
+    among the ranks that hold the maximum). Backward: each window's gradient, summed over the ranks (each rank's
+    consumers contributed their part), goes to the winner's element on the rank that holds it."""
 
     @staticmethod
-    def forward(ctx, x, plan, info, width):
-        b, c = x.shape[:2]
-        vals, idxs = [], []
-        for start, length, global_start in plan.windows:
-            if length:
-                v, i = F.adaptive_max_pool2d(x.narrow(-2, start, length), (1, plan.w_out), True)
-                vals.append(v)
-                idxs.append(i + global_start * width)
-            else:  # no rows of this window here
-                vals.append(x.new_full((b, c, 1, plan.w_out), float("-inf")))
-                idxs.append(torch.full((b, c, 1, plan.w_out), _NO_INDEX, dtype=torch.int64, device=x.device))
-        best, winner, mine = _max_winner(torch.cat(vals, dim=-2), torch.cat(idxs, dim=-2), info)
+    def forward(ctx, x, axes, info):
+        vals, idxs = _pool_blocks(x, axes, True)
+        best, winner, mine = _max_winner(vals, idxs, info)
         ctx.save_for_backward(winner, mine)
-        ctx.info, ctx.shape, ctx.row0 = info, x.shape, _row0(plan)
+        ctx.info, ctx.shape = info, x.shape
+        ctx.origin = (axes[0][2], axes[1][2], axes[1][3])  # this rank's first row and column, the global width
         ctx.mark_non_differentiable(winner)
         return best.to(x.dtype), winner
 
     @staticmethod
     def backward(ctx, grad, _gidx):
         winner, mine = ctx.saved_tensors
-        width = ctx.shape[-1]
-        local = (winner - ctx.row0 * width).clamp(0, ctx.shape[-2] * width - 1)
-        return _max_grad(grad, ctx.info, local, mine, ctx.shape), None, None, None
+        row0, col0, width = ctx.origin
+        rows, cols = ctx.shape[-2:]
+        local = ((winner // width - row0) * cols + winner % width - col0).clamp(0, rows * cols - 1)
+        return _max_grad(grad, ctx.info, local, mine, ctx.shape), None, None
 
 
 _NO_INDEX = torch.iinfo(torch.int64).max
@@ -472,107 +515,49 @@ def _max_grad(grad: torch.Tensor, info: CommGroup, positions: torch.Tensor, mine
     return gx.view(shape).to(grad.dtype)
 
 
-def _row0(plan: AdaptivePlan) -> int:
-    """This rank's first global row: the global start of its part of a window minus its local start."""
-    for start, length, global_start in plan.windows:
-        if length:
-            return global_start - start
-    return 0
-
-
 @torch._dynamo.disable  # collectives with bounded waits: run eagerly (a graph break under torch.compile)
-def _whole_pool(x: torch.Tensor, plan: AdaptivePlan, group: Any | None, is_max: bool, return_indices: bool):
-    """An adaptive pool with fewer output rows than ranks, whole on every rank: each rank pools its rows of each
-    window, and the shares are reduced over the group (average: means weighted by rows, summed; max: above)."""
-    from ..comm import comm_group
-
-    info = comm_group(group)
+def _global_pool(x: torch.Tensor, axes: tuple[Axis, Axis], group: Any | None, is_max: bool,
+                 return_indices: bool) -> Any:
+    """A global pool, whole on every rank, on either decomposition (module docstring): this rank's part of every
+    window, reduced over the domain ``group`` (averages weighted by their share and summed; maxima:
+    :class:`_GlobalMaxFn`)."""
     if is_max:
-        out, index = _WholeMaxFn.apply(x, plan, info, x.shape[-1])
+        out, index = _GlobalMaxFn.apply(x, axes, comm_group(group))
         return (out, index) if return_indices else out
-    b, c = x.shape[:2]
-    parts = []
-    for (start, length, _), size in zip(plan.windows, plan.sizes, strict=True):
-        if length:  # the window's mean over this rank's rows, weighted by their share of the window
-            mean = torch.ops.aten._adaptive_avg_pool2d(x.narrow(-2, start, length), [1, plan.w_out])
-            parts.append(mean * (length / size))
-        else:
-            parts.append(x.new_zeros((b, c, 1, plan.w_out)))
-    return all_reduce(torch.cat(parts, dim=-2), "sum", group)
+    return all_reduce(_pool_blocks(x, axes, False)[0], "sum", group)
 
 
-# -- global pools on a latitude x longitude mesh -------------------------------------------------------------------
-
-class MeshPoolPlan(NamedTuple):
-    """A global pool (output 1 x 1) of a block: its first row and column, the global extents, the domain group."""
-
-    h0: int
-    w0: int
-    height: int
-    width: int
-    gid: int
-
-
-def _mesh_pool_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tuple, op: str, kind: str,
-                    shape: tuple, output_size: Any, pw: int) -> MeshPoolPlan:
-    from ..comm import group_id
-
-    if len(shape) != 4:  # checked here, after the agreement (the number of dims is agreed): on every rank alike
-        raise ValueError(f"{op}: expected a (B, C, H, W) block, got shape {shape}")
-    height, width = sum(extents[0]), sum(extents[1])
-    out = _global_shape(kind, (*shape[:-2], height, width), (output_size,))[-2:]
-    if tuple(out) != (1, 1):
-        raise ValueError(f"{op}: on a latitude x longitude mesh only a global pool (output 1 x 1) has a form here; "
-                         f"output_size={output_size} gives {tuple(out)} of a {height} x {width} field: shard latitude "
-                         f"only (a manager), or pool to 1 x 1")
-    i, j = divmod(cg.index, pw)
-    return MeshPoolPlan(sum(extents[0][:i]), sum(extents[1][:j]), height, width, group_id(cg))
+def _adaptive(x: torch.Tensor, plans: tuple[AdaptivePlan, ...], group: Any | None, output_size: Any, op: str,
+              is_max: bool, return_indices: bool) -> Any:
+    """An adaptive pool of ``x`` by its per-axis ``plans`` (``group``: the domain group a global pool reduces over)."""
+    path = _adaptive_path(plans, op, output_size)
+    if path == "plain":
+        if is_max:
+            return F.adaptive_max_pool2d(x, output_size, return_indices)
+        return F.adaptive_avg_pool2d(x, output_size)
+    axes = _block_axes(plans, x.shape[-1], _w_out(output_size, x.shape[-1]))
+    if path == "whole":
+        result = _global_pool(x, axes, group, is_max, return_indices)
+        for t in result if isinstance(result, tuple) else (result,):
+            mark_whole(t, op)
+        return result
+    # Output row o pools exactly rows [starts[o], ends[o]) of the exchanged rows: torch's op on them with output
+    # height 1 is the same window, summed (or compared) in the same order as on the full field.
+    out, index = _pool_blocks(exchange_axes(x, plans), axes, is_max)
+    return finish(_formatted((out, index) if is_max and return_indices else out, x), x)
 
 
-class _MeshMaxFn(torch.autograd.Function):
-    """A global max pool of blocks: each block's maximum and its global flat index ``h*W + w``, the maximum over the
-    domain, the winner as torch picks it (the smallest global index among the maxima); backward: the gradient, summed
-    over the ranks (each rank's consumers contributed their part), goes to the winner's element on its rank."""
-
-    @staticmethod
-    def forward(ctx, x, plan, info):
-        w = x.shape[-1]
-        v, i = F.adaptive_max_pool2d(x, 1, True)
-        best, winner, mine = _max_winner(v, (i // w + plan.h0) * plan.width + i % w + plan.w0, info)
-        ctx.save_for_backward(i, mine)
-        ctx.info, ctx.shape = info, x.shape
-        ctx.mark_non_differentiable(winner)
-        return best.to(x.dtype), winner
-
-    @staticmethod
-    def backward(ctx, grad, _gidx):
-        i, mine = ctx.saved_tensors
-        return _max_grad(grad, ctx.info, i, mine, ctx.shape), None, None
+def _size_arg(output_size: Any) -> Any:
+    return tuple(output_size) if isinstance(output_size, list) else output_size
 
 
-@torch._dynamo.disable  # collectives with bounded waits: run eagerly (a graph break under torch.compile)
-def _mesh_pool(x: torch.Tensor, plan: MeshPoolPlan, is_max: bool, return_indices: bool) -> Any:
-    from ..comm import group_by_id
-
-    info = group_by_id(plan.gid)
-    if is_max:
-        out, index = _MeshMaxFn.apply(x, plan, info)
-        return (out, index) if return_indices else out
-    share = x.shape[-2] * x.shape[-1] / (plan.height * plan.width)  # the block's share of the global mean
-    return all_reduce(torch.ops.aten._adaptive_avg_pool2d(x, [1, 1]) * share, "sum", info.group)
-
-
-def mesh_global_pool(x: torch.Tensor, output_size: Any, mesh: Any, is_max: bool, return_indices: bool, op: str,
-                     site: Site | None = None) -> Any:
-    """A global adaptive pool (output 1 x 1: squeeze-excitation, scSE, CBAM) of a field sharded in blocks of a
-    latitude x longitude mesh; the result is whole on every rank, as on latitude rows."""
+def adaptive_pool(x: torch.Tensor, output_size, group: Any | None, op: str, is_max: bool, return_indices: bool,
+                  site: Site | None = None):
+    """An adaptive average or max pool of the global field on its H-shards (the functions below, area upsampling)."""
     kind = "adaptive_max" if is_max else "adaptive_avg"
-    plan = resolve_2d(x, mesh, op, _mesh_pool_plan, (op, kind, tuple(x.shape), output_size, mesh.domain_shape[1]),
-                      site)
-    result = _mesh_pool(x, plan, is_max, return_indices)
-    for t in result if isinstance(result, tuple) else (result,):
-        mark_whole(t, op)
-    return result
+    plans = run_axes(x, op, _adaptive_axis_plan, (op, kind, tuple(x.shape), _size_arg(output_size)), group=group,
+                     site=site)
+    return _adaptive(x, plans, group, output_size, op, is_max, return_indices)
 
 
 def halo_adaptive_avg_pool2d(x: torch.Tensor, output_size, *, group: Any | None = None) -> torch.Tensor:
@@ -586,52 +571,51 @@ def halo_adaptive_max_pool2d(x: torch.Tensor, output_size, return_indices: bool 
     return adaptive_pool(x, output_size, group, "halo_adaptive_max_pool2d", True, return_indices)
 
 
-@converts(nn.AdaptiveAvgPool2d, axes=2, mesh_ok=lambda m: m.output_size in (1, (1, 1)))
-class HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
+def _global_only(pool: nn.Module) -> bool:
+    """``mesh_ok``: a latitude x longitude mesh converts a global adaptive pool (output 1 x 1) only."""
+    return pool.output_size in (1, (1, 1))
+
+
+class _AdaptivePool(HaloLayer):
+    """What the two adaptive pool modules share: the per-axis plans of a call and the one path of either
+    decomposition (``_is_max``: which of torch's ops)."""
+
+    _is_max = False
+
+    def forward(self, x: torch.Tensor):
+        op = type(self).__name__
+        kind = "adaptive_max" if self._is_max else "adaptive_avg"
+        plans = self.axis_plans(x, op, _adaptive_axis_plan, (op, kind, tuple(x.shape), _size_arg(self.output_size)))
+        return _adaptive(x, plans, self.domain_group, self.output_size, op, self._is_max,
+                         getattr(self, "return_indices", False))
+
+
+@converts(nn.AdaptiveAvgPool2d, axes=2, mesh_ok=_global_only)
+class HaloAdaptiveAvgPool2d(_AdaptivePool, nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` on an H-sharded field (windows depend on the global extent: computed from it).
 
     With fewer output rows than ranks (a global average, ``output_size=1``) the result is whole on every rank
-    (module docstring).
+    (module docstring); on a latitude x longitude mesh, that global pool only.
     """
-
-    group = group_attribute()
 
     def __init__(self, pool: nn.AdaptiveAvgPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AdaptiveAvgPool2d):
             raise TypeError(f"HaloAdaptiveAvgPool2d wraps an nn.AdaptiveAvgPool2d, got {type(pool).__name__}")
         super().__init__(pool.output_size)
-        self.group = group
-        self._halo_site = Site()
-        set_mesh(self, mesh, "HaloAdaptiveAvgPool2d")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mesh = mesh_of(self)
-        if mesh is not None:
-            return mesh_global_pool(x, self.output_size, mesh, False, False, "HaloAdaptiveAvgPool2d", self._halo_site)
-        return adaptive_pool(x, self.output_size, self.group, "HaloAdaptiveAvgPool2d", False, False, self._halo_site)
+        self.halo_init(group, mesh)
 
 
-@converts(nn.AdaptiveMaxPool2d, axes=2, mesh_ok=lambda m: m.output_size in (1, (1, 1)))
-class HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
+@converts(nn.AdaptiveMaxPool2d, axes=2, mesh_ok=_global_only)
+class HaloAdaptiveMaxPool2d(_AdaptivePool, nn.AdaptiveMaxPool2d):
     """``nn.AdaptiveMaxPool2d`` on an H-sharded field; indices (``return_indices``) are global flat ``h*W + w``."""
 
-    group = group_attribute()
+    _is_max = True
 
     def __init__(self, pool: nn.AdaptiveMaxPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AdaptiveMaxPool2d):
             raise TypeError(f"HaloAdaptiveMaxPool2d wraps an nn.AdaptiveMaxPool2d, got {type(pool).__name__}")
         super().__init__(pool.output_size, pool.return_indices)
-        self.group = group
-        self._halo_site = Site()
-        set_mesh(self, mesh, "HaloAdaptiveMaxPool2d")
-
-    def forward(self, x: torch.Tensor):
-        mesh = mesh_of(self)
-        if mesh is not None:
-            return mesh_global_pool(x, self.output_size, mesh, True, self.return_indices, "HaloAdaptiveMaxPool2d",
-                                    self._halo_site)
-        return adaptive_pool(x, self.output_size, self.group, "HaloAdaptiveMaxPool2d", True, self.return_indices,
-                         self._halo_site)
+        self.halo_init(group, mesh)
 
 
 # -- conversion ---------------------------------------------------------------------------------------------

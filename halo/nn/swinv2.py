@@ -466,7 +466,7 @@ def unswap_models(model: nn.Module) -> None:
                 m.__dict__.pop(key, None)
 
 
-# -- recognising the classes (halo.nn.convert._adapter) ---------------------------------------------------------
+# -- recognising the classes (halo.nn.adapters) -----------------------------------------------------------------
 
 def _v2_only(make: Any) -> Any:
     return latitude_only(make, "Swin V2 layers")

@@ -32,14 +32,15 @@ On a latitude x longitude mesh every layer recognised here is refused (no 2-d fo
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..plans import Site, mark_whole, shard_sizes, whole_source
-from .base import HaloLayer
+from ..plans import Site, mark_whole, whole_source
+from .base import AxisPlan, HaloLayer
 from .conv import HaloConv2d
 from .norm import DomainGroupNorm
 from .pad import halo_pad
@@ -134,47 +135,58 @@ class HaloConv2dSame(HaloLayer, nn.Module):
     padding; the W padding follows from W (whole on every rank). State: the conv's ``weight`` and ``bias``.
     """
 
-    def __init__(self, conv: nn.Conv2d, *, group: Any | None = None) -> None:
+    def __init__(self, conv: nn.Conv2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         super().__init__()
         if not isinstance(conv, nn.Conv2d) or conv.padding not in (0, (0, 0)) or conv.padding_mode != "zeros":
             raise TypeError(f"HaloConv2dSame wraps timm's Conv2dSame (an nn.Conv2d with padding 0), got {conv!r}")
-        inner = HaloConv2d(_plain_conv(conv), group=group)
+        inner = HaloConv2d(_plain_conv(conv), group=group, mesh=mesh)
         self.__dict__["_conv"] = inner  # not a child: its Parameters are this module's own (same state_dict keys)
         self._parameters["weight"] = conv.weight
         if conv.bias is not None:
             self._parameters["bias"] = conv.bias
         else:
             self.bias = None
-        self.halo_init(group)  # the group (held by reference: a deep copy shares it), halo's own to the converter
+        self.halo_init(group, mesh)  # the group (by reference: a deep copy shares it), halo's own to the converter
         self.kernel_size, self.stride, self.dilation = conv.kernel_size, conv.stride, conv.dilation
-        self._size_site = Site()
         self._pad_site = Site()
 
     def extra_repr(self) -> str:
         return f"kernel_size={self.kernel_size}, stride={self.stride}, dilation={self.dilation}, TF 'same'"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = sum(shard_sizes(x, -2, self.group, op="HaloConv2dSame", site=self._size_site))
-        top, bottom = _same_pad(rows, self.kernel_size[0], self.stride[0], self.dilation[0])
-        left, right = _same_pad(x.shape[-1], self.kernel_size[1], self.stride[1], self.dilation[1])
+        geometry = tuple(zip(self.kernel_size, self.stride, self.dilation, strict=True))
+        plans = self.axis_plans(x, "HaloConv2dSame", _same_axis, per_axis=geometry)
+        # Per axis (H, W) from its global extent; an axis not sharded (W on latitude rows) from the local one.
+        pads = [(p.before, p.after) for p in plans] + [_same_pad(x.shape[-1], *geometry[1])] * (2 - len(plans))
+        (top, bottom), (left, right) = pads
         if top or bottom or left or right:
             x = halo_pad(x, (left, right, top, bottom), "zeros", group=self.group, site=self._pad_site,
-                         op="HaloConv2dSame")
+                         op="HaloConv2dSame", mesh=self.halo_mesh)
         conv = self._conv
         conv._parameters["weight"] = self.weight  # the module's own (after .to(), .double(), load_state_dict)
         conv._parameters["bias"] = self.bias
         return conv(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class SamePlan(AxisPlan):
+    """TF "same" padding along one axis, from the axis's global extent (nothing exchanged: the pad exchanges)."""
+
+    before: int = 0
+    after: int = 0
+
+
+def _same_axis(cg: Any, sizes: tuple[int, ...], dim: int, kernel: int, stride: int, dilation: int) -> SamePlan:
+    before, after = _same_pad(sum(sizes), kernel, stride, dilation)
+    return SamePlan(True, dim=dim, before=before, after=after)
+
+
 def _conv_same(m: nn.Module, ctx: Any) -> nn.Module:
-    if ctx.mesh is not None:  # nn.Conv2d has a mesh form, this subclass not yet
-        raise ValueError(f"{type(m).__module__}.{type(m).__name__} (TF 'same' padding) has no latitude x longitude "
-                         f"form in halo: shard latitude only (a manager), or give custom_converters={{Conv2dSame: fn}}")
     if ctx.boundary not in (None, "zeros"):  # TF "same" pads with zeros; another boundary would change the rows
         raise ValueError(f"{type(m).__module__}.{type(m).__name__} (TF 'same' padding) pads latitude with zeros; "
                          f"halo has no form of it with boundary={ctx.boundary!r}: give custom_converters="
                          f"{{Conv2dSame: fn}} or convert without boundary=")
-    return HaloConv2dSame(m, group=ctx.group)
+    return HaloConv2dSame(m, group=ctx.group, mesh=ctx.mesh)
 
 
 # -- group norms ----------------------------------------------------------------------------------------------------

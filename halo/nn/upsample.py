@@ -15,9 +15,10 @@ Each rank receives the input rows its outputs read (rows of the global field onl
 edges), then, by mode:
 
 - *nearest, nearest-exact*: the row map is read off torch itself (``F.interpolate`` of a ``0..N-1`` ramp
-  with the same arguments, in the input's compute precision, shaped so that torch picks the kernel the global
-  call picks: see ``_channels_last_kernel``), so it is torch's map to the last rounding; the
-  local output is ``F.interpolate`` along W (H unchanged) and a row gather. Bitwise equal, forward; the
+  with the same arguments, in the input's compute precision, once shaped for each of torch's two CPU kernels,
+  which round apart; the forward takes the map of the kernel the global call picks: see
+  ``_channels_last_kernel``), so it is torch's map to the last rounding; the local output is ``F.interpolate``
+  along W (H unchanged) and a row gather. Bitwise equal, forward; the
   backward adds the gradients of repeated rows in another order than torch's kernel (float64 ~1e-16).
 - *bilinear, upsampling by 2**k, align_corners=False*: torch's op on the received rows, then a crop. The map
   is shift-invariant in exact binary arithmetic (``r = 2**-k``): the local op computes the same rows, weights
@@ -31,17 +32,26 @@ edges), then, by mode:
   kernel, so results differ from the unsharded op by a few ulps (measured: float64 < 2e-15 relative,
   float32 < 1e-6; bf16 / fp16 1-2 ulps, as the W pass is rounded to the dtype where torch keeps float).
   Bitwise here would need torch's kernel itself on global coordinates.
-- *area*: adaptive average pooling (:func:`halo.nn.pool.halo_adaptive_avg_pool2d`), bitwise.
+- *area*: adaptive average pooling: each output row is torch's op on exactly its window of rows, bitwise.
+
+The plan is one :class:`InterpPlan` per sharded axis (:func:`halo.nn.base.run_axes`: H on latitude rows; H and W
+on a latitude x longitude mesh), learned in one agreement: a separable resize's plan along an axis depends only on
+that axis's input extents (the W extents of the H step's output are the input's). The forward loops over the
+plans: exchange along the axis, interpolate along it alone (the other axis's scale 1 / size unchanged, torch's
+identity map), crop. W whole on every rank (latitude rows) is resized in the H step's own torch call, as above; on
+a mesh the two steps differ from the one-call 2-d op by the order of the weighted sums (nearest: bitwise; the
+linear modes and area: a few ulps).
 
 Not supported (``NotImplementedError``): ``antialias=True``, ``lanczos``, and the 1-d / 3-d modes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +59,12 @@ from torch import nn
 
 from .. import reroute
 from ..comm import CommGroup
-from ..exchange import exchange, exchanger_id, like_format
+from ..exchange import exchanger_id
+from ..geometry import adaptive_plan, adaptive_starts_ends, check_output_rows
+from ..mesh import DomainMesh
 from ..partition import split_offsets
-from ..plans import Site, carry, device_tensor, resolve
-from ._mesh2d import mesh_layout, mesh_of
-from .base import HaloLayer
-from .pool import adaptive_pool, check_output_rows
+from ..plans import Site, device_tensor
+from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
 from .registry import converts
 
 __all__ = ["HaloUpsample", "halo_interpolate", "interpolate_2d", "kernel_scales", "row_taps"]
@@ -167,7 +177,8 @@ def _nearest_rows(n: int, m: int, size_kwargs: tuple, mode: str, channels_last_k
                   opmath: torch.dtype, device: torch.device) -> torch.Tensor:
     """Torch's nearest row map, read off torch: the interpolated ramp ``0..n-1`` holds the source rows.
 
-    The ramp is shaped so that torch picks the kernel the global call picks (they round differently).
+    The ramp is shaped so that torch runs the kernel asked for (``channels_last_kernel``: they round differently;
+    the forward uses the map of the kernel the global call runs).
     """
     ramp = torch.arange(n, dtype=opmath, device=device)
     if channels_last_kernel:  # 4 channels, channels-last: that kernel whatever the output size
@@ -185,12 +196,15 @@ def _nearest_rows(n: int, m: int, size_kwargs: tuple, mode: str, channels_last_k
     return out[0, 0, :, 0].to(torch.int64)
 
 
-def _w_step(t: torch.Tensor, mode: str, align_corners, scale_w: float | None, w_out: int) -> torch.Tensor:
-    """Torch's interpolation along W only (H kept: an exact identity in every mode), as in the global op."""
+def _along(t: torch.Tensor, dim: int, m: int, scale: float | None, mode: str, align_corners: Any) -> torch.Tensor:
+    """Torch's interpolation along ``dim`` alone, to ``m`` (the other axis kept: an exact identity in every mode), as
+    the global op calls it: by ``scale`` when one reaches the kernel, else by size."""
     ac = align_corners if mode in ("bilinear", "bicubic") else None
-    if scale_w is None:
-        return F.interpolate(t, size=(t.shape[-2], w_out), mode=mode, align_corners=ac)
-    return F.interpolate(t, scale_factor=(1.0, scale_w), mode=mode, align_corners=ac,
+    h = t.dim() - 2
+    if scale is None:
+        size = (m, t.shape[-1]) if dim == h else (t.shape[-2], m)
+        return F.interpolate(t, size=size, mode=mode, align_corners=ac)
+    return F.interpolate(t, scale_factor=(scale, 1.0) if dim == h else (1.0, scale), mode=mode, align_corners=ac,
                          recompute_scale_factor=False)
 
 
@@ -202,9 +216,10 @@ def _power_of_two_up(ratio: float) -> int:
     return 0
 
 
-def _output_size(n: int, w: int, size, scale_factor, mode: str, align_corners, recompute_scale_factor,
-                 op: str) -> tuple[int, int]:
-    """``F.interpolate``'s output ``(H, W)`` for an ``n x w`` input, with its argument checks."""
+def _axis_output(n: int, axis: int, size: Any, scale_factor: Any, mode: str, align_corners: Any,
+                 recompute_scale_factor: Any, op: str) -> tuple[int, float | None]:
+    """``F.interpolate``'s output extent along ``axis`` (0: H, 1: W) of an input with ``n`` along it, and the scale
+    its kernel uses along it (``None``: sizes), with ``F.interpolate``'s argument checks."""
     if (size is None) == (scale_factor is None):
         raise ValueError(f"{op}: exactly one of size or scale_factor should be defined, got size={size}, "
                          f"scale_factor={scale_factor}")
@@ -217,70 +232,81 @@ def _output_size(n: int, w: int, size, scale_factor, mode: str, align_corners, r
     pair = tuple(given) if isinstance(given, (list, tuple)) else (given, given)
     if len(pair) != 2:
         raise ValueError(f"{op}: a (B, C, H, W) input needs 2 output sizes or scale factors, got {given}")
-    if size is not None:
-        out = (int(pair[0]), int(pair[1]))
-    else:
-        out = (math.floor(n * float(pair[0])), math.floor(w * float(pair[1])))
-    if min(out) <= 0:
-        raise ValueError(f"{op}: input ({n}, {w}) and output {out} sizes should be greater than 0")
-    return out
+    m = int(pair[axis]) if size is not None else math.floor(n * float(pair[axis]))
+    if m <= 0:
+        raise ValueError(f"{op}: input and output sizes should be greater than 0, got {n} -> {m} along "
+                         f"{'HW'[axis]} (size {size}, scale_factor {scale_factor})")
+    return m, kernel_scales(size, scale_factor, recompute_scale_factor)[axis]
 
 
-class InterpPlan(NamedTuple):
-    """An interpolation as planned for this rank (see :func:`_interp_plan`); every map is plain data."""
+@dataclasses.dataclass(frozen=True)
+class InterpPlan(AxisPlan):
+    """One axis of an interpolation as planned for this rank (:func:`_interp_axis`); every map is plain data.
 
-    kind: str  # "plain", "area", "nearest", "pow2" or "taps"
-    ex: int = -1
-    rows: int = 0  # extended rows received
+    ``kind``: ``"plain"`` (one rank along the axis: torch's op along it), ``"area"``, ``"nearest"``, ``"pow2"`` or
+    ``"taps"``. ``n`` / ``m``: the global input / output extents along the axis; ``scale``: the kernel's scale along
+    it (``None``: the kernel uses sizes); ``out``: this rank's output rows along it."""
+
+    kind: str = "plain"
+    n: int = 0
     m: int = 0
-    w_out: int = 0
-    scale_h: float | None = None
-    scale_w: float | None = None
-    out: int = 0  # this rank's output rows
-    local: tuple = ()  # nearest: local row map; taps: per tap, the local rows
+    scale: float | None = None
+    out: int = 0
+    local: tuple = ()  # nearest: the local row map (torch's generic kernel); taps: per tap, the local rows;
+    #                    area: per output row, its window (local start, length)
+    local_cl: tuple = ()  # nearest: the local row map of torch's channels-last kernel (the kernels round apart)
     weights: tuple = ()  # taps: per tap, the weights of this rank's output rows
-    gather_first: bool = False  # nearest: select rows before the W step (fewer rows than received)
     k: int = 0  # pow2: upsampling by 2**k
-    pad: int = 0  # pow2: zero rows added so that torch picks the global call's kernel (< 0: before the rows)
-    start: int = 0  # pow2: first kept output row of the local op
+    lo: int = 0  # pow2: the first input row received
+    o0: int = 0  # pow2: this rank's first output row
 
 
-def _interp_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], shape: tuple[int, ...], size: Any,
-                 scale_factor: Any, mode: str, align_corners: Any, recompute_scale_factor: Any, dtype: torch.dtype,
-                 device_type: str, layout: tuple[int, bool, bool], op: str) -> InterpPlan:
-    """Everything an interpolation call needs, from the agreed extents: output size, the rows to receive, the row
-    maps and weights (read off torch once per plan, on the input's device type: no scalar reads per call)."""
-    if len(shape) != 4:  # here, after the agreement (the number of dims is agreed): on every rank alike
-        raise ValueError(f"{op}: expected a (B, C, H, W) shard sharded along H, got shape {shape}")
-    (sizes,) = extents
-    if cg.size == 1:
-        return InterpPlan("plain")
+def _interp_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, axis: int, size: Any, scale_factor: Any, mode: str,
+                 align_corners: Any, recompute_scale_factor: Any, dtype: torch.dtype, device_type: str,
+                 op: str) -> InterpPlan:
+    """The geometry of one axis (H rows, or W columns on a mesh: ``axis`` 0 or 1, ``dim`` its tensor dim), from the
+    agreed extents ``sizes`` of the ranks along it: output extent, the rows each rank receives, the row maps and
+    weights (read off torch once per plan, on the input's device type: no scalar reads per call). A separable
+    resize along an axis depends on that axis's extents alone, so both axes of a mesh are planned in one agreement.
+    """
+    if dim != 2 + axis:  # here, after the agreement (the number of dims is agreed): on every rank alike
+        raise ValueError(f"{op}: expected a (B, C, H, W) shard sharded along H, got a {dim + 2 - axis}-d one")
     n = sum(sizes)
-    m, w_out = _output_size(n, shape[-1], size, scale_factor, mode, align_corners, recompute_scale_factor, op)
+    m, scale = _axis_output(n, axis, size, scale_factor, mode, align_corners, recompute_scale_factor, op)
+    if cg.size == 1:
+        return InterpPlan(True, dim=dim, n=n, m=m, scale=scale)
     check_output_rows(op, m, n, cg.size, f", mode {mode!r}, size {size}, scale_factor {scale_factor}")
-    if mode == "area":
-        return InterpPlan("area", m=m, w_out=w_out)
-    scale_h, scale_w = kernel_scales(size, scale_factor, recompute_scale_factor)
     offs = split_offsets(m, cg.size)
     o0, o1 = offs[cg.index], offs[cg.index + 1]
     opmath = _opmath(dtype)
-    global_cl = _channels_last_kernel(mode, layout, m, w_out)
 
-    def plan(kind: str, needs: list[tuple[int, int]], **fields: Any) -> InterpPlan:
+    def plan(kind: str, needs: Any, **fields: Any) -> InterpPlan:
         lo, hi = needs[cg.index]
-        ex = exchanger_id(cg, len(shape) - 2, sizes, needs, "zeros", op)
-        return InterpPlan(kind, ex, hi - lo, m, w_out, scale_h, scale_w, o1 - o0, **fields)
+        ex = exchanger_id(cg, dim, sizes, tuple(needs), "zeros", op)
+        return InterpPlan(False, ex, hi - lo, dim, kind=kind, n=n, m=m, scale=scale, out=o1 - o0, **fields)
+
+    if mode == "area":  # adaptive average pooling: output row o averages rows [floor(o n / m), ceil((o + 1) n / m))
+        per_rank = adaptive_plan(n, m, cg.size)
+        starts, ends = adaptive_starts_ends(n, m)
+        lo = per_rank[cg.index][0]
+        return plan("area", [(a, b) for a, b, _, _ in per_rank],
+                    local=tuple((starts[o] - lo, ends[o] - starts[o]) for o in range(o0, o1)))
 
     if mode in ("nearest", "nearest-exact"):
-        size_kwargs = ((("size", (m, 1)),) if scale_h is None
-                       else (("scale_factor", (scale_h, 1.0)), ("recompute_scale_factor", False)))
-        rows = _nearest_rows(n, m, size_kwargs, mode, global_cl, opmath, torch.device(device_type)).tolist()
-        needs = [(rows[offs[r]], rows[offs[r + 1] - 1] + 1) for r in range(cg.size)]
-        local = tuple(r - rows[o0] for r in rows[o0:o1])
-        return plan("nearest", needs, local=local, gather_first=needs[cg.index][1] - needs[cg.index][0] > o1 - o0)
+        # Torch's two kernels may round the map apart; which one the global call runs depends on both axes' output
+        # extents, so both maps are kept and the forward picks (the rows received cover both).
+        size_kwargs = ((("size", (m, 1)),) if scale is None
+                       else (("scale_factor", (scale, 1.0)), ("recompute_scale_factor", False)))
+        maps = [_nearest_rows(n, m, size_kwargs, mode, cl, opmath, torch.device(device_type)).tolist()
+                for cl in (False, True)]
+        needs = [(min(mp[offs[r]] for mp in maps), max(mp[offs[r + 1] - 1] for mp in maps) + 1)
+                 for r in range(cg.size)]
+        lo = needs[cg.index][0]
+        local, local_cl = (tuple(i - lo for i in mp[o0:o1]) for mp in maps)
+        return plan("nearest", needs, local=local, local_cl=local_cl)
 
     ac = bool(align_corners)
-    k = 0 if ac or mode != "bilinear" else _power_of_two_up(_kernel_ratio(n, m, scale_h, False, opmath))
+    k = 0 if ac or mode != "bilinear" else _power_of_two_up(_kernel_ratio(n, m, scale, False, opmath))
     if k and m == n << k:
         # Bilinear upsampling by 2**k (align_corners=False): torch's op on the received rows, then a crop. Output
         # row o reads rows i0(o) = max(0, floor((2o + 1 - 2**k) / 2**(k+1))) and i0 + 1; every step of
@@ -291,17 +317,9 @@ def _interp_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], shape: tup
             return max(0, (2 * o + 1 - (1 << k)) >> (k + 1))
 
         needs = [(first(offs[r]), min(n, first(offs[r + 1] - 1) + 2)) for r in range(cg.size)]
-        lo, hi = needs[cg.index]
-        shift, rows_out, pad = lo << k, (hi - lo) << k, 0
-        if not global_cl and _channels_last_kernel("bilinear", layout, rows_out, w_out) and (lo, hi) != (0, n):
-            # A short local output would get torch's other kernel (another rounding): add zero rows on a side
-            # no kept output reads (below the shard on the first rank, above it elsewhere) until it is not.
-            extra = max(1, -(-(129 - w_out - rows_out) >> k))
-            pad = extra if lo == 0 else -extra
-            shift = shift if lo == 0 else shift - (extra << k)
-        return plan("pow2", needs, k=k, pad=pad, start=o0 - shift)
+        return plan("pow2", needs, k=k, lo=needs[cg.index][0], o0=o0)
 
-    rows_t, weights_t = row_taps(n, m, scale_h, mode, ac, dtype)
+    rows_t, weights_t = row_taps(n, m, scale, mode, ac, dtype)
     rows, weights = rows_t.tolist(), weights_t.tolist()  # plain data (floats hold every dtype's values exactly)
     needs = [(min(min(r) for r in rows[offs[q]:offs[q + 1]]), max(max(r) for r in rows[offs[q]:offs[q + 1]]) + 1)
              for q in range(cg.size)]
@@ -312,15 +330,111 @@ def _interp_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], shape: tup
     return plan("taps", needs, local=local, weights=wts)
 
 
-def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = "nearest",
-                     align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
-                     antialias: bool = False, *, group: Any | None = None, site: Site | None = None) -> torch.Tensor:
-    """``F.interpolate`` of the global field, computed on its H-shards (see the module docstring).
+def _pow2_pad(p: InterpPlan, global_cl: bool, layout: tuple[int, bool, bool], other: int) -> tuple[int, int]:
+    """A pow2 step's zero rows (``> 0`` after the received rows, ``< 0`` before) and its first kept output row.
 
-    Args are ``F.interpolate``'s, for a ``(B, C, H, W)`` shard; ``group``: the domain group along H (default:
-    the initialised manager's). Returns this rank's rows of the output: the balanced split of its height.
-    """
-    op = "halo_interpolate"
+    A short local output would get torch's other kernel (another rounding) than the global call: zero rows are
+    added on a side no kept output reads (below the shard on the first rank, above it elsewhere) until it does not.
+    ``other``: the local op's output extent along the other axis."""
+    shift, rows_out = p.lo << p.k, p.rows << p.k
+    if global_cl or not _channels_last_kernel("bilinear", layout, rows_out, other) or (p.lo, p.lo + p.rows) == (0, p.n):
+        return 0, p.o0 - shift
+    extra = max(1, -(-(129 - other - rows_out) >> p.k))
+    if p.lo == 0:
+        return extra, p.o0 - shift
+    return -extra, p.o0 - shift + (extra << p.k)
+
+
+def _nearest_step(ext: torch.Tensor, p: InterpPlan, whole: tuple, mode: str, global_cl: bool) -> torch.Tensor:
+    """Torch's rows (the map of the kernel the global call runs) gathered; a whole W resized by torch."""
+    local = device_tensor(p.local_cl if global_cl else p.local, torch.int64, ext.device)
+    if not whole:
+        return ext.index_select(p.dim, local)
+    ((m, scale),) = whole
+    if p.out < p.rows:  # fewer rows kept than received: select them before the W step
+        return _along(ext.index_select(p.dim, local), ext.dim() - 1, m, scale, mode, None)
+    return _along(ext, ext.dim() - 1, m, scale, mode, None).index_select(p.dim, local)
+
+
+def _pow2_step(ext: torch.Tensor, p: InterpPlan, whole: tuple, global_cl: bool,
+               layout: tuple[int, bool, bool]) -> torch.Tensor:
+    """Torch's bilinear op on the received rows (and a whole W in the same call), then this rank's rows."""
+    h = ext.dim() - 2
+    axis = p.dim - h
+    sizes, scales = [int(ext.shape[-2]), int(ext.shape[-1])], [1.0, 1.0]
+    for m, scale in whole:  # W whole on every rank: resized in the same call, as the global op does
+        sizes[1], scales[1] = m, scale
+    pad, start = _pow2_pad(p, global_cl, layout, sizes[1 - axis])
+    if pad:
+        shape = list(ext.shape)
+        shape[p.dim] = abs(pad)
+        zeros = ext.new_zeros(shape)
+        ext = torch.cat([ext, zeros] if pad > 0 else [zeros, ext], dim=p.dim)
+    if p.scale is None:
+        sizes[axis] = int(ext.shape[p.dim]) << p.k
+        up = F.interpolate(ext, size=tuple(sizes), mode="bilinear", align_corners=False)
+    else:
+        scales[axis] = p.scale
+        up = F.interpolate(ext, scale_factor=tuple(scales), mode="bilinear", align_corners=False,
+                           recompute_scale_factor=False)
+    return up.narrow(p.dim, start, p.out)
+
+
+def _taps_step(ext: torch.Tensor, p: InterpPlan, whole: tuple, mode: str, align_corners: Any,
+               dtype: torch.dtype) -> torch.Tensor:
+    """A whole W resized by torch (exact), then the received rows combined with torch's weights, in the compute
+    precision (module docstring)."""
+    opmath = _opmath(dtype)
+    t = ext
+    for m, scale in whole:
+        t = _along(t, t.dim() - 1, m, scale, mode, bool(align_corners))
+    if t.dtype != opmath:
+        t = t.to(opmath)
+    shape = (-1,) + (1,) * (t.dim() - 1 - p.dim)  # the weights broadcast along the axis
+    out = None
+    for rows, wts in zip(p.local, p.weights, strict=True):
+        term = t.index_select(p.dim, device_tensor(rows, torch.int64, t.device)) \
+            * device_tensor(wts, opmath, t.device).view(shape)
+        out = term if out is None else out + term
+    return out.to(dtype)
+
+
+def _area_step(ext: torch.Tensor, p: InterpPlan, whole: tuple) -> torch.Tensor:
+    """Each output row pools exactly its window of the received rows: torch's op on it with output extent 1 along
+    the axis (a whole W pooled in the same call, the other axis kept otherwise) is the same window, summed in the
+    same order as on the full field. The aten op itself: ``F.adaptive_avg_pool2d`` turns a (1, 1) output into a
+    mean (another sum order)."""
+    out_hw = [int(ext.shape[-2]), int(ext.shape[-1])]
+    out_hw[p.dim - (ext.dim() - 2)] = 1
+    for m, _ in whole:
+        out_hw[1] = m
+    parts = [torch.ops.aten._adaptive_avg_pool2d(ext.narrow(p.dim, start, length), out_hw)
+             for start, length in p.local]
+    return torch.cat(parts, dim=p.dim)
+
+
+def _axis_step(t: torch.Tensor, p: InterpPlan, whole: tuple, mode: str, align_corners: Any, global_cl: bool,
+               layout: tuple[int, bool, bool]) -> torch.Tensor:
+    """One axis of the resize: its rows exchanged, resized along it alone (``whole``: the axes no plan covers, W on
+    latitude rows, resized in the same torch call), this rank's rows kept. One rank along the axis: torch's op."""
+    if p.plain:  # on a mesh (on latitude rows one rank along H is the op itself): ``whole`` is empty
+        return _along(t, p.dim, p.m, p.scale, mode, align_corners)
+    ext = exchange_axes(t, (p,))
+    if p.kind == "area":
+        return _area_step(ext, p, whole)
+    if layout[1]:
+        ext = ext.contiguous(memory_format=torch.channels_last)
+    if p.kind == "nearest":
+        return _nearest_step(ext, p, whole, mode, global_cl)
+    if p.kind == "pow2":
+        return _pow2_step(ext, p, whole, global_cl, layout)
+    return _taps_step(ext, p, whole, mode, align_corners, t.dtype)
+
+
+def _resize(x: torch.Tensor, size: Any, scale_factor: Any, mode: str, align_corners: Any, recompute_scale_factor: Any,
+            antialias: bool, group: Any | None, mesh: DomainMesh | None, site: Site | None, op: str) -> torch.Tensor:
+    """The interpolation on latitude rows of ``group`` or on a block of ``mesh``: one agreement plans every axis
+    (:func:`halo.nn.base.run_axes`), then each axis in turn is exchanged, resized along it and cropped."""
     if mode not in SUPPORTED_MODES:
         raise NotImplementedError(f"{op}: mode {mode!r} is not implemented for (B, C, H, W) fields sharded "
                                   f"along H; supported: {', '.join(SUPPORTED_MODES)}")
@@ -329,106 +443,62 @@ def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = 
                                   f"downsampling factor); use antialias=False")
     size_arg = tuple(size) if isinstance(size, list) else size
     scale_arg = tuple(scale_factor) if isinstance(scale_factor, list) else scale_factor
-    layout = (int(x.shape[1]) if x.dim() > 1 else 0, x.dim() == 4 and _is_channels_last(x), _one_thread())
-    p = resolve(x, group, op, _interp_plan, (tuple(x.shape), size_arg, scale_arg, mode, align_corners,
-                                              recompute_scale_factor, x.dtype, x.device.type, layout, op), site=site)
-    if p.kind == "plain":
+    args = (size_arg, scale_arg, mode, align_corners, recompute_scale_factor)
+    plans = run_axes(x, op, _interp_axis, (*args, x.dtype, x.device.type, op), group=group, mesh=mesh, site=site,
+                     per_axis=((0,), (1,)))
+    if all(p.plain for p in plans):  # one rank along every axis: the op itself
         return F.interpolate(x, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
-    if p.kind == "area":
-        return adaptive_pool(x, (p.m, p.w_out), group, op, False, False, site)
-    ext = exchange(x, p.ex, p.rows, 2)
-    if _is_channels_last(x):
-        ext = ext.contiguous(memory_format=torch.channels_last)
-    if p.kind == "nearest":
-        local = device_tensor(p.local, torch.int64, x.device)
-        if p.gather_first:
-            out = _w_step(ext.index_select(-2, local), mode, None, p.scale_w, p.w_out)
-        else:
-            out = _w_step(ext, mode, None, p.scale_w, p.w_out).index_select(-2, local)
-    elif p.kind == "pow2":
-        if p.pad:
-            zeros = ext.new_zeros((*ext.shape[:-2], abs(p.pad), ext.shape[-1]))
-            ext = torch.cat([ext, zeros] if p.pad > 0 else [zeros, ext], dim=-2)
-        if p.scale_h is None:
-            up = F.interpolate(ext, size=(ext.shape[-2] << p.k, p.w_out), mode="bilinear", align_corners=False)
-        else:
-            up = F.interpolate(ext, scale_factor=(p.scale_h, p.scale_w), mode="bilinear", align_corners=False,
-                               recompute_scale_factor=False)
-        out = up.narrow(-2, p.start, p.out)
-    else:
-        opmath = _opmath(x.dtype)
-        t = _w_step(ext, mode, bool(align_corners), p.scale_w, p.w_out)
-        if t.dtype != opmath:
-            t = t.to(opmath)
-        out = None
-        for rows, wts in zip(p.local, p.weights, strict=True):
-            term = t.index_select(-2, device_tensor(rows, torch.int64, x.device)) \
-                * device_tensor(wts, opmath, x.device).unsqueeze(-1)
-            out = term if out is None else out + term
-        out = out.to(x.dtype)
-    out = like_format(out, x)  # channels_last in, channels_last out (as F.interpolate)
-    carry(out, x)
-    return out
+    # The axes no plan covers (W on latitude rows) are whole on every rank: the first step resizes them in its own
+    # torch call, as the global op does (which keeps bilinear by 2**k and area bitwise).
+    whole = tuple(_axis_output(int(x.shape[2 + a]), a, *args, op) for a in range(len(plans), 2))
+    layout = (int(x.shape[1]), _is_channels_last(x), _one_thread())
+    global_cl = _channels_last_kernel(mode, layout, *(p.m for p in plans), *(m for m, _ in whole))
+    out = x
+    for i, p in enumerate(plans):
+        out = _axis_step(out, p, whole if i == 0 else (), mode, align_corners, global_cl, layout)
+    return finish(out, x)  # channels_last in, channels_last out (as F.interpolate); carrying x's epoch
 
 
-def _per_axis(v: Any) -> tuple[Any, Any]:
-    if v is None:
-        return None, None
-    if isinstance(v, (tuple, list)):
-        if len(v) != 2:
-            raise ValueError(f"interpolate_2d: expected one value or two (H, W), got {v!r}")
-        return v[0], v[1]
-    return v, v
+def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = "nearest",
+                     align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
+                     antialias: bool = False, *, group: Any | None = None, site: Site | None = None) -> torch.Tensor:
+    """``F.interpolate`` of the global field, computed on its H-shards (see the module docstring).
+
+    Args are ``F.interpolate``'s, for a ``(B, C, H, W)`` shard; ``group``: the domain group along H (default:
+    the initialised manager's). Returns this rank's rows of the output: the balanced split of its height.
+    """
+    return _resize(x, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias, group, None, site,
+                   "halo_interpolate")
 
 
 def interpolate_2d(x: torch.Tensor, mesh: Any, size=None, scale_factor=None, mode: str = "nearest",
                    align_corners: bool | None = None, recompute_scale_factor: bool | None = None, *,
                    sites: tuple[Site | None, Site | None] = (None, None)) -> torch.Tensor:
-    """``F.interpolate`` of a field sharded over a latitude x longitude mesh, as two one-axis passes.
-
-    The modes are separable: H is resized first (over the mesh's H group, W kept: scale 1 along W is torch's
-    identity map), then W (the transposed block, over the W group). Each pass is :func:`halo_interpolate`, exact
-    on its axis; the result equals the one-call 2-d interpolation but for the order of the weighted sums (nearest:
-    bitwise; bilinear / bicubic / area: within a few ulps).
-    """
-    if x.dim() != 4:
-        raise ValueError(f"interpolate_2d: expected a (B, C, H, W) block, got shape {tuple(x.shape)}")
-    (size_h, size_w), (scale_h, scale_w) = _per_axis(size), _per_axis(scale_factor)
-    groups = mesh_layout(mesh)[1]
-
-    def one_pass(t: torch.Tensor, n_out: Any, scale: Any, group: Any, site: Site | None) -> torch.Tensor:
-        if n_out is not None:
-            return halo_interpolate(t, (int(n_out), t.shape[-1]), None, mode, align_corners, recompute_scale_factor,
-                                    group=group, site=site)
-        return halo_interpolate(t, None, (float(scale), 1.0), mode, align_corners, recompute_scale_factor,
-                                group=group, site=site)
-
-    y = one_pass(x, size_h, scale_h, groups[0], sites[0])
-    y = one_pass(y.transpose(-1, -2).contiguous(), size_w, scale_w, groups[1], sites[1])
-    return y.transpose(-1, -2)
+    """``F.interpolate`` of a field sharded over a latitude x longitude mesh: :func:`halo_interpolate`'s per-axis
+    steps with ``mesh=`` (H resized with W kept, then W with H kept; scale 1 along an axis is torch's identity map),
+    planned in one agreement. The result equals the one-call 2-d interpolation but for the order of the weighted
+    sums (nearest: bitwise; bilinear / bicubic / area: within a few ulps). ``sites``: the call's site is the first
+    (the second, once the W pass's own, is unused: one plan for both axes)."""
+    return _resize(x, size, scale_factor, mode, align_corners, recompute_scale_factor, False, None, mesh, sites[0],
+                   "interpolate_2d")
 
 
 @converts(nn.Upsample, axes=2, mesh_ok=lambda m: m.mode in ("nearest", "nearest-exact", "bilinear", "bicubic", "area"))
 class HaloUpsample(HaloLayer, nn.Upsample):
     """``nn.Upsample`` on an H-sharded field (same arguments and ``repr``; no state): see :func:`halo_interpolate`.
 
-    On a latitude x longitude mesh the resize is two one-axis passes (H, then W on the transposed block), each with
-    a site of its own: the W pass's input is the H pass's output, so its plan cannot be agreed with the H one."""
+    On a latitude x longitude mesh the resize is one step per axis (H with W kept, then W with H kept), both planned
+    in one agreement: a separable resize's plan along an axis depends only on that axis's input extents."""
 
     def __init__(self, up: nn.Upsample, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(up, nn.Upsample):
             raise TypeError(f"HaloUpsample wraps an nn.Upsample, got {type(up).__name__}")
         super().__init__(up.size, up.scale_factor, up.mode, up.align_corners, up.recompute_scale_factor)
         self.halo_init(group, mesh)
-        self._halo_site_w = Site()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mesh = mesh_of(self)
-        if mesh is not None:
-            return interpolate_2d(x, mesh, self.size, self.scale_factor, self.mode, self.align_corners,
-                                  self.recompute_scale_factor, sites=(self._halo_site, self._halo_site_w))
-        return halo_interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners,
-                                self.recompute_scale_factor, group=self.group, site=self._halo_site)
+        return _resize(x, self.size, self.scale_factor, self.mode, self.align_corners, self.recompute_scale_factor,
+                       False, self.group, self.halo_mesh, self._halo_site, "halo_interpolate")
 
 
 reroute.provide(interpolate=halo_interpolate, interpolate_modes=SUPPORTED_MODES)  # F.interpolate in users' forward

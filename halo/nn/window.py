@@ -519,7 +519,7 @@ class HaloPatchEmbed(HaloLayer, nn.Module):
         return y
 
 
-# -- recognising timm's classes (halo.nn.convert._adapter) ---------------------------------------------------
+# -- recognising timm's classes (halo.nn.adapters) -----------------------------------------------------------
 
 def latitude_only(make: Callable[[nn.Module, Any], nn.Module | None], what: str = "Swin layers") -> Callable:
     """The converter of a recognised layer that shards latitude only (W whole on each rank; Swin V1 and V2):

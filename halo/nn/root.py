@@ -1,0 +1,163 @@
+"""A converted model's root: where its calls start a step, and the hooks that keep a global pool's result whole.
+
+``convert_to_domain_parallel`` makes the model it converts a *root* (:func:`make_root`): a :class:`RootConfig` in its
+``__dict__`` and two hooks, so that each call starts (or joins) a step's epoch (``halo.plans.enter_root`` /
+``exit_root``: plans learned once per global shape, invariant 7). A torch container (``nn.Sequential``, ...) gets a
+derived class with a forward of its own (:func:`rooted`): torch.compile then runs the hooks eagerly instead of
+tracing them. With a global pool in the model (its result whole on every rank), :func:`guard_whole` installs the
+hooks that keep whole tensors away from the layers that split rows. :func:`drop_root` undoes the root
+(``revert_domain_parallel``). Split from ``halo.nn.convert`` (the walk) so that each file says one thing.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import plans
+from ..mesh import GroupRef
+from ..plans import enter_root, exit_root
+from . import pool
+
+__all__ = ["RootConfig", "drop_root", "global_pool", "guard_whole", "make_root", "rooted"]
+
+
+def global_pool(m: nn.Module, domain_size: int) -> bool:
+    """An adaptive pool whose ``output_size`` gives fewer rows than there are ranks: its result is whole on every
+    rank (``halo.nn.pool``)."""
+    if not isinstance(m, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)):
+        return False
+    size = m.output_size
+    rows = size if isinstance(size, int) else size[0]
+    return rows is not None and rows < domain_size
+
+
+def guard_whole(model: nn.Module, tails: list[nn.Module], domain_size: int) -> None:
+    """With a global pool in the model (its result whole on every rank), hooks that keep whole tensors away from
+    the layers that split rows: the modules after the pool in its Sequential run as torch's own on the whole
+    tensor (and must get one); kept pointwise modules pass the mark on; a halo layer given a whole tensor raises
+    (it would take the copies for shards). Nothing is installed in a model without a global pool; under
+    ``torch.compile`` the hooks do nothing."""
+    for handle in model.__dict__.pop("_halo_whole_hooks", []):  # converting again: install afresh
+        handle.remove()
+    if not any(global_pool(m, domain_size) for m in model.modules()):
+        return
+    handles = model.__dict__.setdefault("_halo_whole_hooks", [])
+    tail_ids = {id(m) for m in tails}
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+
+    def expect_whole(module, args):
+        if torch.compiler.is_compiling() or not args:
+            return
+        if plans.whole_source(args[0]) is None and isinstance(args[0], torch.Tensor):
+            raise ValueError(
+                f"{names.get(id(module), type(module).__name__)} ({type(module).__name__}) follows a global pool "
+                f"in an nn.Sequential, so halo keeps it as torch's own layer on the pool's result (whole on every "
+                f"rank), but its input is not that result (the Sequential's forward does not chain its modules in "
+                f"order?): move it out of that Sequential")
+
+    def pass_on(module, args, output):
+        if torch.compiler.is_compiling() or not args:
+            return
+        source = plans.whole_source(args[0])
+        if source is not None:
+            for t in output if isinstance(output, tuple) else (output,):
+                if isinstance(t, torch.Tensor):
+                    plans.mark_whole(t, source)
+
+    def refuse_whole(module, args):
+        if torch.compiler.is_compiling() or not args:
+            return
+        source = plans.whole_source(args[0])
+        if source is not None:
+            raise ValueError(
+                f"{names.get(id(module), type(module).__name__)} ({type(module).__name__}) is given the result of a "
+                f"global pool ({source}), which is whole and the same on every rank; this layer would take the "
+                f"ranks' copies for shards of a field. Put the pool and the layers that use its result in one "
+                f"nn.Sequential (halo then keeps those layers as torch's own), or use the result only in pointwise "
+                f"ops (as squeeze-excitation does)")
+
+    for m in model.modules():
+        if m is model:
+            continue
+        if id(m) in tail_ids:
+            handles.append(m.register_forward_pre_hook(expect_whole))
+            handles.append(m.register_forward_hook(pass_on))
+        elif "_halo_site" in m.__dict__ and not isinstance(m, (pool.HaloAdaptiveAvgPool2d,
+                                                                 pool.HaloAdaptiveMaxPool2d)):
+            handles.append(m.register_forward_pre_hook(refuse_whole))
+        elif next(m.children(), None) is None and "_halo_site" not in m.__dict__:
+            handles.append(m.register_forward_hook(pass_on))  # a kept pointwise layer: whole in, whole out
+
+
+@dataclass(frozen=True)
+class RootConfig:
+    """What a converted model's entry needs: the domain group (shared by copies) and the declared grid."""
+
+    group_ref: GroupRef
+    grid: tuple[int, int] | None
+    w_sharded: bool = False  # a latitude x longitude mesh: the guard watches W too
+    mesh_shape: tuple[int, int] | None = None  # with a declared grid: the mesh whose blocks the inputs are
+
+    @property
+    def group(self) -> Any:
+        return self.group_ref.group
+
+
+def make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_sharded: bool = False,
+               mesh_shape: tuple[int, int] | None = None) -> None:
+    """Make ``model`` a converted model's root: its calls start (or join) a step's epoch (``halo.plans``)."""
+    if grid is not None:
+        if len(grid) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in grid):
+            raise ValueError(f"grid must be (H, W), two positive ints, got {grid!r}")
+        grid = (int(grid[0]), int(grid[1]))
+    had = "_halo_root" in model.__dict__
+    model.__dict__["_halo_root"] = RootConfig(GroupRef(group), grid, w_sharded, mesh_shape)
+    if type(model).__module__.startswith("torch.nn"):
+        # torch.compile traces a torch.nn container's call *with* its hooks (and the entry hook runs outside any
+        # graph: fullgraph=True would fail); the same class under a forward of halo's own makes dynamo run the
+        # hooks eagerly and trace the forward, as for a user's model. isinstance, state_dict and repr are unchanged.
+        model.__class__ = rooted(type(model))
+    if not had:
+        model.register_forward_pre_hook(enter_root, with_kwargs=True)
+        model.register_forward_hook(exit_root, with_kwargs=True, always_call=True)
+
+
+@functools.cache  # a pure function of a torch.nn class (a bounded set): one derived class each
+def rooted(kind: type) -> type:
+    """``kind`` with a ``forward`` defined here; pickled by name, found again by this module's ``__getattr__`` (and by
+    ``halo.nn.convert``'s: pickles made before the split name that module)."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return kind.forward(self, *args, **kwargs)
+
+    name = f"_Rooted{kind.__name__}"
+    return type(kind.__name__, (kind,), {"forward": forward, "__module__": __name__, "__qualname__": name,
+                                         "_halo_unrooted": kind})
+
+
+def __getattr__(name: str) -> Any:
+    """``_RootedSequential`` and friends made on demand: a pickled converted model loads in a fresh process."""
+    kind = getattr(nn, name.removeprefix("_Rooted"), None) if name.startswith("_Rooted") else None
+    if isinstance(kind, type) and issubclass(kind, nn.Module):
+        return rooted(kind)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def drop_root(model: nn.Module) -> None:
+    """Undo :func:`make_root`: the torch class back, the root's config and its two hooks gone."""
+    unrooted = type(model).__dict__.get("_halo_unrooted")
+    if unrooted is not None:
+        model.__class__ = unrooted
+    if model.__dict__.pop("_halo_root", None) is None:
+        return
+    for hooks, fn in ((model._forward_pre_hooks, enter_root), (model._forward_hooks, exit_root)):
+        for key in [k for k, h in hooks.items() if h is fn]:
+            del hooks[key]
+            for extra in (model._forward_pre_hooks_with_kwargs, model._forward_hooks_with_kwargs,
+                          model._forward_hooks_always_called):
+                extra.pop(key, None)
