@@ -47,23 +47,10 @@ a pointwise op on two fields or more                   their shards hold differe
 An op that torch itself refuses on one rank's shard (the others' pass) is agreed on like a refusal: every rank
 raises at that op, none is left waiting in the next layer's exchange.
 
-**Computed exactly instead** (:mod:`halo.reroute`), where the rule above finds the op acts on H of a
-``(B, C, ..., H, W)`` field, outside forward hooks and on latitude rows (on a latitude x longitude mesh they stay
-refused):
-
-=====================================================  ===========================================================
-op                                                     computed as
-=====================================================  ===========================================================
-``F.group_norm``, ``F.instance_norm`` (input stats),   statistics over the whole domain; running stats updated as
-``F.batch_norm`` (training or no running stats),       torch updates them; ``layer_norm``: no weight or bias
-``F.layer_norm`` over (..., H, W)
-``mean`` / ``Tensor.mean`` over dims with H            the global mean, whole on every rank (a halo layer given it
-                                                       is refused: it would take it for a shard)
-``F.interpolate(size=S)``, ``S[0]`` a field's rows     ``halo_interpolate`` to that field's global rows (a whole
-                                                       map: resized to them, this rank's rows kept)
-``F.interpolate(scale_factor=s)``                      ``halo_interpolate``; a nearest whole-number scale passes as
-                                                       it is where the shards' result is split like the global one
-=====================================================  ===========================================================
+**Computed exactly instead** (:mod:`halo.reroute`, whose docstring has the table): where the rule above finds that
+a group / instance / batch / layer norm, a ``mean`` or an ``F.interpolate`` acts on H of a ``(B, C, ..., H, W)``
+field, outside forward hooks and on latitude rows (on a latitude x longitude mesh they stay refused), the guard
+computes it over the whole domain instead (the statistics, the global mean, ``halo_interpolate``).
 
 The guard records each such call's site (module, line, ordinal) under the model's epoch; later calls of that epoch
 compute exactly the recorded sites (a small ``TorchFunctionMode`` over those modules' forward only), so they stay
@@ -101,8 +88,6 @@ input) can be marked ``with halo.guard.trusted():``.
 
 from __future__ import annotations
 
-import linecache
-import os
 import sys
 import zlib
 from typing import Any
@@ -113,9 +98,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import reroute
 from .comm import CommGroup, all_gather_object, gather_words
-from .guard_follow import SPECIAL, SPECIAL_FOLLOW, Follower
+from .guard_follow import SPECIAL, SPECIAL_FOLLOW, Follower, place
 from .guard_ops import (
-    IN_PLACE,
     INTERPOLATES,
     LAYOUT,
     MATMUL,
@@ -124,16 +108,17 @@ from .guard_ops import (
     PASS,
     SIZE_READS,
     STACK,
+    Marks,
     flows_message,
     in_hook,
     op_name,
     refusal_message,
     torch_module_call,
+    where,
 )
 from .guard_rules import (
     RULES,
     broadcasts,
-    field_of,
     get_arg,
     getitem_rule,
     h_dim,
@@ -154,21 +139,6 @@ T = torch.Tensor
 _AGREE = 0x47554152  # "GUAR"
 
 
-def place(t: Any, dim: int, rows: int | None = None) -> None:
-    """Tell the guard of a converted model's first call where ``t``, a halo layer's output, holds the sharded rows:
-    at ``dim`` (``rows`` of them; more when later dims are merged into it, as tokens). For layers whose output is
-    not ``(..., H, W)`` with H at -2: channels-last blocks (Swin, NATTEN), tokens, W-shards (``rows_to_columns``).
-    Without it the guard would take dim -2 for H and pass a reduction over the real H (silently wrong). A no-op when
-    no guard is watching."""
-    from .plans import state
-
-    guard = state().guard
-    if guard is None or not isinstance(t, torch.Tensor) or torch.compiler.is_compiling():
-        return
-    d = dim % t.dim()
-    guard.dims[t] = (d, int(t.shape[d]) if rows is None else int(rows))
-
-
 class trusted:  # noqa: N801 - a context manager, named like one
     """``with halo.guard.trusted():`` the guard does not check the ops in this block (code you know is right on a
     shard: the guard assumes dim -2 of a 3-d or larger tensor is H unless it followed the tensor there)."""
@@ -181,7 +151,7 @@ class trusted:  # noqa: N801 - a context manager, named like one
         reroute.state().trusted -= 1
 
 
-class SpatialGuard(Follower, TorchFunctionMode):
+class SpatialGuard(Follower, Marks, TorchFunctionMode):
     """The guard of one converted model's first call (module docstring). ``names``: id(module) -> path."""
 
     def __init__(self, names: dict[int, str], cg: CommGroup, epoch: int, w_sharded: bool = False) -> None:
@@ -372,75 +342,25 @@ class SpatialGuard(Follower, TorchFunctionMode):
         except ValueError as exc:
             action = f"halo would compute it over the whole domain, but {exc}"
         if isinstance(action, str):
-            raise ValueError(refusal_message((0, action, self._where(frame), op_name(func))))
+            raise ValueError(refusal_message((0, action, where(frame, self.names), op_name(func))))
         if action is None:  # exact on the shard as it is
             return (func(*args, **kwargs),)
         out = action(args, kwargs)
         self.recorder.record(module, key, ordinal, action)
         return (out,)
 
-    def _rows_of_fields(self, args, kwargs) -> list[int] | None:
-        """An op on two fields or more: the sizes of its tensor arguments along the first field's H (aligned from
-        the right, as broadcasting aligns them); ``None``: fewer than two fields."""
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        fields = [(t, f) for t in tensors if (f := field_of(t, self.dims)) is not None]
-        if len(fields) < 2:
-            return None
-        ref, (h, _) = fields[0]
-        back = ref.dim() - h
-        return [int(t.shape[t.dim() - back]) for t in tensors if t.dim() >= back]
-
-    def _any_field(self, args, kwargs) -> bool:
-        for a in (*args, *kwargs.values()):
-            for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                if field_of(t, self.dims) is not None:
-                    return True
-        return False
-
     # -- hooks ---------------------------------------------------------------------------------------------------
 
-    def _taint(self, func, args, out, message: str) -> None:
-        """Mark what an op the guard refuses computed in a forward hook (and the tensor it changed in place)."""
-        for o in out if isinstance(out, (list, tuple)) else (out,):
-            if isinstance(o, torch.Tensor):
-                self.tainted[o] = message
-        name = getattr(func, "__name__", "")
-        if args and isinstance(args[0], torch.Tensor) and (name.endswith("_") and not name.endswith("__")
-                                                           or name in IN_PLACE):
-            self.tainted[args[0]] = message
-
-    def _check_taint(self, func, args, kwargs) -> tuple[Any] | None:
-        """An op given a tensor computed by a refused op in a hook: inside a hook, run it and pass the mark on
-        (``(out,)``); outside, the refused result flows into the model: refuse it (the same on every rank: the
-        marks come from agreed refusals). ``None``: no marked input."""
-        message = None
-        for a in (*args, *kwargs.values()):
-            for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                if isinstance(t, torch.Tensor):
-                    message = message or self.tainted.get(t)
-        if message is None:
-            return None
-        if in_hook(sys._getframe(2)):
-            out = func(*args, **kwargs)
-            self._taint(func, args, out, message)
-            return (out,)
-        raise ValueError(flows_message(message))
-
-    def finish(self, output: Any) -> None:
-        """The model's output: refuse it if a forward hook computed it with an op the guard refuses."""
+    def finish(self, output: Any, root: torch.nn.Module) -> None:
+        """The model's output: refuse it if a forward hook computed it with an op the guard refuses; else the epoch
+        is guarded, with its sites (``root``: the converted model)."""
         import torch.utils._pytree as pytree
 
         for t in pytree.tree_leaves(output):
             message = self.tainted.get(t) if isinstance(t, torch.Tensor) else None
             if message is not None:
                 raise ValueError(flows_message(message))
-        reroute.install(self.recorder, self.epoch, self.names)  # later calls of this epoch compute them alike
-
-    def _agree(self, func, problem: str | None, frame, checked: bool = True) -> None:
-        """Every rank at the same checked op: all go on, or all raise the first rank's refusal."""
-        note = self._verdict(func, problem, frame, checked)
-        if note is not None:
-            raise ValueError(refusal_message(note))
+        reroute.install(self.recorder, self.epoch, self.names, root)  # later calls of this epoch compute them alike
 
     def _verdict(self, func, problem: str | None, frame, checked: bool = True,
                  rows: list[int] | None = None) -> tuple[int, str, str, str] | None:
@@ -459,33 +379,19 @@ class SpatialGuard(Follower, TorchFunctionMode):
             split = bool(np.bitwise_and.reduce(table[:, 3]) | np.bitwise_and.reduce(table[:, 4]) != -1)
             if not table[:, 2].any() and (table[:, 1] == tag).all() and not split:
                 return None
-            notes = all_gather_object((problem, self._where(frame), name, rows), self.cg)
+            notes = all_gather_object((problem, where(frame, self.names), name, rows), self.cg)
             if split and not any(n[0] for n in notes) and len({n[2] for n in notes}) == 1:
                 text = broadcasts([n[3] for n in notes])
                 notes = [(text, *n[1:]) for n in notes]
         else:
-            notes = [(problem, self._where(frame), name, rows)]
+            notes = [(problem, where(frame, self.names), name, rows)]
         if len({n[2] for n in notes}) > 1:
             raise ValueError(
                 "halo guard: the ranks of the domain group called different torch functions at the same point of "
                 "the model's forward (" + "; ".join(f"rank {r}: {n[2]} at {n[1]}" for r, n in enumerate(notes))
                 + "): code that branches on the size of its shard computes something else on each rank")
-        r, (text, where, name, _) = next((r, n) for r, n in enumerate(notes) if n[0])
-        return r, text, where, name
-
-    def _where(self, frame) -> str:
-        """``at file:line `code` (in the forward of path (Type))``: the user line, and the module whose forward ran
-        it (the nearest caller that is a module's method)."""
-        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-        where = f"at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} `{line}`"
-        f = frame
-        while f is not None:
-            module = f.f_locals.get("self")
-            if isinstance(module, torch.nn.Module):
-                path = self.names.get(id(module), "(a module)")
-                return f"{where} (in the forward of {path} ({type(module).__name__}))"
-            f = f.f_back
-        return where
+        r, (text, at, name, _) = next((r, n) for r, n in enumerate(notes) if n[0])
+        return r, text, at, name
 
 
 use_guard(SpatialGuard)  # the planner enters it at a converted model's first call of each epoch

@@ -2,7 +2,8 @@
 view, indexing, reductions over other dims, stack) and the checks of ops whose operands' H decides (matmul,
 einsum, attention). :class:`Follower` is the part of the guard that reads and writes ``self.dims`` (tensor -> its H
 dim and rows, where that is not dim -2) and ``self.w_sharded``; :data:`SPECIAL` / :data:`SPECIAL_FOLLOW` map the
-ops checked by its methods."""
+ops checked by its methods; it also tells which arguments of an op are fields (:meth:`Follower._rows_of_fields`).
+:func:`place` is how a layer tells it where its output holds H."""
 
 from __future__ import annotations
 
@@ -14,12 +15,25 @@ import torch
 import torch.nn.functional as F
 
 from .guard_rules import dims_arg, field_of, get_arg, h_dim, merge_dims
-from .plans import TensorMap
+from .plans import TensorMap, state
 
-__all__ = ["SPECIAL", "SPECIAL_FOLLOW", "Follower"]
+__all__ = ["SPECIAL", "SPECIAL_FOLLOW", "Follower", "place"]
 
 T = torch.Tensor
 _MT = T.mT.__get__  # x.mT: transpose of the last two dims
+
+
+def place(t: Any, dim: int, rows: int | None = None) -> None:
+    """Tell the guard of a converted model's first call where ``t``, a halo layer's output, holds the sharded rows:
+    at ``dim`` (``rows`` of them; more when later dims are merged into it, as tokens). For layers whose output is
+    not ``(..., H, W)`` with H at -2: channels-last blocks (Swin, NATTEN), tokens, W-shards (``rows_to_columns``).
+    Without it the guard would take dim -2 for H and pass a reduction over the real H (silently wrong). A no-op when
+    no guard is watching (re-exported by :mod:`halo.guard`, where layers import it)."""
+    guard = state().guard
+    if guard is None or not isinstance(t, torch.Tensor) or torch.compiler.is_compiling():
+        return
+    d = dim % t.dim()
+    guard.dims[t] = (d, int(t.shape[d]) if rows is None else int(rows))
 
 
 class Follower:
@@ -60,6 +74,24 @@ class Follower:
             e = d + o.dim() - t.dim() if d >= 0 else d  # broadcasting puts new dims in front
             if d < 0 or o.shape[e] == t.shape[d]:
                 self.dims[o] = (e, rows)
+
+    def _rows_of_fields(self, args, kwargs) -> list[int] | None:
+        """An op on two fields or more: the sizes of its tensor arguments along the first field's H (aligned from
+        the right, as broadcasting aligns them); ``None``: fewer than two fields."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        fields = [(t, f) for t in tensors if (f := field_of(t, self.dims)) is not None]
+        if len(fields) < 2:
+            return None
+        ref, (h, _) = fields[0]
+        back = ref.dim() - h
+        return [int(t.shape[t.dim() - back]) for t in tensors if t.dim() >= back]
+
+    def _any_field(self, args, kwargs) -> bool:
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if field_of(t, self.dims) is not None:
+                    return True
+        return False
 
     def _matmul(self, args) -> str | None:
         a, b = (args + (None, None))[:2]

@@ -1,8 +1,10 @@
 """The guard's op tables and messages (:mod:`halo.guard`): the ops that pass on a field by their name alone
-(default deny: :data:`PASS`), the layout ops it follows, and the wording and frames of a refusal."""
+(default deny: :data:`PASS`), the layout ops it follows, the wording and frames of a refusal, and the marks of what a
+forward hook computed with a refused op (:class:`Marks`)."""
 
 from __future__ import annotations
 
+import linecache
 import os
 import sys
 from typing import Any
@@ -11,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from .guard_rules import RULES
+from .plans import TensorMap
 
 __all__ = ["INTERPOLATES", "IN_PLACE", "LAYOUT", "MATMUL", "MEANS", "MERGES", "MT", "PASS", "SIZE_READS", "STACK",
-           "flows_message", "in_hook", "op_name", "refusal_message", "torch_module_call"]
+           "Marks", "flows_message", "in_hook", "op_name", "refusal_message", "torch_module_call", "where"]
 
 T = torch.Tensor
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -132,3 +135,52 @@ def in_hook(frame: Any) -> bool:
                 return True
         f = back
     return False
+
+
+def where(frame: Any, names: dict[int, str]) -> str:
+    """``at file:line `code` (in the forward of path (Type))``: the user line, and the module whose forward ran it
+    (the nearest caller that is a module's method; ``names``: id(module) -> its path in the model)."""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    at = f"at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} `{line}`"
+    f = frame
+    while f is not None:
+        module = f.f_locals.get("self")
+        if isinstance(module, torch.nn.Module):
+            path = names.get(id(module), "(a module)")
+            return f"{at} (in the forward of {path} ({type(module).__name__}))"
+        f = f.f_back
+    return at
+
+
+class Marks:
+    """The marks of what monitoring code in a forward hook computed with an op the guard refuses (a mixin of
+    :class:`halo.guard.SpatialGuard`): refused only once such a result flows into the model."""
+
+    tainted: TensorMap
+
+    def _taint(self, func, args, out, message: str) -> None:
+        """Mark what an op the guard refuses computed in a forward hook (and the tensor it changed in place)."""
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(o, torch.Tensor):
+                self.tainted[o] = message
+        name = getattr(func, "__name__", "")
+        if args and isinstance(args[0], torch.Tensor) and (name.endswith("_") and not name.endswith("__")
+                                                           or name in IN_PLACE):
+            self.tainted[args[0]] = message
+
+    def _check_taint(self, func, args, kwargs) -> tuple[Any] | None:
+        """An op given a tensor computed by a refused op in a hook: inside a hook, run it and pass the mark on
+        (``(out,)``); outside, the refused result flows into the model: refuse it (the same on every rank: the
+        marks come from agreed refusals). ``None``: no marked input."""
+        message = None
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, torch.Tensor):
+                    message = message or self.tainted.get(t)
+        if message is None:
+            return None
+        if in_hook(sys._getframe(2)):
+            out = func(*args, **kwargs)
+            self._taint(func, args, out, message)
+            return (out,)
+        raise ValueError(flows_message(message))

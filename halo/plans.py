@@ -44,8 +44,10 @@ State. What the planner remembers lives in the context in use (:mod:`halo.contex
 :func:`halo.context.reset` forgets the records, the tensors' epochs and the running model's epoch, and the next call
 learns again. Epoch numbers are digests of what was agreed, salted per context (:func:`epoch_number`): no table
 grows with the shapes seen, and what outlives a reset (a module's guarded epochs and recorded sites, a compiled
-graph guarding on the epoch) never matches a later context's epochs. The records (:data:`MAX_RECORDS`, oldest
-first) and the plans' device tensors (:data:`MAX_TENSORS`) are bounded.
+graph guarding on the epoch) never matches a later context's epochs. The records (:data:`MAX_RECORDS` per group,
+its oldest first: dropped alike on each of its ranks, never by another group's churn), a converted model's guarded
+epochs (:data:`MAX_EPOCHS`, with its modules' sites: :mod:`halo.reroute`) and the plans' device tensors
+(:data:`MAX_TENSORS`) are bounded (:func:`set_limits`).
 """
 
 from __future__ import annotations
@@ -77,8 +79,10 @@ __all__ = [
     "epoch_of",
     "exit_root",
     "field_epoch",
+    "guarded_epochs",
     "mark_whole",
     "resolve",
+    "set_limits",
     "set_validation",
     "shard_sizes",
     "tag",
@@ -88,10 +92,18 @@ __all__ = [
 VALIDATION_MODES = ("first", "always")
 
 
-#: The most plans recorded (oldest dropped first: the same sequence on every rank of a group, which makes the same
-#: calls) and the most device tensors of plans kept (:func:`device_tensor`).
+#: The most plans recorded *per group* (its ranks; oldest dropped first) and the most device tensors of plans kept
+#: (:func:`device_tensor`). Per group, because a record must be dropped on every rank of its group alike: the
+#: group's calls are made by all its members in the same order (SPMD), so its records are dropped in the same
+#: order on each; a cap over all groups would let one group's churn (a rank's own one-rank model, a group the
+#: others are not in) evict another group's records on one rank only, which would then agree alone while its
+#: peers recall (a hang, or a collective paired with the wrong one). Defaults of :func:`set_limits`.
 MAX_RECORDS = 4096
 MAX_TENSORS = 1024
+#: The most epochs a converted model remembers having guarded (with the sites its modules compute exactly, which
+#: go with them: :mod:`halo.reroute`), least recently called dropped first; an epoch dropped is guarded again at
+#: its next call, which learns its sites again. A default of :func:`set_limits`.
+MAX_EPOCHS = 256
 #: The most agreed keys whose epoch number is remembered (:func:`epoch_number`, a pure function: an evicted key gets
 #: the same number again, so eviction never aliases two agreements and never makes one rank re-agree alone).
 EPOCH_CACHE = 4096
@@ -107,7 +119,7 @@ class _State:
     on the epoch) must not take a later context's epoch for theirs. ``token`` does the same for :class:`Site` ids."""
 
     __slots__ = ("depth", "epoch", "guard", "calls", "validation", "mesh_group", "guard_on", "salt", "token",
-                 "sites", "provenance", "whole", "records", "tensors")
+                 "sites", "provenance", "whole", "records", "kept", "tensors", "max_records", "max_epochs")
 
     def __init__(self) -> None:
         self.epoch: int | None = None
@@ -122,8 +134,11 @@ class _State:
         self.sites = 0  # site ids issued in this context
         self.provenance = TensorMap()  # tensor halo made -> its epoch
         self.whole = TensorMap()  # tensor whole and the same on every rank of a domain group (a global pool's output)
-        self.records: collections.OrderedDict = collections.OrderedDict()
+        self.records: dict = {}  # key -> plan (one lookup on the hot path)
+        self.kept: dict[tuple[int, ...], collections.deque] = {}  # a group's ranks -> its records' keys, oldest first
         self.tensors: collections.OrderedDict = collections.OrderedDict()
+        self.max_records = MAX_RECORDS  # per group (:func:`set_limits`)
+        self.max_epochs = MAX_EPOCHS  # per converted model
 
 
 #: the planner's state in the context in use (a C-level partial: the hot path's one Python call per fetch)
@@ -168,6 +183,23 @@ class TensorMap:
 
 
 _REPLICATED = 0  # the epoch of calls on replicated tensors (epochs proper start at 1)
+
+
+def set_limits(records: int | None = None, epochs: int | None = None) -> None:
+    """Bound the planner's tables in the context in use: ``records``, the plans recorded per group (default
+    :data:`MAX_RECORDS`); ``epochs``, the epochs a converted model remembers having guarded, with its modules'
+    exactly computed sites (default :data:`MAX_EPOCHS`). What is dropped is learned again at its next call, on every
+    rank alike, provided every rank of a group sets the same limits (set them on every rank, or on none)."""
+    st = _state()
+    for name, value in (("records", records), ("epochs", epochs)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"set_limits: {name} must be a positive int, got {value!r}")
+    if records is not None:
+        st.max_records = records
+        for ranks in list(st.kept):
+            _drop_oldest(st, ranks)
+    if epochs is not None:
+        st.max_epochs = epochs
 
 
 def set_validation(mode: str) -> None:
@@ -306,17 +338,26 @@ def _check_agreed(op: str, local: tuple, specs: tuple, extents: tuple, split: bo
 
 
 def _agree_and_make(group: Any, op: str, local: tuple, specs: tuple, coords: tuple | None, allow_empty: bool,
-                    make: Callable, extra: tuple, split: bool = False) -> Any:
+                    make: Callable, extra: tuple, split: bool = False) -> tuple[Any, CommGroup]:
     cg = comm_group(group)
     extents = agree(_meta(local, specs), cg, op, coords=coords, allow_empty=allow_empty)
     _check_agreed(op, local, specs, extents, split, extra)
-    return make(cg, extents, *extra)
+    return make(cg, extents, *extra), cg
 
 
 @torch._dynamo.disable
 def _agreed(*args: Any) -> Any:
     """A call without an epoch: agree now (outside any compiled graph: a graph break under ``torch.compile``)."""
-    return _agree_and_make(*args)
+    return _agree_and_make(*args)[0]
+
+
+def _drop_oldest(st: _State, ranks: tuple[int, ...]) -> None:
+    """Drop the group's oldest records beyond the cap (only its own: the same ones on each of its ranks)."""
+    keys = st.kept[ranks]
+    while len(keys) > st.max_records:
+        st.records.pop(keys.popleft(), None)
+    if not keys:
+        del st.kept[ranks]
 
 
 @torch._dynamo.assume_constant_result
@@ -327,10 +368,15 @@ def _recorded(epoch: int, site: int, group: Any, op: str, local: tuple, specs: t
     records = _state().records
     plan = records.get(key)
     if plan is None:
-        plan = _agree_and_make(group, op, local, specs, coords, allow_empty, make, extra, split)
-        records[key] = plan
-        if len(records) > MAX_RECORDS:  # oldest first: the same sequence on every rank
-            records.popitem(last=False)
+        plan, cg = _agree_and_make(group, op, local, specs, coords, allow_empty, make, extra, split)
+        st = _state()
+        st.records[key] = plan
+        keys = st.kept.get(cg.ranks)
+        if keys is None:
+            keys = st.kept[cg.ranks] = collections.deque()
+        keys.append(key)
+        if len(keys) > st.max_records:  # this group's oldest first: the same sequence on each of its ranks
+            _drop_oldest(st, cg.ranks)
     return plan
 
 
@@ -555,8 +601,10 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         periodic_check(module, cg, forwards, op)
     st.epoch, st.depth = epoch, 1
     st.mesh_group = config.group if getattr(config, "w_sharded", False) else None
-    guarded = module.__dict__.setdefault("_halo_guarded", set())
+    guarded = guarded_epochs(module)
     first = epoch not in guarded or st.validation == "always"
+    if not first:
+        guarded.move_to_end(epoch)  # least recently called dropped first (the same calls on every rank)
     if first and st.guard_on and cg.size > 1 and _called_by_dynamo():
         _warn_unguarded(module, epoch)
     elif first and st.guard_on and not _called_by_dynamo():
@@ -570,12 +618,27 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         st.guard.__enter__()
 
 
+def guarded_epochs(module: torch.nn.Module) -> collections.OrderedDict:
+    """The epochs converted model ``module`` has run a guarded first call of, least recently called first, each with
+    the modules given sites to compute exactly in it (:func:`halo.reroute.install`, which adds and drops them: an
+    epoch and its sites go together, past ``set_limits(epochs=)``). In the model's ``__dict__`` (a deep copy or a
+    pickle keeps them, its modules mapped to the copy's)."""
+    guarded = module.__dict__.get("_halo_guarded")
+    if not isinstance(guarded, collections.OrderedDict):  # (a set, in a model pickled before they were bounded)
+        guarded = module.__dict__["_halo_guarded"] = collections.OrderedDict.fromkeys(guarded or (), ())
+    return guarded
+
+
 def _warn_unguarded(module: torch.nn.Module, epoch: int) -> None:
     """A compiled first call of an epoch: the guard cannot watch a traced forward, so say so (once per epoch)."""
-    warned = module.__dict__.setdefault("_halo_unguarded", set())
+    warned = module.__dict__.get("_halo_unguarded")
+    if not isinstance(warned, collections.OrderedDict):
+        warned = module.__dict__["_halo_unguarded"] = collections.OrderedDict.fromkeys(warned or ())
     if epoch in warned:
         return
-    warned.add(epoch)
+    warned[epoch] = None
+    while len(warned) > _state().max_epochs:  # (a warning said again at worst)
+        warned.popitem(last=False)
     warnings.warn(
         f"halo: the first call of {type(module).__name__} for these input shapes ran under torch.compile, so halo's "
         f"guard did not check the functional ops its forward calls (F.pad, F.interpolate, slicing or a mean over "
@@ -595,8 +658,7 @@ def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> N
         if guard is not None:
             guard.__exit__(None, None, None)
             if output is not None:  # the call completed: a forward hook's refused result must not be the output
-                guard.finish(output)
-                module.__dict__.setdefault("_halo_guarded", set()).add(guard.epoch)
+                guard.finish(output, module)  # (its epoch guarded, with its sites: halo.reroute.install)
         if output is not None and not torch.compiler.is_compiling():
             _watch_backward(module, output)
         if epoch is not None:

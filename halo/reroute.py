@@ -25,7 +25,10 @@ Where. The guard records each such call under the model's plan key (the epoch of
 once per epoch) at its *site*: the module whose ``__call__`` runs the code (the innermost one), the code's file,
 first line and line, and the op's ordinal at that site within one call of that module. On later calls of the same
 epoch, a module with sites runs its ``forward`` under :class:`_Reroute`, a ``TorchFunctionMode`` that looks only at
-the few functions above and computes exactly the recorded ordinals; everything else passes straight through.
+the few functions above and computes exactly the recorded ordinals; everything else passes straight through. An
+epoch's sites are one entry with the model's guarded epoch (:func:`halo.plans.guarded_epochs`), bounded
+(``halo.plans.set_limits(epochs=)``) and dropped together, so a call never finds its epoch guarded and its sites
+gone (it would run unrouted: silently different); the next call of a dropped epoch is guarded and learns again.
 Modules without sites are untouched and pay nothing; a module with sites pays a Python call per torch function its
 forward (children included) calls (~1-2 us each), a frame walk per call of one of those few functions (~3 us), and
 ~8 us per call for its wrapper (measured on CPU, one thread: a 150 us block with one rerouted mean costs ~31 us
@@ -50,7 +53,8 @@ from torch.overrides import TorchFunctionMode
 from . import context
 from .comm import CommGroup, all_gather_object, group_by_id, group_id
 from .partition import split_sizes
-from .plans import Site, mark_whole, shard_sizes
+from .plans import Site, guarded_epochs, mark_whole, shard_sizes
+from .plans import state as plans_state
 
 __all__ = ["EXACT", "WHOLE_MEAN", "Recorder", "calling_module", "install", "site_key", "state",
            "uninstall", "user_frame"]
@@ -567,32 +571,50 @@ class _Rerouted:
         return self.run(*args, **kwargs)  # eager: without the disable wrapper's own cost
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        from .plans import state
-
-        _STATE = state()
+        _STATE = plans_state()
         module = self.module
         forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
-        records = module.__dict__.get("_halo_reroute", {})
         epoch = _STATE.epoch
         if epoch is None and torch._C._current_graph_task_id() != -1:
-            epoch = module.__dict__.get("_halo_reroute_last")  # recomputed in backward (activation checkpointing)
-        sites = records.get(epoch) if _STATE.guard is None else None
+            # recomputed in backward (activation checkpointing): the sites of its last forward, kept themselves (not
+            # their epoch, whose sites may be dropped since) and set by every forward (one without sites: none)
+            sites = module.__dict__.get("_halo_reroute_last")
+            sites = sites if isinstance(sites, dict) else None
+        else:
+            sites = module.__dict__.get("_halo_reroute", {}).get(epoch) if _STATE.guard is None else None
+            module.__dict__["_halo_reroute_last"] = sites  # (a guarded call: install() sets its sites)
         if not sites:
             return forward(*args, **kwargs)
-        module.__dict__["_halo_reroute_last"] = epoch
         with _Reroute(module, sites, sys._getframe()):
             return forward(*args, **kwargs)
 
 
-def install(recorder: Recorder, epoch: int, names: dict[int, str]) -> None:
-    """After a guarded first call: record its sites under ``epoch`` on their modules, and reroute those modules'
-    forward (once)."""
+def install(recorder: Recorder, epoch: int, names: dict[int, str], root: torch.nn.Module) -> None:
+    """After a guarded first call of converted model ``root``: ``epoch`` is guarded (:func:`halo.plans.guarded_epochs`)
+    with its sites, recorded on their modules, whose forward is rerouted (once).
+
+    An epoch and its sites are one entry, dropped together past ``halo.plans.set_limits(epochs=)`` (least recently
+    called first; the same calls on every rank, so the same entries on every rank): its next call is guarded again
+    and learns its sites again. Dropping sites alone would let a call of a still-guarded epoch run its modules
+    unrouted (``F.group_norm`` of a shard: silently different)."""
+    guarded = guarded_epochs(root)
+    _forget(epoch, guarded.pop(epoch, ()))  # (guarded again under validation "always": its sites made anew)
     for module, sites in recorder.modules.values():
         module.__dict__.setdefault("_halo_reroute", {})[epoch] = sites
-        module.__dict__["_halo_reroute_last"] = epoch  # (a recompute in this call's backward: checkpointing)
+        module.__dict__["_halo_reroute_last"] = sites  # (a recompute in this call's backward: checkpointing)
         current = module.__dict__.get("forward")
         if not isinstance(current, _Rerouted):
             module.__dict__["forward"] = _Rerouted(module, names.get(id(module), "(a module)"), current)
+    guarded[epoch] = tuple(module for module, _ in recorder.modules.values())
+    cap = plans_state().max_epochs
+    while len(guarded) > cap:
+        _forget(*guarded.popitem(last=False))
+
+
+def _forget(epoch: int, modules: tuple) -> None:
+    """Drop ``epoch``'s sites from the modules that had them (its guarded entry is dropped with them)."""
+    for module in modules:
+        module.__dict__.get("_halo_reroute", {}).pop(epoch, None)
 
 
 def uninstall(model: torch.nn.Module) -> None:
@@ -604,6 +626,8 @@ def uninstall(model: torch.nn.Module) -> None:
                 module.__dict__["forward"] = inner
         module.__dict__.pop("_halo_reroute", None)
         module.__dict__.pop("_halo_reroute_last", None)
+        module.__dict__.pop("_halo_guarded", None)  # (converted again, its first calls must be guarded again)
+        module.__dict__.pop("_halo_unguarded", None)
 
 
 def refuse_whole_mean(module: torch.nn.Module, args: tuple, names: dict[int, str]) -> None:
