@@ -19,13 +19,8 @@ and count it once: the training objective is the global loss, held P times. Thei
 under the inner product that counts replicated copies once, i.e. the mean over ranks of the incoming
 gradients (one all-reduce of a few numbers), which is the incoming gradient itself when, as usual, every rank
 calls ``loss.backward()`` on the same loss. With that, each rank's parameter gradient is its own part of the
-global gradient, and
-
-    loss = latitude_weighted_mse(pred, target); loss.backward(); sync_domain_gradients(model)
-
-(sum over the domain group, mean over the data-parallel group) gives exactly the unsharded gradient of the
-mean loss over the full batch. A term that is *not* a domain reduction (a weight penalty computed on every
-rank) is summed P times by the sync: divide it by the domain size, or add its gradient after the sync.
+global gradient, which :func:`sync_domain_gradients` sums (:mod:`halo.reduce_grads`, re-exported here with the
+norms; the latitude grid's rows and weights: :mod:`halo.reduce_weights`).
 
 Precision (invariant 5): bf16/fp16 values are summed in fp32 (float64 for cross-rank sums of a few numbers);
 ``domain_*`` and the losses return fp32 for half inputs, the input dtype otherwise; ``all_reduce`` returns the
@@ -34,23 +29,26 @@ input dtype. Collectives must be called by every rank of the group in the same o
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from . import context
-from .comm import CommGroup, all_gather_object, comm_group, gather_words, group_by_id, group_id
 from .comm import all_reduce as bounded_all_reduce
-from .mesh import DomainParallelManager, get_domain_parallel_manager, mesh_2d, mesh_coords
-from .partition import local_range
-from .plans import resolve, shard_sizes
+from .comm import comm_group, group_by_id, group_id
+from .plans import shard_sizes
+from .reduce_grads import accumulation_dtype, clip_grad_norm_, grad_norm, local_grad, sync_domain_gradients
+from .reduce_weights import (
+    LAT_METHODS,
+    check_mesh,
+    grid_latitudes,
+    latitude_weights,
+    local_latitude_weights,
+    mesh_rows,
+    row_weights,
+)
 
 __all__ = [
     "accumulation_dtype",
@@ -65,15 +63,11 @@ __all__ = [
     "sync_domain_gradients",
     "grad_norm",
     "clip_grad_norm_",
+    "local_grad",
+    "LAT_METHODS",
 ]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for bf16/fp16 (invariant 5), the dtype itself otherwise."""
-    return torch.float32 if dtype in _HALF else dtype
 
 
 # -- all_reduce: the plain-adjoint primitive -------------------------------------------------------------------
@@ -305,7 +299,7 @@ def _reduce(x: torch.Tensor, dim, keepdim: bool, group: Any | None, mean: bool, 
     if mesh is not None:
         group = mesh.domain_group
         if dim is not None and not validated:
-            _mesh_rows(x, mesh, op)  # kept dims must agree on every rank, else all raise
+            mesh_rows(x, mesh, op)  # kept dims must agree on every rank, else all raise
     compiling = torch.compiler.is_compiling()
     if compiling:  # the group as plain ints, outside the trace (_group_of)
         gid, size, _ = _group_of(group)
@@ -333,7 +327,7 @@ def domain_sum(x: torch.Tensor, group: Any | None = None, *, dim: int | Sequence
     rank and are checked): e.g. ``dim=(0, 2, 3)`` gives per-channel sums. Default: everything, a scalar.
     ``mesh``: a latitude x longitude ``DomainMesh`` (``x`` a block; ``dim`` must then include -1 too).
     """
-    return _reduce(x, dim, keepdim, group, False, "domain_sum", mesh=_mesh_arg(mesh, "domain_sum"))
+    return _reduce(x, dim, keepdim, group, False, "domain_sum", mesh=check_mesh(mesh, "domain_sum"))
 
 
 def domain_mean(x: torch.Tensor, group: Any | None = None, *, dim: int | Sequence[int] | None = None,
@@ -341,124 +335,7 @@ def domain_mean(x: torch.Tensor, group: Any | None = None, *, dim: int | Sequenc
     """Mean of the global field: local sum, all-reduce, divided by the *global* element count (uneven shards
     weigh by their size). Replicated on every rank, counted once in backward. ``dim``, ``mesh`` as in
     :func:`domain_sum`."""
-    return _reduce(x, dim, keepdim, group, True, "domain_mean", mesh=_mesh_arg(mesh, "domain_mean"))
-
-
-def _mesh_arg(mesh: Any | None, op: str) -> Any | None:
-    if mesh is None:
-        return None
-    if mesh_2d(mesh) is None:
-        raise ValueError(f"{op}: mesh= takes a DomainMesh with two domain axes (latitude x longitude), got {mesh!r}; "
-                         f"for latitude only pass group=")
-    return mesh
-
-
-def _rows_2d(cg: CommGroup, extents: tuple[tuple[int, ...], ...], width: int) -> tuple[int, int, int]:
-    sizes_h = extents[0]
-    h = cg.index // width
-    return sum(sizes_h), sum(sizes_h[:h]), sizes_h[h]
-
-
-def _mesh_rows(x: torch.Tensor, mesh: Any, op: str) -> tuple[int, int, int]:
-    """``(global latitude rows, this rank's first row, its rows)`` of a block on a latitude x longitude mesh."""
-    shape = tuple(mesh.domain_shape)
-    return resolve(x, mesh.domain_group, op, _rows_2d, (shape[1],), spec=((-2,), (-1,)), coords=mesh_coords(shape))
-
-
-# -- latitude weights ------------------------------------------------------------------------------------------
-
-LAT_METHODS = ("cos", "area")
-
-
-def _weights_of(lat: torch.Tensor, method: str) -> torch.Tensor:
-    """Mean-1 weights (float64) of rows at latitudes ``lat`` (degrees)."""
-    if method == "cos":
-        w = torch.cos(torch.deg2rad(lat)).clamp_min(0)
-    else:  # cell area: |sin(upper) - sin(lower)| between midpoints, outer bounds half a spacing out (<= 90)
-        if lat.numel() < 2:
-            raise ValueError(f"area weights need at least 2 latitudes, got {lat.numel()}")
-        mid = (lat[1:] + lat[:-1]) / 2
-        first = (lat[0] + (lat[0] - lat[1]) / 2).clamp(-90, 90)
-        last = (lat[-1] + (lat[-1] - lat[-2]) / 2).clamp(-90, 90)
-        bounds = torch.deg2rad(torch.cat([first.view(1), mid, last.view(1)]))
-        w = (torch.sin(bounds[1:]) - torch.sin(bounds[:-1])).abs()
-    if not w.sum() > 0:
-        raise ValueError(f"latitude weights sum to zero for {lat.numel()} rows from {lat[0]:g} to {lat[-1]:g}")
-    return w / w.mean()
-
-
-@functools.lru_cache(maxsize=64)
-def _grid_weights(n_lat: int, lat_range: tuple[float, float], poles_included: bool | None, method: str,
-                  device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Cached (never mutate): the weights of a generated grid on ``device`` (no host copy per step)."""
-    lat = grid_latitudes(n_lat, lat_range=lat_range, poles_included=poles_included)
-    return _weights_of(lat, method).to(device=device, dtype=dtype)
-
-
-@torch._dynamo.assume_constant_result
-def _grid_weights_constant(n_lat: int, lat_range: tuple[float, float], poles_included: bool | None, method: str,
-                           device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`_grid_weights` under ``torch.compile``: made (and cached) outside the trace, a constant of the graph.
-    Traced, dynamo would skip the cache and recompute the weights every call, and break the graph at their
-    data-dependent check (a loss inside a ``fullgraph=True`` model would not compile)."""
-    return _grid_weights(n_lat, lat_range, poles_included, method, device, dtype)
-
-
-def grid_latitudes(n_lat: int, *, lat_range: tuple[float, float] = (90.0, -90.0),
-                   poles_included: bool | None = None) -> torch.Tensor:
-    """Latitudes (degrees, float64) of ``n_lat`` equally spaced rows spanning ``lat_range``.
-
-    ``poles_included=True``: rows on both ends of the range (721 rows: 90, 89.75, ..., -90). ``False``:
-    cell-centred rows half a spacing inside (720 rows: 89.875, ..., -89.875). ``None`` (default): ``True``
-    for odd ``n_lat`` (721, 181, 121: grids with both poles), ``False`` for even (720, 64, 32: cell-centred).
-    Exactly antisymmetric for a symmetric range (integer row offsets, divided once).
-    """
-    if n_lat <= 0:
-        raise ValueError(f"n_lat must be positive, got {n_lat}")
-    if poles_included is None:
-        poles_included = bool(n_lat % 2)
-    a, b = (float(v) for v in lat_range)
-    i = torch.arange(n_lat, dtype=torch.float64)
-    if poles_included:
-        if n_lat == 1:
-            raise ValueError("a grid with both ends of lat_range on it needs at least 2 rows")
-        return a + (i * (b - a)) / (n_lat - 1)
-    return a + ((2 * i + 1) * (b - a)) / (2 * n_lat)
-
-
-def latitude_weights(n_lat: int | None = None, *, latitudes: Sequence[float] | torch.Tensor | None = None,
-                     lat_range: tuple[float, float] = (90.0, -90.0), poles_included: bool | None = None,
-                     method: str = "cos", dtype: torch.dtype = torch.float64,
-                     device: torch.device | str | None = None) -> torch.Tensor:
-    """Per-row latitude weights of the global grid, normalised to mean 1 over the rows (WeatherBench).
-
-    Either ``n_lat`` equally spaced rows (``lat_range``, ``poles_included``: see :func:`grid_latitudes`; the
-    default takes odd ``n_lat`` to include both poles, even ``n_lat`` to be cell-centred) or explicit
-    ``latitudes`` in degrees (then ``lat_range``/``poles_included`` are unused). ``method="cos"``: ``cos(lat)``
-    (WeatherBench 1; 0 on a pole row); ``"area"``: the cell area between midpoints (WeatherBench 2; a pole row
-    gets its polar cap). Returns a fresh tensor.
-    """
-    if method not in LAT_METHODS:
-        raise ValueError(f"unknown latitude weight method {method!r}; expected one of {', '.join(LAT_METHODS)}")
-    if latitudes is not None:
-        lat = torch.as_tensor(latitudes, dtype=torch.float64).flatten().cpu()
-        if n_lat is not None and lat.numel() != n_lat:
-            raise ValueError(f"n_lat={n_lat} but {lat.numel()} latitudes were given")
-        return _weights_of(lat, method).to(device=device, dtype=dtype)
-    if n_lat is None:
-        raise ValueError("latitude_weights needs n_lat or latitudes")
-    lat_range = (float(lat_range[0]), float(lat_range[1]))
-    w = _grid_weights(int(n_lat), lat_range, poles_included, method, torch.device("cpu"), torch.float64)
-    return w.to(device=device, dtype=dtype, copy=True)
-
-
-def local_latitude_weights(n_lat: int, group: Any | None = None, **kwargs: Any) -> torch.Tensor:
-    """This rank's rows of :func:`latitude_weights` under the balanced split of ``n_lat`` over ``group``."""
-    info = comm_group(group)
-    if n_lat < info.size:
-        raise ValueError(f"{n_lat} latitude rows cannot be split over {info.size} ranks (a rank would get none)")
-    start, stop = local_range(n_lat, info.size, info.index)
-    return latitude_weights(n_lat, **kwargs)[start:stop]
+    return _reduce(x, dim, keepdim, group, True, "domain_mean", mesh=check_mesh(mesh, "domain_mean"))
 
 
 def latitude_weighted_mean(x: torch.Tensor, group: Any | None = None, *, dim: int | Sequence[int] | None = None,
@@ -473,7 +350,7 @@ def latitude_weighted_mean(x: torch.Tensor, group: Any | None = None, *, dim: in
     :func:`domain_sum`. ``mesh``: a latitude x longitude ``DomainMesh`` (``x`` a block of it).
     """
     return _latitude_weighted(x, x, group, dim, keepdim, weights, weight_kwargs, "latitude_weighted_mean",
-                              _mesh_arg(mesh, "latitude_weighted_mean"))
+                              check_mesh(mesh, "latitude_weighted_mean"))
 
 
 def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None, dim: Any, keepdim: bool,
@@ -483,7 +360,7 @@ def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None,
     if x.dim() < 2:
         raise ValueError(f"{op}: x must be (..., H, W), got shape {tuple(x.shape)}")
     if mesh is not None:
-        n_lat, start, rows = _mesh_rows(x, mesh, op)
+        n_lat, start, rows = mesh_rows(x, mesh, op)
     else:
         if torch.compiler.is_compiling():  # the group's ints outside the trace (_group_of)
             index = _group_of(group)[2]
@@ -493,21 +370,7 @@ def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None,
         sizes = shard_sizes(x, -2, group, op=op)
         n_lat, start, rows = sum(sizes), sum(sizes[:index]), sizes[index]
     acc = accumulation_dtype(values.dtype)
-    if weights is not None:
-        if weight_kwargs:
-            raise TypeError(f"pass either weights or {sorted(weight_kwargs)}, not both")
-        weights = torch.as_tensor(weights)
-    elif set(weight_kwargs) <= {"lat_range", "poles_included", "method"}:  # a generated grid: cached on device
-        lat_range = tuple(float(v) for v in weight_kwargs.get("lat_range", (90.0, -90.0)))
-        method = weight_kwargs.get("method", "cos")
-        if method not in LAT_METHODS:
-            raise ValueError(f"unknown latitude weight method {method!r}; expected one of {', '.join(LAT_METHODS)}")
-        grid = _grid_weights_constant if torch.compiler.is_compiling() else _grid_weights
-        weights = grid(n_lat, lat_range, weight_kwargs.get("poles_included"), method, values.device, acc)
-    else:
-        weights = latitude_weights(n_lat, **weight_kwargs)
-    if weights.dim() != 1 or weights.numel() != n_lat:
-        raise ValueError(f"weights must be one per global latitude row ({n_lat}), got shape {tuple(weights.shape)}")
+    weights = row_weights(n_lat, weights, weight_kwargs, values.device, acc)
     w = weights.narrow(0, start, rows).to(device=values.device, dtype=acc).unsqueeze(-1)
     return _reduce(values.to(acc) * w, dim, keepdim, group, True, op, validated=True, mesh=mesh)
 
@@ -521,352 +384,5 @@ def latitude_weighted_mse(pred: torch.Tensor, target: torch.Tensor, group: Any |
     acc = accumulation_dtype(torch.promote_types(pred.dtype, target.dtype))
     err = (pred.to(acc) - target.to(acc)).square()
     dim, keepdim, weights = kwargs.pop("dim", None), kwargs.pop("keepdim", False), kwargs.pop("weights", None)
-    mesh = _mesh_arg(kwargs.pop("mesh", None), "latitude_weighted_mse")
+    mesh = check_mesh(kwargs.pop("mesh", None), "latitude_weighted_mse")
     return _latitude_weighted(pred, err, group, dim, keepdim, weights, kwargs, "latitude_weighted_mse", mesh)
-
-
-# -- gradients ------------------------------------------------------------------------------------------------
-
-def _params(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
-    if isinstance(parameters, nn.Module):
-        parameters = parameters.parameters()
-    elif isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    seen, out = set(), []
-    for p in parameters:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
-def _live(group: Any | None) -> CommGroup | None:
-    if group is None:
-        return None
-    info = comm_group(group)
-    return info if info.size > 1 else None
-
-
-@torch._dynamo.disable  # host bookkeeping (version counters, weak references) and collectives: always eager
-def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: DomainParallelManager | None = None,
-                          *, domain_group: Any | None = None, dp_group: Any | None = None,
-                          bucket_mb: float = 128.0) -> None:
-    """Sum parameter gradients over the domain group, then average them over the data-parallel group.
-
-    After a replicated loss's ``backward()`` each rank holds its own part of the gradient (its rows of the
-    field; a :class:`~halo.nn.norm.DomainLayerNorm` weight only its H-slice); the sum is the global gradient
-    and the dp mean that of the mean loss over the full batch. Afterwards gradients are identical on every
-    rank of both groups.
-
-    Groups: ``domain_group`` / ``dp_group`` if given (either may be ``None``: skipped), else ``manager``'s (default
-    the initialised manager); without a manager and without torch.distributed this is a no-op. With DDP or
-    FSDP2 averaging over the dp axis, pass ``domain_group=manager.domain_group`` alone (sum and mean commute).
-    FSDP2 / HSDP gradients (DTensors sharded over ``manager.device_mesh["dp"]``) are summed as their local shards,
-    which are the same slice of each parameter on every rank of a domain group (tested against one process on
-    uneven shards); a mesh that includes other domain ranks, or a second dp mean of DTensor gradients, raises.
-    A model set up by :func:`halo.parallelize` is handled as its mode needs (``sync_domain_gradients(model)``).
-
-    Parameters that require grad but have none on some ranks (used only on the edge ranks) are agreed on, once
-    per pattern of which parameters have a gradient (one small all-gather of host data per group, the first time
-    a rank's pattern is met; none in a steady step): ranks without a gradient contribute zeros and receive the
-    sum; a parameter with no gradient anywhere stays ``None``. A pattern that changes on some ranks only (a
-    parameter used depending on the data on one rank) makes the ranks that changed agree alone: the others
-    raise :class:`halo.HaloCommError` within the timeout. Gradients go in flat buckets of at most ``bucket_mb``
-    MB per (device, dtype), one all-reduce per bucket and group; bf16/fp16 gradients are bucketed in fp32.
-
-    Checked, with no message: a second call for one backward (a gradient exactly as the previous sync left it, by
-    its tensor and version counter: summing it again would multiply it by the domain size) raises
-    ``RuntimeError``; for a converted model (or a wrapper of one), a ``domain_group`` other than the one it was
-    converted for (swapped domain and dp groups, the world group) or a ``dp_group`` that shares other ranks with it
-    raises ``ValueError``. A forgotten sync lets the weights diverge: the converted model's periodic check
-    (:func:`halo.replicated.check_every`) names the tensor within that many forwards.
-    """
-    mode = model.__dict__.get("_halo_data_parallel") if isinstance(model, nn.Module) else None
-    if mode == "fsdp-all":  # FSDP's reduce-scatter over every rank, divided by the dp size: done already
-        scale = model.__dict__.get("_halo_grad_scale")
-        if scale is not None:  # gloo: FSDP divided by every rank; the domain's part of that is undone here
-            scaled = [p for p in model.parameters() if p.grad is not None]
-            _refuse_second_sync(scaled)
-            with torch.no_grad():
-                for p in scaled:
-                    local_grad(p.grad).mul_(scale)
-            _mark_synced(scaled)
-        return
-    groups = model.__dict__.get("_halo_groups") if isinstance(model, nn.Module) else None
-    if mode in ("ddp", "fsdp", "hsdp") and domain_group is None and dp_group is None:
-        if groups is not None and manager is None:
-            domain_group = groups[0]  # the groups halo.parallelize set it up with (a manager's or a mesh's)
-        else:
-            manager = manager if manager is not None else get_domain_parallel_manager()
-            domain_group, manager = manager.domain_group, None  # the wrapper averaged over dp already
-    elif mode == "none" and domain_group is None and dp_group is None and manager is None and groups is not None:
-        domain_group, dp_group = groups
-    if domain_group is None and dp_group is None:
-        manager = manager if manager is not None else get_domain_parallel_manager()
-        if manager is None:
-            if dist.is_available() and dist.is_initialized():
-                raise RuntimeError("sync_domain_gradients: pass manager=, domain_group= or dp_group=, or call "
-                                   "halo.initialize_domain_parallel(world_size, domain_parallel_size) first")
-            return
-        domain_group, dp_group = manager.domain_group, manager.data_parallel_group
-    elif manager is not None:
-        raise ValueError("sync_domain_gradients: pass either manager or domain_group/dp_group, not both")
-    _check_groups(model, domain_group, dp_group)
-    infos = [(info, op) for info, op in ((_live(domain_group), "sum"), (_live(dp_group), "mean")) if info]
-    params = [p for p in _params(model) if p.requires_grad]
-    if not infos or not params:
-        return
-    for p in params:
-        if p.grad is not None and p.grad.is_sparse:
-            raise TypeError("sync_domain_gradients: sparse gradients are not supported")
-    _refuse_second_sync(params)
-
-    _check_sharded_grads(params, infos)
-    pattern = tuple(p.grad is not None for p in params)
-    live_mask = pattern
-    for info, _ in infos:
-        live_mask = _agreed_pattern(live_mask, info)
-    live = [p for p, h in zip(params, live_mask, strict=True) if h]
-    for p in live:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)  # a DTensor parameter gives a DTensor of zeros
-
-    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
-    filled: dict[tuple, int] = {}
-    cap = max(1, int(bucket_mb * 2 ** 20))
-    for p in live:  # same order and sizes on every rank, so the buckets match
-        g = local_grad(p.grad)
-        key = (g.device, accumulation_dtype(g.dtype))
-        lists = buckets.setdefault(key, [[]])
-        nbytes = g.numel() * key[1].itemsize
-        if lists[-1] and filled[key] + nbytes > cap:
-            lists.append([])
-            filled[key] = 0
-        lists[-1].append(g)
-        filled[key] = filled.get(key, 0) + nbytes
-    for (_, acc), lists in buckets.items():
-        for grads in lists:
-            flat = torch.cat([g.reshape(-1).to(acc) for g in grads])
-            for info, op in infos:
-                bounded_all_reduce(flat, info, "sync_domain_gradients")
-                if op == "mean":
-                    flat.div_(info.size)
-            for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(piece.view_as(g))
-    _mark_synced(live)
-
-
-#: The most sync patterns remembered (:func:`_agreed_pattern`; all dropped at once past it).
-MAX_PATTERNS = 256
-
-
-@dataclasses.dataclass
-class _ReduceState:
-    """What the reductions remember (the :mod:`halo.context` slot ``"reduce"``). ``synced``: each parameter's
-    gradient as the last sync left it, id(param) -> (weak references to the parameter and to the gradient tensor,
-    the gradient's version counter then); pruned of dead parameters past ``4 x max(params, 1024)`` entries.
-    ``patterns``: (group ranks, which parameters have a gradient here) -> the union agreed over the group."""
-
-    synced: dict = dataclasses.field(default_factory=dict)
-    patterns: dict = dataclasses.field(default_factory=dict)
-
-
-def _state() -> _ReduceState:
-    return context.state("reduce", _ReduceState)
-
-
-def _mark_synced(params: list[torch.Tensor]) -> None:
-    """Remember every synced gradient (the tensor and its version counter, which any later write bumps)."""
-    import weakref
-
-    synced = _state().synced
-    if len(synced) > 4 * max(len(params), 1024):  # forget parameters that are gone
-        for key in [k for k, (p, _, _) in synced.items() if p() is None]:
-            del synced[key]
-    for p in params:
-        if p.grad is not None:
-            g = local_grad(p.grad)
-            synced[id(p)] = (weakref.ref(p), weakref.ref(g), g._version)
-
-
-def _refuse_second_sync(params: list[torch.Tensor]) -> None:
-    """Raise if a gradient is exactly as the last sync left it (not written by a backward or zeroed since): summing
-    it again would multiply it by the domain size. A backward (new gradients, or accumulation into them) and
-    ``zero_grad`` clear the mark; no communication, a Python loop over the parameters."""
-    synced = _state().synced
-    if not synced:
-        return
-    stale = 0
-    for p in params:
-        if p.grad is None:
-            continue
-        mark = synced.get(id(p))
-        if mark is not None and mark[0]() is p:
-            g = local_grad(p.grad)
-            if mark[1]() is g and g._version == mark[2]:
-                stale += 1
-    if stale:
-        raise RuntimeError(
-            f"sync_domain_gradients: {stale} of {len(params)} gradients are exactly as the previous "
-            f"sync_domain_gradients left them (no backward and no zero_grad since): it was called twice for one "
-            f"backward, which would sum the summed gradients again (x the domain size). Call it once per step, after "
-            f"the backward (with a data-parallel wrapper, once in all: the wrapper's own averaging is not a sync)")
-
-
-def _root(model: Any) -> Any:
-    """The converted model inside ``model`` (through DDP / FSDP wrappers), or ``None``."""
-    m = model
-    for _ in range(8):
-        if not isinstance(m, nn.Module):
-            return None
-        if "_halo_root" in m.__dict__:
-            return m
-        m = getattr(m, "module", None)
-    return None
-
-
-def _check_groups(model: Any, domain_group: Any | None, dp_group: Any | None) -> None:
-    """The groups of a sync must be the model's: its domain group the one it was converted for, its dp group one
-    that meets that domain group in this rank alone (swapped groups, or the world as either, raise)."""
-    root = _root(model)
-    if root is None or not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        converted = comm_group(root.__dict__["_halo_root"].group)
-    except (RuntimeError, ValueError):
-        return
-    if converted.size == 1:
-        return
-    me = dist.get_rank()
-    if domain_group is not None:
-        got = comm_group(domain_group)
-        if got.ranks != converted.ranks:
-            raise ValueError(
-                f"sync_domain_gradients: domain_group holds global ranks {list(got.ranks)}, but the model was "
-                f"converted for the domain group of global ranks {list(converted.ranks)} (on global rank {me}): "
-                f"summing over another group gives wrong gradients (swapped domain and data-parallel groups, or "
-                f"the world group as the domain group); pass the group the model was converted with "
-                f"(manager.domain_group)")
-    if dp_group is not None:
-        got = comm_group(dp_group)
-        shared = sorted(set(got.ranks) & set(converted.ranks))
-        if shared != [me]:
-            raise ValueError(
-                f"sync_domain_gradients: dp_group holds global ranks {list(got.ranks)}, which share global ranks "
-                f"{shared} with the model's domain group {list(converted.ranks)} (on global rank {me}): a "
-                f"data-parallel group holds one rank of each domain group (this one); pass "
-                f"manager.data_parallel_group")
-
-
-def local_grad(g: torch.Tensor) -> torch.Tensor:
-    """A gradient's tensor on this rank: the local shard of a DTensor (FSDP2, HSDP), written in place."""
-    return g._local_tensor if hasattr(g, "_local_tensor") and hasattr(g, "device_mesh") else g
-
-
-def _check_sharded_grads(params: list[torch.Tensor], infos: list[tuple[CommGroup, str]]) -> None:
-    """DTensor gradients (FSDP2 / HSDP): their mesh must lie within the data-parallel ranks, so that the ranks of a
-    domain group hold the same slice of each parameter (their local shards add up), and FSDP already averaged them
-    over that mesh (a dp mean here would mix different slices)."""
-    for p in params:
-        g = p.grad
-        if g is None or not (hasattr(g, "device_mesh") and hasattr(g, "_local_tensor")):
-            continue
-        mesh_ranks = {int(r) for r in g.device_mesh.mesh.flatten().tolist()}
-        me = dist.get_rank()
-        for info, op in infos:
-            shared = mesh_ranks & set(info.ranks)
-            if op == "sum" and shared != {me}:
-                raise ValueError(
-                    f"sync_domain_gradients: a gradient is sharded over a mesh of global ranks {sorted(mesh_ranks)} "
-                    f"that includes other ranks of the domain group {list(info.ranks)} (a flattened dp x domain "
-                    f"mesh): its local shards are different slices and cannot be summed. Shard over the "
-                    f"data-parallel mesh (manager.device_mesh['dp']), or, sharding over all ranks, set FSDP's "
-                    f"gradient divide factor to the data-parallel size and do not call sync_domain_gradients")
-            if op == "mean" and len(shared) > 1:
-                raise ValueError(
-                    "sync_domain_gradients: the gradients are DTensors sharded over the data-parallel ranks (FSDP2 "
-                    "on device_mesh['dp']), which FSDP already averaged; a second dp mean would mix different "
-                    "slices: pass domain_group=manager.domain_group alone")
-        return  # one gradient tells the mesh (a model is sharded over one mesh)
-
-
-def _agreed_pattern(mask: tuple[bool, ...], info: CommGroup) -> tuple[bool, ...]:
-    """The union over ``info``'s ranks of which parameters have a gradient, agreed once per local ``mask``."""
-    key = (info.ranks, mask)
-    patterns = _state().patterns
-    union = patterns.get(key)
-    if union is None:
-        digest = hashlib.blake2b(bytes(mask), digest_size=8).digest()
-        words = [len(mask), sum(mask), int.from_bytes(digest, "little", signed=True)]
-        table = gather_words(words, info, "sync_domain_gradients")
-        if (table == table[info.index]).all():
-            union = mask
-        else:  # the ranks differ: gather the masks themselves (every rank takes this path) and check the count
-            masks = all_gather_object(mask, info)
-            if len({len(m) for m in masks}) != 1:
-                raise ValueError(f"sync_domain_gradients: the ranks pass different numbers of parameters that "
-                                 f"require grad: {[len(m) for m in masks]} (group ranks 0..{info.size - 1}); pass "
-                                 f"the same model on every rank")
-            union = tuple(any(col) for col in zip(*masks, strict=True))
-        if len(patterns) > MAX_PATTERNS:
-            patterns.clear()
-        patterns[key] = union
-    return union
-
-
-def grad_norm(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0, *,
-              verify_group: Any | None = None) -> torch.Tensor:
-    """The ``norm_type`` norm of all gradients together, each gradient counted once; fp32 for half grads.
-
-    Call it *after* :func:`sync_domain_gradients`: gradients are then replicated on every rank of the domain
-    group, so the local norm is the global one, with no communication, identical on every rank. Before the
-    sync each rank holds only its part of the gradient, whose norm is not that of the sum (there is no cheap
-    correct answer: sync first). ``verify_group``: check with one scalar all-reduce that every rank of that
-    group got the same norm, and raise ``RuntimeError`` on all of them otherwise (a debugging aid).
-    """
-    norm_type = float(norm_type)
-    if not (norm_type > 0):
-        raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
-    grads = [p.grad for p in _params(parameters) if p.grad is not None]
-    if not grads:
-        total = torch.zeros((), dtype=torch.float32)
-    else:
-        out_dtype = functools.reduce(torch.promote_types, (accumulation_dtype(g.dtype) for g in grads))
-        device = grads[0].device
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=accumulation_dtype(g.dtype)).to(device, out_dtype)
-                 for g in grads]
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    if verify_group is not None:
-        _verify_norm(total, verify_group)
-    return total
-
-
-@torch._dynamo.disable  # a collective and a host read: eager, a graph break in a compiled step
-def _verify_norm(total: torch.Tensor, verify_group: Any) -> None:
-    """Raise on every rank of ``verify_group`` unless all of them hold the same ``total``."""
-    info = comm_group(verify_group)
-    if info.size > 1:
-        spread = torch.stack([total, -total]).to(torch.float64)
-        bounded_all_reduce(spread, info, "grad_norm", dist.ReduceOp.MAX)
-        hi, lo = spread[0].item(), -spread[1].item()
-        if hi != lo:
-            raise RuntimeError(f"grad_norm: the ranks disagree on the gradient norm (from {lo:.6g} to {hi:.6g}); "
-                               f"call sync_domain_gradients first")
-
-
-def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
-                    norm_type: float = 2.0, error_if_nonfinite: bool = False, *,
-                    verify_group: Any | None = None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` with :func:`grad_norm` (each gradient once, fp32 for half grads).
-
-    Call after :func:`sync_domain_gradients`; every rank then scales identically. Returns the total norm.
-    """
-    params = [p for p in _params(parameters) if p.grad is not None]
-    total = grad_norm(params, norm_type, verify_group=verify_group)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
-                           f"set error_if_nonfinite=False to clip anyway")
-    coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
-    return total

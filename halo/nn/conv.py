@@ -57,6 +57,7 @@ from ..geometry import conv_row_plan, conv_transpose_row_plan
 from ..kernels.reference import alloc_like as kernels_alloc_like
 from ..partition import check_boundary, split_sizes
 from .base import AxisPlan, HaloLayer, adopt
+from .patch2d import patch_conv_2d
 from .registry import converts, pointwise_conv
 
 __all__ = [
@@ -378,7 +379,14 @@ class _HaloConvNd(_HaloConvMixin):
         cast = autocast_dtype(xb)
         xb = _cast(xb, cast)  # what autocast's conv would cast to, before the exchange (half the bytes)
         plan = plans[0]
-        if len(plans) == 1 and plan.patch and not plan.rolled and not torch.compiler.is_compiling():
+        if len(plans) == 2 and all(p.patch and not p.plain and not p.rolled for p in plans) \
+                and not torch.compiler.is_compiling():
+            # Compute-then-patch on both axes (halo.nn.patch2d): the block's conv while rows and columns travel.
+            weight, bias = _cast(self.weight, cast), _cast(self.bias, cast)
+            with _no_autocast(xb, cast):
+                y = patch_conv_2d(xb, weight, bias, plan.ex, plans[1].ex, (plan.patch, plans[1].patch),
+                                  self.dilation, self.groups)
+        elif len(plans) == 1 and plan.patch and not plan.rolled and not torch.compiler.is_compiling():
             # The Function computes in the dtype torch's conv would under autocast: its inputs are cast here, by
             # autograd-visible casts (so every gradient comes back in its input's own dtype), and autocast is off
             # inside, so its forward and backward convs see one dtype (as torch's own conv under autocast).

@@ -10,6 +10,8 @@
 ``pack``                 ``pack_kernels``                       pack/unpack kernels vs torch reference vs copy
 ``mesh``                 ``mesh2d``                             the demo step on P ranks as latitude rows vs as a
                                                                 ``--mesh PHxPW`` latitude x longitude mesh
+``mesh-patch``           ``mesh2d_patch``                       one conv on blocks: compute-then-patch vs
+                         (``benchmarks/mesh2d.py --patch``)     pad-then-conv vs rows, same bytes
 =======================  =====================================  ===============================================
 
 Timing rule for distributed steps (DESIGN.md, "Performance model"): every iteration starts after a barrier,
@@ -45,7 +47,7 @@ __all__ = ["BENCHMARKS", "LoadWatch", "append_csv", "benchmark_parser", "checkou
            "run_meta", "run_watched", "time_iterations"]
 
 BENCHMARKS = {"bandwidth": "halo_bandwidth", "conv": "conv_overhead", "scaling": "scaling", "pack": "pack_kernels",
-              "mesh": "mesh2d"}
+              "mesh": "mesh2d", "mesh-patch": "mesh2d_patch"}
 
 
 def median(values: Sequence[float]) -> float:
