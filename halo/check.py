@@ -140,7 +140,7 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
     if not isinstance(sample, torch.Tensor) or sample.dim() < 2:
         raise ValueError(f"check_equivalence: sample must be the whole field (B, C, H, W), got "
                          f"{getattr(sample, 'shape', type(sample))}")
-    if not (dtype.is_floating_point):
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"check_equivalence: dtype must be a floating dtype (float64, float32, ...), got {dtype}")
     group = target if isinstance(target, dist.ProcessGroup) else target.domain_group
     ranks = dist.get_world_size(group) if dist.is_initialized() else 1

@@ -4,9 +4,16 @@ Layers (primitive -> autograd.Function / custom op -> public function)::
 
     Exchanger                   one plan on one rank: start (pack + post isend/irecv), finish, adjoint. Made once
                                 per plan and cached; its message buffers and extended outputs are reused
+                                (halo.exchanger)
+    exchanger ids               plans by small int (bounded, never reused), and the pole step of a latitude
+                                axis with longitude sharded, a PoleExchanger behind the same id
+                                (halo.exchange_registry)
     _ExchangeFn                 eager autograd: forward = finish(start(x)), backward = Exchanger.adjoint
     halo::exchange (custom op)  the same under torch.compile: opaque to dynamo, extended shape from the plan
+                                (halo.exchange_ops, with the order tokens every communicating op reads)
     halo_exchange / _ / _async / _2d    group resolution, agreed validation (halo.plans), halo -> needs
+
+This module is the one import users and layers need: it re-exports the names of the three below it.
 
 Forward on rank r::   ext = [ before halo | x[interior] | after halo ]     (along dim)
 Adjoint::             grad_x = grad_ext[interior] + (halo gradients sent back by the ranks that received

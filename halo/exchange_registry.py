@@ -101,7 +101,7 @@ def exchange_spec(ex_id: int) -> ExchangeSpec:
     spec = state.specs.get(ex_id if pole is None else pole.h)
     if spec is None:
         raise LookupError(f"halo: exchanger id {ex_id} is unknown in this context (made before halo.context.reset(), "
-                          f"in another halo.context.use() block, or dropped past halo.exchange.SPECS_CAP="
+                          f"in another halo.context.use() block, or dropped past halo.exchange_registry.SPECS_CAP="
                           f"{SPECS_CAP} plans): plan the exchange again")
     return spec
 

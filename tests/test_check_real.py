@@ -260,6 +260,7 @@ def _all_on_rank(rank, world):
         return out
     out["bias_bug"] = _bias_bug(rank, world)
     out["nccl"] = _nccl_needs_cuda(rank, world)
+    out["dtype"] = _bad_dtype(rank, world)
     return out
 
 
@@ -538,6 +539,22 @@ def _nccl_needs_cuda(rank, world):
     finally:
         halo.check._backend_needs_cuda = saved
     return None
+
+
+def _bad_dtype(rank, world):
+    import halo
+
+    halo.initialize_domain_parallel(world, world)
+    try:
+        halo.check_equivalence(SENet, torch.randn(2, C, H, W, dtype=torch.float64), dtype="float64")
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_dtype_that_is_not_a_torch_dtype_is_a_clear_error_on_every_rank():
+    texts = _results(2, "dtype")
+    assert len(set(texts)) == 1 and texts[0] is not None and "dtype must be a floating dtype" in texts[0], texts
 
 
 def test_a_cpu_sample_on_an_nccl_group_is_a_clear_error_on_every_rank():

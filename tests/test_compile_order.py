@@ -21,7 +21,7 @@ region.
   gradient and parameter gradients, one posting order on every rank. torch 2.13 cannot recompute an ordered-effect op
   in backward (aot_eager saved a ``None`` token, inductor failed to unlift the tokens: both crashed inside torch), so
   in a compiled region halo's communicating ops are saved, not recomputed
-  (``halo.exchange._save_communication_in_checkpoints``): the compiled backward posts only the adjoints, where eager
+  (``halo.exchange_ops._save_communication_in_checkpoints``): the compiled backward posts only the adjoints, where eager
   checkpointing re-posts the forward's messages; both are exact.
 
 Tolerance: float64; the compiled graph may reorder the arithmetic of fused kernels: 1e-12 relative.

@@ -290,17 +290,18 @@ def _reset_between_calls(rank, world):
     second = step()
     names = context.current().names()
     # context.use(): a fresh context starts empty; the outer one is unchanged afterwards
-    from halo import comm, exchange, transport
+    from halo import comm, exchange_registry, transport
 
     outer, outer_names = context.current(), context.current().names()
-    outer_states = (comm._state(), exchange._state(), transport._state())
+    outer_states = (comm._state(), exchange_registry._state(), transport._state())
     with context.use() as inner:
         fresh = inner.names()
         transport.set_timeout(7.0)
         third = step()
         inner_names = inner.names()
     same = context.current() is outer and context.current().names() == outer_names
-    same &= (comm._state(), exchange._state(), transport._state()) == outer_states and transport.get_timeout() is None
+    same &= (comm._state(), exchange_registry._state(), transport._state()) == outer_states
+    same &= transport.get_timeout() is None
     return first, second, third, names_after_reset, names, fresh, inner_names, same
 
 
@@ -333,7 +334,7 @@ def test_ids_are_bounded_and_never_alias(monkeypatch):
     """Exchanger specs are an LRU of SPECS_CAP: an evicted id, or one of another context, fails loudly (never
     another plan's exchanger); group ids are held weakly and are unknown in a fresh context."""
     from halo import comm, context
-    from halo import exchange as hx
+    from halo import exchange_registry as hx
 
     cg = comm.CommGroup(None, 2, 0, (0, 1))
     with context.use():

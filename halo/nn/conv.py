@@ -32,6 +32,12 @@ Two ways to run the local conv (see DESIGN.md):
     shard (a buffer the exchange reuses; the interior copied while the halo rows travel), conv with no H
     padding. One copy of the shard each way.
 
+On a latitude x longitude mesh the plan is per axis (:meth:`HaloLayer.axis_plans`: each axis's rows from its own
+kernel, stride, dilation and padding, one agreement for both): the same two ways, on both axes — compute-then-patch
+of the block (:mod:`halo.nn.patch2d`: the H and W exchanges behind the block's conv, the corners a second W hop),
+or pad-then-conv (H, then W of the H-extended block: corners right). Across a pole with W sharded the H exchange
+is a :func:`halo.exchange.pole_step` (the mirrored rows rolled by W/2 by the W ranks), and pad-then-conv runs.
+
 Measured with benchmarks/conv_overhead.py (2 gloo ranks, 361 x 720 split in two, 3x3, fp32, fwd + bwd inside a
 converted model, input from an activation; 2-core VM, 2026-11-30; benchmarks/RESULTS.md): compute-then-patch
 1.00-1.14x a plain conv of the same local shape at 32 channels (median of 8 runs 1.07), 0.98-1.12x at 64 (median

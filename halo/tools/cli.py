@@ -95,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
                        "else ./benchmarks_out)")
     bench.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     bench.add_argument("--only", default="bandwidth,conv,scaling,pack",
-                       help="comma-separated subset of bandwidth,conv,scaling,pack,mesh (default all but mesh)")
+                       help="comma-separated subset of bandwidth,conv,scaling,pack,mesh,mesh-patch (default all but "
+                            "the mesh ones)")
     bench.add_argument("--timeout", type=float, default=900.0, help="seconds per benchmark before ranks are killed")
     bench.add_argument("--mesh", type=_mesh, default=None, help="PHxPW: also time the demo step on PH*PW ranks as "
                        "latitude rows vs as a latitude x longitude mesh (halo.tools.benchmarks.mesh2d)")
