@@ -22,11 +22,11 @@ from .plans import device_tensor
 __all__ = ["Exchanger", "like_format", "memory_format", "post_messages"]
 
 
-# -- reusable buffers ----------------------------------------------------------------------------------------
-
-
+# -- memory formats ------------------------------------------------------------------------------------------
 
 def memory_format(x: torch.Tensor) -> torch.memory_format:
+    """``x``'s memory format (channels_last, channels_last_3d or contiguous), as torch's ops keep it: an extended
+    shard, a shard or a gathered field of a channels_last field is channels_last, as the unsharded model's are."""
     if not x.is_contiguous():
         if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
             return torch.channels_last

@@ -43,6 +43,7 @@ import torch
 from . import transport
 from .agree import DEVICES, DTYPES, MAX_NDIM, ROW_WORDS, SHAPE_AT, Meta, Spec
 from .comm import CommGroup, comm_group
+from .exchanger import memory_format
 from .mesh import DomainMesh, mesh_coords
 from .partition import split_sizes
 from .plans import field_epoch, resolve, shard_sizes, tag
@@ -76,17 +77,6 @@ def _chunks(buf: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return [buf[k * rows:(k + 1) * rows] for k in range(parts)]
 
 
-def _memory_format(x: torch.Tensor) -> torch.memory_format:
-    """``x``'s memory format (channels_last, channels_last_3d or contiguous), as torch's ops keep it: a shard or a
-    gathered field of a channels_last field is channels_last, as the unsharded model's tensors are."""
-    if not x.is_contiguous():
-        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-            return torch.channels_last
-        if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
-            return torch.channels_last_3d
-    return torch.contiguous_format
-
-
 def _unpack(buf: torch.Tensor, sizes: tuple[int, ...], dim: int, rows: int,
             fmt: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """Inverse of ``_pack``: the pieces (their first ``sizes[k]`` rows) concatenated along ``dim``, in ``fmt``."""
@@ -106,7 +96,7 @@ def _silent(x: torch.Tensor, sizes: tuple[int, ...], dim: int) -> bool:
 
 
 def _slice(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> torch.Tensor:
-    return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone(memory_format=_memory_format(x))
+    return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone(memory_format=memory_format(x))
 
 
 @torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)
@@ -119,7 +109,7 @@ def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGro
     if not _silent(x, sizes, dim):
         send = _pack([x], dim, rows)
         transport.all_gather(_chunks(recv, info.size), send, info, "gather")
-    return _unpack(recv, sizes, dim, rows, _memory_format(x))
+    return _unpack(recv, sizes, dim, rows, memory_format(x))
 
 
 @torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)
@@ -132,7 +122,7 @@ def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGrou
     if not _silent(x, sizes, dim):
         send = _pack([x], dim, rows)
         transport.gather(send, _chunks(recv, info.size) if here else None, info, "gather", dst)
-    return _unpack(recv, sizes, dim, rows, _memory_format(x)) if here else _empty_like(x, dim)
+    return _unpack(recv, sizes, dim, rows, memory_format(x)) if here else _empty_like(x, dim)
 
 
 @torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)

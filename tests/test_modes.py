@@ -106,22 +106,27 @@ class ModesHarness(Harness):
     """The converted model takes this rank's rows of the field and gives its rows of the output (37 rows in, 37 out:
     the input's split is the output's); BatchNorm's running buffers are compared too."""
 
-    net, tiny, rows = ModesNet, TinyNet, H
+    net, tiny, rows, cols = ModesNet, TinyNet, H, W
     buffers_compared = True
+
+    def target(self):
+        """What the model is converted onto (``convert_to_domain_parallel``'s second argument)."""
+        return self.manager
 
     def models(self, cls, dtype, fmt=torch.contiguous_format):
         from halo.nn import convert_to_domain_parallel
 
         torch.manual_seed(0)
         ref = cls().to(dtype).to(memory_format=fmt)
-        dom = convert_to_domain_parallel(copy.deepcopy(ref), self.manager)
+        dom = convert_to_domain_parallel(copy.deepcopy(ref), self.target())
         whole_field_dropouts(ref)
         return ref, dom
 
     def data(self, dtype, fmt=torch.contiguous_format, seed=1):
         g = torch.Generator().manual_seed(seed)
-        xf = torch.randn(2, C, H, W, generator=g, dtype=torch.float64).to(dtype).contiguous(memory_format=fmt)
-        wf = torch.randn(2, C, H, W, generator=g, dtype=torch.float64)
+        shape = (2, C, self.rows, self.cols)
+        xf = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).contiguous(memory_format=fmt)
+        wf = torch.randn(shape, generator=g, dtype=torch.float64)
         return xf, wf
 
     def part(self, t):

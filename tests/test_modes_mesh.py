@@ -12,12 +12,11 @@ bf16 autocast, channels_last, both checkpointings, gradient accumulation, no_gra
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
-from _modes import Harness, check_cell, run_modes, whole_field_dropouts
+from _modes import check_cell, run_modes
+from test_modes import ModesHarness, TinyNet
 from torch import nn
 
 from halo.testing import run_on_ranks
@@ -50,23 +49,10 @@ class MeshNet(nn.Module):
         return self.out(torch.cat([a, b], dim=1))
 
 
-class TinyMeshNet(nn.Module):
-    def __init__(self, c: int = C) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(c, 4, 3, padding=1)
-        self.gn = nn.GroupNorm(2, 4)
-        self.down = nn.Conv2d(4, 4, 3, stride=2, padding=1)
-        self.upt = nn.ConvTranspose2d(4, c, 3, stride=2, padding=1, output_padding=(0, 1))
+class MeshHarness(ModesHarness):
+    """test_modes.py's harness on blocks: the model converted onto the mesh, this rank's block of the field."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.upt(F.gelu(self.down(F.gelu(self.gn(self.c1(x))))))
-
-
-class MeshHarness(Harness):
-    """The converted model takes this rank's block of the field and gives its block of the output."""
-
-    net, tiny, rows = MeshNet, TinyMeshNet, H
-    buffers_compared = True
+    net, tiny, rows, cols = MeshNet, TinyNet, H, W
 
     def __init__(self, rank: int, world: int, shape: tuple[int, int]) -> None:
         from halo.mesh import DomainMesh
@@ -77,20 +63,8 @@ class MeshHarness(Harness):
         (self.lo, self.hi), (self.w0, self.w1) = (local_range(n, self.mesh.axis_size(a), self.mesh.axis_rank(a))
                                                   for a, n in ((0, H), (1, W)))
 
-    def models(self, cls, dtype, fmt=torch.contiguous_format):
-        from halo.nn import convert_to_domain_parallel
-
-        torch.manual_seed(0)
-        ref = cls().to(dtype).to(memory_format=fmt)
-        dom = convert_to_domain_parallel(copy.deepcopy(ref), self.mesh)
-        whole_field_dropouts(ref)
-        return ref, dom
-
-    def data(self, dtype, fmt=torch.contiguous_format, seed=1):
-        g = torch.Generator().manual_seed(seed)
-        xf = torch.randn(2, C, H, W, generator=g, dtype=torch.float64).to(dtype).contiguous(memory_format=fmt)
-        wf = torch.randn(2, C, H, W, generator=g, dtype=torch.float64)
-        return xf, wf
+    def target(self):
+        return self.mesh
 
     def part(self, t):
         return t[..., self.lo:self.hi, self.w0:self.w1]

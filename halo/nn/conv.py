@@ -63,7 +63,7 @@ from ..geometry import conv_row_plan, conv_transpose_row_plan
 from ..kernels.reference import alloc_like as kernels_alloc_like
 from ..partition import check_boundary, split_sizes
 from .base import AxisPlan, HaloLayer, adopt
-from .patch2d import patch_conv_2d
+from .patch2d import corner_exchanger_id, patch_conv_2d
 from .registry import converts, pointwise_conv
 
 __all__ = [
@@ -189,14 +189,17 @@ class _HaloConvMixin(HaloLayer):
 @dataclasses.dataclass(frozen=True)
 class ConvPlan(AxisPlan):
     """One axis of a conv call as planned for this rank (:class:`halo.nn.base.AxisPlan`: ``plain``, or the exchange
-    and its extended rows) and ``patch``: compute-then-patch's halo width ``p`` along it (0: pad-then-conv)."""
+    and its extended rows) and ``patch``: compute-then-patch's halo width ``p`` along it (0: pad-then-conv);
+    ``corners``: on the W axis of a mesh, the exchanger of the corners (:func:`halo.nn.patch2d.corner_exchanger_id`,
+    planned once here rather than looked up per call), else -1."""
 
     patch: int = 0
+    corners: int = -1
 
 
 def _conv_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, kernel: int, stride: int, dilation: int,
-               pad: tuple[int, int], boundary: str, tensor_dim: int, padding_mode: str, overlap: bool,
-               name: str) -> ConvPlan:
+               pad: tuple[int, int], boundary: str, tensor_dim: int, w_axis: bool, padding_mode: str,
+               overlap: bool, name: str) -> ConvPlan:
     """One sharded axis of a conv (the per-axis geometry of :meth:`HaloLayer.axis_plans`): the rows of
     ``tensor_dim`` (of the batched input) this rank needs, from the axis's kernel, stride, dilation and padding."""
     if cg.size == 1 and boundary == _MODE_BOUNDARY[padding_mode]:
@@ -210,7 +213,8 @@ def _conv_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, kernel: int, str
     patch = pt if (overlap and stride == 1 and pt == pb > 0 and 2 * pt == dilation * (kernel - 1)
                    and min(sizes) >= pt and list(sizes) == split_sizes(sum(sizes), cg.size)) else 0
     lo, hi = needs[cg.index]
-    return ConvPlan(False, exchanger_id(cg, tensor_dim, sizes, needs, boundary, name), hi - lo, tensor_dim, patch)
+    ex = exchanger_id(cg, tensor_dim, sizes, needs, boundary, name)
+    return ConvPlan(False, ex, hi - lo, tensor_dim, patch, corner_exchanger_id(ex) if patch and w_axis else -1)
 
 
 class _PatchConvFn(torch.autograd.Function):
@@ -374,7 +378,7 @@ class _HaloConvNd(_HaloConvMixin):
         nd, name = self._spatial, type(self).__name__
         overlap = OVERLAP_DEFAULT if self.overlap is None else bool(self.overlap)
         # Per sharded axis (H, then W on a mesh): its kernel, stride, dilation, padding, boundary, tensor dim.
-        per_axis = tuple((self.kernel_size[i], self.stride[i], self.dilation[i], pads[i], boundary, nd + a)
+        per_axis = tuple((self.kernel_size[i], self.stride[i], self.dilation[i], pads[i], boundary, nd + a, a == 1)
                          for a, (i, boundary) in enumerate(((nd - 2, self.h_boundary), (nd - 1, self.w_boundary))))
         plans = self._plans(x, _conv_axis, (self.padding_mode, overlap, name), per_axis)
         skip = tuple(plan.dim - 2 for plan in plans if not plan.plain)  # the spatial dims exchanged
@@ -391,7 +395,7 @@ class _HaloConvNd(_HaloConvMixin):
             weight, bias = _cast(self.weight, cast), _cast(self.bias, cast)
             with _no_autocast(xb, cast):
                 y = patch_conv_2d(xb, weight, bias, plan.ex, plans[1].ex, (plan.patch, plans[1].patch),
-                                  self.dilation, self.groups)
+                                  self.dilation, self.groups, ex_c=plans[1].corners)
         elif len(plans) == 1 and plan.patch and not plan.rolled and not torch.compiler.is_compiling():
             # The Function computes in the dtype torch's conv would under autocast: its inputs are cast here, by
             # autograd-visible casts (so every gradient comes back in its input's own dtype), and autocast is off
