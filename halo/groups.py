@@ -161,7 +161,9 @@ class ProcessGroupInitializer(abc.ABC):
         rank: global rank of this process, ``0 <= rank < world_size``.
         world_size: size of the default process group.
         config: the run's configuration (a dict or any object); only 2.5D reads it (for ``depth``).
-        data_parallel_size, pipeline_parallel_size, tensor_parallel_size: the parallel sizes, each ``>= 1``.
+        data_parallel_size: the data-parallel size, ``>= 1``.
+        pipeline_parallel_size: the pipeline-parallel size, ``>= 1``.
+        tensor_parallel_size: the tensor-parallel size, ``>= 1``.
     """
 
     #: Whether ``init_dist_group`` returns a list of tuples (ColossalAI's choice for this initializer).
