@@ -47,3 +47,18 @@ def test_table_covers_every_grid_and_scales_the_right_way():
     first_2d = min(r["gpus"] for r in rows if r["grid"] == "0.25deg" and r["2d_hidden"] != "yes")
     assert first_2d > first_1d
     assert best_2d(721, 1440, 256, 7) is None or best_2d(721, 1440, 256, 7).pw > 1
+
+
+def test_inter_node_cost_beside_the_intra_node_one():
+    """Issue 33 item 8: the table says what the inter-node halo costs beside the intra-node one. On 8 GPUs (one
+    node) nothing crosses nodes and both times agree; on 16, a 1-D split's rank 7 sends one row to rank 8 on the
+    next node (one row's bytes cross) and the exchange is slower than inside one node by the InfiniBand link."""
+    c = 4
+    one_node, two_nodes = plan_1d(721, 1440, c, 8), plan_1d(721, 1440, c, 16)
+    assert one_node.inter_bytes == 0 and one_node.intra_s == one_node.exchange_s
+    assert two_nodes.inter_bytes == 1440 * c * BYTES  # one row from the last rank of node 0 to the first of node 1
+    assert two_nodes.exchange_s > two_nodes.intra_s
+    mesh = plan_2d(721, 1440, c, 4, 4)  # 16 ranks, 2 nodes: H neighbours 4 ranks apart cross at the node border
+    assert mesh.inter_bytes > 0 and mesh.exchange_s > mesh.intra_s
+    rows = table(channels=c)
+    assert all(r["1d_inter_MB"] == "0.00" for r in rows if r["gpus"] == 8 and r["1d_rows"] != "-")

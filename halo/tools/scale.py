@@ -19,7 +19,10 @@ hidden                 halo's compute-then-patch overlaps the exchange with the 
 1-D: the ranks split latitude (balanced); 2-D: a ``ph x pw`` mesh (latitude x longitude, longitude periodic; the
 exchange runs along H, then along W on the H-extended shard, so corners are right — two phases, four messages),
 the factorisation with the least halo bytes per rank among those with at least 2 rows and columns per rank. The
-table says, per grid and GPU count, what each decomposition costs and whether 1-D still hides its exchange.
+table says, per grid and GPU count, what each decomposition costs and whether 1-D still hides its exchange; beside
+the exchange time (``exch_us``, each message over its own link) it gives the bytes that cross nodes (``inter_MB``,
+the busiest rank's) and the time the same exchange would take inside one node (``intra_us``): their gap is what the
+inter-node links cost.
 
     python -m halo.tools.scale [--channels 256] [--out DIR]
 """
@@ -57,6 +60,8 @@ class Layout:
     conv_s: float  # the conv of the smallest shard's interior (what the exchange must hide behind)
     rows: int  # the smallest shard's rows
     cols: int
+    inter_bytes: int = 0  # sent across nodes by the rank sending most across nodes
+    intra_s: float = 0.0  # the exchange time were every peer on this rank's node (NVLink only)
 
     @property
     def hidden(self) -> bool:
@@ -67,11 +72,17 @@ def _link(a: int, b: int) -> tuple[float, float]:
     return NVLINK if a // NODE == b // NODE else IB
 
 
-def _time(messages: list[tuple[int, int, int]]) -> float:
-    """``(src, dst, bytes)`` posted together by one rank: per link kind the bytes add, the latencies overlap."""
+def _inter(messages: list[tuple[int, int, int]]) -> int:
+    """Bytes of ``(src, dst, bytes)`` messages that leave the sender's node."""
+    return sum(nb for src, dst, nb in messages if src // NODE != dst // NODE)
+
+
+def _time(messages: list[tuple[int, int, int]], intra: bool = False) -> float:
+    """``(src, dst, bytes)`` posted together by one rank: per link kind the bytes add, the latencies overlap.
+    ``intra``: as if every peer were on the sender's node (what the same exchange costs inside one node)."""
     by_kind: dict[tuple[float, float], int] = {}
     for src, dst, nbytes in messages:
-        kind = _link(src, dst)
+        kind = NVLINK if intra else _link(src, dst)
         by_kind[kind] = by_kind.get(kind, 0) + nbytes
     return max((lat + nb / bw for (lat, bw), nb in by_kind.items()), default=0.0)
 
@@ -91,15 +102,17 @@ def plan_1d(h: int, w: int, c: int, p: int, halo: int = 1) -> Layout:
     """Latitude split over ``p`` ranks (zeros at the poles' edge: the pole boundary sends as many rows)."""
     sizes = split_sizes(h, p)
     sends = _axis_messages(sizes, halo, "zeros")
-    worst_t, worst_b, worst_m = 0.0, 0, 0
+    worst_t, worst_b, worst_m, worst_x, worst_i = 0.0, 0, 0, 0, 0.0
     for r, msgs in enumerate(sends):
         posted = [(r, peer, rows * w * c * BYTES) for peer, rows in msgs]
         worst_t = max(worst_t, _time(posted))
+        worst_i = max(worst_i, _time(posted, intra=True))
         worst_b = max(worst_b, sum(b for *_, b in posted))
+        worst_x = max(worst_x, _inter(posted))
         worst_m = max(worst_m, len(posted))
     rows = min(sizes)
     conv = 2 * c * c * 9 * max(rows - 2 * halo, 0) * w / FLOPS
-    return Layout("1-D", p, 1, worst_b, worst_m, worst_t, conv, rows, w)
+    return Layout("1-D", p, 1, worst_b, worst_m, worst_t, conv, rows, w, worst_x, worst_i)
 
 
 def plan_2d(h: int, w: int, c: int, ph: int, pw: int, halo: int = 1) -> Layout:
@@ -107,7 +120,7 @@ def plan_2d(h: int, w: int, c: int, ph: int, pw: int, halo: int = 1) -> Layout:
     hs, ws = split_sizes(h, ph), split_sizes(w, pw)
     h_sends = _axis_messages(hs, halo, "zeros")
     w_sends = _axis_messages(ws, halo, "circular")
-    worst_t, worst_b, worst_m = 0.0, 0, 0
+    worst_t, worst_b, worst_m, worst_x, worst_i = 0.0, 0, 0, 0, 0.0
     for i in range(ph):
         for j in range(pw):
             me = i * pw + j
@@ -116,11 +129,13 @@ def plan_2d(h: int, w: int, c: int, ph: int, pw: int, halo: int = 1) -> Layout:
             phase_w = [(me, i * pw + peer, cols * ext_rows * c * BYTES) for peer, cols in w_sends[j]]
             t = _time(phase_h) + _time(phase_w)  # two phases, one after the other
             worst_t = max(worst_t, t)
+            worst_i = max(worst_i, _time(phase_h, intra=True) + _time(phase_w, intra=True))
             worst_b = max(worst_b, sum(b for *_, b in phase_h + phase_w))
+            worst_x = max(worst_x, _inter(phase_h + phase_w))
             worst_m = max(worst_m, len(phase_h) + len(phase_w))
     rows, cols = min(hs), min(ws)
     conv = 2 * c * c * 9 * max(rows - 2 * halo, 0) * max(cols - 2 * halo, 0) / FLOPS
-    return Layout("2-D", ph, pw, worst_b, worst_m, worst_t, conv, rows, cols)
+    return Layout("2-D", ph, pw, worst_b, worst_m, worst_t, conv, rows, cols, worst_x, worst_i)
 
 
 def best_2d(h: int, w: int, c: int, p: int) -> Layout | None:
@@ -148,12 +163,15 @@ def table(channels: int = 256) -> list[dict]:
             for tag, lay in (("1d", one), ("2d", two)):
                 if lay is None:
                     row.update({f"{tag}_mesh": "-", f"{tag}_rows": "-", f"{tag}_MB": "-", f"{tag}_msgs": "-",
-                                f"{tag}_exch_us": "-", f"{tag}_conv_us": "-", f"{tag}_hidden": "-"})
+                                f"{tag}_exch_us": "-", f"{tag}_conv_us": "-", f"{tag}_hidden": "-",
+                                f"{tag}_inter_MB": "-", f"{tag}_intra_us": "-"})
                     continue
                 row.update({f"{tag}_mesh": f"{lay.ph}x{lay.pw}", f"{tag}_rows": lay.rows,
                             f"{tag}_MB": f"{lay.bytes / 1e6:.2f}", f"{tag}_msgs": lay.messages,
                             f"{tag}_exch_us": f"{lay.exchange_s * 1e6:.1f}",
                             f"{tag}_conv_us": f"{lay.conv_s * 1e6:.1f}",
+                            f"{tag}_inter_MB": f"{lay.inter_bytes / 1e6:.2f}",
+                            f"{tag}_intra_us": f"{lay.intra_s * 1e6:.1f}",
                             f"{tag}_hidden": "yes" if lay.hidden else "NO"})
             rows.append(row)
     return rows
@@ -167,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import append_csv, default_out, plot_panels, print_table
 
     rows = table(args.channels)
-    print_table(rows, ["grid", "gpus", "1d_rows", "1d_MB", "1d_exch_us", "1d_conv_us", "1d_hidden", "2d_mesh",
-                       "2d_MB", "2d_exch_us", "2d_conv_us", "2d_hidden"])
+    print_table(rows, ["grid", "gpus", "1d_rows", "1d_MB", "1d_inter_MB", "1d_intra_us", "1d_exch_us", "1d_conv_us",
+                       "1d_hidden", "2d_mesh", "2d_MB", "2d_inter_MB", "2d_intra_us", "2d_exch_us", "2d_conv_us",
+                       "2d_hidden"])
     out = args.out or default_out()
     append_csv(out / "scale_model.csv", rows)
     series = {}
