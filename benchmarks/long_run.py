@@ -16,7 +16,7 @@ conv         ``--conv-steps`` (1,000) steps of a converted one-conv model forwar
              one entry agreement per step), if ``halo.nn`` imports: RSS, time per step, bitwise repeat
 ===========  ==========================================================================================
 
-Time per step is the max over ranks (DESIGN.md, "Performance model"); ``slowdown`` compares the medians of the
+Time per step is the max over ranks (docs/design.md, "Performance model"); ``slowdown`` compares the medians of the
 last and the first 10 % of the steps. After every step a baseline runs and is timed the same way (exchange: the
 same messages on the bare wire, forward and backward, plus one shard copy; conv: ``nn.Conv2d`` forward +
 backward on a shard of the same size); ``slowdown vs baseline`` is the median of the per-step ratios step /

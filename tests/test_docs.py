@@ -36,4 +36,4 @@ def test_cited_invariants_are_defined_in_the_design_document():
     assert not unknown, f"code cites invariants docs/design.md does not define: {unknown}"
     stale = sorted({str(p.relative_to(ROOT)) for folder in ("halo", "kernels", "tests", "benchmarks")
                     for p in (ROOT / folder).rglob("*.py") if re.search(r"(?<![/\w])DESIGN\.md", p.read_text())})
-    assert not stale, f"these files cite DESIGN.md, which is not in the project (it is docs/design.md): {stale}"
+    assert not stale, f"these files cite the shared design page, not the project's docs/design.md: {stale}"

@@ -1,4 +1,5 @@
-"""Bad input gets the same clear error on every rank, never a hang and never silence (DESIGN.md invariants 4 and 8).
+"""Bad input gets the same clear error on every rank, never a hang and never silence (invariants 4 and 8,
+docs/design.md).
 
 The mechanism of the zoo's diffusers ``UNet2DModel`` at P=2 (tests/test_zoo_real.py), in tiny hand-made models:
 

@@ -1,5 +1,5 @@
 """Inputs a user cut wrongly: refused on every rank with the same error naming what was expected and what came, or
-computed exactly; never silently different (DESIGN.md invariants 1, 4 and 8).
+computed exactly; never silently different (docs/design.md invariants 1, 4 and 8).
 
 - A hand-made shard that is not the balanced split (25 + 23 rows of 48 into ``HaloConv2d``, in both conv paths:
   compute-then-patch and ``overlap=False``; ``torch.chunk``'s 31, 31, 31, 28 of 121 on 4 ranks): the same

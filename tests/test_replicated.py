@@ -1,4 +1,4 @@
-"""Replicated state checked, not assumed (DESIGN.md invariant 8): every rank of a domain group holds the same
+"""Replicated state checked, not assumed (docs/design.md invariant 8): every rank of a domain group holds the same
 parameters and buffers, the gradient sync runs once per step over the model's own groups, and ranks that are not at
 the same step say why.
 

@@ -20,7 +20,7 @@ Gradients: the input gradient is exact (the exchange's backward is its adjoint);
 each rank are the contribution of its output rows, so their *sum over the domain group* is the unsharded
 gradient (each output row is computed by exactly one rank). Sum them as for any domain-parallel parameter.
 
-Two ways to run the local conv (see DESIGN.md):
+Two ways to run the local conv (see docs/design.md):
   * compute-then-patch (the default where it applies: stride 1 in H, symmetric padding ``p = d(k-1)/2``, shards
     of at least ``p`` rows; ``_PatchConvFn``): post the exchange of the halo rows, convolve the shard itself with
     zero H padding while they travel, then add the halo rows' taps to the ``p`` top and bottom output rows (a

@@ -4,7 +4,7 @@ Geometry along H (the sharded dim) of a pool with kernel ``k``, stride ``s``, pa
 
     output row o reads       input rows o*s - p + d*j, j = 0..k-1    (outside [0, N): padding)
     output extent M          torch's rule, taken from torch itself (a meta-tensor call on the global shape)
-    rank r's output rows     [o0, o1): the balanced split of M (invariant 1 of DESIGN.md)
+    rank r's output rows     [o0, o1): the balanced split of M (invariant 1 of docs/design.md)
     rank r's input rows      [lo, hi) = [(o0 - c)*s, min(N, (o1-1)*s - p + d*(k-1) + 1)),  c = min(o0, ceil(p/s))
 
 The local op is the torch op itself with the module's own arguments (kernel, stride, padding, dilation,

@@ -14,7 +14,7 @@
                          (``benchmarks/mesh2d.py --patch``)     pad-then-conv vs rows, same bytes
 =======================  =====================================  ===============================================
 
-Timing rule for distributed steps (DESIGN.md, "Performance model"): every iteration starts after a barrier,
+Timing rule for distributed steps (docs/design.md, "Performance model"): every iteration starts after a barrier,
 each rank times it, and the iteration's time is the **max over ranks** (the step is done when the slowest rank
 is); reports give the median over iterations. A single rank's time of a step that waits on a peer is noise.
 

@@ -2,7 +2,7 @@
 
 For a grid ``H x W`` (0.25 deg 721 x 1440, 0.1 deg 1801 x 3600, 3 km 6667 x 13334), ``C`` channels in bf16 and a
 halo of one row/column, each layout is planned by halo's own planner (:func:`halo.partition.plan_exchange`, the
-messages every rank would post) and timed by the performance model of DESIGN.md:
+messages every rank would post) and timed by the performance model of docs/design.md:
 
 =====================  ================================================================================================
 model term             value
@@ -41,7 +41,7 @@ __all__ = ["GRIDS", "Layout", "main", "plan_1d", "plan_2d"]
 GRIDS = {"0.25deg": (721, 1440), "0.1deg": (1801, 3600), "3km": (6667, 13334)}
 GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)
 NODE = 8
-NVLINK = (3.5e-6, 180e9)  # latency, bytes/s (DESIGN.md: NCCL send/recv with default settings)
+NVLINK = (3.5e-6, 180e9)  # latency, bytes/s (docs/design.md: NCCL send/recv with default settings)
 IB = (5e-6, 48e9)  # InfiniBand NDR, one NIC per GPU
 FLOPS = 0.6 * 989e12  # H200 bf16 dense at 60 %
 BYTES = 2  # bf16

@@ -12,7 +12,7 @@ impl          what one call does
 wire          ``batch_isend_irecv`` of already-packed contiguous buffers of the same bytes, wait: the
               in-place form's floor
 floor         the wire, then one copy of the shard into a buffer that already exists: the out-of-place
-              form's floor (DESIGN.md, "Performance model")
+              form's floor (docs/design.md, "Performance model")
 exchange      ``halo_exchange(x, width)``, default path: ``x`` came from ``halo.shard``, so after the first
               call no agreement is made; the extended output goes into a buffer the exchange reuses
 unplanned     the same on a shard the program sliced itself (halo cannot know its global extent): + one
