@@ -214,6 +214,12 @@ class BufferPool:
             pool.append(buf)
         return buf.detach()
 
+    def nbytes(self) -> int:
+        """The bytes this pool keeps allocated (free or handed out): what it holds back from the caching allocator.
+        Message strips only (:meth:`halo.exchanger.Exchanger.finish` never pools an activation), so after a step it
+        is a few halo rows per shape, not the activations (``tests/test_pool_bytes.py``)."""
+        return sum(buf.untyped_storage().nbytes() for bufs in self._pools.values() for buf in bufs)
+
 
 def alloc(shape: Sequence[int], like: torch.Tensor, pool: BufferPool | None = None,
           fmt: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
