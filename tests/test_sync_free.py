@@ -267,3 +267,47 @@ def test_standalone_layer_never_reuses_a_stale_plan():
     assert all(r is not None and r[0] == "HaloCommError" for r in results), results
     assert "global ranks [1]" in results[0][1] and "global rank 0" in results[1][1], results  # each names its peer
     assert "changed since its last call ((2, 3, 23, 16) -> (2, 3, 22, 16))" in results[0][1], results[0]
+
+
+class _Event:
+    """A CUDA event's host side as :func:`halo.transport.wait_event` uses it (CPU-checkable)."""
+
+    def __init__(self, done_after):
+        self.queries, self.done_after, self.synced = 0, done_after, False
+
+    def query(self):
+        self.queries += 1
+        return self.queries > self.done_after
+
+    def synchronize(self):
+        self.synced = True
+
+
+class _Group:
+    ranks, index, size = (0, 1), 0, 2
+
+
+def test_the_pinned_copy_wait_is_bounded():
+    """The CUDA path's host wait on the event behind the checksum's copy: returns once the event completed,
+    ``synchronize()`` without a bound set, and past :func:`halo.set_timeout` a ``HaloCommError`` naming the peers."""
+    import time
+
+    import halo
+    from halo.transport import HaloCommError, wait_event
+
+    previous = halo.set_timeout(None)
+    try:
+        ev = _Event(10**9)
+        wait_event(ev, _Group(), "check", time.monotonic(), None)
+        assert ev.synced and ev.queries == 0
+        halo.set_timeout(0.2)
+        ev = _Event(3)
+        wait_event(ev, _Group(), "check", time.monotonic(), None)
+        assert ev.queries == 4 and not ev.synced
+        began = time.monotonic()
+        with pytest.raises(HaloCommError, match=r"check: rank 0 .* waiting on the device work of the all-reduce "
+                                                r"with global ranks \[1\]"):
+            wait_event(_Event(10**9), _Group(), "check", time.monotonic(), None)
+        assert time.monotonic() - began < 5
+    finally:
+        halo.set_timeout(previous)
