@@ -7,10 +7,12 @@ backward) of each model, every rank reports:
 
 ``saved``   the bytes autograd saved for backward: the distinct storages packed by
             ``torch.autograd.graph.saved_tensors_hooks`` during the forward, parameters left out (replicated).
-``peak``    the peak of the bytes allocated during the step above what was allocated before it: on CPU the sum of
-            the profiler's memory events (``profile_memory=True``) in time order; on CUDA
-            ``max_memory_allocated`` minus the bytes allocated at the start. The parameters' gradients are
-            allocated in the step but are replicated (they do not scale with P): ``peak - grads`` is reported too.
+``peak``    the peak of the bytes allocated during the step above what was allocated before it (on CPU the sum of
+            the profiler's memory events, ``profile_memory=True``, in time order; on CUDA ``max_memory_allocated``
+            minus the bytes allocated at the start), plus what the exchangers' buffer pools held from the step
+            before (``pooled``: allocated before the step, so not in the first term, but held through it). The
+            parameters' gradients are allocated in the step but are replicated (they do not scale with P), so the
+            ratio is taken on ``peak - grads``.
 
 against the unsharded model run in the same process (one rank, no halo). The ratios (max over ranks):
 ``saved / (unsharded / P)`` and ``(peak - grads) / ((unsharded peak - grads) / P)``; ``ideal`` is the share of
@@ -141,11 +143,12 @@ def _sharded(rank: int, world: int, name: str, quick: bool) -> dict:
     full = _input(name, quick)
     x = halo.shard(full, dim, granularity=granularity) if granularity > 1 else halo.shard(full, dim)
     rows = x.shape[dim]
-    measure(model, x, lambda y: domain_mean(y * y))  # warm-up: plans learned, buffers pooled, first-call guard
-    got = measure(model, x, lambda y: domain_mean(y * y))
     from halo import exchange_registry
 
-    got.update(rows=rows, pooled=exchange_registry.pooled_bytes())
+    measure(model, x, lambda y: domain_mean(y * y))  # warm-up: plans learned, buffers pooled, first-call guard
+    retained = exchange_registry.pooled_bytes()  # held by the exchangers' pools from the step before
+    got = measure(model, x, lambda y: domain_mean(y * y))
+    got.update(rows=rows, retained=retained, peak=got["peak"] + retained)
     return got
 
 
@@ -180,7 +183,7 @@ def run(ranks: list[int], models: list[str], quick: bool, out: Path | None) -> l
                 "unsharded_peak": ref["peak"], "peak_max": worst["peak"], "grads": ref["grads"],
                 "peak_ratio": round((worst["peak"] - worst["grads"]) / ((ref["peak"] - ref["grads"]) / world), 3),
                 "ideal": round(ideal, 3), "ideal_halo": round((most + 2 * halo_rows) / n * world, 3),
-                "pooled_max": max(r["pooled"] for r in per_rank),
+                "pooled_max": max(r["retained"] for r in per_rank),
             })
             print(_line(rows[-1]), flush=True)
     if out is not None:
