@@ -108,7 +108,7 @@ class _ExchangeFn(torch.autograd.Function):
         ctx.exchanger, ctx.x_shape = exchanger, x.shape
         if pending is None:
             pending = exchanger.start(x)
-        return exchanger.finish(x, pending, reuse=True)
+        return exchanger.finish(x, pending)
 
     @staticmethod
     def backward(ctx, grad_ext: torch.Tensor):

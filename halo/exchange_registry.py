@@ -24,7 +24,7 @@ from .exchanger import Exchanger
 from .partition import POLE_MODES, check_boundary, offsets, plan_exchange
 
 __all__ = ["ExchangeSpec", "LIVE_CAP", "PoleExchanger", "PoleSpec", "SPECS_CAP", "exchange_spec", "exchanger_id",
-           "get_exchanger", "pole_step"]
+           "get_exchanger", "pole_step", "pooled_bytes"]
 
 
 class ExchangeSpec(NamedTuple):
@@ -133,6 +133,15 @@ def get_exchanger(ex_id: int) -> Exchanger | PoleExchanger:
     return ex
 
 
+def pooled_bytes() -> int:
+    """The bytes the live exchangers of the context in use keep in their buffer pools (up to
+    ``BufferPool.per_key`` buffers per shape, dtype, format and stream, for up to :data:`LIVE_CAP` exchangers):
+    memory held back from the caching allocator between steps. Only message strips are pooled (halo rows, their
+    gradients), so this is about ``4 x (rows sent + rows received) x`` a row's bytes per exchanger and shape, never
+    an activation. A pole exchanger's steps are counted once (they are live exchangers of their own)."""
+    return sum(ex.pool.nbytes() for ex in _state().live.values() if isinstance(ex, Exchanger))
+
+
 # -- the pole, a step of the latitude axis ------------------------------------------------------------------------
 
 class PoleSpec(NamedTuple):
@@ -203,9 +212,8 @@ class PoleExchanger:
     def start(self, x: torch.Tensor) -> dict:
         return self.h.start(x)
 
-    def finish(self, x: torch.Tensor, pending: dict, out: torch.Tensor | None = None, *,
-               reuse: bool = False) -> torch.Tensor:
-        ext = self.h.finish(x, pending, out, reuse=reuse)
+    def finish(self, x: torch.Tensor, pending: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+        ext = self.h.finish(x, pending, out)
         top, bottom, (dh, _) = self.spec.top, self.spec.bottom, self.spec.dims
         if top or bottom:
             rows = ext.shape[dh]

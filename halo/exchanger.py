@@ -113,7 +113,7 @@ class Exchanger:
         self.recv_rows = plan.recv_rows
         self.sides = (_Side.of(plan.before), _Side.of(plan.after))
         self.rounds = tuple(side.layers() for side in self.sides)
-        self.pool = transport.BufferPool()
+        self.pool = transport.BufferPool()  # message strips only (send, receive, their adjoints): never an activation
         self.op_backward = f"{op} (backward)"
 
     def ext_rows(self) -> int:
@@ -129,18 +129,21 @@ class Exchanger:
         posted = self._post(self.op, send, self.send_counts, recv, self.recv_counts)
         return {"send": send, "recv": recv, "posted": posted}
 
-    def finish(self, x: torch.Tensor, pending: dict, out: torch.Tensor | None = None, *,
-               reuse: bool = False) -> torch.Tensor:
+    def finish(self, x: torch.Tensor, pending: dict, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``[before | interior | after]``: into ``out`` if given (if ``x`` is ``out``'s middle already, only
-        the halo rows are written), else into a reused buffer (``reuse``) or a fresh one. The interior is copied
-        *before* waiting for the messages, while they travel; the halo rows after."""
+        the halo rows are written), else into a fresh tensor. The interior is copied *before* waiting for the
+        messages, while they travel; the halo rows after.
+
+        Never a pooled buffer: an extended shard is an activation (a conv saves it for backward), as large as the
+        shard; pooled, it would stay allocated after autograd frees it, for every shape, of every live exchanger,
+        and never go back to the caching allocator (GBs at 721 x 1440 x 256 channels). Fresh, it is freed with the
+        graph and the caching allocator reuses its memory. The pool keeps the message strips only."""
         p, dim = self.plan, self.dim
         nb, (i0, ni) = len(p.before), p.interior
         if out is None:
             shape = list(x.shape)
             shape[dim] = self.ext_rows()
-            fmt = memory_format(x)
-            out = self.pool.get(shape, x, fmt) if reuse else kernels.reference.alloc_like(x, shape)
+            out = kernels.reference.alloc_like(x, shape)
         mid = out.narrow(dim, nb, ni)
         interior = x.narrow(dim, i0, ni)
         if interior.numel() and (interior.data_ptr() != mid.data_ptr() or interior.stride() != mid.stride()):

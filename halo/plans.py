@@ -18,11 +18,17 @@ Which epoch a call belongs to: inside a converted model's forward, the model's (
 from the same input shapes); outside, the epoch of its input tensor when halo made that tensor (a ``shard`` output,
 a converted model's output, or the output of a halo layer applied to such a tensor); else none.
 
+A call without an epoch agrees every time, except a layer's (a call with a site, e.g. ``HaloConv2d(conv)`` applied
+to a plain shard outside a converted model): it agrees when its local shape or arguments differ from those of its
+site's last agreement, and reuses that plan otherwise (:func:`_standalone` says why one record per site is safe
+where one per local shape is not).
+
 A call with an epoch looks up ``(epoch, site, group, op, its own shape/dtype/grad, its arguments)``; the first time,
 every rank misses together (the key is new on all of them), agrees on its metadata (:func:`halo.agree.agree`) and
 records the plan made from the agreed extents. Afterwards the call costs a dict lookup. If every rank hits, every
 rank's record came from the same agreement and its local shape is the one recorded, so the recorded extents are
-the current ones: a hit can never be stale. A call without an epoch agrees every time (one host all-gather).
+the current ones: a hit can never be stale. A call without an epoch agrees every time (one host all-gather), but
+for a layer's (below).
 
 What this assumes, and what happens otherwise: a converted model's inner shapes follow from its input shapes, and
 ranks make the same halo calls (SPMD). A program that breaks this (data-dependent shapes inside a model; one rank
@@ -360,6 +366,55 @@ def _drop_oldest(st: _State, ranks: tuple[int, ...]) -> None:
         del st.kept[ranks]
 
 
+_STANDALONE = -1  # the records of layers called on tensors halo did not make (no epoch): one per site
+
+
+@torch._dynamo.disable
+def _standalone(site: int, group: Any, op: str, local: tuple, specs: tuple, coords: tuple | None,
+                allow_empty: bool, make: Callable, extra: tuple, split: bool = False) -> Any:
+    """A layer called outside a converted model on a tensor halo did not make (a plain shard: no epoch). It agrees
+    when this rank's side of the call (its local shape, dtype, grad flag, arguments) differs from the one of its
+    site's last agreement, and otherwise reuses that agreement's plan: one agreement per shape, not per call.
+
+    Why one record per site, and not one per local shape. A rank's local shape does not name the global extent (45
+    rows over 2 ranks are 23 + 22, 44 are 22 + 22). With a record per local shape, rank 0 could hit a record of one
+    agreement while rank 1 hits one of another (45, 43, then 44 rows: each rank has seen its 22 rows before, under
+    different totals), silently wrong. With one record per site, every rank's record is that of the same, last
+    agreement (the ranks make the same calls: SPMD), so when every rank hits, every local shape is the one agreed
+    and the recorded extents are the current ones. When the global extent changed, some rank's local shape changed
+    (a balanced split fixes the shapes by the total) and it agrees while the others, which hit, post the old plan's
+    messages: every rank raises :class:`halo.HaloCommError` within the timeout (invariant 4's bounded failure),
+    never a silently different result, as for a converted model (module docstring). Records are dropped with the
+    group's other records (:data:`MAX_RECORDS`, oldest first, alike on every rank)."""
+    key = (_STANDALONE, site, group, op, specs)
+    call = (local, coords, allow_empty, make, extra, split)
+    st = _state()
+    entry = st.records.get(key)
+    if entry is not None and entry[0] == call:
+        return entry[1]
+    try:
+        plan, cg = _agree_and_make(group, op, local, specs, coords, allow_empty, make, extra, split)
+    except HaloCommError as exc:
+        if entry is None:
+            raise
+        raise HaloCommError(
+            f"{exc}. Likely cause: this layer's input shape here changed since its last call ({entry[0][0][0]} -> "
+            f"{local[0]}) but not on every rank, so the peers reused their plan: a plain shard (not made by "
+            f"halo.shard, outside a converted model) whose global extent changed while some ranks' shards kept "
+            f"their shape. Shard the field with halo.shard, run the layer in a converted model, or "
+            f"halo.set_validation('always')") from exc
+    st = _state()
+    if key not in st.records:
+        keys = st.kept.get(cg.ranks)
+        if keys is None:
+            keys = st.kept[cg.ranks] = collections.deque()
+        keys.append(key)
+    st.records[key] = (call, plan)
+    if len(st.kept[cg.ranks]) > st.max_records:
+        _drop_oldest(st, cg.ranks)
+    return plan
+
+
 @torch._dynamo.assume_constant_result
 def _recorded(epoch: int, site: int, group: Any, op: str, local: tuple, specs: tuple, coords: tuple | None,
               allow_empty: bool, make: Callable, extra: tuple, split: bool = False) -> Any:
@@ -416,6 +471,9 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
         split = site is not None and all(len(s) == 1 and s[0] in (-2, -1) for s in specs)
     split = bool(split and not replicated)
     epoch = _REPLICATED if replicated else _epoch_of(x if source is None else source, st)
+    if epoch is None and site is not None and st.validation != "always" and not torch.compiler.is_compiling():
+        site_key = site.id if site.owner is st.token else site_id(site, st)
+        return _standalone(site_key, group, op, local, specs, coords, allow_empty, make, extra, split)
     if epoch is None or st.validation == "always":
         return _agreed(group, op, local, specs, coords, allow_empty, make, extra, split)
     if site is not None:

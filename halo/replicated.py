@@ -12,11 +12,16 @@ ways they come apart, both silent otherwise:
 * during training: a forgotten :func:`halo.reduce.sync_domain_gradients` (each rank steps on its own part of the
   gradient), an optimizer step on some ranks only, a wrong group. A converted model's entry checks a *checksum* of
   its parameters and buffers every :func:`check_every` forwards (default 8, and the first forward): an exact integer
-  sum of each tensor's bits, computed on the tensors' device, folded into one int64, and one all-reduce of two words
-  (max, -min) over the domain group; one read of those two words on the host. Nothing else in the steady steps
-  between. When the words differ, the full check names the tensor and the ranks. Measured on 2 gloo ranks (2-core
-  CPU under a load of ~15): 1.1 ms per check for 21 k parameters (a step: 396 ms), 2.5-4.0 ms for 305 k (a step:
-  1970 ms), i.e. < 0.3 % of one step per check, ~0.03 % amortised at the default interval of 8.
+  sum of each tensor's bits, computed on the tensors' device (one reduction kernel per tensor), folded into one
+  int64, and one all-reduce of two words (max, -min) over the domain group, *started and not waited for*: on CUDA
+  the two words are copied to pinned host memory behind the all-reduce (an async copy and an event), and the host
+  reads them at the next check, ``every`` forwards later, when they have long been computed. So a steady step never
+  waits for queued device work and never reads a value back (no host sync), and the check costs one small
+  collective every ``every`` steps (on the device group: stream-ordered on NCCL, asynchronous on gloo). When the
+  words differ, the full check names the tensor and the ranks, at the same forward on every rank: a divergence is
+  reported within ``2 x every`` forwards (:func:`finish_check` reads the last one at once). Measured on 2 gloo ranks
+  (2-core CPU under a load of ~15), with the blocking read of the earlier version: 1.1 ms per check for 21 k
+  parameters (a step: 396 ms), 2.5-4.0 ms for 305 k (a step: 1970 ms), i.e. < 0.3 % of one step per check.
 
 What the checksum is: for each tensor, its elements' bit patterns as integers of the same width (int16 for half
 floats, int32 for float32, int64 for float64, complex as its real pairs), summed in int64 (wrapping: integer sums are
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import weakref
 from typing import Any
 
 import numpy as np
@@ -40,11 +46,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import context
+from . import context, transport
 from .comm import CommGroup, comm_group
-from .transport import all_gather_object, all_reduce, gather_words
+from .transport import all_gather_object, gather_words
 
-__all__ = ["check_every", "check_replicated", "checksum", "replicated_state"]
+__all__ = ["check_every", "check_replicated", "checksum", "finish_check", "replicated_state"]
 
 _MAGIC = 0x52455043  # "REPC"
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -52,9 +58,12 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @dataclasses.dataclass
 class _ReplicatedState:
-    """The periodic check's part of the context: how often it runs (every 8 forwards by default; None: off)."""
+    """The periodic check's part of the context: how often it runs (every 8 forwards by default; None: off) and the
+    checks in flight."""
 
     every: int | None = 8
+    pending: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # model ->
+    # its check in flight (_Pending); weakly, so a dropped model takes its check with it
 
 
 def _state() -> _ReplicatedState:
@@ -108,10 +117,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sums(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Every tensor's exact bit sum (int64, wrapping), as one vector on ``device``."""
+    """Every tensor's exact bit sum (int64, wrapping), as one vector on ``device``: one reduction kernel per tensor
+    (its bits are a view: no copy of a contiguous tensor), summed on the tensors' own device, then stacked and
+    moved once (never a host read per tensor)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.int64, device=device)
-    return torch.stack([_bits(t).sum(dtype=torch.int64).to(device) for t in tensors])
+    sums = torch.stack([_bits(t).sum(dtype=torch.int64) for t in tensors])
+    return sums if sums.device == device else sums.to(device)
 
 
 def _device(tensors: list[torch.Tensor], cg: CommGroup) -> torch.device:
@@ -124,10 +136,15 @@ def _device(tensors: list[torch.Tensor], cg: CommGroup) -> torch.device:
 
 def checksum(model: nn.Module, device: torch.device | None = None) -> torch.Tensor:
     """One int64 on ``device`` (default the first tensor's) that changes with any bit of any parameter or buffer
-    of ``model`` (module docstring): no host read, no tensor built from Python data."""
+    of ``model`` (module docstring): no host read, no tensor built from Python data; one reduction per tensor
+    plus three small kernels (the odd weights, the fold)."""
     tensors = [t for _, t in replicated_state(model)]
     device = device if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
-    sums = _sums(tensors, device)
+    home = tensors[0].device if tensors else device
+    if any(t.device != home for t in tensors):  # (a model across devices: each sum moved, as before)
+        sums = torch.stack([_bits(t).sum(dtype=torch.int64).to(device) for t in tensors])
+    else:
+        sums = _sums(tensors, device)
     weights = torch.arange(1, 2 * sums.numel() + 1, 2, dtype=torch.int64, device=device)
     return (sums * weights).sum()
 
@@ -196,34 +213,93 @@ def check_replicated(model: nn.Module, group: Any | None = None, *, op: str = "c
     raise ValueError(_first_difference(tables, cg, op) or f"{op}: the ranks' parameters and buffers differ")
 
 
-def _after_failed_checksum(model: nn.Module, cg: CommGroup, op: str, forwards: int) -> None:
+def _after_failed_checksum(model: nn.Module, cg: CommGroup, op: str, launched: int, forwards: int) -> None:
     tables = all_gather_object(_digests(replicated_state(model)), cg)
     detail = _first_difference(tables, cg, op)
     if not detail:
         return  # (the digests are stronger than the checksum: nothing differs after all)
     raise ValueError(
-        f"{detail} [found by the periodic "
-        f"check at forward {forwards} (halo.replicated.check_every({_state().every})); after the first step the usual "
-        f"causes are a forgotten or doubled sync_domain_gradients, an optimizer step on some ranks only, or a wrong "
-        f"group]")
+        f"{detail} [found by the periodic check at forward {launched} (its result read at forward {forwards}; "
+        f"halo.replicated.check_every({_state().every})); after the first step the usual causes are a forgotten or "
+        f"doubled sync_domain_gradients, an optimizer step on some ranks only, or a wrong group]")
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A periodic check in flight: launched at forward ``launched``; its all-reduced words (``spread``, or their
+    pinned host copy ``host`` behind CUDA ``event``) are read at the next check, when they are long computed."""
+
+    launched: int
+    posted: transport.Posted
+    spread: torch.Tensor
+    host: torch.Tensor | None = None
+    event: Any = None
+
+
+def _launch(model: nn.Module, cg: CommGroup, forwards: int, op: str) -> _Pending | None:
+    """Queue the checksum, its all-reduce (max of ``c`` and of ``~c``: the spread) and, on CUDA, an async copy of the
+    two words to pinned host memory; wait for none of it."""
+    tensors = [t for _, t in replicated_state(model)]
+    if not tensors:
+        return None
+    device = _device(tensors, cg)
+    c = checksum(model, device)  # (CUDA tensors on gloo: moved to the CPU here, a sync: not a sync-free setup)
+    spread = torch.stack([c, c.bitwise_not()])  # max of ~c is ~min(c): no overflow at the int64 extremes
+    posted = transport.start_all_reduce(spread, cg, op, dist.ReduceOp.MAX)
+    if spread.device.type != "cuda":
+        return _Pending(forwards, posted, spread)
+    host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    host.copy_(spread, non_blocking=True)  # ordered after the all-reduce on the current stream
+    event = torch.cuda.Event()
+    event.record()
+    return _Pending(forwards, posted, spread, host, event)
+
+
+def _read(pending: _Pending, cg: CommGroup, op: str) -> tuple[int, int]:
+    """The launched check's two words on the host (bounded waits; in a steady run both have completed long ago)."""
+    transport.wait(pending.posted, op)
+    if pending.event is not None:
+        transport.wait_event(pending.event, cg, op, pending.posted.posted, (pending.spread, pending.host))
+        words = pending.host.numpy()
+    else:
+        words = pending.spread.numpy()  # a CPU tensor, reduced: a read of host memory, nothing to wait for
+    return int(words[0]), int(words[1])
+
+
+def _collect(model: nn.Module, cg: CommGroup, forwards: int, op: str) -> None:
+    pending = _state().pending.pop(model, None)
+    if pending is None:
+        return
+    hi, not_lo = _read(pending, cg, op)
+    if hi != ~not_lo:  # the same words on every rank: every rank runs the full check (a collective) alike
+        _after_failed_checksum(model, cg, op, pending.launched, forwards)
 
 
 def periodic_check(model: nn.Module, cg: CommGroup, forwards: int, op: str) -> None:
-    """The converted model's entry: every :func:`check_every` forwards (and the first), the checksum's spread over
-    the domain group; the full check, naming the tensor, when it is not zero. The same on every rank (the forward
-    count is the same on every rank of a group that runs SPMD, and agreed on at the entry)."""
+    """The converted model's entry, every :func:`check_every` forwards (and the first): read the result of the check
+    launched at the previous such forward (raising, naming the tensor, where the checksums differed), then launch
+    the next one. No host read of a value still being computed and no wait for queued device work: the two words
+    read were all-reduced (and, on CUDA, copied to pinned host memory) ``every`` forwards ago. So a rank that
+    diverged is reported within ``2 x every`` forwards, at the same forward on every rank (the forward count is
+    the same on every rank of a group that runs SPMD, and agreed on at the entry); :func:`finish_check` reads a
+    pending result at once (at the end of training, before a checkpoint)."""
     every = _state().every
     if every is None or cg.size == 1 or forwards % every:
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return  # a forward captured in a CUDA graph: its host read is not allowed there (the next eager one checks)
-    tensors = [t for _, t in replicated_state(model)]
-    if not tensors:
-        return
-    device = _device(tensors, cg)
-    c = checksum(model, device)
-    spread = torch.stack([c, c.bitwise_not()])  # max of ~c is ~min(c): no overflow at the int64 extremes
-    all_reduce(spread, cg, op, dist.ReduceOp.MAX)
-    hi, not_lo = (int(v) for v in spread.cpu().numpy())
-    if hi != ~not_lo:
-        _after_failed_checksum(model, cg, op, forwards)
+        return  # a forward captured in a CUDA graph: no collective of its own there (the next eager one checks)
+    _collect(model, cg, forwards, op)
+    pending = _launch(model, cg, forwards, op)
+    if pending is not None:
+        _state().pending[model] = pending
+
+
+def finish_check(model: nn.Module, group: Any | None = None, *, op: str = "finish_check") -> None:
+    """Read the result of ``model``'s periodic check still in flight (if any) now, raising the same ``ValueError``
+    on every rank of ``group`` (default the manager's domain group) when its ranks' parameters and buffers had
+    differed, naming the tensor. The periodic check reads its result at the next check; call this at a natural
+    sync point (the end of training, before saving a checkpoint) so that the last interval is checked too. Call
+    it on every rank of the group alike."""
+    cg = comm_group(group)
+    if cg.size > 1:
+        _collect(model, cg, model.__dict__.get("_halo_forwards", 0), op)

@@ -79,8 +79,10 @@ __all__ = [
     "reduce_scatter",
     "scatter",
     "set_timeout",
+    "start_all_reduce",
     "wait",
     "wait_all",
+    "wait_event",
 ]
 
 #: Buffers of messages given up on kept alive (a late peer may still write into them), at most this many.
@@ -213,6 +215,12 @@ class BufferPool:
         if len(pool) < self.per_key:
             pool.append(buf)
         return buf.detach()
+
+    def nbytes(self) -> int:
+        """The bytes this pool keeps allocated (free or handed out): what it holds back from the caching allocator.
+        Message strips only (:meth:`halo.exchanger.Exchanger.finish` never pools an activation), so after a step it
+        is a few halo rows per shape, not the activations (``tests/test_pool_bytes.py``)."""
+        return sum(buf.untyped_storage().nbytes() for bufs in self._pools.values() for buf in bufs)
 
 
 def alloc(shape: Sequence[int], like: torch.Tensor, pool: BufferPool | None = None,
@@ -410,6 +418,38 @@ def all_reduce(t: torch.Tensor, cg: Any, what: str, op: Any = None) -> torch.Ten
     work = dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=cg.group, async_op=True)
     wait_all([work], [("the all-reduce with", (cg,))], cg, what, posted, t)
     return t
+
+
+@torch._dynamo.disable  # never traced into a graph, unordered (module docstring): a graph break
+def start_all_reduce(t: torch.Tensor, cg: Any, what: str, op: Any = None) -> Posted:
+    """Start an in-place all-reduce of ``t`` over ``cg`` and return it as a :class:`Posted` for :func:`wait`, later
+    (the replicated-state check reads its result a few steps on: nothing waits for it now). On a CUDA tensor the
+    current stream is ordered after the collective (``Work.wait()`` without a timeout: a stream wait, the host is
+    not blocked), so work queued next on it (a copy to pinned host memory) sees the reduced values."""
+    posted = time.monotonic()
+    work = dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=cg.group, async_op=True)
+    if t.device.type == "cuda":
+        work.wait()  # stream-ordered on NCCL (no timeout: the host goes on)
+    result = Posted([work], [f"the all-reduce with global ranks {_others(cg)}"], cg, what, t)
+    result.posted = posted
+    return result
+
+
+def wait_event(event: Any, cg: Any, what: str, posted: float, keep: Any) -> None:
+    """Wait on the host for a CUDA event recorded after a collective (its result copied to pinned host memory),
+    bounded as every wait here: polled up to :func:`set_timeout`, else ``event.synchronize()`` (the process group's
+    watchdog catches a dead peer). An event recorded steps ago has long completed: no wait in practice."""
+    limit = _state().timeout
+    if limit is None:
+        event.synchronize()
+        return
+    began = time.monotonic()
+    while not event.query():
+        if time.monotonic() - began > limit:
+            keep_alive(keep)
+            raise comm_error([f"the device work of the all-reduce with global ranks {_others(cg)}"], 0, cg, what,
+                             began, posted, None)
+        time.sleep(1e-4)
 
 
 @torch._dynamo.disable  # never traced into a graph (module docstring)

@@ -9,8 +9,9 @@ alone can see the cause, that rank's error names it and every other rank's error
   ``check_replicated`` raise naming the first differing tensor and the ranks; a plainly converted model raises at its
   first forward (the periodic check runs at forward 0);
 - ``sync_domain_gradients`` called twice for one backward raises; once per step (zero_grad or accumulation) does not;
-- a forgotten sync: the weights diverge at the optimizer step and the periodic checksum (``check_every(3)``) names
-  the tensor at forward 3, on every rank;
+- a forgotten sync: the weights diverge at the optimizer step and the periodic checksum (``check_every(3)``) launched
+  at forward 3 names the tensor when its result is read, at forward 6 (no host wait at the check itself), on every
+  rank;
 - swapped dp / domain groups, the world group as the domain group, the world group as the dp group: refused;
 - ``eval()`` on one rank only: named; one rank skipping ``backward``: that rank's error names it, the peer's is a
   bounded ``HaloCommError``; ranks whose forward counts differ: named;
@@ -143,10 +144,12 @@ def _forgotten(rank, world, every):
 
 def test_forgotten_sync_is_caught_within_the_check_interval():
     results = run_on_ranks(_forgotten, 2, 3, timeout=60)
-    assert all(done == 3 for done, _ in results), results  # the forward of step 3 (forward 3 = 1 x 3) raises
+    # Launched at forward 3 (= 1 x 3), read at the next check, forward 6 (its result long computed): step 6 raises.
+    assert all(done == 6 for done, _ in results), results
     errors = [e for _, e in results]
     assert errors[0] == errors[1] and errors[0] is not None, errors
     assert "differs across the domain group" in errors[0] and "periodic check at forward 3" in errors[0], errors[0]
+    assert "read at forward 6" in errors[0], errors[0]
     assert "forgotten or doubled sync_domain_gradients" in errors[0], errors[0]
 
 
