@@ -345,10 +345,14 @@ class ShardedField:
                                                                                           self.lon)]))
                 slab = slab.reshape(-1, lead, slab.shape[-2], slab.shape[-1])
                 valid = ~np.isnan(slab)
-                zeroed = np.where(valid, slab, 0.0)
-                sums.append(np.stack([valid.sum(axis=(0, 2, 3)).astype(np.float64), zeroed.sum(axis=(0, 2, 3)),
-                                      (zeroed ** 2).sum(axis=(0, 2, 3))], axis=1))
-            table = torch.from_numpy(np.concatenate(sums, axis=0))  # (C, 3): valid count, sum, sum of squares
+                count = valid.sum(axis=(0, 2, 3)).astype(np.float64)
+                total = np.where(valid, slab, 0.0).sum(axis=(0, 2, 3))
+                local = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+                dev = np.where(valid, slab - local[None, :, None, None], 0.0)
+                sums.append(np.stack([count, total, (dev ** 2).sum(axis=(0, 2, 3))], axis=1))
+            # (C, 3): valid count, sum, squared deviations from this rank's own mean (no cancellation: 290 K
+            # with a 3 K spread loses 4 digits as a sum of squares)
+            table = torch.from_numpy(np.concatenate(sums, axis=0))
             if self._watch is not None:
                 self._watch.check_meta()
         except (ValueError, RuntimeError, OSError, KeyError) as exc:
@@ -362,17 +366,23 @@ class ShardedField:
                                    f"{f' ({type(failed).__name__}: {failed})' if failed else ' (see its error)'}"
                                    ) from failed
             every = torch.zeros(self.cg.size, *table.shape, dtype=torch.float64)
-            table = all_gather_host(table, every, self.cg, "halo.io statistics").sum(0)
+            tables = all_gather_host(table, every, self.cg, "halo.io statistics")
         elif failed is not None:
             raise failed
-        count, total, squares = table.unbind(1)
+        else:
+            tables = table[None]
+        # Chan et al.'s combination, in group order (the same numbers on every rank): M2 = sum of the ranks' M2 +
+        # sum of n_r (mean_r - mean)^2
+        counts, totals = tables[..., 0], tables[..., 1]
+        count, total = counts.sum(0), totals.sum(0)
         empty = [self.channels[c] for c in range(len(count)) if count[c] == 0]
         if empty:
             raise ValueError(f"halo.io.ShardedField.stats: channel(s) {empty} have no valid (non-NaN) value at any "
                              f"point or step of the field ({self.shape[0]} x {self.shape[1]} x {len(self)} steps): "
                              f"no mean or std; leave them out of variables=")
         mean = total / count
-        var = (squares / count - mean ** 2).clamp_min(0)
+        means = torch.where(counts > 0, totals / counts.clamp_min(1), mean)
+        var = (tables[..., 2].sum(0) + (counts * (means - mean) ** 2).sum(0)) / count
         return mean.to(dtype), var.sqrt().to(dtype)
 
 
