@@ -6,12 +6,22 @@ with xarray, and a sample is this rank's rows only: xarray reads lazily, so only
 the file (a test counts the bytes: about 1/P of the data). Variables (and their levels) become channels,
 ``(time, [level,] lat, lon)`` -> ``(C, H_r, W)``; the split is halo's balanced split (any ``granularity``).
 Rows come north to south whatever the file's order (``latitude="descending"``, the ERA5 order), so an input file
-stored 90..-90 and a target file stored -90..90 pair the same latitudes. A variable without a time dim (a
-land-sea mask, orography) is the same channel at every step.
+stored 90..-90 and a target file stored -90..90 pair the same latitudes; columns come east from 0 whatever the
+file's convention (``longitude="0..360"``: a global grid on -180..175 is read 0..355, rolled), so a file on
+-180..175 and one on 0..355 pair the same longitudes (:mod:`halo.io_grid`). A variable without a time dim (a
+land-sea mask, orography) is the same channel at every step. Every rank of the domain group must open the same
+field: its grid, steps, channels, coordinates and options are agreed when it is opened (the same error on every
+rank otherwise).
 
-Normalisation statistics are exact over the global field: each rank sums its slab (float64), the ranks' sums are
-all-gathered on the host side group and added in group order, every rank gets the same mean and standard
-deviation per channel (returned in the samples' dtype, so ``(x - mean) / std`` stays float32).
+Normalisation statistics are exact over the global field and NaN-aware: each rank counts and sums the valid
+(non-NaN) points of its slab (float64), the ranks' tables are all-gathered on the host side group and combined in
+group order, every rank gets the same mean and standard deviation per channel (returned in the samples' dtype, so
+``(x - mean) / std`` stays float32). A sample holds the data as stored, NaN where the file has no value (SST over
+land); :meth:`ShardedField.normalize` makes samples ``(x - mean) / std`` with NaN filled (0 by default, the mean),
+:meth:`ShardedField.nan_mask` says where. Each sample carries ``halo_sample_key`` (which sample, which version of the
+store) for the converted model's check that the ranks of a domain group look at the same sample; sampling over the
+data-parallel ranks is :class:`halo.DomainSampler`. The sample path makes no CUDA call (DataLoader workers: pin with
+``DataLoader(pin_memory=True)``), and a store written while it is read is detected (:mod:`halo.io_watch`).
 
 Chunking decides what a slab read costs. A netCDF/HDF5 variable stored contiguously or chunked by a few latitude
 rows reads ~1/P per rank; a store chunked **whole-globe per time step** (one chunk = all of lat x lon) makes every
@@ -130,7 +140,7 @@ class ShardedField:
         try:
             self._open(source, variables, group, granularity, engine, time_dim, lat_dim, lon_dim, mesh, latitude,
                        longitude)
-        except (ValueError, TypeError, KeyError, OSError) as exc:  # the same error on every rank: agreed below
+        except Exception as exc:  # noqa: BLE001 - the same error on every rank: agreed below
             failed = exc
         self._agree(failed, (latitude, longitude, granularity))
 
@@ -355,7 +365,7 @@ class ShardedField:
             table = torch.from_numpy(np.concatenate(sums, axis=0))
             if self._watch is not None:
                 self._watch.check_meta()
-        except (ValueError, RuntimeError, OSError, KeyError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank learns that a rank could not read its slab
             failed = exc
         if self.cg.size > 1:
             status = agree_words([int(failed is not None)], self.cg, "halo.io statistics")

@@ -91,7 +91,9 @@ class StoreWatch:
         if zarr_store:
             self.meta = [os.path.join(path, f) for f in META_FILES] + [
                 os.path.join(path, a, f) for a in [*names, *coords] for f in META_FILES]
-            self.arrays = [_Array(path, v, ds[v].dims) for v in names]
+            self.arrays = []
+            if os.path.isdir(path):  # a local store (a remote one has no files to stat: not watched)
+                self.arrays = [_Array(path, v, ds[v].dims) for v in names]
         else:
             self.meta, self.arrays = [path], []
         self.opened = fingerprint(self.meta)
