@@ -108,6 +108,7 @@ def _pool(rank, world, paths, store):
     # one rank's file or variables differ: the same error on every rank
     out["other_file"] = _attempt(lambda: ShardedField(paths["other" if rank == 2 else "east"], ["sst"],
                                                       engine="h5netcdf"))
+    out["watch"] = _attempt(lambda: ShardedField(paths["east"], ["sst"], engine="h5netcdf", watch=rank != 0))
     out["missing"] = _attempt(lambda: ShardedField(paths["east"], ["nope" if rank == 1 else "sst"],
                                                    engine="h5netcdf"))
     # the sample key of a zarr store: the same on every rank, different across a write
@@ -168,9 +169,12 @@ def test_nan_longitudes_agreement_and_keys(tmp_path):
         assert np.array_equal(h.numpy()[0], west[:, block]) and np.array_equal(h_lon, (LONS - 180)[block])
         kind, msg = r["other_file"]
         assert kind == "ValueError" and "opened different fields" in msg and "latitude rows 9 vs 11" in msg, msg
+        kind, msg = r["watch"]
+        assert kind == "ValueError" and "watch= 0 vs 1" in msg, msg
         kind, msg = r["missing"]
         assert kind == "ValueError" and "opening the field failed on group rank 1 (global 1)" in msg, msg
         assert "no variable 'nope'" in msg
+    assert len({r["watch"][1] for r in results}) == 1
     assert len({r["other_file"][1] for r in results}) == 1 and len({r["missing"][1] for r in results}) == 1
     z = [r["zkeys"] for r in results]
     assert z[0]["before"] != z[1]["after"] == z[2]["after"] == z[0]["after"]  # a write between ranks' reads
