@@ -68,8 +68,18 @@ def _dim(ds: Any, names: Sequence[str], what: str) -> str:
 
 
 def _digest(*parts: Any) -> int:
-    """A signed 63-bit digest of ``parts`` (what ranks compare in one int64 word)."""
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little", signed=True) >> 1
+    """A signed 63-bit digest of ``parts`` (what ranks compare in one int64 word); arrays by their bytes (a repr
+    would summarise a long coordinate as its first and last values)."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        if isinstance(p, np.ndarray):
+            a = np.ascontiguousarray(p.astype(str) if p.dtype.kind in "OUSMm" else p)
+            h.update(f"{a.dtype}{a.shape}".encode())
+            h.update(a.tobytes())
+        else:
+            h.update(repr(p).encode())
+        h.update(b"|")
+    return int.from_bytes(h.digest(), "little", signed=True) >> 1
 
 
 #: what the ranks of a domain group agree on when they open a field (the words of :meth:`ShardedField._agree`)
@@ -198,7 +208,7 @@ class ShardedField:
         self._times = tvals
         self._name = f"{','.join(names)}" if len(names) <= 4 else f"{len(names)} variables {_digest(names):x}"
         self._words = [0, h, w, len(self), len(self.channels), granularity, 0, 0, _digest(names, self.channels),
-                       _digest(lats, lons, None if tvals is None else tvals.astype(str).tolist())]
+                       _digest(lats, lons, tvals)]
 
     def _agree(self, failed: Exception | None, options: tuple) -> None:
         """Every rank opened the same field, or every rank raises the same error (class docstring)."""
