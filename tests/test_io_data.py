@@ -48,8 +48,9 @@ def _dataset(values=None, lons=LONS, roll=0):
 
 def _files(tmp_path):
     """The same field on 0..345 (north to south), on -180..165 (south to north), on 345..0, on 11 rows."""
-    paths = {k: str(tmp_path / f"{k}.nc") for k in ("east", "west", "down", "other")}
+    paths = {k: str(tmp_path / f"{k}.nc") for k in ("east", "west", "down", "other", "later")}
     _dataset().to_netcdf(paths["east"], engine="h5netcdf")
+    _dataset().assign_coords(time=np.arange(T) * 6 + 1).to_netcdf(paths["later"], engine="h5netcdf")  # other times
     west = _dataset(lons=np.where(LONS >= 180, LONS - 360, LONS), roll=W // 2)  # -180, -165, ..., 165
     west.isel(lat=slice(None, None, -1)).to_netcdf(paths["west"], engine="h5netcdf")
     _dataset().isel(lon=slice(None, None, -1)).to_netcdf(paths["down"], engine="h5netcdf")
@@ -108,6 +109,8 @@ def _pool(rank, world, paths, store):
     # one rank's file or variables differ: the same error on every rank
     out["other_file"] = _attempt(lambda: ShardedField(paths["other" if rank == 2 else "east"], ["sst"],
                                                       engine="h5netcdf"))
+    out["later"] = _attempt(lambda: ShardedField(paths["later" if rank == 0 else "east"], ["sst"],
+                                                 engine="h5netcdf"))
     out["watch"] = _attempt(lambda: ShardedField(paths["east"], ["sst"], engine="h5netcdf", watch=rank != 0))
     out["missing"] = _attempt(lambda: ShardedField(paths["east"], ["nope" if rank == 1 else "sst"],
                                                    engine="h5netcdf"))
@@ -169,6 +172,9 @@ def test_nan_longitudes_agreement_and_keys(tmp_path):
         assert np.array_equal(h.numpy()[0], west[:, block]) and np.array_equal(h_lon, (LONS - 180)[block])
         kind, msg = r["other_file"]
         assert kind == "ValueError" and "opened different fields" in msg and "latitude rows 9 vs 11" in msg, msg
+        kind, msg = r["later"]  # the same grid and sizes, other time values: one word, a digest of the coordinates
+        assert kind == "ValueError" and msg.endswith("differ in coordinates; every rank must open the same file "
+                                                     "with the same variables and options"), msg
         kind, msg = r["watch"]
         assert kind == "ValueError" and "watch= 0 vs 1" in msg, msg
         kind, msg = r["missing"]
