@@ -29,6 +29,7 @@ from .mesh import (
 from .parallel import parallelize
 from .plans import set_validation
 from .random import manual_seed
+from .sampler import DomainSampler, data_parallel_sampler_args
 from .shard import gather, gather_2d, local_rows, scatter, scatter_2d, shard, shard_2d
 
 __version__ = "0.1.0"
@@ -38,6 +39,8 @@ __all__ = [
     "HaloCommError",
     "check_equivalence",
     "DomainParallelManager",
+    "DomainSampler",
+    "data_parallel_sampler_args",
     "destroy_domain_parallel",
     "gather",
     "gather_2d",

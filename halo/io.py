@@ -6,12 +6,22 @@ with xarray, and a sample is this rank's rows only: xarray reads lazily, so only
 the file (a test counts the bytes: about 1/P of the data). Variables (and their levels) become channels,
 ``(time, [level,] lat, lon)`` -> ``(C, H_r, W)``; the split is halo's balanced split (any ``granularity``).
 Rows come north to south whatever the file's order (``latitude="descending"``, the ERA5 order), so an input file
-stored 90..-90 and a target file stored -90..90 pair the same latitudes. A variable without a time dim (a
-land-sea mask, orography) is the same channel at every step.
+stored 90..-90 and a target file stored -90..90 pair the same latitudes; columns come east from 0 whatever the
+file's convention (``longitude="0..360"``: a global grid on -180..175 is read 0..355, rolled), so a file on
+-180..175 and one on 0..355 pair the same longitudes (:mod:`halo.io_grid`). A variable without a time dim (a
+land-sea mask, orography) is the same channel at every step. Every rank of the domain group must open the same
+field: its grid, steps, channels, coordinates and options are agreed when it is opened (the same error on every
+rank otherwise).
 
-Normalisation statistics are exact over the global field: each rank sums its slab (float64), the ranks' sums are
-all-gathered on the host side group and added in group order, every rank gets the same mean and standard
-deviation per channel (returned in the samples' dtype, so ``(x - mean) / std`` stays float32).
+Normalisation statistics are exact over the global field and NaN-aware: each rank counts and sums the valid
+(non-NaN) points of its slab (float64), the ranks' tables are all-gathered on the host side group and combined in
+group order, every rank gets the same mean and standard deviation per channel (returned in the samples' dtype, so
+``(x - mean) / std`` stays float32). A sample holds the data as stored, NaN where the file has no value (SST over
+land); :meth:`ShardedField.normalize` makes samples ``(x - mean) / std`` with NaN filled (0 by default, the mean),
+:meth:`ShardedField.nan_mask` says where. Each sample carries ``halo_sample_key`` (which sample, which version of the
+store) for the converted model's check that the ranks of a domain group look at the same sample; sampling over the
+data-parallel ranks is :class:`halo.DomainSampler`. The sample path makes no CUDA call (DataLoader workers: pin with
+``DataLoader(pin_memory=True)``), and a store written while it is read is detected (:mod:`halo.io_watch`).
 
 Chunking decides what a slab read costs. A netCDF/HDF5 variable stored contiguously or chunked by a few latitude
 rows reads ~1/P per rank; a store chunked **whole-globe per time step** (one chunk = all of lat x lon) makes every
@@ -29,7 +39,7 @@ Needs ``xarray`` and an engine (``h5netcdf``/``h5py`` or ``netCDF4``; ``zarr`` f
 
 from __future__ import annotations
 
-import os
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,15 +47,17 @@ import numpy as np
 import torch
 
 from .comm import all_gather_host, comm_group
-from .io_steps import complete_steps, read_step
+from .io_grid import LATITUDE_ORDERS, LONGITUDE_ORDERS, file_runs, latitude_order, longitude_order, read_block
+from .io_steps import agree_words, complete_steps, read_step
+from .io_watch import StoreWatch, zarr_store_path
 from .io_write import rank_block, write_rows
 from .partition import split_offsets
+from .transport import all_gather_object
 
-__all__ = ["ShardedField", "complete_steps", "read_step", "rechunk", "write_rows"]
+__all__ = ["ShardedField", "collate", "complete_steps", "read_step", "rechunk", "write_rows"]
 
 LAT_NAMES = ("lat", "latitude", "y")
 LON_NAMES = ("lon", "longitude", "x")
-LATITUDE_ORDERS = ("descending", "ascending", "file")
 
 
 def _dim(ds: Any, names: Sequence[str], what: str) -> str:
@@ -55,10 +67,24 @@ def _dim(ds: Any, names: Sequence[str], what: str) -> str:
     raise ValueError(f"halo.io: no {what} dimension among {tuple(ds.dims)} (looked for {names}); pass {what}_dim=")
 
 
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in page-locked memory where CUDA is available (so ``.to(cuda, non_blocking=True)`` is asynchronous);
-    as it is without CUDA (pinning needs a CUDA driver)."""
-    return t.pin_memory() if torch.cuda.is_available() else t
+def _digest(*parts: Any) -> int:
+    """A signed 63-bit digest of ``parts`` (what ranks compare in one int64 word); arrays by their bytes (a repr
+    would summarise a long coordinate as its first and last values)."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        if isinstance(p, np.ndarray):
+            a = np.ascontiguousarray(p.astype(str) if p.dtype.kind in "OUSMm" else p)
+            h.update(f"{a.dtype}{a.shape}".encode())
+            h.update(a.tobytes())
+        else:
+            h.update(repr(p).encode())
+        h.update(b"|")
+    return int.from_bytes(h.digest(), "little", signed=True) >> 1
+
+
+#: what the ranks of a domain group agree on when they open a field (the words of :meth:`ShardedField._agree`)
+_AGREED = ("failed", "latitude rows", "longitude columns", "time steps", "channels", "granularity", "latitude=",
+           "longitude=", "variables and channels", "coordinates", "watch=")
 
 
 class ShardedField:
@@ -77,22 +103,66 @@ class ShardedField:
             or ``"ascending"``, whatever the file's order (a file in the other order is read mirrored: rank 0
             still gets the northernmost rows); ``"file"``: as stored. Needs a monotonic latitude coordinate; a
             dataset without one is read as stored. :attr:`latitudes` are this rank's rows' latitudes.
+        longitude: the column order: ``"0..360"`` (default: east from 0) or ``"-180..180"`` (east from -180),
+            whatever the file's convention: a global grid stored on -180..175 is read 0..355, its columns rolled
+            (:mod:`halo.io_grid`; a regional grid is never rolled); ``"file"``: as stored. :attr:`longitudes` are
+            this rank's columns' longitudes, in the convention's range.
+        retries: how many times a sample whose store changed while it was read is read again before
+            ``RuntimeError`` (zarr stores and files opened from a path: :mod:`halo.io_watch`).
+        watch: check the store's version around each sample (default). Costs two ``os.stat`` per chunk file of
+            the step (1820 files, 20 variables of 91 chunks: ~20 ms each time on the shared CI machine); ``False``
+            for an archive nobody writes (and then ``halo_sample_key`` carries no version).
         engine, time_dim, lat_dim, lon_dim: passed to / used with xarray (defaults: guessed).
 
-    Reading a zarr store while another process writes it is not supported: for a store opened from a path, a
-    changed array metadata (a resize, a rewrite, ``to_zarr(mode="w")``) is detected at the next sample and raises;
-    chunks rewritten in place without a metadata change cannot be seen. Read stores written by
-    :func:`write_rows` through :func:`read_step` (complete steps only).
+    Every rank of the domain group opens the same field: the grid, the number of steps and channels, the variables,
+    the coordinates and the options are agreed when it is opened (a file that differs on one rank, or an error
+    opening it there, raises the same ``ValueError`` on every rank).
+
+    **Missing values.** A variable with NaNs (SST over land) keeps them: :meth:`sample` returns the values as
+    stored, NaN included; :meth:`stats` is NaN-aware (over the valid points only, exact across ranks; a channel
+    without a single valid point is refused, named); :meth:`normalize` makes later samples ``(x - mean) / std``
+    with NaN replaced by ``fill_nan`` (default 0: the mean, what weather pipelines feed a model where a field has
+    no value), and :meth:`nan_mask` gives where the data was missing (to feed as a channel or mask a loss).
+
+    **Samples carry their identity.** Each sample has the attribute ``halo_sample_key`` (a ``str``: the variables,
+    the time index and time value, and the version of the store's files that were read): the converted model's
+    entry compares it over the domain group, so ranks that read different samples (or one sample on either side of
+    a write) are refused. A tensor attribute does not survive a DataLoader worker or a copy: :func:`collate` gives
+    the batch's keys beside the batch.
+
+    **No CUDA in the sample path** (it runs in forked DataLoader workers, where CUDA cannot be re-initialised): the
+    samples are in pageable memory; pin them with ``DataLoader(pin_memory=True)``.
+
+    **A store written while it is read** is detected (:mod:`halo.io_watch`): a metadata change raises; chunk files
+    of the step that change between a sample's first and last read make it be read again (``retries``), then raise.
+    Read stores written by :func:`write_rows` through :func:`read_step` (complete steps only).
     """
 
     def __init__(self, source: Any, variables: Sequence[str] | None = None, *, group: Any | None = None,
                  granularity: int = 1, engine: str | None = None, time_dim: str = "time", lat_dim: str | None = None,
-                 lon_dim: str | None = None, mesh: Any | None = None, latitude: str = "descending") -> None:
-        import xarray as xr
-
+                 lon_dim: str | None = None, mesh: Any | None = None, latitude: str = "descending",
+                 longitude: str = "0..360", retries: int = 2, watch: bool = True) -> None:
         if latitude not in LATITUDE_ORDERS:
             raise ValueError(f"halo.io: latitude= takes one of {LATITUDE_ORDERS}, got {latitude!r}")
-        store = _zarr_store_path(source, engine)
+        if longitude not in LONGITUDE_ORDERS:
+            raise ValueError(f"halo.io: longitude= takes one of {LONGITUDE_ORDERS}, got {longitude!r}")
+        self.cg = comm_group(group if mesh is None else mesh.domain_group)
+        self.retries = int(retries)
+        self._norm: tuple[np.ndarray, np.ndarray, float | None] | None = None
+        failed: Exception | None = None
+        try:
+            self._open(source, variables, group, granularity, engine, time_dim, lat_dim, lon_dim, mesh, latitude,
+                       longitude, watch)
+        except Exception as exc:  # noqa: BLE001 - the same error on every rank: agreed below
+            failed = exc
+        self._agree(failed, (latitude, longitude, granularity, watch))
+
+    def _open(self, source: Any, variables: Sequence[str] | None, group: Any, granularity: int, engine: str | None,
+              time_dim: str, lat_dim: str | None, lon_dim: str | None, mesh: Any, latitude: str,
+              longitude: str, watch: bool) -> None:
+        import xarray as xr
+
+        store = zarr_store_path(source, engine)
         ds = source if isinstance(source, xr.Dataset) else xr.open_dataset(source, engine=engine, cache=False)
         self.lat = lat_dim or _dim(ds, LAT_NAMES, "lat")
         self.lon = lon_dim or _dim(ds, LON_NAMES, "lon")
@@ -113,23 +183,65 @@ class ShardedField:
         if not names:
             raise ValueError(f"halo.io: no variable with dims ({self.lat}, {self.lon}) in {list(ds.data_vars)}")
         self.ds, self.variables = ds, names
-        # (store, metadata files, their fingerprint) of a zarr store opened from a path: checked at every read
-        files = [] if store is None else _meta_files(store, [*names, self.lat, self.lon])
-        self._watch = None if store is None else (store, files, _fingerprint(files))
+        path = None if not watch else source if store is not None else (source if isinstance(source, str) else None)
+        coords = [c for c in (self.lat, self.lon, self.time) if c is not None and c in ds.coords]
+        self._watch = None if path is None else StoreWatch(str(path), ds, names, coords, self.time, store is not None)
         h, w = ds.sizes[self.lat], ds.sizes[self.lon]
         if granularity < 1 or h % granularity:
             raise ValueError(f"halo.io: {h} latitude rows are not a whole number of blocks of {granularity}")
         parts_h, index_h, self.cols = rank_block(group, mesh, w)
-        self.cg = comm_group(group if mesh is None else mesh.domain_group)
         if parts_h is None:
             parts_h, index_h = self.cg.size, self.cg.index
         offs = [o * granularity for o in split_offsets(h // granularity, parts_h)]
         self.rows = slice(offs[index_h], offs[index_h + 1])
         self.shape = (h, w)
-        self.flipped, lats = _latitude_order(ds, self.lat, latitude)
-        # the file's rows this rank reads (mirrored when the file's order is the other one)
-        self._file_rows = slice(h - self.rows.stop, h - self.rows.start) if self.flipped else self.rows
-        self.latitudes = None if lats is None else (lats[::-1] if self.flipped else lats)[self.rows].copy()
+        row_perm, lats = latitude_order(ds, self.lat, latitude)
+        col_perm, lons = longitude_order(ds, self.lon, longitude)
+        self.flipped = bool(h > 1 and row_perm[0] > row_perm[-1])  # rows read mirrored
+        self.rolled = int(col_perm[0])  # the file's column read first (0: not rolled)
+        # the file's rows and columns this rank reads, as contiguous runs (mirrored, or two runs where rolled)
+        self._row_runs = file_runs(row_perm[self.rows])
+        self._col_runs = file_runs(col_perm[self.cols])
+        self.latitudes = None if lats is None else lats[self.rows].copy()
+        self.longitudes = None if lons is None else lons[self.cols].copy()
+        tvals = np.asarray(ds[self.time].values) if self.time is not None and self.time in ds.coords else None
+        self._times = tvals
+        self._name = f"{','.join(names)}" if len(names) <= 4 else f"{len(names)} variables {_digest(names):x}"
+        self._words = [0, h, w, len(self), len(self.channels), granularity, 0, 0, _digest(names, self.channels),
+                       _digest(lats, lons, tvals)]
+
+    def _agree(self, failed: Exception | None, options: tuple) -> None:
+        """Every rank opened the same field, or every rank raises the same error (class docstring)."""
+        what = "halo.io.ShardedField"
+        words = [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0] if failed is not None else [*self._words, 0]
+        words[6], words[7] = LATITUDE_ORDERS.index(options[0]), LONGITUDE_ORDERS.index(options[1])
+        words[5], words[10] = int(options[2]), int(bool(options[3]))
+        cg = self.cg
+        if cg.size == 1:
+            if failed is not None:
+                raise failed
+            return
+        table = agree_words(words, cg, what)
+        bad = [j for j in range(cg.size) if table[j, 0]]
+        if bad:
+            texts = all_gather_object(None if failed is None else f"{type(failed).__name__}: {failed}", cg, what)
+            j = bad[0]
+            others = f" (and on {', '.join(cg.describe(q) for q in bad[1:])})" if len(bad) > 1 else ""
+            raise ValueError(f"{what}: opening the field failed on {cg.describe(j)}{others}: {texts[j]}") from failed
+        for j in range(1, cg.size):
+            diff = [f"{n} {int(table[0, k])} vs {int(table[j, k])}" if k < 8 or k == 10 else n
+                    for k, n in enumerate(_AGREED) if table[j, k] != table[0, k]]
+            if diff:
+                raise ValueError(f"{what}: the ranks of the domain group opened different fields: {cg.describe(0)} "
+                                 f"and {cg.describe(j)} differ in {'; '.join(diff)}; every rank must open the same "
+                                 f"file with the same variables and options")
+
+    def __getstate__(self) -> dict:
+        """Pickled without the process group (a ``spawn`` DataLoader worker reads samples; :meth:`stats` runs in
+        the training process)."""
+        state = dict(self.__dict__)
+        state["cg"] = None
+        return state
 
     def __len__(self) -> int:
         return self.ds.sizes[self.time] if self.time else 1
@@ -146,119 +258,163 @@ class ShardedField:
                 out += [f"{v}[{i}]" for i in range(int(np.prod([self.ds.sizes[d] for d in extra])))]
         return out
 
-    def _slab(self, var: str, t: int | slice | None) -> np.ndarray:
+    def _read(self, var: str, t: int | slice | None) -> np.ndarray:
+        """This rank's block of ``var`` at step ``t`` (every step for a slice), ``([time x] levels, rows, cols)`` in
+        the read order: the file's rows and columns it needs only (lazy reads of contiguous runs)."""
         a = self.ds[var]
-        sel = {self.lat: self._file_rows, self.lon: self.cols}
         static = self.time is None or self.time not in a.dims
         if not static and t is not None:
-            sel[self.time] = t
-        a = a.isel(sel)  # lazy: only these rows are read
+            a = a.isel({self.time: t})
         # time first, then the levels in the file's order (the channels): stats() reads every step as one slab
         lead = [d for d in a.dims if d == self.time] + [d for d in a.dims if d not in (self.time, self.lat, self.lon)]
         a = a.transpose(*lead, self.lat, self.lon)
-        values = np.asarray(a.values)
-        if self.flipped:
-            values = values[..., ::-1, :]
+
+        def values_of(rows: slice, cols: slice) -> np.ndarray:
+            return np.asarray(a.isel({self.lat: rows, self.lon: cols}).values)  # lazy: only these rows are read
+
+        values = read_block(values_of, self._row_runs, self._col_runs)
         values = values.reshape(-1, values.shape[-2], values.shape[-1])
         if static and isinstance(t, slice) and self.time is not None:  # every step: the same field, once per step
             values = values[None]
         return values
 
-    def _check_unchanged(self) -> None:
-        if self._watch is not None:
-            if _fingerprint(self._watch[1]) != self._watch[2]:
-                raise RuntimeError(f"halo.io: the zarr store {self._watch[0]} changed since it was opened (array "
-                                   f"metadata rewritten): reading a store while it is written is not supported, a "
-                                   f"sample could mix two versions; open it again once the writer is done")
-
-    def sample(self, t: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Time step ``t``: this rank's rows of every channel, ``(C, H_r, W)`` (pinned memory where CUDA is
-        available)."""
+    def _raw(self, t: int) -> tuple[np.ndarray, str]:
+        """Step ``t``'s channels ``(C, H_r, W_r)`` as stored, and the version read (one consistent version: read
+        again while the store changed during the reads)."""
         if self.time is not None and not 0 <= t < len(self):
             raise IndexError(f"halo.io: time index {t} out of range for {len(self)} steps")
-        self._check_unchanged()
-        parts = [self._slab(v, t) for v in self.variables]
-        out = torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=0))).to(dtype)
-        self._check_unchanged()
-        return _pinned(out)
+        watch = self._watch
+        if watch is None:
+            return np.concatenate([self._read(v, t) for v in self.variables], axis=0), ""
+        watch.check_meta()
+        files = watch.step_files(t)
+        for _ in range(self.retries + 1):
+            before = watch.version(files)
+            parts = [self._read(v, t) for v in self.variables]
+            after = watch.version(files)
+            if after == before:
+                return np.concatenate(parts, axis=0), watch.digest(after)
+            watch.check_meta()  # a metadata change: raise (the opened dataset is stale)
+        raise RuntimeError(f"halo.io: the store {watch.path} changed while step {t} was read, on each of "
+                           f"{self.retries + 1} attempts (another process is writing it): a sample would mix two "
+                           f"versions; read it once the writer is done (or raise retries=)")
+
+    def sample(self, t: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Time step ``t``: this rank's rows of every channel, ``(C, H_r, W)``, with ``halo_sample_key`` set (class
+        docstring). As stored (NaN where the data is missing), or normalised after :meth:`normalize`. Pageable
+        memory, no CUDA call (pin in the DataLoader)."""
+        values, version = self._raw(t)
+        if self._norm is not None:
+            mean, std, fill = self._norm
+            values = (values.astype(np.float64) - mean) / std
+            if fill is not None:
+                values = np.where(np.isnan(values), fill, values)
+        out = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        out.halo_sample_key = self.sample_key(t, version)
+        return out
+
+    def sample_key(self, t: int, version: str = "") -> str:
+        """The identity of step ``t`` (what ``sample(t).halo_sample_key`` holds): the variables, the index, the time
+        coordinate's value and the version of the files read; the same on every rank of the domain group."""
+        when = f" time={self._times[t]}" if self._times is not None and self._times.ndim == 1 else ""
+        return f"halo.io[{self._name}] t={t}{when}{f' v={version}' if version else ''}"
 
     def __getitem__(self, t: int) -> torch.Tensor:
         return self.sample(t)
 
+    def nan_mask(self, t: int = 0) -> torch.Tensor:
+        """Where step ``t``'s data is missing (NaN in the file), ``(C, H_r, W)`` bool: True where it is NaN."""
+        return torch.from_numpy(np.isnan(self._raw(t)[0]))
+
+    def normalize(self, mean: torch.Tensor, std: torch.Tensor, *, fill_nan: float | None = 0.0) -> ShardedField:
+        """Make later samples ``(x - mean) / std`` per channel (computed in float64, returned in the sample's dtype)
+        with NaN replaced by ``fill_nan`` (``None``: kept). ``mean``/``std``: ``C`` values, e.g. :meth:`stats`'s
+        (the same on every rank); a non-positive or non-finite ``std`` is refused, naming the channel. Returns
+        ``self``."""
+        m = np.asarray(torch.as_tensor(mean, dtype=torch.float64).reshape(-1))
+        s = np.asarray(torch.as_tensor(std, dtype=torch.float64).reshape(-1))
+        names = self.channels
+        if m.shape != (len(names),) or s.shape != (len(names),):
+            raise ValueError(f"halo.io.ShardedField.normalize: expected {len(names)} means and stds (one per channel "
+                             f"{names}), got {m.size} and {s.size}")
+        bad = [f"{names[c]} (std {s[c]})" for c in range(len(names)) if not (np.isfinite(s[c]) and s[c] > 0)]
+        bad += [f"{names[c]} (mean {m[c]})" for c in range(len(names)) if not np.isfinite(m[c])]
+        if bad:
+            raise ValueError(f"halo.io.ShardedField.normalize: expected a finite mean and a positive finite std per "
+                             f"channel, got {', '.join(bad)}")
+        self._norm = (m[:, None, None], s[:, None, None], None if fill_nan is None else float(fill_nan))
+        return self
+
     def stats(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel mean and standard deviation over every time step and the *whole* field (population std),
-        exact: each rank sums its slab in float64, the sums are all-gathered on the host side group (CPU, bounded
-        by ``halo.set_timeout``; a gloo group beside an NCCL domain group) and added in group order, so every rank
-        gets the same numbers. Returned in ``dtype`` (default float32, the samples' default: ``(x - mean) / std``
-        keeps the samples' dtype); ask ``torch.float64`` for the exact values."""
-        self._check_unchanged()
-        sums = []
-        for v in self.variables:
-            slab = self._slab(v, slice(None)).astype(np.float64)  # (time x levels, rows, W)
-            lead = int(np.prod([self.ds.sizes[d] for d in self.ds[v].dims if d not in (self.time, self.lat,
-                                                                                      self.lon)]))
-            slab = slab.reshape(-1, lead, slab.shape[-2], slab.shape[-1])
-            sums.append(np.stack([np.full(lead, slab[:, 0].size, dtype=np.float64),
-                                  slab.sum(axis=(0, 2, 3)), (slab ** 2).sum(axis=(0, 2, 3))], axis=1))
-        table = torch.from_numpy(np.concatenate(sums, axis=0))  # (C, 3): count, sum, sum of squares
+        over the valid (non-NaN) points only, exact: each rank counts and sums its slab in float64, the tables are
+        all-gathered on the host side group (CPU, bounded by ``halo.set_timeout``; a gloo group beside an NCCL
+        domain group) and added in group order, so every rank gets the same numbers. A channel without one valid
+        point is refused, named (the same ``ValueError`` on every rank). Returned in ``dtype`` (default float32,
+        the samples' default: ``(x - mean) / std`` keeps the samples' dtype); ask ``torch.float64`` for the exact
+        values. Collective over the domain group: call it in the training process, on every rank."""
+        if self.cg is None:
+            raise RuntimeError("halo.io.ShardedField.stats: this copy of the field was pickled (a DataLoader "
+                               "worker) and has no process group; call stats() in the training process")
+        failed: Exception | None = None
+        table = torch.zeros(len(self.channels), 3, dtype=torch.float64)
+        try:
+            if self._watch is not None:
+                self._watch.check_meta()
+            sums = []
+            for v in self.variables:
+                slab = self._read(v, slice(None)).astype(np.float64)  # (time x levels, rows, W)
+                lead = int(np.prod([self.ds.sizes[d] for d in self.ds[v].dims if d not in (self.time, self.lat,
+                                                                                          self.lon)]))
+                slab = slab.reshape(-1, lead, slab.shape[-2], slab.shape[-1])
+                valid = ~np.isnan(slab)
+                count = valid.sum(axis=(0, 2, 3)).astype(np.float64)
+                total = np.where(valid, slab, 0.0).sum(axis=(0, 2, 3))
+                local = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+                dev = np.where(valid, slab - local[None, :, None, None], 0.0)
+                sums.append(np.stack([count, total, (dev ** 2).sum(axis=(0, 2, 3))], axis=1))
+            # (C, 3): valid count, sum, squared deviations from this rank's own mean (no cancellation: 290 K
+            # with a 3 K spread loses 4 digits as a sum of squares)
+            table = torch.from_numpy(np.concatenate(sums, axis=0))
+            if self._watch is not None:
+                self._watch.check_meta()
+        except Exception as exc:  # noqa: BLE001 - every rank learns that a rank could not read its slab
+            failed = exc
         if self.cg.size > 1:
+            status = agree_words([int(failed is not None)], self.cg, "halo.io statistics")
+            bad = [j for j in range(self.cg.size) if status[j, 0]]
+            if bad:
+                raise RuntimeError(f"halo.io.ShardedField.stats: reading the field failed on "
+                                   f"{', '.join(self.cg.describe(j) for j in bad)}"
+                                   f"{f' ({type(failed).__name__}: {failed})' if failed else ' (see its error)'}"
+                                   ) from failed
             every = torch.zeros(self.cg.size, *table.shape, dtype=torch.float64)
-            table = all_gather_host(table, every, self.cg, "halo.io statistics").sum(0)
-        count, total, squares = table.unbind(1)
+            tables = all_gather_host(table, every, self.cg, "halo.io statistics")
+        elif failed is not None:
+            raise failed
+        else:
+            tables = table[None]
+        # Chan et al.'s combination, in group order (the same numbers on every rank): M2 = sum of the ranks' M2 +
+        # sum of n_r (mean_r - mean)^2
+        counts, totals = tables[..., 0], tables[..., 1]
+        count, total = counts.sum(0), totals.sum(0)
+        empty = [self.channels[c] for c in range(len(count)) if count[c] == 0]
+        if empty:
+            raise ValueError(f"halo.io.ShardedField.stats: channel(s) {empty} have no valid (non-NaN) value at any "
+                             f"point or step of the field ({self.shape[0]} x {self.shape[1]} x {len(self)} steps): "
+                             f"no mean or std; leave them out of variables=")
         mean = total / count
-        var = (squares / count - mean ** 2).clamp_min(0)
+        means = torch.where(counts > 0, totals / counts.clamp_min(1), mean)
+        var = (tables[..., 2].sum(0) + (counts * (means - mean) ** 2).sum(0)) / count
         return mean.to(dtype), var.sqrt().to(dtype)
 
 
-def _latitude_order(ds: Any, lat: str, order: str) -> tuple[bool, np.ndarray | None]:
-    """``(read mirrored?, the file's latitudes or None)`` for the wanted row order."""
-    if lat not in ds.coords:
-        return False, None
-    lats = np.asarray(ds[lat].values, dtype=np.float64).reshape(-1)
-    if lats.size < 2:
-        return False, lats
-    steps = np.diff(lats)
-    if not (np.all(steps > 0) or np.all(steps < 0)):
-        if order == "file":
-            return False, lats
-        raise ValueError(f"halo.io: the latitude coordinate {lat!r} is not strictly monotonic (first values "
-                         f"{lats[:4].tolist()}); pass latitude='file' to read rows as stored")
-    descending = bool(steps[0] < 0)
-    if order == "file":
-        return False, lats
-    return descending != (order == "descending"), lats
-
-
-def _zarr_store_path(source: Any, engine: str | None) -> str | None:
-    if not isinstance(source, (str, os.PathLike)):
-        return None
-    path = os.fspath(source)
-    if engine == "zarr" or (os.path.isdir(path) and (os.path.exists(os.path.join(path, "zarr.json"))
-                                                     or os.path.exists(os.path.join(path, ".zgroup")))):
-        return path
-    return None
-
-
-_META = ("zarr.json", ".zmetadata", ".zgroup", ".zarray", ".zattrs")
-
-
-def _meta_files(path: str, arrays: Sequence[str]) -> list[str]:
-    """The metadata files of a zarr store's root and of ``arrays`` (v2 or v3 names; a few stats per check, no
-    directory listing)."""
-    return [os.path.join(path, f) for f in _META] + [os.path.join(path, a, f) for a in arrays for f in _META]
-
-
-def _fingerprint(files: Sequence[str]) -> tuple:
-    """Inode, modification time and size of each file (``None`` where absent): zarr rewrites metadata by rename,
-    a new inode."""
-    out = []
-    for f in files:
-        try:
-            st = os.stat(f)
-            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
-        except OSError:
-            out.append(None)
-    return tuple(out)
+def collate(samples: Sequence[torch.Tensor]) -> tuple[torch.Tensor, str]:
+    """``DataLoader(collate_fn=halo.io.collate)``: the samples stacked ``(B, C, H_r, W)`` and their keys joined
+    (``";"``). A tensor attribute does not survive a worker process or a copy to the GPU, so the batch's
+    ``halo_sample_key`` travels beside it: ``x, key = batch; x = x.to(device); x.halo_sample_key = key``."""
+    keys = [str(getattr(s, "halo_sample_key", "")) for s in samples]
+    return torch.stack(list(samples)), ";".join(keys)
 
 
 def rechunk(source: Any, target: str, *, lat_chunk: int = 8, engine: str | None = None) -> None:

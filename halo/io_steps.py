@@ -27,8 +27,8 @@ import torch
 from . import context
 from .comm import CommGroup, gather_words
 
-__all__ = ["MAX_DIMS", "NP_NAMES", "STEPS", "STORABLE", "Run", "agree_words", "complete_steps", "mark_complete",
-           "pad_words", "read_step", "start_run"]
+__all__ = ["MAX_DIMS", "NP_NAMES", "STEPS", "STORABLE", "Run", "agree_words", "complete_steps", "hash_words",
+           "mark_complete", "mark_incomplete", "pad_words", "read_step", "start_run"]
 
 #: the dtypes zarr stores as numpy does, and their numpy names (a dtype travels as its index here)
 STORABLE = (torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -40,13 +40,17 @@ STEPS = "halo_steps"  # the zarr group holding one marker array per written arra
 
 @dataclass(frozen=True)
 class Run:
-    """This process's run of one array: its id, and the shape, dtype, index dims and (lat, lon) chunks agreed."""
+    """This process's run of one array: its id, and the shape, dtype, index dims and (lat, lon) chunks agreed;
+    ``done``: the steps this run may have marked complete (every rank's rows were in; with ``resume=True``, the
+    steps complete when it resumed), the same set on every rank: a rewrite of one of them is marked incomplete
+    before its first byte is written."""
 
     run: int
     shape: tuple[int, ...]
     dtype: torch.dtype
     lead: int
     chunks: tuple[int, int]
+    done: set = field(default_factory=set, compare=False)
 
 
 @dataclass
@@ -73,6 +77,13 @@ def agree_words(words: Sequence[int], cg: CommGroup, what: str) -> np.ndarray:
     if cg.size == 1:
         return np.asarray([list(words)], dtype=np.int64)
     return gather_words(words, cg, what)
+
+
+def hash_words(values: Any) -> int:
+    """A signed 63-bit digest of ``repr(values)``: one agreement word."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=8).digest(), "little", signed=True) >> 1
 
 
 def _store_key(store: Any) -> Any:
@@ -124,6 +135,16 @@ def start_run(store: Any, name: str, shape: tuple[int, ...], dtype: torch.dtype,
     if status == 3:
         raise ValueError(f"{what}: resume=True but {store} has no run of {name!r} recorded by write_rows to resume")
     run = Run(int(got[1]), shape, dtype, lead, (int(got[2]), int(got[3])))
+    if resume:  # the steps the resumed run completed: every rank reads the markers once (after rank 0 checked them)
+        run.done.update(complete_steps(store, name))
+        # ... and every rank has read them before rank 0 may unmark one (a rank reading after it would skip the
+        # unmarking the others wait in); the same set everywhere, checked
+        digest = hash_words(sorted(run.done))
+        seen = agree_words([digest], cg, f"{what}: the resumed run's complete steps")[:, 0]
+        if (seen != digest).any():
+            raise RuntimeError(f"{what}: the ranks read different complete steps of the resumed run of {name!r} in "
+                               f"{store} (is another process writing it?); group ranks "
+                               f"{[j for j in range(cg.size) if seen[j] != seen[0]]} differ from group rank 0")
     runs[key] = run
     return run
 
@@ -169,6 +190,14 @@ def mark_complete(store: Any, name: str, index: tuple[int, ...], run: int) -> No
 
     marks = zarr.open_array(store, path=f"{STEPS}/{name}", mode="r+")
     marks[index] = run
+
+
+def mark_incomplete(store: Any, name: str, index: tuple[int, ...]) -> None:
+    """Step ``index`` of ``name`` is not complete (group rank 0, before a complete step is rewritten)."""
+    import zarr
+
+    marks = zarr.open_array(store, path=f"{STEPS}/{name}", mode="r+")
+    marks[index] = 0
 
 
 def _markers(store: Any, name: str) -> tuple[Any, int]:

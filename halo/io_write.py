@@ -19,7 +19,16 @@ import torch
 
 from . import transport
 from .comm import CommGroup, comm_group
-from .io_steps import MAX_DIMS, NP_NAMES, STORABLE, agree_words, mark_complete, pad_words, start_run
+from .io_steps import (
+    MAX_DIMS,
+    NP_NAMES,
+    STORABLE,
+    agree_words,
+    mark_complete,
+    mark_incomplete,
+    pad_words,
+    start_run,
+)
 from .mesh import mesh_2d
 from .partition import split_offsets
 
@@ -77,6 +86,10 @@ def write_rows(store: str | os.PathLike, name: str, local: torch.Tensor, shape: 
       rank died in (or that failed on any rank) has no marker of this run and is never reported complete; the
       complete steps before it are intact. Once it returns on any rank, the step is complete (a second bounded
       confirmation: a marker rank 0 could not write raises the same ``RuntimeError`` on every rank).
+    - **A rewrite is never half complete.** Writing a step again that is complete (the same run, or the first
+      steps of a job resumed with ``resume=True``) first marks it incomplete (group rank 0, confirmed by every rank
+      before any rank writes a byte): a rank that dies or fails in the rewrite leaves it not complete, never listed
+      complete with rows of two writes.
     - **Runs never mix.** A process's first call for ``(store, name)`` starts a new run: a fresh run id is recorded
       before any of its rows are written, so the steps an older run wrote into the same store are no longer
       reported complete (they are overwritten step by step). ``resume=True`` continues the store's last run
@@ -115,12 +128,23 @@ def write_rows(store: str | os.PathLike, name: str, local: torch.Tensor, shape: 
     _check_agreed(table, cg, what, local.dtype)
     lead = len(index)
     run = start_run(store, name, shape, local.dtype, lead, table, cg, what, resume)
+    me = cg.index
+    failed: BaseException | None = None
+    if index in run.done:  # a rewrite of a step that is (or may be) complete: not complete before its first byte
+        if me == 0:
+            try:
+                mark_incomplete(store, name, index)
+            except Exception as exc:  # noqa: BLE001 - every rank learns that the step could not be unmarked
+                failed = exc
+        _confirm(failed, cg, what, "marking the step incomplete before it is rewritten", "marking the step "
+                 "incomplete", "nothing of it was rewritten, it is still complete")
+        run.done.discard(index)
 
     # -- this rank's rows, and the boundary rows of the chunks it writes whole ------------------------------------
     blocks = [tuple(int(v) for v in row[4:8]) for row in table]
     ch, cw = run.chunks
     regions = [(*_owned(b[0], b[1], ch, h), *_owned(b[2], b[3], cw, w)) for b in blocks]
-    me, mine = cg.index, blocks[cg.index]
+    mine = blocks[me]
     data = np.ascontiguousarray(local.detach().cpu().numpy())
     lead_shape = tuple(data.shape[:-2])
     sends: list[tuple[int, torch.Tensor]] = []
@@ -142,7 +166,7 @@ def write_rows(store: str | os.PathLike, name: str, local: torch.Tensor, shape: 
                 received.append((inc, buf))
         transport.wait(transport.post(cg, f"{what}: boundary rows", sends, recvs, host=True))
     region = regions[me]
-    failed: BaseException | None = None
+    failed = None
     try:
         if region[1] > region[0] and region[3] > region[2]:
             block = np.empty((*lead_shape, region[1] - region[0], region[3] - region[2]), dtype=data.dtype)
@@ -158,6 +182,7 @@ def write_rows(store: str | os.PathLike, name: str, local: torch.Tensor, shape: 
         failed = exc
     _confirm(failed, cg, what, "confirming every rank's rows", "the write",
              "this step is not marked complete, the store's complete steps are unchanged")
+    run.done.add(index)  # every rank's rows are in: from here on the step may be marked complete
     failed = None
     if me == 0:
         try:

@@ -304,3 +304,109 @@ def test_chunk_owners_tile_the_array():
                 c0, c1 = _owned(ow[j], ow[j + 1], cw, w)
                 grid[r0:r1, c0:c1] += 1
         assert (grid == 1).all(), (h, w, ph, pw)
+
+
+def _rewrite_same_job(rank, world, store):
+    """Every step written and complete; then step 1 written again with another field, and group rank 1 fails
+    writing its chunk (a disk error). Every rank returns ``(error type, message)`` of the rewrite."""
+    import torch.distributed as dist
+    import zarr
+
+    import halo
+    from halo.io import write_rows
+
+    halo.set_timeout(20.0)
+    offs = split_offsets(H, world)
+    old, new = _field(6), _field(7)
+    for t in range(T):
+        write_rows(store, "r", old[t, :, offs[rank]:offs[rank + 1]], (T, C, H, W), (t,), group=dist.group.WORLD)
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise OSError("disk full")
+        zarr.open_array = broken
+    try:
+        write_rows(store, "r", new[1, :, offs[rank]:offs[rank + 1]], (T, C, H, W), (1,), group=dist.group.WORLD)
+        return "ok"
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+
+
+def _resumed_rewrite(rank, world, store):
+    """A second job (resume=True) rewrites step 1 of the first job's complete steps; the last rank dies inside it,
+    when it writes its chunk, once rank 0's new rows are on disk (it watches the store: no timing). Rank 1 reads the
+    markers late (before the fix's agreement it then missed step 1 among the complete ones and skipped the
+    unmarking the others waited in: a hang until the timeout)."""
+    import torch.distributed as dist
+    import zarr
+
+    import halo
+    import halo.io_steps
+    from halo.io import write_rows
+
+    halo.set_timeout(20.0)  # a loaded machine: the survivors see the dead peer's connection close anyway
+    offs = split_offsets(H, world)
+    new = _field(7)[1].numpy()
+    if rank == 1:  # a slow reader of the resumed run's markers: it must read them before rank 0 unmarks step 1
+        complete_steps = halo.io_steps.complete_steps
+
+        def slow(*args, **kwargs):
+            time.sleep(1.0)
+            return complete_steps(*args, **kwargs)
+
+        halo.io_steps.complete_steps = slow
+    if rank == world - 1:
+        open_array = zarr.open_array
+
+        def die_once_rank_0_wrote(*args, **kwargs):
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 60:
+                if np.array_equal(open_array(store, path="pred", mode="r")[1, :, :4], new[:, :4]):
+                    break
+                time.sleep(0.05)
+            os._exit(7)
+
+        zarr.open_array = die_once_rank_0_wrote
+    try:
+        write_rows(store, "pred", _field(7)[1, :, offs[rank]:offs[rank + 1]], (T, C, H, W), (1,),
+                   group=dist.group.WORLD, resume=True)
+        return "ok"
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+
+
+def _mixed(store, name, t, old, new, old_rows):
+    """Step ``t`` on disk holds rows 0..4 of the new write and ``old_rows`` of the old one (what a reader must not be
+    handed as complete)."""
+    import zarr
+
+    on_disk = zarr.open_array(store, path=name, mode="r")[t]
+    return np.array_equal(on_disk[:, :4], new[t, :, :4]) and np.array_equal(on_disk[:, old_rows], old[t, :, old_rows])
+
+
+def test_a_failed_rewrite_of_a_complete_step_is_not_complete(tmp_path):
+    """Issue 30 item 4: rewriting a complete step marks it incomplete before the first byte, so a rank failing (same
+    job) or dying (a job resumed with resume=True) in the rewrite leaves it not complete (before: still listed
+    complete, and read_step returned rows of two writes)."""
+    from halo.io import complete_steps, read_step
+
+    store = str(tmp_path / "r.zarr")
+    results = run_on_ranks(_rewrite_same_job, 3, store, timeout=120)
+    for kind, msg in results:
+        assert kind == "RuntimeError" and "the write failed on group rank 1 (global 1)" in msg, results
+    old, new = _field(6).numpy(), _field(7).numpy()
+    assert _mixed(store, "r", 1, old, new, slice(4, 8))  # rank 1's rows are the old ones
+    assert complete_steps(store, "r") == [(0,), (2,), (3,)]
+    with pytest.raises(ValueError, match="step \\(1,\\) of 'r' .* is not complete"):
+        read_step(store, "r", 1)
+    assert np.array_equal(read_step(store, "r", 2), old[2])
+
+    store = str(tmp_path / "pred.zarr")
+    assert run_on_ranks(_write_run, 3, store, 6, -1, timeout=120) == ["finished"] * 3
+    results = _run_allow_failures(_resumed_rewrite, 3, store)
+    assert results[2] == ("died", 7), results
+    for status, (kind, msg) in results[:2]:
+        assert status == "ok" and kind == "HaloCommError" and "write_rows('pred', index (1,))" in msg, results
+    assert _mixed(store, "pred", 1, old, new, slice(8, 10))  # rank 2's chunk is the old one
+    assert complete_steps(store, "pred") == [(0,), (2,), (3,)]  # the resumed run's other steps are kept
+    with pytest.raises(ValueError, match="is not complete"):
+        read_step(store, "pred", 1)
