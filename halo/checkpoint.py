@@ -139,6 +139,14 @@ def _hidden_stateful(obj: Any, where: str) -> tuple[str, Any] | None:
     return None
 
 
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_tensor(v) for v in obj.values())
+    return isinstance(obj, (list, tuple)) and any(_has_tensor(v) for v in obj)
+
+
 def _kind(key: Any, value: Any) -> str:
     """How entry ``key`` is saved and restored (module docstring), or a ``TypeError`` naming it."""
     if not isinstance(key, str) or not key or key == RNG_KEY or "@" in key:
@@ -155,7 +163,8 @@ def _kind(key: Any, value: Any) -> str:
         if hidden:
             raise TypeError(f"state[{key!r}]{hidden[0][len(key):]} is a {_type_name(hidden[1])} inside a dict: put "
                             f"it at the top level of the state (its own key) so that it is restored, not pickled")
-        return "tensors"  # a state dict (model.state_dict()): DCP loads its tensors in place, as before
+        if _has_tensor(value):
+            return "tensors"  # a state dict (model.state_dict()): DCP loads its tensors in place, as before
     if _stateful(value) or _plain(value):
         return "object"
     raise TypeError(f"state[{key!r}] is a {_type_name(value)}: halo.checkpoint cannot restore it (expected a module, "
@@ -241,7 +250,7 @@ def _same_everywhere(failed: BaseException | None, sig: int, table: np.ndarray, 
     the signatures."""
     bad = [j for j in range(cg.size) if table[j, col]]
     if bad:
-        errs = _agree_objects(None if failed is None else (type(failed).__name__, str(failed)), cg, what)
+        errs = _agree_objects(None if failed is None else (type(failed).__name__, _text(failed)), cg, what)
         j = bad[0]
         kind, msg = errs[j]
         cls = {"TypeError": TypeError, "ValueError": ValueError, "KeyError": KeyError}.get(kind, RuntimeError)
@@ -251,6 +260,11 @@ def _same_everywhere(failed: BaseException | None, sig: int, table: np.ndarray, 
         seen = _agree_objects(describe(), cg, what)
         raise ValueError(f"{what}: the ranks pass different states: "
                          f"{'; '.join(f'{cg.describe(j)}: {seen[j]}' for j in range(cg.size))}")
+
+
+def _text(exc: BaseException) -> str:
+    """An error's message as written (``str`` of a ``KeyError`` is its repr, quotes and all)."""
+    return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
 
 
 def _agree_objects(obj: Any, cg: CommGroup, what: str) -> list[Any]:
@@ -283,7 +297,7 @@ def save(state: dict[str, Any], root: str | os.PathLike, step: int, *, process_g
     import torch.distributed.checkpoint as dcp
 
     cg = _group(process_group)
-    what = f"halo.checkpoint.save(step {step})"
+    what = "halo.checkpoint.save"  # until the ranks agree on the step, no message names this rank's own
     failed: BaseException | None = None
     prepared = _Prepared({}, {}, {}, {})
     try:
@@ -302,6 +316,7 @@ def save(state: dict[str, Any], root: str | os.PathLike, step: int, *, process_g
         raise ValueError(f"{what}: the ranks save different steps: "
                          f"{', '.join(f'{cg.describe(j)}: {int(table[j, 0])}' for j in range(cg.size))}")
     step = int(step)
+    what = f"halo.checkpoint.save(step {step})"
     # One copy of an object every rank holds alike (the usual case: any number of ranks loads it), one per rank
     # where they differ (restored only on as many ranks).
     names = sorted(prepared.objects)
@@ -441,7 +456,7 @@ def load(state: dict[str, Any], root: str | os.PathLike, *, step: int | None = N
                                 f"rank shares?")
     if seen[:, 1].any():
         j = int(np.flatnonzero(seen[:, 1])[0])
-        errs = _agree_objects(None if problem is None else (type(problem).__name__, str(problem)), cg, what)
+        errs = _agree_objects(None if problem is None else (type(problem).__name__, _text(problem)), cg, what)
         cls = {"KeyError": KeyError, "ValueError": ValueError}.get(errs[j][0], RuntimeError)
         raise cls(f"{what}: {path}: {errs[j][1]} (seen by {cg.describe(j)})") from problem
     objects = contents.get("objects", {})
