@@ -11,15 +11,16 @@ Environment (set by the test):
 ``RESUME_STEPS``            steps to train (default 6); ``RESUME_SAVE_EVERY`` (default 2)
 ``RESUME_FAULTS``           ``attempt:rank:step:phase,...``: on restart ``attempt`` (torchrun's
                             ``TORCHELASTIC_RESTART_COUNT``), global rank ``rank`` exits with ``os._exit(9)`` at step
-                            ``step`` in phase ``forward``, ``backward``, ``between`` (after the optimizer step),
-                            ``save`` (inside DCP's write of the save after that step) or ``load`` (inside DCP's read
-                            of the resume; ``step`` ignored). Every fault fires on its attempt only.
+                            ``step`` in phase ``forward``, ``backward``, ``between`` (after the optimizer step:
+                            ``SIGKILL``), ``save`` (inside DCP's write of the save after that step) or ``load``
+                            (inside DCP's read of the resume; ``step`` ignored). Each fires on its attempt only.
 ==========================  ===========================================================================================
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import torch
@@ -82,12 +83,12 @@ def main() -> None:
 
     import halo
     from halo import checkpoint
-    from halo.launch import _init_env_group
+    from halo.launch import init_from_env
     from halo.partition import split_offsets
     from halo.reduce import domain_mean, sync_domain_gradients
 
     torch.set_num_threads(1)
-    rank, world = _init_env_group("gloo", 60.0)
+    rank, world = init_from_env("gloo", timeout=60.0, connect_timeout=30.0)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     faults = _faults(attempt, rank)
     root, out = os.environ["RESUME_ROOT"], os.environ["RESUME_OUT"]
@@ -128,7 +129,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         sched.step()
         if step in faults.get("between", ()):
-            os._exit(9)
+            os.kill(os.getpid(), signal.SIGKILL)
         if (step + 1) % every == 0 or step + 1 == steps:
             if step in faults.get("save", ()):
                 _die_inside(fs.FileSystemWriter, "write_data")
