@@ -154,3 +154,74 @@ def test_a_peer_that_never_comes_fails_within_the_bound():
                               f"4 s (store 127.0.0.1:{server.port})"), line
         assert float(took) < 4 + 10, line  # the bound, and some slack on a loaded machine
         print(f"agent_store={agent_store}: refused after {float(took):.1f} s (bound 4 s)")
+
+
+def _join(rank: int, how: str, port: int, attempt: int, conn) -> None:
+    """One rank of one attempt, as torchrun starts it (its own process, the agent's store, no prefix of its own)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                       "GLOO_SOCKET_IFNAME": "lo"})
+    try:
+        if how == "halo":
+            from halo.launch import init_from_env
+
+            init_from_env("gloo", timeout=60.0, connect_timeout=20.0)
+        else:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        conn.send(f"ok {int(t.item())}")
+    except Exception as exc:  # noqa: BLE001 - the outcome goes to the test
+        conn.send(f"error {exc}")
+    os._exit(0)  # no clean-up: the next attempt finds the store as a killed rank leaves it
+
+
+def _attempts(how: str) -> list[list[str]]:
+    """Two attempts of a 2-rank job on one store, as torchrun's agent keeps it across restarts; in the second, rank
+    1 comes late (a restart on a loaded machine): halo's after rank 0 reported or 3 s, the control's not at all
+    (deterministic: rank 0 reads the store before any new address of rank 1 is in it)."""
+    import torch.distributed as dist
+
+    from halo.testing import _context
+
+    ctx = _context()
+    server = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    outcomes = []
+    for attempt in (0, 1):
+        procs, conns = [], []
+        for rank in (0, 1) if how == "halo" or attempt == 0 else (0,):
+            if attempt == 1 and rank == 1:
+                conns[0].poll(3.0)
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_join, args=(rank, how, server.port, attempt, child))
+            p.start()
+            procs.append(p)
+            conns.append(parent)
+        wait = 60 if how == "halo" or attempt == 0 else 30  # the control's rank 0 has a 20 s timeout of its own
+        got = [c.recv() if c.poll(wait) else "timeout" for c in conns]
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        outcomes.append(got)
+    return outcomes
+
+
+def test_a_restart_never_meets_the_previous_attempts_keys():
+    """The cause of the lost restarts: torchrun's agent keeps one TCPStore for every attempt and its workers use it
+    without a prefix per attempt, so a restarted rank 0 reads the gloo address its peer of the previous attempt
+    published and gets "Connection refused" (plain ``init_process_group``: the control, which fails; torch's own
+    defect, seen in the store's log of a real torchrun restart: rank 0 read rank 1's key 1 ms before the new rank 1
+    wrote it); or, where rank 0 is the listening side of the pair, it waits silently past its own timeout. With
+    ``halo.launch.init_from_env`` each attempt has its own keys: rank 0 waits for the new rank 1, both join."""
+    assert _attempts("halo") == [["ok 2", "ok 2"], ["ok 2", "ok 2"]]
+    plain = _attempts("plain")
+    assert plain[0] == ["ok 2", "ok 2"], plain
+    # the two ways the lost restarts were lost: "Connection refused" (rank 0 connects to the dead address), or, where
+    # rank 0 is the pair's listening side, a wait for the dead peer past the group's own 20 s timeout (silent)
+    assert len(plain[1]) == 1, plain
+    assert plain[1][0] == "timeout" or (plain[1][0].startswith("error") and "Connection refused" in plain[1][0]), plain
