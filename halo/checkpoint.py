@@ -216,7 +216,14 @@ def _prepare(state: dict[str, Any], op: str, *, rng: bool, loading: bool) -> _Pr
         if kinds[k] == "model":
             dcp_state[k] = get_model_state_dict(v, options=_options())
         elif kinds[k] == "optim":
+            fresh = not v.state
             dcp_state[k] = get_optimizer_state_dict(state[pairs[k]], v, options=_options())
+            if fresh and not loading:
+                # torch's helper made the state of an optimizer that has none by stepping it once with zero
+                # gradients at lr 0: undo it, or saving before the first step would change the training (Adam's
+                # first step would be its second); the checkpoint holds no state for it, as the optimizer
+                v.state.clear()
+                dcp_state[k] = {n: t for n, t in dcp_state[k].items() if not n.startswith("state.")}
         elif kinds[k] == "tensors":
             dcp_state[k] = v
         elif not loading:
@@ -463,6 +470,9 @@ def load(state: dict[str, Any], root: str | os.PathLike, *, step: int | None = N
     wanted = [k for k, kind in prepared.kinds.items() if kind == "object"] + \
         ([RNG_KEY] if rng and RNG_KEY in objects else [])
     dcp_state = dict(prepared.dcp_state)
+    stateless = [k for k in prepared.pairs if contents.get("optimizer_states", {}).get(k) == 0]
+    for k in stateless:  # saved before its first step (or stateless, as plain SGD): param groups only
+        dcp_state[k] = {n: t for n, t in dcp_state[k].items() if not n.startswith("state.")}
     stored = {k: k if objects.get(k) == "replicated" else f"{k}@rank{cg.index}" for k in wanted}
     for k in wanted:
         dcp_state[stored[k]] = io.BytesIO()
@@ -477,7 +487,12 @@ def load(state: dict[str, Any], root: str | os.PathLike, *, step: int | None = N
             set_model_state_dict(state[k], dcp_state[k], options=_options())
         elif kind == "optim":
             opt = state[k]
-            set_optimizer_state_dict(state[prepared.pairs[k]], opt, dcp_state[k], options=_options())
+            loaded = dcp_state[k]
+            if k in stateless:  # torch's unflattening needs state entries: the fresh one's, dropped below
+                loaded = {**prepared.dcp_state[k], **loaded}
+            set_optimizer_state_dict(state[prepared.pairs[k]], opt, loaded, options=_options())
+            if k in stateless:
+                opt.state.clear()  # as it was saved: no state (the fresh one's was made for DCP to load into)
             want = contents.get("optimizer_states", {}).get(k)
             if want is not None and len(opt.state) != int(want):
                 raise RuntimeError(f"{what}: optimizer {k!r} holds {len(opt.state)} state entries after the load, "

@@ -295,3 +295,27 @@ def test_bad_input_on_one_rank_same_error_everywhere(tmp_path):
                                          r"restored on 1 ranks; load on 2 ranks, or pass rng=False"):
         checkpoint.load({"model": model}, tmp_path, step=3)
     assert checkpoint.load({"model": model}, tmp_path, step=3, rng=False).step == 3
+
+
+def test_saving_a_fresh_optimizer_leaves_it_fresh(tmp_path):
+    """torch's get_optimizer_state_dict steps an optimizer without state once (zero gradients, lr 0) to make one:
+    a save before the first step must not leave that behind (Adam's first step would be its second), and the
+    load gives a fresh optimizer back, so training from the loaded one equals training from the original."""
+    from halo import checkpoint
+
+    torch.manual_seed(2)
+    model = Net().double()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    checkpoint.save({"model": model, "optim": opt}, tmp_path, 0)
+    assert len(opt.state) == 0 and all(p.grad is None for p in model.parameters())
+    torch.manual_seed(9)
+    model2 = Net().double()
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    checkpoint.load({"model": model2, "optim": opt2}, tmp_path)
+    assert len(opt2.state) == 0
+    x = torch.randn(1, C, H, W, dtype=torch.float64)
+    for m, o in ((model, opt), (model2, opt2)):
+        m(x).square().sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+    assert int(opt.state[next(model.parameters())]["step"]) == 1
