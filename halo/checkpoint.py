@@ -453,6 +453,12 @@ def load(state: dict[str, Any], root: str | os.PathLike, *, step: int | None = N
         try:
             contents = _read_contents(path)
             _check_against(contents, prepared.kinds, cg, rng)
+            for k in prepared.pairs:
+                want = contents.get("optimizer_states", {}).get(k)
+                if want and not state[k].state:
+                    raise ValueError(f"optimizer {k!r} has no state to load {want} entries into: its parameters "
+                                     f"have gradients, so torch's get_optimizer_state_dict did not make it; call "
+                                     f"optimizer.zero_grad(set_to_none=True) before loading")
         except (OSError, ValueError, KeyError) as exc:
             problem = exc
     seen = _agree([int(mine is not None), int(problem is not None)], cg, f"{what}: checking {path}")

@@ -319,3 +319,36 @@ def test_saving_a_fresh_optimizer_leaves_it_fresh(tmp_path):
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
     assert int(opt.state[next(model.parameters())]["step"]) == 1
+
+
+def test_load_refuses_an_optimizer_it_cannot_fill(tmp_path):
+    """A fresh optimizer whose parameters hold gradients gets no state from torch's helper (it only makes one for
+    an optimizer without gradients): the load would give 0 of its entries, silently. Refused, naming the fix."""
+    from halo import checkpoint
+
+    model = Net().double()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(1, C, H, W, dtype=torch.float64)
+    model(x).sum().backward()
+    opt.step()
+    checkpoint.save({"model": model, "optim": opt}, tmp_path, 1)
+    model2 = Net().double()
+    opt2 = torch.optim.Adam(model2.parameters())
+    model2(x).sum().backward()
+    with pytest.raises(ValueError, match=r"optimizer 'optim' has no state to load 4 entries into: .*"
+                                         r"zero_grad\(set_to_none=True\) before loading"):
+        checkpoint.load({"model": model2, "optim": opt2}, tmp_path)
+    opt2.zero_grad(set_to_none=True)
+    checkpoint.load({"model": model2, "optim": opt2}, tmp_path)
+    assert len(opt2.state) == 4
+
+
+def test_rng_state_refusals():
+    from halo import random
+
+    with pytest.raises(TypeError, match=r"expected the dict get_rng_state\(\) returns \(key 'cpu'\), got list"):
+        random.set_rng_state([1])
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    state = {"cpu": torch.get_rng_state(), "cuda": [torch.get_rng_state()] * (have + 1)}
+    with pytest.raises(ValueError, match=f"holds {have + 1} CUDA generators, this process sees {have} CUDA devices"):
+        random.set_rng_state(state)
