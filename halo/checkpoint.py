@@ -14,6 +14,34 @@ Waits: halo's own agreements (the save's id, the confirmations, the choice of ch
 save and load are bounded by the process group's timeout (DCP takes no other). A failed DCP call on any rank
 makes the save raise on every rank, without a marker.
 
+What a state holds (:func:`save`, :func:`load`; a dict of named entries, each restored by the one mechanism that
+can restore it, so a resumed job continues bitwise where the saved one was):
+
+==============================================  ============================================================
+entry                                           saved / restored with
+==============================================  ============================================================
+``nn.Module`` (plain, converted, DDP, FSDP2,    ``get_model_state_dict`` / ``set_model_state_dict`` (names
+HSDP)                                           without the wrapper's prefixes; FSDP2's shards as DTensors)
+``torch.optim.Optimizer``                       ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+                                                with the module in the state that holds its parameters: keyed
+                                                by parameter names (flat), so it loads into a *fresh*
+                                                optimizer, another wrapping, another number of ranks
+a tensor, a dict with tensors                   DCP itself, loaded in place (``model.state_dict()``, as before)
+an object with ``state_dict``/``load_state_dict``  its ``state_dict()``, pickled; restored by ``load_state_dict``
+(LR scheduler, GradScaler, sampler, ...)
+plain Python data (a step, an epoch)            pickled; written back into the dict on load
+halo's RNG state (``rng=True``, the default)    :func:`halo.random.get_rng_state` of every rank (key
+                                                :data:`RNG_KEY`)
+==============================================  ============================================================
+
+Anything else is refused with a ``TypeError`` naming the entry (an optimizer without its module beside it, as in
+``{"model": model.state_dict(), "optim": optimizer}``, whose state would not be restored; a module or optimizer
+nested inside a dict; an object without ``load_state_dict``). A pickled object is kept once when every rank holds
+the same bytes (it then loads on any number of ranks), once per rank otherwise (it then loads only on as many
+ranks: a load on another number raises, naming it). Every check runs before any byte is written or read and is
+agreed by every rank (one bounded all-gather of a flag and a digest of the entries): a bad step, different
+entries, or an entry refused on one rank only give the same error on every rank.
+
 DCP deduplicates replicated tensors (a domain-parallel model's parameters are the same on every rank of a domain
 group: one copy is written) and reshards on load (a checkpoint saved on 4 ranks loads on 2 or on 1: halo keeps
 the unsharded ``state_dict``, invariant 6).
