@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["LOCAL_RANK_VARS", "RANK_VARS", "default_backend", "is_printer", "launch", "local_rank", "rank_device",
-           "under_torchrun"]
+__all__ = ["LOCAL_RANK_VARS", "RANK_VARS", "default_backend", "init_from_env", "is_printer", "launch", "local_rank",
+           "rank_device", "under_torchrun"]
 
 
 def under_torchrun() -> bool:
@@ -85,16 +85,67 @@ def rank_device(backend: str) -> Any:
     return torch.device("cpu")
 
 
-def _init_env_group(backend: str, timeout_s: float) -> tuple[int, int]:
+def _attempt_store(timeout: timedelta) -> tuple[Any, int, int] | None:
+    """Under torchelastic's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``, what ``torchrun`` sets): a client of
+    the agent's TCPStore with this attempt's own key prefix, and this rank and the world size; else ``None``.
+
+    torchrun keeps one TCPStore server for every restart of a job and its workers connect to it without a prefix
+    per attempt (``torch.distributed.rendezvous``: "a new TCPStore for every retry", which the agent no longer
+    makes), so a restarted rank can read the address its dead peer of the previous attempt published and fail
+    in gloo's ``connectFullMesh`` ("Connection refused"), or meet stale counters of a store barrier and wait.
+    Keys under ``halo/attempt_<TORCHELASTIC_RESTART_COUNT>/`` are every attempt's own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        # device_id binds the group to this rank's GPU: NCCL communicators are made eagerly (and subgroups split
-        # from them), so the first op on a group need not include every member (a halo exchange posts nothing on
-        # a rank without messages), and no op guesses the device.
-        device_id = rank_device(backend) if backend == "nccl" else None
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"halo/attempt_{attempt}", store), rank, world
+
+
+def init_from_env(backend: str | None = None, *, timeout: float = 600.0,
+                  connect_timeout: float = 120.0) -> tuple[int, int]:
+    """``init_process_group`` for a rank of a ``torchrun`` (env://) launch that comes back after every restart or
+    fails within ``connect_timeout`` seconds naming what it could not reach; returns ``(rank, world)``.
+
+    Under ``torchrun`` each restart gets its own keys in the agent's store (``_attempt_store``: without them a
+    restarted rank may connect to its dead peer's old address). Joining (the store, every peer's gloo connection)
+    is bounded by ``connect_timeout``; then the group's collectives get ``timeout``. ``backend``: default
+    :func:`default_backend`. A no-op returning the current rank and size when a group exists already."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = backend or default_backend()
+    # device_id binds the group to this rank's GPU: NCCL communicators are made eagerly (and subgroups split
+    # from them), so the first op on a group need not include every member (a halo exchange posts nothing on
+    # a rank without messages), and no op guesses the device.
+    device_id = rank_device(backend) if backend == "nccl" else None
+    bound = timedelta(seconds=min(connect_timeout, timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    who = f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} (restart {attempt})"
+    try:
+        own = _attempt_store(bound)
+        if own is None:
+            dist.init_process_group(backend, timeout=bound, device_id=device_id)
+        else:
+            store, rank, world = own
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=bound,
+                                    device_id=device_id)
+    except Exception as exc:  # noqa: BLE001 - one clear error; torchrun restarts the job or reports it
+        raise RuntimeError(f"halo.launch: {who} could not join the {backend} process group within "
+                           f"{bound.total_seconds():.0f} s (store {where}): {type(exc).__name__}: {exc}") from exc
+    set_pg_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_pg_timeout is not None and timeout > bound.total_seconds():
+        set_pg_timeout(timedelta(seconds=timeout), None)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _init_env_group(backend: str, timeout_s: float) -> tuple[int, int]:
+    return init_from_env(backend, timeout=timeout_s, connect_timeout=min(timeout_s, 120.0))
 
 
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo",

@@ -63,11 +63,13 @@ __all__ = [
     "drop_path",
     "draw_key",
     "dropout",
+    "get_rng_state",
     "feature_dropout",
     "keep_threshold",
     "manual_seed",
     "rand_like",
     "randn_like",
+    "set_rng_state",
 ]
 
 _ONE = 1 << BITS  # draws are integers in [0, 2**24)
@@ -85,6 +87,33 @@ def manual_seed(seed: int) -> None:
     replicas draw different masks. A seed per rank (``seed + rank``) would break the domain group's agreement:
     halo raises at the first draw rather than compute shards with different masks."""
     torch.manual_seed(seed)
+
+
+def get_rng_state() -> dict[str, Any]:
+    """This rank's whole random state as halo draws from it: torch's CPU generator and every visible CUDA
+    device's (each call's key is a draw from the generator of its tensor's device; the stream and the indices are
+    fixed by the mesh and the grid, not state). What ``halo.checkpoint.save`` keeps, so that a resumed job draws the
+    dropout masks the uninterrupted job would have drawn."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` returned. A state with CUDA generators on a process that has a different
+    number of CUDA devices raises ``ValueError`` (expected vs got) rather than restore some of them."""
+    if not isinstance(state, dict) or "cpu" not in state:
+        raise TypeError(f"halo.random.set_rng_state: expected the dict get_rng_state() returns (key 'cpu'), got "
+                        f"{type(state).__name__}{f' with keys {sorted(state)}' if isinstance(state, dict) else ''}")
+    cuda = state.get("cuda")
+    if cuda is not None:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have != len(cuda):
+            raise ValueError(f"halo.random.set_rng_state: the state holds {len(cuda)} CUDA generators, this process "
+                             f"sees {have} CUDA devices")
+        torch.cuda.set_rng_state_all(cuda)
+    torch.set_rng_state(state["cpu"])
 
 
 def _stream(cg: CommGroup) -> int:
