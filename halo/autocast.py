@@ -49,9 +49,17 @@ def _state() -> _AutocastState:
     return context.state("autocast", _AutocastState)
 
 
+@torch._dynamo.assume_constant_result
+def _override() -> str | None:
+    """:func:`policy_of`'s device, read outside any trace: dynamo calls this at trace time and keeps the answer as a
+    constant, so a compiled graph never traces the context (whose slots a traced first access would add to)."""
+    return _state().device
+
+
 def policy_device(t: torch.Tensor) -> str:
     """The device type whose autocast applies to an op on ``t``: ``t``'s own, unless :func:`policy_of` says another."""
-    return _state().device or t.device.type
+    override = _override() if torch.compiler.is_compiling() else _state().device
+    return override or t.device.type
 
 
 @contextlib.contextmanager
