@@ -186,5 +186,6 @@ def cast_as_torch(op: str, x: torch.Tensor, *others: torch.Tensor | None, **stat
     if dtype == x.dtype or not dtype.is_floating_point:
         return x
     y = x.to(dtype)
-    carry(y, x)  # a shard halo made keeps its epoch: the layer's plan is recalled, not agreed again
+    if not torch.compiler.is_compiling():  # (a trace has no epochs to carry, and must not touch the context)
+        carry(y, x)  # a shard halo made keeps its epoch: the layer's plan is recalled, not agreed again
     return y

@@ -261,3 +261,30 @@ def test_result_dtype_follows_the_policy_device():
         assert result_dtype("interpolate", x, mode="bilinear") == torch.float32
         assert cast_as_torch("layer_norm", x).dtype == torch.float32
         assert cast_as_torch("max_pool2d", x) is x
+
+
+def test_result_dtype_under_torch_compile():
+    """Under torch.compile (fullgraph, no graph break) the answer is a constant of the trace, the same as eager,
+    on a fresh context (nothing of halo's state made yet), which keeps the state other modules made. (The converted
+    model's compiled backward, where a traced read of the policy once lost the exchangers' registry, is
+    tests/test_compile.py's.)"""
+    import torch._dynamo
+
+    from halo import context
+    from halo.autocast import cast_as_torch
+
+    x = _x(X4)
+
+    def f(t):
+        return cast_as_torch("layer_norm", t) * 2
+
+    with context.use():
+        marker = context.state("test_marker", dict)  # another module's state, made before the trace
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, backend="eager")
+        assert compiled(x).dtype == torch.bfloat16  # CPU's policy: layer_norm left alone
+        assert compiled(x).dtype == torch.bfloat16
+        assert context.state("test_marker", dict) is marker, "the trace replaced the context's slots"
+        with fake_cuda_autocast():
+            torch._dynamo.reset()
+            assert torch.compile(f, fullgraph=True, backend="eager")(x).dtype == torch.float32
