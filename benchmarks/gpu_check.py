@@ -1,32 +1,40 @@
 """The first GPU run, prepared to inform: one part per call, each result written as soon as the part ends.
 
-Run by ``benchmarks/gpu_check.sh`` (each part under its own ``timeout``; a killed part loses only itself)::
+Run by ``benchmarks/gpu_check.sh`` (each part under its own ``timeout``, cut to what is left of the script's 6.5
+minutes; a killed part loses only its unfinished checks)::
 
-    python benchmarks/gpu_check.py --part pack|step|nccl2|conv [--out DIR] [--dry-run]
+    python3 benchmarks/gpu_check.py --part kernels|pack|step|nccl2|conv [--out DIR] [--dry-run]
 
 ======  =========================================================================================================
 part    what it measures / checks
 ======  =========================================================================================================
+kernels every Triton kernel (pack, unpack, pack_adjoint, Philox draws, dropout) against its torch reference at
+        FIXED shapes (no hypothesis on the device: every new shape is a cold compile), bf16 and float32; offsets
+        beyond 2**31 elements; the dry run: two shapes through Triton's interpreter
 pack    the production pack / unpack paths (``halo.kernels.pack``, ``unpack``, a whole 1-rank pole
         ``halo_exchange``) at 181x1440 and 721x1440, 64 / 256 channels, bf16, against ``copy_`` and ``F.pad`` of the
         same shard: 50 back-to-back calls (device time per call from CUDA events; host microseconds per call apart)
         and one CUDA graph of 50 calls (device time per call of a replay)
-step    the demo model (converted, 1 rank, pole boundary, 181x360): a steady training step under
-        ``torch.cuda.set_sync_debug_mode("error")`` (+ ``HostWorkCounter``: no read, no tensor from data); the whole
+step    the demo model (converted, 1 rank, pole boundary, 181x360): 16 steady training steps (two periods of the
+        every-8th replicated-state check) each under ``torch.cuda.set_sync_debug_mode("warn")`` (syncs recorded per
+        step) and ``HostWorkCounter`` (no read, no tensor from data); the whole
         step (forward + backward) captured in one CUDA graph vs eager (``cudnn.deterministic``, a tolerance);
         per-module ``torch.cuda.make_graphed_callables`` vs eager; bf16 autocast vs the unsharded reference under the
         same autocast; inductor on a channels_last input vs eager
 nccl2   two ranks on the one GPU with real NCCL (a different ``NCCL_HOSTID`` per rank, ``NCCL_IB_DISABLE=1``,
         sockets on loopback) running the demo model at 181x360: halo's gloo host groups made by the mesh (NCCL
-        alone), ``check_equivalence`` on CUDA (float64), a sync-free steady step (p2p exchanges, GroupNorm and loss
-        all-reduces), and the forward + backward with its p2p messages captured in a CUDA graph vs eager
+        alone), the torch-version paths (``new_group(sort_ranks=False)``: torch 2.11's and >= 2.12's, the older one
+        simulated on a newer torch), ``check_equivalence`` on CUDA (float64), 16 sync-free steady steps (p2p
+        exchanges, GroupNorm and loss all-reduces, the replicated-state check at steps 8 and 16), and the forward +
+        backward with its p2p messages captured in a CUDA graph vs eager
 conv    HaloConv2d (compute-then-patch, pole boundary, 1 rank) vs ``nn.Conv2d`` fwd + bwd at 181 and 721 rows x 1440,
         bf16, 64 / 256 channels, eager and graph-replayed (device time per call; the ratio reported, not judged)
 ======  =========================================================================================================
 
-Each part writes ``gpu_check_<part>.json`` to ``--out`` (and appends it to ``gpu_check.jsonl``); exit status 1 if a
-check of the part failed. ``--dry-run``: the script's plumbing on the CPU (gloo, tiny sizes, float32); what needs
-CUDA reports ``"skipped: no CUDA"`` — what CI runs (``tests/test_gpu_check_dryrun.py``).
+Each part writes ``gpu_check_<part>.json`` to ``--out`` (and appends it to ``gpu_check.jsonl``; the shell script
+packs ``--out`` into one archive); exit status 1 if a check of the part failed. ``--dry-run``: every part on the CPU
+(gloo, tiny sizes, float32, Triton's interpreter); what needs CUDA reports ``"skipped: no CUDA"`` — what CI runs
+(``tests/test_gpu_check_dryrun.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 NO_CUDA = "skipped: no CUDA"
-PARTS = ("pack", "step", "nccl2", "conv")
+PARTS = ("kernels", "pack", "step", "nccl2", "conv")
 SIZES = {"hidden": 32, "warm": 3}  # the demo model's width and warm-up steps (smaller in a dry run)
 
 
@@ -56,6 +64,11 @@ def _write(out: Path, part: str, result: dict) -> None:
     (out / f"gpu_check_{part}.json").write_text(json.dumps(result, indent=1, default=str))
     with open(out / "gpu_check.jsonl", "a") as f:
         f.write(json.dumps({"part": part, **result}, default=str) + "\n")
+
+
+#: where the running part writes its report so far after each check (main sets it): a part killed at its budget
+#: keeps the checks that finished (``gpu_check_<part>.partial.json`` in the archive)
+PARTIAL: dict[str, Any] = {"path": None}
 
 
 def _checked(name: str, fn: Callable[[], dict], report: dict) -> None:
@@ -71,6 +84,8 @@ def _checked(name: str, fn: Callable[[], dict], report: dict) -> None:
     print(f"  {name:>18}: {'ok' if res.get('ok') else 'FAILED'} {json.dumps(shown, default=str)[:1500]}", flush=True)
     if not res.get("ok") and "trace" in res:
         print(res["trace"], flush=True)
+    if PARTIAL["path"] is not None:
+        PARTIAL["path"].write_text(json.dumps(report, indent=1, default=str))
 
 
 def _device(dry: bool) -> Any:
@@ -154,6 +169,107 @@ def time_calls(fn: Callable[[], Any], n: int, device: Any, *, graph: bool = True
     return res
 
 
+# -- part: the Triton kernels at fixed shapes ------------------------------------------------------------------------
+
+#: (shape, layout, dim, ranges): the cases an exchange makes and the edges; fixed (no hypothesis: each new shape is a
+#: cold Triton compile, ~1 s on the device), 2 dtypes, about 30 compiles in all
+KERNEL_CASES = (
+    ((2, 5, 9, 7), "contiguous", -2, ((0, 2), (7, 2))),  # both halo sides of H
+    ((2, 5, 9, 7), "channels_last", -2, ((0, 1), (8, 1))),
+    ((2, 3, 4, 5, 6), "channels_last", 2, ((0, 4), (1, 2))),  # 5-D, channels_last_3d
+    ((2, 3, 11, 5), "contiguous", 2, tuple((k, 2) for k in range(10))),  # > MAX_RANGES: chunked launches
+    ((1, 64, 181, 1440), "contiguous", -2, ((0, 1), (180, 1))),  # a production shard's halo rows
+)
+
+
+def _layout(x: Any, layout: str) -> Any:
+    import torch
+
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+    return x
+
+
+def _bitwise(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+
+
+def part_kernels(dry: bool) -> dict:
+    """Every Triton kernel (pack, unpack, pack_adjoint, Philox draws and dropout) against its torch reference at
+    fixed shapes: compiled on CUDA, through Triton's interpreter on CPU (the dry run, tiny shapes only); plus, on a
+    GPU with the memory, offsets beyond 2**31 elements (int64 program offsets)."""
+    import torch
+
+    import halo.kernels as hk
+    from halo.kernels import reference as ref
+
+    if not hk.HAS_TRITON:
+        return {"triton": {"ok": False, "error": f"triton is not importable: {hk.TRITON_IMPORT_ERROR}"}}
+    device = _device(dry)
+    cases = KERNEL_CASES[:2] if dry else KERNEL_CASES  # the interpreter: ~ms per program
+    dtypes = (torch.bfloat16,) if dry else (torch.bfloat16, torch.float32)
+    report: dict[str, Any] = {"device": str(device), "interpreter": device.type == "cpu"}
+    gen = torch.Generator().manual_seed(0)
+    for i, (shape, layout, dim, ranges) in enumerate(cases):
+        def run(shape: tuple = shape, layout: str = layout, dim: int = dim, ranges: tuple = ranges) -> dict:
+            res: dict[str, Any] = {"shape": shape, "layout": layout}
+            for dt in dtypes:
+                x = _layout(torch.randn(shape, generator=gen).to(device, dt), layout)
+                want = ref.pack(x, dim, ranges)
+                got = hk.pack(x, dim, ranges, impl="triton")
+                lo, hi = want[:1], want[1:2]
+                unpacked = hk.unpack(x, lo, hi, dim, impl="triton")
+                buf = torch.randn(want.shape, generator=gen).to(device, dt)
+                adj, adj_ref = hk.pack_adjoint(x, dim, ranges, buf, impl="triton"), ref.pack_adjoint(x, dim, ranges,
+                                                                                                    buf)
+                eps = torch.finfo(dt).eps
+                res[str(dt)] = {
+                    "pack": _bitwise(got, want), "unpack": _bitwise(unpacked, ref.unpack(x, lo, hi, dim)),
+                    "unpack_strides": unpacked.stride() == ref.unpack(x, lo, hi, dim).stride(),
+                    "pack_adjoint": bool(torch.allclose(adj.float(), adj_ref.float(), rtol=eps, atol=16 * eps))}
+            res["ok"] = all(all(v.values()) for k, v in res.items() if k.startswith("torch."))
+            return res
+
+        _checked(f"copies {i}", run, report)
+
+    def philox() -> dict:
+        key = torch.tensor(123456789, dtype=torch.int64, device=device)
+        n, run_, stride, offset = (96, 12, 40, 7) if dry else (1 << 20, 1440, 2880, 1440)
+        got = hk.bits(key, n, run_, stride, offset, 3, 1, impl="triton")
+        want = hk.bits(key, n, run_, stride, offset, 3, 1, impl="reference")
+        res: dict[str, Any] = {"bits": _bitwise(got, want)}
+        for dt in dtypes:
+            x = torch.randn(n, generator=gen).to(device, dt)
+            res[f"dropout {dt}"] = _bitwise(hk.dropout(x, key, run_, stride, offset, 3, 1 << 22, 2.0, impl="triton"),
+                                            hk.dropout(x, key, run_, stride, offset, 3, 1 << 22, 2.0,
+                                                       impl="reference"))
+        res["ok"] = all(res.values())
+        return res
+
+    _checked("philox", philox, report)
+
+    def beyond_int32() -> dict:
+        if device.type != "cuda":
+            return {"ok": True, "skipped": NO_CUDA}
+        cols, rows = 1024, 2**31 // 1024 + 8
+        if torch.cuda.mem_get_info()[0] < 3 * rows * cols * 2 + 2**31:
+            return {"ok": False, "error": "needs ~16 GB of free GPU memory"}
+        x = torch.arange(rows, device=device, dtype=torch.int32).remainder_(127).to(torch.uint8)
+        x = x[:, None].expand(-1, cols).contiguous()
+        buf = hk.pack(x, 0, [(rows - 3, 3), (0, 1)])
+        ok = bool(torch.equal(buf[:3], x[-3:]) and torch.equal(buf[3:], x[:1]))
+        out = hk.unpack(x, buf[:2], buf[2:], 0)
+        ok = ok and bool(torch.equal(out[-2:], buf[2:]) and torch.equal(out[2:-2], x) and torch.equal(out[:2], buf[:2]))
+        del out, x, buf
+        torch.cuda.empty_cache()
+        return {"ok": ok, "elements": rows * cols}
+
+    _checked("offsets > 2**31", beyond_int32, report)
+    return report
+
+
 # -- part: pack / unpack ----------------------------------------------------------------------------------------
 
 def part_pack(dry: bool) -> dict:
@@ -229,12 +345,54 @@ def _rel(a: Any, b: Any) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
+#: steady steps checked for host syncs: two periods of the replicated-state check (every 8th forward by default,
+#: :func:`halo.replicated.check_every`), so a sync that only that check makes is among them
+STEADY_STEPS = 16
+
+
+def steady_steps(step: Callable[[], None], cuda: bool, n: int = STEADY_STEPS) -> dict:
+    """``step()`` ``n`` times after the warm-up, each under :class:`halo.testing.HostWorkCounter` (reads of a tensor
+    into Python, tensors from Python data, agreements, c10d calls) and, on CUDA, ``set_sync_debug_mode("warn")``
+    with its warnings recorded per step (``"error"`` would stop at the first sync and hide the steps after it).
+    ``ok``: no step read a tensor, built one from data, or synchronised."""
+    import warnings
+
+    import torch
+
+    from halo.testing import HostWorkCounter
+
+    per_step, syncs, where = [], {}, {}
+    for i in range(1, n + 1):
+        if cuda:
+            torch.cuda.synchronize()
+        with HostWorkCounter(keep_stacks=True) as counter, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+        hits = [str(w.message)[:300] for w in caught if "synchroniz" in str(w.message).lower()]
+        if hits:
+            syncs[i] = hits[:2]
+        counts = dict(counter.counts)
+        per_step.append(counts)
+        for key in ("read", "from_data"):
+            if counts.get(key) and key not in where:
+                where[key] = {"step": i, "stacks": counter.where[key][:3]}
+    bad = [i for i, c in enumerate(per_step, 1) if c.get("read", 0) or c.get("from_data", 0)]
+    return {"ok": not bad and not syncs, "steps": n, "steps_with_host_reads": bad,
+            "cuda_syncs": syncs if cuda else NO_CUDA, "sync_debug": ("no sync" if not syncs else "synced")
+            if cuda else NO_CUDA, "per_step": per_step, "where": where}
+
+
 def check_sync_free(device: Any, grid: tuple[int, int]) -> dict:
     import torch
 
     from halo.reduce import domain_mean, sync_domain_gradients
     from halo.shard import shard
-    from halo.testing import HostWorkCounter
 
     _, model, _, manager, x, y, _ = _demo(device, torch.float32, grid)
     x, y = shard(x, group=manager.domain_group), shard(y, group=manager.domain_group)
@@ -248,24 +406,7 @@ def check_sync_free(device: Any, grid: tuple[int, int]) -> dict:
 
     for _ in range(SIZES["warm"]):
         step()
-    out: dict[str, Any] = {}
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-            out["sync_debug"] = "no sync"
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-    else:
-        out["sync_debug"] = NO_CUDA
-    with HostWorkCounter(keep_stacks=True) as counter:
-        step()
-    out["counts"] = counter.summary()
-    out["where"] = {k: v[:3] for k, v in counter.where.items() if k in ("read", "from_data")}
-    out["ok"] = counter.counts.get("read", 0) == 0 and counter.counts.get("from_data", 0) == 0
-    return out
+    return steady_steps(step, device.type == "cuda")
 
 
 def check_step_graph(device: Any, grid: tuple[int, int]) -> dict:
@@ -486,6 +627,40 @@ def rank_worker(dry: bool, out: Path) -> int:
 
     record("host group", host_group)
 
+    def torch_paths() -> dict:
+        """halo's torch-version paths, on this torch and (on a newer one) as torch 2.11 has them:
+        ``halo.comm.new_group(ranks, sort_ranks=False)`` makes ascending groups everywhere; a descending one is a
+        group whose rank 0 is global rank 1 on torch >= 2.12, and refused on every rank (before any collective)
+        on 2.11, which lacks ``sort_ranks``."""
+        from halo import comm
+
+        native = comm.HAS_SORT_RANKS
+        res: dict[str, Any] = {"torch": torch.__version__, "has_sort_ranks": native}
+        up = comm.new_group([0, 1], sort_ranks=False)
+        res["ascending"] = dist.get_group_rank(up, rank) == rank
+
+        def descending() -> str:
+            try:
+                down = comm.new_group([1, 0], sort_ranks=False)
+            except ValueError as exc:
+                return "refused" if "sort_ranks" in str(exc) else f"refused, unclear: {exc}"
+            return "made" if dist.get_group_rank(down, 1) == 0 else "made, wrong order"
+
+        res["descending"] = descending()
+        ok = res["ascending"] and res["descending"] == ("made" if native else "refused")
+        if native:  # the 2.11 path on this torch too
+            comm.HAS_SORT_RANKS = False
+            try:
+                res["descending as torch 2.11"] = descending()
+            finally:
+                comm.HAS_SORT_RANKS = native
+            ok = ok and res["descending as torch 2.11"] == "refused"
+        res["paths"] = ["torch >= 2.12", "torch 2.11 (simulated)"] if native else ["torch 2.11"]
+        res["ok"] = bool(ok)
+        return res
+
+    record("torch version paths", torch_paths)
+
     def equivalence() -> dict:
         from halo.check import boundary_reference
         from halo.tools.demo import DemoNet, make_field, pole_boundary
@@ -516,17 +691,7 @@ def rank_worker(dry: bool, out: Path) -> int:
 
         for _ in range(warm):
             step()
-        if not cuda:
-            step()
-            return {"ok": True, "sync_debug": NO_CUDA}
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        return {"ok": True, "sync_debug": "no sync"}
+        return steady_steps(step, cuda)
 
     record("sync-free step", sync_free)
 
@@ -617,7 +782,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/out")))
     parser.add_argument("--dry-run", action="store_true", help="the plumbing on the CPU, tiny sizes")
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=70.0, help="nccl2: seconds for the two ranks")
+    parser.add_argument("--timeout", type=float, help="nccl2: seconds for the two ranks (default: the part's budget "
+                        "from gpu_check.sh, GPU_CHECK_PART_BUDGET, less 10 s; else 65)")
     a = parser.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.dry_run:
@@ -627,14 +793,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.part is None:
         parser.error("--part is required")
     print(f"== gpu_check part {a.part}{' (dry run)' if a.dry_run else ''} ==", flush=True)
+    PARTIAL["path"] = a.out / f"gpu_check_{a.part}.partial.json"
     t0 = time.perf_counter()
     if a.part == "nccl2":
-        report = part_nccl2(a.dry_run, a.out, a.timeout)
+        budget = os.environ.get("GPU_CHECK_PART_BUDGET")
+        timeout = a.timeout if a.timeout is not None else (max(5.0, float(budget) - 10) if budget else 65.0)
+        report = part_nccl2(a.dry_run, a.out, timeout)
     else:
-        report = {"pack": part_pack, "step": part_step, "conv": part_conv}[a.part](a.dry_run)
+        report = {"kernels": part_kernels, "pack": part_pack, "step": part_step, "conv": part_conv}[a.part](a.dry_run)
     report["part_seconds"] = round(time.perf_counter() - t0, 1)
     report["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     _write(a.out, a.part, report)
+    PARTIAL["path"].unlink(missing_ok=True)  # (the whole report is written)
     failed = [k for k, v in _flat(report) if not v.get("ok", True)]
     print(f"== part {a.part}: {'ok' if not failed else 'FAILED: ' + ', '.join(failed)} "
           f"({report['part_seconds']} s) ==", flush=True)

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import context
+from .autocast import cast_as_torch
 from .comm import CommGroup, all_gather_object, group_by_id, group_id
 from .partition import split_sizes
 from .plans import Site, guarded_epochs, mark_whole, shard_sizes
@@ -198,6 +199,7 @@ class GroupNorm(NamedTuple):
         x, groups = args[0], _arg(args, kwargs, 1, "num_groups")
         weight, bias = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias")
         eps = _arg(args, kwargs, 4, "eps", 1e-5)
+        x = cast_as_torch("group_norm", x, weight, bias)  # torch's dtype under autocast (float32 on CUDA)
         b, c = x.shape[:2]
         xv = x.reshape(b, groups, c // groups, *x.shape[2:])
         var, mean = _var_mean(xv, tuple(range(2, xv.dim())), self.sizes, self.gid, "F.group_norm")
@@ -216,6 +218,7 @@ class InstanceNorm(NamedTuple):
         rm, rv = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
         weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
         momentum, eps = _arg(args, kwargs, 6, "momentum", 0.1), _arg(args, kwargs, 7, "eps", 1e-5)
+        x = cast_as_torch("instance_norm", x, weight, bias)  # torch's dtype under autocast
         var, mean = _var_mean(x, tuple(range(2, x.dim())), self.sizes, self.gid, "F.instance_norm")
         if rm is not None or rv is not None:  # torch: the batch mean of each instance's statistics
             count = math.prod(x.shape[2:-2]) * sum(self.sizes) * x.shape[-1]
@@ -235,6 +238,7 @@ class BatchNorm(NamedTuple):
         weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
         training = _arg(args, kwargs, 5, "training", False)
         momentum, eps = _arg(args, kwargs, 6, "momentum", 0.1), _arg(args, kwargs, 7, "eps", 1e-5)
+        x = cast_as_torch("batch_norm", x, weight, bias)  # torch's dtype under autocast
         var, mean = _var_mean(x, (0, *range(2, x.dim())), self.sizes, self.gid, "F.batch_norm")
         if training and (rm is not None or rv is not None):
             count = x.shape[0] * math.prod(x.shape[2:-2]) * sum(self.sizes) * x.shape[-1]
@@ -252,6 +256,7 @@ class LayerNorm(NamedTuple):
         x, shape = args[0], _arg(args, kwargs, 1, "normalized_shape")
         k = 1 if isinstance(shape, int) else len(tuple(shape))
         eps = _arg(args, kwargs, 4, "eps", 1e-5)
+        x = cast_as_torch("layer_norm", x)  # float32 under CUDA autocast, as torch's layer_norm (halo.autocast)
         var, mean = _var_mean(x, tuple(range(x.dim() - k, x.dim())), self.sizes, self.gid, "F.layer_norm")
         return _normalized(x, var, mean, eps).to(x.dtype)
 
@@ -269,6 +274,8 @@ class Mean(NamedTuple):
         from .reduce import accumulation_dtype, all_reduce
 
         x, dtype = args[0], kwargs.get("dtype")
+        if dtype is None:
+            x = cast_as_torch("mean", x)  # torch's dtype under autocast (the input's, on CPU and CUDA)
         acc = accumulation_dtype(dtype or x.dtype)
         local = x.sum(dim=self.dims, keepdim=self.keepdim, dtype=acc)
         out = (all_reduce(local, group=group_by_id(self.gid).group) / self.count).to(dtype or x.dtype)

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..autocast import policy_device, result_dtype
 from ..comm import CommGroup
 from ..exchange import exchanger_id, get_exchanger
 from ..geometry import conv_row_plan, conv_transpose_row_plan
@@ -302,12 +303,13 @@ def _keep_channels_last(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) 
     return y.contiguous(memory_format=fmt)
 
 
-def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` casts a conv's inputs to on ``x``'s device, ``None`` where it is off."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
+def autocast_dtype(x: torch.Tensor, op: str = "conv2d", weight: torch.Tensor | None = None) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts a conv's inputs to (asked of torch: :func:`halo.autocast.result_dtype`,
+    on the device whose policy applies), ``None`` where autocast is off there or leaves the conv alone (float64)."""
+    if not torch.is_autocast_enabled(policy_device(x)):
         return None
-    return torch.get_autocast_dtype(device)
+    dtype = result_dtype(op, x, weight)
+    return None if dtype == torch.float64 else dtype
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -386,7 +388,7 @@ class _HaloConvNd(_HaloConvMixin):
             return self._base.forward(self, x)
         unbatched = x.dim() == nd + 1
         xb = x.unsqueeze(0) if unbatched else x
-        cast = autocast_dtype(xb)
+        cast = autocast_dtype(xb, f"conv{nd}d", self.weight)
         xb = _cast(xb, cast)  # what autocast's conv would cast to, before the exchange (half the bytes)
         plan = plans[0]
         if len(plans) == 2 and all(p.patch and not p.plain and not p.rolled for p in plans) \
@@ -404,7 +406,8 @@ class _HaloConvNd(_HaloConvMixin):
             with _no_autocast(xb, cast):
                 y = _PatchConvFn.apply(self._pad_other(xb), xb.detach(), weight, bias, self, plan.ex, plan.patch)
         else:
-            y = self._conv(self._pad_other(self.exchange_axes(xb, plans), skip), self._main_padding(0, skip))
+            y = self._conv(self._pad_other(self.exchange_axes(xb, plans), skip), self._main_padding(0, skip),
+                           _cast(self.weight, cast), _cast(self.bias, cast))  # (as autocast casts them)
         return self.finish(y.squeeze(0) if unbatched else y, x)
 
     def _conv(self, x: torch.Tensor, padding: Sequence[int], weight: torch.Tensor | None = None,
@@ -547,7 +550,8 @@ class _HaloConvTransposeNd(_HaloConvMixin):
         if all(plan.plain for plan in plans):
             return self._base.forward(self, x, output_size)
         unbatched = x.dim() == nd + 1
-        xb = _cast(x.unsqueeze(0) if unbatched else x, autocast_dtype(x))  # as autocast would, before exchanging
+        cast = autocast_dtype(x, f"conv_transpose{nd}d", self.weight)
+        xb = _cast(x.unsqueeze(0) if unbatched else x, cast)  # as autocast would, before exchanging
         ext = self.exchange_axes(xb, plans)
         # An exchanged axis: no padding (the crop below takes this rank's output rows); the others (whole on this
         # rank) as torch pads them.
@@ -558,8 +562,8 @@ class _HaloConvTransposeNd(_HaloConvMixin):
             self.dilation[i], self.padding[i], self.output_padding[i], name) for i in range(nd)]
         fused = all(plan.fused for plan in plans if not plan.plain)
         fn = F.conv_transpose2d if nd == 2 else F.conv_transpose3d
-        y = fn(ext, self.weight, self.bias if fused else None, self.stride, tuple(padding), tuple(out_pad),
-               self.groups, self.dilation)
+        y = fn(ext, _cast(self.weight, cast), _cast(self.bias, cast) if fused else None, self.stride,
+               tuple(padding), tuple(out_pad), self.groups, self.dilation)
         for plan in plans:
             if not plan.plain:
                 y = _crop_rows(y, plan.t0, plan.t1, plan.dim)

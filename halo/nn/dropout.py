@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import random as hr
+from ..autocast import cast_as_torch
 from .base import HaloLayer
 from .registry import converts
 
@@ -82,6 +83,7 @@ class DomainDropout(_DomainRandom, nn.Dropout):
         if not self.training or self.p == 0.0:
             return x
         _check_tokens(self, x)
+        x = cast_as_torch("dropout", x)  # torch's dtype under autocast (halo.autocast)
         return hr.dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site, mesh=self.halo_mesh)
 
 
@@ -97,6 +99,7 @@ class _FeatureDropout(_DomainRandom):
         if not self.training or self.p == 0.0:
             return x
         batched = x.dim() != self._batched_dims - 1 or self._base is nn.Dropout2d  # torch: 3-d is (N, C, L) there
+        x = cast_as_torch("dropout", x)  # torch's dtype under autocast (halo.autocast)
         return hr.feature_dropout(x, self.p, True, self.inplace, batched=batched, group=self.group,
                                   site=self._halo_site, mesh=self.halo_mesh)
 
@@ -134,6 +137,7 @@ class DomainAlphaDropout(_DomainRandom, nn.AlphaDropout):
         if not self.training or self.p == 0.0:
             return x
         _check_tokens(self, x)
+        x = cast_as_torch("alpha_dropout", x)  # torch's dtype under autocast (halo.autocast)
         return hr.alpha_dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site,
                                 mesh=self.halo_mesh)
 
@@ -149,6 +153,7 @@ class DomainFeatureAlphaDropout(_DomainRandom, nn.FeatureAlphaDropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
+        x = cast_as_torch("alpha_dropout", x)  # torch's dtype under autocast (halo.autocast)
         return hr.alpha_dropout(x, self.p, True, self.inplace, feature=True, group=self.group,
                                 site=self._halo_site, mesh=self.halo_mesh)
 

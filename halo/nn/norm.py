@@ -38,7 +38,9 @@ graph through the statistics (about 13x less CPU time than the generic path at (
 rank DomainGroupNorm is ``F.group_norm`` itself (bitwise).
 
 In float64 a sharded layer matches the unsharded one to ~1e-15 relative: only the order of the sums differs.
-bf16/fp16 inputs: statistics and normalisation in fp32, output in the input dtype (invariant 5).
+bf16/fp16 inputs: statistics and normalisation in fp32 (invariant 5), output in the dtype torch's op returns under
+the autocast in effect (:mod:`halo.autocast`: float32 for layer_norm / group_norm under CUDA autocast, else the
+input's dtype).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .. import reroute
+from ..autocast import cast_as_torch
 from ..comm import CommGroup, comm_group, group_by_id, group_id
 from ..exchange import backward_order_token, order_after, order_communication, order_token
 from ..mesh import GroupRef, get_domain_parallel_manager
@@ -341,23 +344,6 @@ _gn_op.register_autograd(_gn_op_backward, setup_context=_gn_setup)
 order_communication(_gn_op, _gn_backward_op)  # they all-reduce: one order on every rank under torch.compile
 
 
-#: Devices whose autocast runs ``group_norm`` in float32 (CUDA, XPU, MPS; not CPU): torch registers a cast for it
-#: there, and only its float32 policy exists for a norm.
-_GN_FP32_AUTOCAST = frozenset(
-    device for device, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"), ("xpu", "AutocastXPU"),
-                               ("mps", "AutocastMPS"))
-    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::group_norm", key))
-
-
-def _autocast_group_norm(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as torch's ``group_norm`` sees it under autocast: float32 where autocast casts it (a half input gives a
-    float32 output there, as ``nn.GroupNorm``), else unchanged (CPU autocast leaves group_norm alone)."""
-    device = x.device.type
-    if device in _GN_FP32_AUTOCAST and x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(device):
-        return x.float()
-    return x
-
-
 @dataclasses.dataclass(frozen=True)
 class NormPlan:
     """Every rank's H extent and the domain group (by :func:`halo.comm.group_id`), as a norm call needs them;
@@ -477,9 +463,11 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
             raise ValueError(f"DomainGroupNorm: expected (B, C, ..., H_local, W), got shape {tuple(x.shape)}")
         if x.shape[1] != self.num_channels:
             raise ValueError(f"DomainGroupNorm: expected {self.num_channels} channels, got shape {tuple(x.shape)}")
+        # in the dtype torch's group_norm computes in under the autocast in effect (float32 on CUDA: halo.autocast)
+        x = cast_as_torch("group_norm", x, self.weight, self.bias)
         if plan.size == 1:  # the whole domain is local: torch's kernel, bitwise
             return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
-        return _group_norm(_autocast_group_norm(x), self.num_groups, self.weight, self.bias, self.eps, plan)[0]
+        return _group_norm(x, self.num_groups, self.weight, self.bias, self.eps, plan)[0]
 
 
 @converts(nn.BatchNorm2d, axes=2, takes=("group", "dp_group", "mesh"))
@@ -531,6 +519,7 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
         if not batch_stats:  # elementwise with the running statistics: exactly torch's kernel, no communication
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
         plan = _plan(self, x, "DomainBatchNorm2d")
+        x = cast_as_torch("batch_norm", x, self.weight, self.bias)  # torch's dtype under autocast (halo.autocast)
         sizes = plan.sizes
         if x.shape[1] != self.num_features:
             raise ValueError(f"DomainBatchNorm2d: expected {self.num_features} channels, got shape {tuple(x.shape)}")
@@ -584,6 +573,7 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
         if count <= 1:
             raise ValueError(f"Expected more than 1 spatial element when training, got {count} over the whole "
                              f"domain (input shape {tuple(x.shape)})")
+        x = cast_as_torch("instance_norm", x, self.weight, self.bias)  # torch's dtype under autocast
         y, mean, var = _group_norm(x, x.shape[1], self.weight, self.bias, self.eps, plan)
         if self.training and self.track_running_stats:
             factor = self.momentum if self.momentum is not None else 0.0
@@ -611,6 +601,8 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         shape = tuple(self.normalized_shape)
         plan = _plan(self, x, "DomainLayerNorm")
+        # float32 under CUDA autocast, as torch's layer_norm (it returned bf16 here: silently different on a GPU)
+        x = cast_as_torch("layer_norm", x, self.weight, self.bias)
         if x.dim() < k:
             raise ValueError(f"DomainLayerNorm: input of shape {tuple(x.shape)} has fewer dims than "
                              f"normalized_shape {shape}")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..autocast import cast_as_torch
 from ..comm import CommGroup
 from ..exchange import exchanger_id
 from ..geometry import check_output_rows, pad_needs
@@ -112,6 +113,7 @@ def _pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str, val
     along it); an axis that is not sharded (W on latitude rows, or one rank along an axis) is padded as torch does.
     A constant's value fills the padding rows and columns in one ``F.pad`` at the end."""
     left, right, top, bottom = (int(p) for p in padding)
+    x = cast_as_torch("pad", x)  # torch's dtype under autocast (halo.autocast)
     plans = run_axes(x, op, _pad_axis, (boundary, op), group=group, mesh=mesh, site=site,
                      per_axis=((top, bottom), (left, right)))
     if len(plans) > 1 and x.dim() != 4:  # a mesh block; after the agreement (the number of dims is agreed)

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.utils import _pair, _triple
 
+from ..autocast import cast_as_torch
 from ..comm import CommGroup, comm_group
 from ..exchange import exchanger_id, like_format
 from ..geometry import adaptive_plan, adaptive_starts_ends, check_output_rows, widen_plan, window_plan
@@ -202,6 +203,7 @@ class HaloMaxPool2d(HaloLayer, nn.MaxPool2d):
 
     def forward(self, x: torch.Tensor):
         op = "HaloMaxPool2d"
+        x = cast_as_torch("max_pool2d", x)  # torch's dtype under autocast (halo.autocast)
         k, s, p, d = (_pair(a)[0] for a in (self.kernel_size, self.stride, self.padding, self.dilation))
         args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
         detail = f", kernel {k}, stride {s}, padding {p}, dilation {d}, ceil_mode={self.ceil_mode}"
@@ -242,6 +244,7 @@ class HaloAvgPool2d(HaloLayer, nn.AvgPool2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = "HaloAvgPool2d"
+        x = cast_as_torch("avg_pool2d", x)  # torch's dtype under autocast (halo.autocast)
         k, s, p = (_pair(a)[0] for a in (self.kernel_size, self.stride, self.padding))
         args = (self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
                 self.divisor_override)
@@ -296,6 +299,7 @@ class HaloMaxPool3d(HaloLayer, nn.MaxPool3d):
 
     def forward(self, x: torch.Tensor):
         op = "HaloMaxPool3d"
+        x = cast_as_torch("max_pool3d", x)  # torch's dtype under autocast (halo.autocast)
         k, s, p, d = geometry = _h_geometry(self.kernel_size, self.stride, self.padding, self.dilation)
         args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
         detail = f", kernel {k}, stride {s}, padding {p}, dilation {d} along H, ceil_mode={self.ceil_mode}"
@@ -332,6 +336,7 @@ class HaloAvgPool3d(HaloLayer, nn.AvgPool3d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = "HaloAvgPool3d"
+        x = cast_as_torch("avg_pool3d", x)  # torch's dtype under autocast (halo.autocast)
         k, s, p, _ = geometry = _h_geometry(self.kernel_size, self.stride, self.padding)
         args = (self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
                 self.divisor_override)
@@ -555,6 +560,7 @@ def adaptive_pool(x: torch.Tensor, output_size, group: Any | None, op: str, is_m
                   site: Site | None = None):
     """An adaptive average or max pool of the global field on its H-shards (the functions below, area upsampling)."""
     kind = "adaptive_max" if is_max else "adaptive_avg"
+    x = cast_as_torch(f"{kind}_pool2d", x)  # torch's dtype under autocast (halo.autocast)
     plans = run_axes(x, op, _adaptive_axis_plan, (op, kind, tuple(x.shape), _size_arg(output_size)), group=group,
                      site=site)
     return _adaptive(x, plans, group, output_size, op, is_max, return_indices)
@@ -585,6 +591,7 @@ class _AdaptivePool(HaloLayer):
     def forward(self, x: torch.Tensor):
         op = type(self).__name__
         kind = "adaptive_max" if self._is_max else "adaptive_avg"
+        x = cast_as_torch(f"{kind}_pool2d", x)  # torch's dtype under autocast (halo.autocast)
         plans = self.axis_plans(x, op, _adaptive_axis_plan, (op, kind, tuple(x.shape), _size_arg(self.output_size)))
         return _adaptive(x, plans, self.domain_group, self.output_size, op, self._is_max,
                          getattr(self, "return_indices", False))
@@ -651,6 +658,7 @@ class HaloLPPool2d(nn.LPPool2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = float(self.norm_type)
+        x = cast_as_torch("lp_pool2d", x, norm_type=p)  # float32 under CUDA autocast (its pow), as torch's
         if p == math.inf:
             return self._halo_inner(x.abs())
         if p == -math.inf:

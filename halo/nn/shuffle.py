@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..autocast import cast_as_torch
 from ..comm import CommGroup
 from ..exchange import exchanger_id
 from ..geometry import check_output_rows, shuffle_needs
@@ -80,7 +81,7 @@ class HaloPixelShuffle(HaloLayer, nn.PixelShuffle):
         self.halo_init(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _run(self, x, self.upscale_factor, True, "HaloPixelShuffle")
+        return _run(self, cast_as_torch("pixel_shuffle", x), self.upscale_factor, True, "HaloPixelShuffle")
 
 
 @converts(nn.PixelUnshuffle, axes=2)
@@ -92,4 +93,4 @@ class HaloPixelUnshuffle(HaloLayer, nn.PixelUnshuffle):
         self.halo_init(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _run(self, x, self.downscale_factor, False, "HaloPixelUnshuffle")
+        return _run(self, cast_as_torch("pixel_unshuffle", x), self.downscale_factor, False, "HaloPixelUnshuffle")

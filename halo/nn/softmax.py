@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..autocast import cast_as_torch
 from .base import HaloLayer
 from .registry import converts
 
@@ -54,7 +55,7 @@ class DomainSoftmax(HaloLayer, nn.Softmax):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check(self, x)
-        return super().forward(x)
+        return super().forward(cast_as_torch("softmax", x))  # float32 under CUDA autocast: the same values
 
 
 @converts(nn.LogSoftmax, takes=())
@@ -68,4 +69,4 @@ class DomainLogSoftmax(HaloLayer, nn.LogSoftmax):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check(self, x)
-        return super().forward(x)
+        return super().forward(cast_as_torch("log_softmax", x))

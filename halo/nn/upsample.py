@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import reroute
+from ..autocast import cast_as_torch
 from ..comm import CommGroup
 from ..exchange import exchanger_id
 from ..geometry import adaptive_plan, adaptive_starts_ends, check_output_rows
@@ -441,6 +442,7 @@ def _resize(x: torch.Tensor, size: Any, scale_factor: Any, mode: str, align_corn
     if antialias:
         raise NotImplementedError(f"{op}: antialias=True is not implemented (its windows widen with the "
                                   f"downsampling factor); use antialias=False")
+    x = cast_as_torch("interpolate", x, mode=mode)  # float32 under CUDA autocast but for 'area' (halo.autocast)
     size_arg = tuple(size) if isinstance(size, list) else size
     scale_arg = tuple(scale_factor) if isinstance(scale_factor, list) else scale_factor
     args = (size_arg, scale_arg, mode, align_corners, recompute_scale_factor)

@@ -100,7 +100,8 @@ def mesh_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     for name, step in names.items():
         with Traffic() as traffic:
             step()
-        total = torch.tensor([float(traffic.bytes_sent)], dtype=torch.float64)
+        # on the default group's own device: NCCL reduces device tensors only (gloo's CPU tensor on a CPU run)
+        total = torch.tensor([float(traffic.bytes_sent)], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         sent[name] = float(total)
     field_bytes = field.numel() * field.element_size()
