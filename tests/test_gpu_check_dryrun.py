@@ -2,10 +2,9 @@
 under the same bounds as on the device, so that the first GPU run does not spend its minutes on a typo.
 
 What the device's runner keeps is checked as it keeps it: three files under $OUT (one archive with every part's
-report and log, the summary, the jsonl), the whole script inside its 6.5-minute bound, every part run. Where a check
-finds a real problem the dry run reports it as the GPU run would: until the replicated-state check stops reading its
-checksum on the host (issue 33, item 2), the 16-step sync-free check on 2 ranks finds that read every 8th step, and
-this test accepts exactly that finding (two steps, 8 apart, the read in halo/replicated.py) and nothing else.
+report and log, the summary, the jsonl), the whole script inside its 6.5-minute bound, every part run. Every part
+passes: the 16-step sync-free check on 2 ranks covers the every-8th replicated-state check (its checksum is read a
+check later, never waited for: issue 33 item 2), so a host read in any of the 16 steps fails it.
 """
 
 from __future__ import annotations
@@ -27,13 +26,6 @@ PARTS = ["install", "env", "kernels", "pack", "step", "nccl2", "conv"]
 pytestmark = pytest.mark.timeout(BOUND + 120)
 
 
-def _replicated_read(check: dict) -> bool:
-    """The sync-free check failed only on the every-8th replicated-state check's host read."""
-    steps = check["steps_with_host_reads"]
-    return (not check["ok"] and len(steps) == 2 and steps[1] - steps[0] == 8
-            and "replicated.py" in check["where"]["read"]["stacks"][0])
-
-
 def test_gpu_check_dry_run(tmp_path):
     out, work = tmp_path / "out", tmp_path / "tmp"
     out.mkdir()
@@ -51,8 +43,8 @@ def test_gpu_check_dry_run(tmp_path):
     verdicts = {line.split()[0]: line.split()[1] for line in summary}
     assert list(verdicts) == PARTS, log
     failed = {k for k, v in verdicts.items() if v != "ok"}
-    assert failed <= {"nccl2"}, (verdicts, log)
-    assert proc.returncode == (1 if failed else 0), log
+    assert not failed, (verdicts, log)
+    assert proc.returncode == 0, log
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
         tar.extractall(tmp_path / "results", filter="data")
     res = tmp_path / "results"
@@ -84,14 +76,10 @@ def test_gpu_check_dry_run(tmp_path):
         assert paths["ok"] and "torch 2.11 (simulated)" in paths["paths"], paths  # CI's torch is newer than 2.11
         sync_free = report["sync-free step"]
         assert sync_free["steps"] == 16 and len(sync_free["per_step"]) == 16
-        assert sync_free["ok"] == (not sync_free["steps_with_host_reads"]), sync_free
-        assert sync_free["ok"] or _replicated_read(sync_free), sync_free
+        assert sync_free["ok"] and not sync_free["steps_with_host_reads"], sync_free
         others = {k: v for k, v in report.items() if isinstance(v, dict) and k != "sync-free step"}
         assert all(v["ok"] for v in others.values()), others
-    if "nccl2" in failed:
-        assert not all(nccl2[f"rank{r}"]["sync-free step"]["ok"] for r in (0, 1)), nccl2["workers"]
-    else:
-        assert nccl2["workers"]["exit_codes"] == [0, 0]
+    assert nccl2["workers"]["exit_codes"] == [0, 0]
     assert {p.name for p in res.iterdir()} >= {f"{p}.log" for p in PARTS} | {"nccl2_rank0.log", "nccl2_rank1.log"}
 
     lines = (out / "gpu_check.jsonl").read_text().splitlines()
