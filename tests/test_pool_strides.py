@@ -72,7 +72,8 @@ def _run(rank, world, cases, form):
         (y * wy).sum().div(world).backward(retain_graph=True) if whole else \
             (y * wy[..., yo[rank]:yo[rank + 1], :]).sum().backward(retain_graph=True)
         (z * wz[..., zo[rank]:zo[rank + 1], :]).sum().backward()
-        out[(h, s)] = {"y": y.detach() if whole else halo.gather(y.detach()), "z": halo.gather(z.detach()), "grad": halo.gather(x.grad),
+        out[(h, s)] = {"y": y.detach() if whole else halo.gather(y.detach()), "z": halo.gather(z.detach()),
+                       "grad": halo.gather(x.grad),
                        "params": {n: p.grad.clone() for n, p in model.named_parameters()}}
     return out
 
