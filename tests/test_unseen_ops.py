@@ -175,3 +175,94 @@ def test_custom_function_trusted_is_exact(world):
 def test_extension_op_refused():
     outcomes = run_on_ranks_outcomes(_run, 2, "extension", True, timeout=120)
     _refused_everywhere(outcomes, "flip_rows", "not an op halo has classified")
+
+
+# -- NATTEN's own classes (0.20+: no rpb; halo's adapter matched only a class with one) -----------------------------
+
+NH, NW, NC = 11, 7, 16  # head_dim 8: what NATTEN's CPU backend (flex attention, float32) takes
+
+
+def _natten_model(kind="NeighborhoodAttention2D", **kw):
+    natten = pytest.importorskip("natten")
+    torch.manual_seed(0)
+    if kind == "NeighborhoodAttention2D":
+        kw.setdefault("kernel_size", 3)
+        kw.setdefault("dilation", 2)
+    return getattr(natten, kind)(embed_dim=NC, num_heads=2, **kw)
+
+
+def _natten_input(dtype):
+    return torch.randn(2, NH, NW, NC, dtype=dtype, generator=torch.Generator().manual_seed(5))
+
+
+def _natten_run(rank, world, dtype):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, world)
+    model = convert_to_domain_parallel(nn.Sequential(_natten_model().to(dtype)), manager)
+    offs = split_offsets(NH, world)
+    x = _natten_input(dtype)[:, offs[rank]:offs[rank + 1]].clone().requires_grad_(dtype == torch.float64)
+    y = model(x)
+    out = {"type": type(model[0]).__name__, "keys": sorted(model[0].state_dict())}
+    if dtype != torch.float64:
+        return {**out, "out": halo.gather(y.detach(), dim=1)}
+    wts = torch.randn(y.shape[:1] + (NH,) + y.shape[2:], dtype=dtype, generator=torch.Generator().manual_seed(6))
+    (y * wts[:, offs[rank]:offs[rank + 1]]).sum().backward()
+    return {**out, "out": halo.gather(y.detach(), dim=1), "grad": halo.gather(x.grad, dim=1),
+            "params": {n: p.grad.clone() for n, p in model[0].named_parameters()}}
+
+
+def _natten_reference(model, x):
+    """NATTEN's NeighborhoodAttention2D.forward (0.21) with NATTEN's window rules (halo's reference of them)."""
+    from halo.nn.neighborhood import neighborhood_attention_reference
+
+    b, h, w, c = x.shape
+    qkv = model.qkv(x).reshape(b, h, w, 3, model.num_heads, model.head_dim).permute(3, 0, 4, 1, 2, 5)
+    y = neighborhood_attention_reference(qkv[0], qkv[1], qkv[2], model.kernel_size, model.dilation,
+                                         scale=model.scale)
+    return model.proj(y.permute(0, 2, 3, 1, 4).reshape(b, h, w, c))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_natten_021_class_converts_exactly(world):
+    """NATTEN 0.21's own class converts (state dict unchanged) and matches, float64 forward, input and parameter
+    gradients, NATTEN's semantics on the whole field; in float32 (NATTEN's CPU backend) NATTEN's own forward."""
+    model = _natten_model()
+    assert not hasattr(model, "rpb")  # 0.20+: the class the old adapter missed
+    results = run_on_ranks(_natten_run, world, torch.float64, timeout=180)
+    ref = _natten_model().double()
+    x = _natten_input(torch.float64).requires_grad_(True)
+    y = _natten_reference(ref, x)
+    wts = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    (y * wts).sum().backward()
+    for r in results:
+        assert r["type"] == "DomainNeighborhoodAttention2D" and r["keys"] == sorted(ref.state_dict()), r["type"]
+        assert torch.allclose(r["out"], y.detach(), rtol=0, atol=1e-12), (r["out"] - y).abs().max()
+        assert torch.allclose(r["grad"], x.grad, rtol=0, atol=1e-12), (r["grad"] - x.grad).abs().max()
+    for n, p in ref.named_parameters():
+        assert torch.allclose(sum(r["params"][n] for r in results), p.grad, rtol=0, atol=1e-11), n
+    with torch.no_grad():  # NATTEN itself, unsharded (its CPU backend: float32, no backward)
+        own = _natten_model()(_natten_input(torch.float32))
+    for r in run_on_ranks(_natten_run, world, torch.float32, timeout=180):
+        assert torch.allclose(r["out"], own, rtol=0, atol=1e-5), (r["out"] - own).abs().max()
+
+
+def _natten_refused(rank, world, kind, kw):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, world)
+    convert_to_domain_parallel(nn.Sequential(_natten_model(kind, **kw)), manager)
+
+
+@pytest.mark.parametrize("kind, kw, words", [
+    ("NeighborhoodAttention1D", {"kernel_size": 3}, "NeighborhoodAttention1D (a 1D neighbourhood)"),
+    ("NeighborhoodAttention3D", {"kernel_size": 3}, "NeighborhoodAttention3D (a 3D neighbourhood)"),
+    ("NeighborhoodAttention2D", {"stride": 2}, "strided neighbourhoods (stride=(2, 2))"),
+    ("NeighborhoodAttention2D", {"is_causal": True}, "causal neighbourhoods"),
+])
+def test_natten_classes_without_a_form_are_refused_by_name(kind, kw, words):
+    outcomes = run_on_ranks_outcomes(_natten_refused, 2, kind, kw, timeout=60)
+    first = _refused_everywhere(outcomes, f"natten.modules.{kind}", words)
+    assert "halo.gather" in first
