@@ -41,6 +41,14 @@ a pointwise op on two fields or more                   their shards hold differe
                                                        differently), or one has 1 row on some ranks and more on
                                                        others (its 1-row shard broadcasts over a field's rows; a
                                                        tensor of 1 row on every rank broadcasts, as a bias)
+``torch.ops.<ns>.<op>`` (extension, custom ops)        given a field from user code (unclassified, as below)
+``torch.nn.attention.flex_attention``, higher-order    given a field from user code: torch compiles their body into
+ops (``torch._higher_order_ops``)                      one op the guard cannot see (a HOP that torch's own compiled
+                                                       code runs on a field: at the next eager op or the call's end)
+a custom ``torch.autograd.Function``                   applied to a field (an output of 3 dims or more) with a graph:
+                                                       its backward is code halo cannot check (found after the call,
+                                                       walking the call's autograd graph; halo's and torch's own
+                                                       Functions and ``trusted()`` blocks pass)
 *anything else*                                        always (default deny: an op halo has not classified)
 =====================================================  ===========================================================
 
@@ -76,8 +84,9 @@ checked op is agreed on by the ranks (one small host all-gather), only during th
 model runs without the guard, at no cost but for the modules with sites computed exactly (above). An allowlisted op
 on one field passes by its name alone, with no agreement; on two fields or more it is agreed on (are they split
 alike).
-What it cannot see :func:`halo.check_equivalence` catches by comparing with the unsharded model: a custom autograd
-Function's insides, numpy, ops run under ``torch._C.DisableTorchFunction``, and above all *values derived from a
+What it cannot see :func:`halo.check_equivalence` catches by comparing with the unsharded model: numpy, ops run
+under ``torch._C.DisableTorchFunction``, a model compiled by the user (only an eager first call is guarded), and
+above all *values derived from a
 shard's shape*: ``torch.linspace(-1, 1, x.shape[-2])`` or ``torch.arange(h)`` builds coordinates from this rank's
 row count, and a function mode sees only the ints it is given (a tensor made from them is not a field; later
 arithmetic with fields is pointwise), so such code runs, per rank, silently wrong; a shape decision taken before
