@@ -266,3 +266,37 @@ def test_natten_classes_without_a_form_are_refused_by_name(kind, kw, words):
     outcomes = run_on_ranks_outcomes(_natten_refused, 2, kind, kw, timeout=60)
     first = _refused_everywhere(outcomes, f"natten.modules.{kind}", words)
     assert "halo.gather" in first
+
+
+class Na2d(nn.Module):
+    """NATTEN's functional ``na2d`` in a model's own forward (no module halo could convert): on CPU NATTEN runs it
+    with torch's flex_attention, over the shard's rows only."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(NC, 3 * NC)
+
+    def forward(self, x):
+        from natten.functional import na2d
+
+        b, h, w, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, h, w, 3, 2, NC // 2).unbind(3)
+        return na2d(q, k, v, kernel_size=3).reshape(b, h, w, NC)
+
+
+def _na2d(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(Na2d(), manager)
+    offs = split_offsets(NH, world)
+    with torch.no_grad():  # (NATTEN's CPU backend: float32, no backward)
+        return model(_natten_input(torch.float32)[:, offs[rank]:offs[rank + 1]].contiguous())
+
+
+def test_natten_na2d_in_a_forward_refused():
+    pytest.importorskip("natten")
+    outcomes = run_on_ranks_outcomes(_na2d, 2, timeout=120)
+    _refused_everywhere(outcomes, "torch.nn.attention.flex_attention")
