@@ -144,7 +144,7 @@ def _unknown(path: str, kind: type, own: list[str], children: bool = False, inne
     return f"{path} ({_name(kind)}) {what}. {pointwise}{rest}"
 
 
-_SHAPE = re.compile(r"\.shape\b|\.size\(|\bspatial_dims\b")
+_SHAPE = re.compile(r"\.shape\b|\.size\(")
 
 
 def _reads_shape(kind: type) -> str | None:
