@@ -43,7 +43,10 @@ What it handles (the models users have):
   means it was made before, by code in the parent's ``forward`` between its child modules (a functional op the
   guard cannot see), and the report says so, naming the parent.
 - **Buffers after the step**: BatchNorm's running statistics (and every buffer both copies have) are compared
-  after the forward, as the sharded copy holds them (replicated state is checked, not assumed).
+  after the forward, as the sharded copy holds them (replicated state is checked, not assumed), within ``rtol x``
+  the scale of their module's inputs and outputs (a running mean that is 0 in exact arithmetic is rounding).
+- **Layers halo folds together**: a halo layer marked ``_halo_check = "children"`` (timm's ``SelectAdaptivePool2d``,
+  whose flatten halo folds into its global pool) is compared by its own output only, not by its submodules'.
 
 Every rank gets the same report: comparisons use gathered tensors, and each error is the maximum over the ranks.
 ``halo check MODULE:FACTORY --shape B,C,H,W`` runs it from the command line (:mod:`halo.tools.check`;
@@ -313,11 +316,18 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
             bounded_all_reduce(g, cg, "check_equivalence (parameter gradients)")
         pending.append(Pending(f"gradient of {name}", g, q.grad, grad_floor(name, maxima), rtol))
 
-    # Buffers after the step (BatchNorm's running statistics: replicated state, checked, not assumed).
+    # Buffers after the step (BatchNorm's running statistics: replicated state, checked, not assumed), within rtol of
+    # the scale of what produced them: their module's first call's inputs and outputs (a running mean that is 0 in
+    # exact arithmetic, a BatchNorm's after another's, is ~1e-18 of rounding: not relative to itself).
+    scales: dict[str, float] = {}
+    for _, r, _ in pairs:
+        if r.name not in scales:
+            scales[r.name] = max_abs(r.outs + r.ins)
     for i, (name, want) in enumerate(buffers):
         lay = layout_of(want, 4, 0, i)
         got = None if lay[0] == "bad" else gather_or_none(par_buffers[name], lay, group, mesh)
-        pending.append(Pending(f"buffer {name} after the step", got, want, 0.0, rtol,
+        owner = name.rpartition(".")[0] or "(model)"
+        pending.append(Pending(f"buffer {name} after the step", got, want, scales.get(owner, 0.0), rtol,
                                 lay[1] if lay[0] == "bad" else ""))
 
     agree_errors(pending, cg, device)

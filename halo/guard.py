@@ -41,6 +41,14 @@ a pointwise op on two fields or more                   their shards hold differe
                                                        differently), or one has 1 row on some ranks and more on
                                                        others (its 1-row shard broadcasts over a field's rows; a
                                                        tensor of 1 row on every rank broadcasts, as a bias)
+``torch.ops.<ns>.<op>`` (extension, custom ops)        given a field from user code (unclassified, as below)
+``torch.nn.attention.flex_attention``, higher-order    given a field from user code: torch compiles their body into
+ops (``torch._higher_order_ops``)                      one op the guard cannot see (a HOP that torch's own compiled
+                                                       code runs on a field: at the next eager op or the call's end)
+a custom ``torch.autograd.Function``                   applied to a field (an output of 3 dims or more) with a graph:
+                                                       its backward is code halo cannot check (found after the call,
+                                                       walking the call's autograd graph; halo's and torch's own
+                                                       Functions and ``trusted()`` blocks pass)
 *anything else*                                        always (default deny: an op halo has not classified)
 =====================================================  ===========================================================
 
@@ -76,8 +84,9 @@ checked op is agreed on by the ranks (one small host all-gather), only during th
 model runs without the guard, at no cost but for the modules with sites computed exactly (above). An allowlisted op
 on one field passes by its name alone, with no agreement; on two fields or more it is agreed on (are they split
 alike).
-What it cannot see :func:`halo.check_equivalence` catches by comparing with the unsharded model: a custom autograd
-Function's insides, numpy, ops run under ``torch._C.DisableTorchFunction``, and above all *values derived from a
+What it cannot see :func:`halo.check_equivalence` catches by comparing with the unsharded model: numpy, ops run
+under ``torch._C.DisableTorchFunction``, a model compiled by the user (only an eager first call is guarded), and
+above all *values derived from a
 shard's shape*: ``torch.linspace(-1, 1, x.shape[-2])`` or ``torch.arange(h)`` builds coordinates from this rank's
 row count, and a function mode sees only the ints it is given (a tensor made from them is not a field; later
 arithmetic with fields is pointwise), so such code runs, per rank, silently wrong; a shape decision taken before
@@ -88,12 +97,14 @@ input) can be marked ``with halo.guard.trusted():``.
 
 from __future__ import annotations
 
+import os
 import sys
 import zlib
 from typing import Any
 
 import numpy as np
 import torch
+from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode
 
 from . import reroute
@@ -130,7 +141,7 @@ from .guard_rules import (
     torch_raised,
     whole_interpolate_rule,
 )
-from .plans import TensorMap, use_guard, whole_source
+from .plans import TensorMap, state, use_guard, whole_source
 from .reroute import user_frame
 
 __all__ = ["PASS", "RULES", "SPECIAL", "SpatialGuard", "place", "trusted"]
@@ -145,10 +156,53 @@ class trusted:  # noqa: N801 - a context manager, named like one
 
     def __enter__(self) -> trusted:
         reroute.state().trusted += 1
+        guard = state().guard
+        self._start = _sequence_nr() if guard is not None and not guard.off else None
         return self
 
     def __exit__(self, *exc: Any) -> None:
         reroute.state().trusted -= 1
+        guard = state().guard
+        if self._start is not None and guard is not None:  # autograd nodes made in here are trusted too
+            guard.trusted_nodes.append((self._start, _sequence_nr()))
+
+
+def _sequence_nr() -> int | None:
+    """The autograd sequence number the next node made on this thread gets (``None``: no graph is recorded, as in
+    inference mode): where the guarded call's graph begins, and a trusted block's nodes."""
+    try:
+        with torch._C.DisableTorchFunction(), torch.enable_grad():
+            node = (torch.zeros((), requires_grad=True) * 1).grad_fn
+    except RuntimeError:  # (inference mode)
+        return None
+    return None if node is None else node._sequence_nr() + 1
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HALO_DIR = os.path.dirname(os.path.abspath(__file__))
+#: torch's own code that computes on what it is given where the guard cannot classify it: a function mode sees
+#: only the metadata reads and small tensors it makes, the computation runs in a higher-order op compiled inside
+#: (and the guard passes over torch's frames). A field reaching it from user code is refused, naming it.
+_BLIND = ((os.path.join(_TORCH_DIR, "nn", "attention", "flex_attention.py"), "torch.nn.attention.flex_attention"),
+          (os.path.join(_TORCH_DIR, "_higher_order_ops") + os.sep, "a torch higher-order op (torch._higher_order_ops)"))
+_UNSEEN = ("computes on a field in code the guard cannot see (a higher-order op: torch compiles its body and runs "
+           "it as one op, so neither its attention, its masks nor its reductions over the sharded H are checked): "
+           "each rank would compute over its own rows only")
+
+
+def _blind(frame: Any) -> tuple[str, Any] | None:
+    """``(what, the user frame that called it)`` when ``frame`` is torch code the guard cannot see (:data:`_BLIND`)
+    called from user code (not from halo's own layers)."""
+    name = frame.f_code.co_filename
+    what = next((w for prefix, w in _BLIND if name.startswith(prefix)), None)
+    if what is None:
+        return None
+    f = frame
+    while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
+        f = f.f_back
+    if f is None or f.f_code.co_filename.startswith(_HALO_DIR):
+        return None
+    return what, f
 
 
 class SpatialGuard(Follower, Marks, TorchFunctionMode):
@@ -167,8 +221,13 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         self.recorder = reroute.Recorder(cg)  # the calls computed exactly (halo.reroute), by site
         self.sized = reroute.SizeTable()
         self._hook: Any = None
+        self.hops: list[str] = []  # higher-order ops run on fields inside torch's own compiled code (refused)
+        self.trusted_nodes: list[tuple[int, int]] = []  # autograd sequence numbers made in trusted blocks
+        self.first_node: int | None = None  # the guarded call's first autograd node
 
     def __enter__(self) -> SpatialGuard:
+        if not self.off:
+            self.first_node = _sequence_nr()
         if not self.off:  # a halo layer must not take a whole mean computed here for a shard
             self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 lambda module, args: reroute.refuse_whole_mean(module, args, self.names))
@@ -185,9 +244,25 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.off or torch.compiler.is_compiling():
+        if self.off:
+            return func(*args, **kwargs)
+        if torch.compiler.is_compiling():  # torch's own code compiled inside the guarded call (flex_attention)
+            if isinstance(func, HigherOrderOperator) and any(
+                    isinstance(a, torch.Tensor) and a.dim() >= 3 for a in (*args, *kwargs.values())):
+                self.hops.append(func._name)  # (a side effect dynamo replays; refused at the next eager op)
             return func(*args, **kwargs)
         trusted = reroute.state().trusted
+        if self.hops:
+            self._refuse_hops(func, sys._getframe(1))
+        if not trusted:
+            blind = _blind(sys._getframe(1))
+            if blind is not None and self._any_field(args, kwargs):
+                what, at = blind
+                note = self._verdict(func, f"{_UNSEEN}; attention over all tokens needs a halo attention layer "
+                                     "(window or neighbourhood attention: halo.nn) or a gather first", at,
+                                     checked=False)
+                if note is not None:
+                    raise ValueError(refusal_message((note[0], note[1], note[2], what)))
         if self.tainted._items:
             hooked = self._check_taint(func, args, kwargs)
             if hooked is not None:
@@ -360,7 +435,61 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             message = self.tainted.get(t) if isinstance(t, torch.Tensor) else None
             if message is not None:
                 raise ValueError(flows_message(message))
+        if not self.off:
+            if self.hops:
+                self._refuse_hops(None, None)
+            self._refuse_functions([t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)])
         reroute.install(self.recorder, self.epoch, self.names, root)  # later calls of this epoch compute them alike
+
+    def _refuse_hops(self, func, frame) -> None:
+        """A higher-order op ran on a field inside torch's compiled code (the guard saw it only while dynamo traced
+        it): refused on every rank (each rank traced the same code), at the next eager op or the call's end."""
+        name = ", ".join(dict.fromkeys(self.hops))
+        self.hops.clear()
+        text = f"{_UNSEEN}; compute it with a module halo converts, or gather first"
+        if frame is None:
+            self._agree_refusal(f"the higher-order op {name} (run by torch's own code in the model's forward): {text}")
+            return
+        at = user_frame(3) or frame
+        note = self._verdict(func, text, at, checked=False)
+        if note is not None:
+            raise ValueError(refusal_message((note[0], note[1], note[2], f"the higher-order op {name}")))
+
+    def _refuse_functions(self, outputs: list[torch.Tensor]) -> None:
+        """After the guarded call: walk its autograd graph from the outputs (the nodes it made, from
+        :attr:`first_node` on) and refuse a custom ``torch.autograd.Function`` applied to a field (an output of
+        3 dims or more), on every rank: the guard saw the ops of its forward, but its backward is code halo cannot
+        check. halo's and torch's own Functions pass (the exchanges, checkpointing), as do nodes made in
+        ``with halo.guard.trusted():``. (Without a graph, as in inference, only the forward runs: the guard
+        checked its ops.)"""
+        found = None
+        if self.first_node is not None:
+            first, seen = self.first_node, set()
+            stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+            while stack and found is None:
+                node = stack.pop()
+                if node is None or node in seen:
+                    continue
+                seen.add(node)
+                nr = node._sequence_nr()
+                if nr < first:  # made before the call (its input's history)
+                    continue
+                if isinstance(node, torch.autograd.function.BackwardCFunction) \
+                        and not any(a <= nr < b for a, b in self.trusted_nodes):
+                    found = _custom_function(node)
+                stack.extend(n for n, _ in node.next_functions)
+        self._agree_refusal(found)
+
+    def _agree_refusal(self, problem: str | None) -> None:
+        """Every rank at the end of the guarded call: raise the first rank's ``problem`` on all of them."""
+        table = gather_words([_AGREE, 2, 1 if problem else 0], self.cg, "halo guard (the call's graph)") \
+            if self.cg.size > 1 else np.array([[_AGREE, 2, 1 if problem else 0]])
+        if not table[:, 2].any():
+            return
+        notes = all_gather_object(problem, self.cg) if self.cg.size > 1 else [problem]
+        r, text = next((r, n) for r, n in enumerate(notes) if n)
+        raise ValueError(f"{text}. halo refuses it on every rank (seen on domain rank {r}) rather than compute each "
+                         f"shard on its own: the converted model would silently differ from the unsharded one")
 
     def _verdict(self, func, problem: str | None, frame, checked: bool = True,
                  rows: list[int] | None = None) -> tuple[int, str, str, str] | None:
@@ -392,6 +521,29 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 + "): code that branches on the size of its shard computes something else on each rank")
         r, (text, at, name, _) = next((r, n) for r, n in enumerate(notes) if n[0])
         return r, text, at, name
+
+
+def _custom_function(node: Any) -> str | None:
+    """The refusal of a custom ``autograd.Function``'s node, or ``None``: halo's or torch's own, or not on a field."""
+    cls = getattr(node, "_forward_cls", None)
+    module = getattr(cls, "__module__", "") or ""
+    if module.split(".")[0] in ("halo", "torch"):
+        return None
+    meta = getattr(node, "_input_metadata", None)
+    if meta is not None and all(len(m.shape) < 3 for m in meta):  # its outputs are no fields (parameters, scalars)
+        return None
+    name = getattr(cls, "__qualname__", type(node).__name__)
+    try:
+        import inspect
+
+        at = f" (defined at {os.path.basename(inspect.getsourcefile(cls))}:{inspect.getsourcelines(cls)[1]})"
+    except (OSError, TypeError):
+        at = ""
+    return (f"the custom torch.autograd.Function {module}.{name}{at}, applied to a field in the model's forward: "
+            f"the guard checked the ops of its forward, but not its backward, which is code of its own that halo "
+            f"cannot see (it may mix the sharded rows H); compute it with torch ops or a module halo converts, or, "
+            f"if its forward and backward act on each row of H on their own, call it in "
+            f"`with halo.guard.trusted():`")
 
 
 use_guard(SpatialGuard)  # the planner enters it at a converted model's first call of each epoch

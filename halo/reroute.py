@@ -64,10 +64,13 @@ T = torch.Tensor
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HALO_DIRS = (os.path.dirname(os.path.abspath(__file__)),
               os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
-#: torch's files of user-facing functions and their dispatch: a call through them is the caller's.
+#: torch's files of user-facing functions and their dispatch: a call through them is the caller's. ``_ops.py`` and
+#: ``_library`` dispatch ``torch.ops.<namespace>.<op>`` (extension and custom ops): called from user code, they are
+#: the user's op (unclassified: refused on a field), not torch's own.
 _TORCH_API = tuple(os.path.join(_TORCH_DIR, *p) for p in (("overrides.py",), ("functional.py",), ("_tensor.py",),
                                                           ("nn", "functional.py"), ("_jit_internal.py",),
-                                                          ("_compile.py",), ("_dynamo",)))
+                                                          ("_compile.py",), ("_dynamo",), ("_ops.py",),
+                                                          ("_library",)))
 _MODULE_PY = os.path.join(_TORCH_DIR, "nn", "modules", "module.py")
 
 

@@ -415,8 +415,27 @@ def _bounded(work: Any, cg: Any, what: str, keep: Any, label: str | None = None)
 def all_reduce(t: torch.Tensor, cg: Any, what: str, op: Any = None) -> torch.Tensor:
     """In-place all-reduce of ``t`` over ``cg`` (``op`` default SUM) under the bounded wait; returns ``t``."""
     posted = time.monotonic()
-    work = dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=cg.group, async_op=True)
-    wait_all([work], [("the all-reduce with", (cg,))], cg, what, posted, t)
+    wire = _wire(t)
+    work = dist.all_reduce(wire, op=op if op is not None else dist.ReduceOp.SUM, group=cg.group, async_op=True)
+    wait_all([work], [("the all-reduce with", (cg,))], cg, what, posted, wire)
+    return _back(t, wire)
+
+
+def _wire(t: Any) -> Any:
+    """``t`` in the layout every rank sends: row-major contiguous. A collective reduces or copies the tensors'
+    memory element by element, so two ranks holding one logical tensor in different layouts (a channels-last part
+    on one rank, a contiguous one on another: an empty share of a global pool) would mix elements silently."""
+    return t.contiguous() if isinstance(t, torch.Tensor) and not t.is_contiguous() else t
+
+
+def _wires(ts: Any) -> Any:
+    return None if ts is None else [_wire(t) for t in ts]
+
+
+def _back(t: Any, wire: Any) -> Any:
+    """Write what a collective left in ``wire`` (the contiguous copy of ``t``) back into ``t``; returns ``t``."""
+    if wire is not t:
+        t.copy_(wire)
     return t
 
 
@@ -456,38 +475,49 @@ def wait_event(event: Any, cg: Any, what: str, posted: float, keep: Any) -> None
 def all_gather(chunks: list[torch.Tensor], t: torch.Tensor, cg: Any, what: str, *, host: bool = False) -> None:
     """Every rank's ``t`` into ``chunks`` (one per rank, group order) on ``cg``'s group (host group where
     ``host``), bounded."""
-    work = dist.all_gather(chunks, t, group=cg.host if host else cg.group, async_op=True)
-    _bounded(work, cg, what, (chunks, t))
+    wires = _wires(chunks)
+    work = dist.all_gather(wires, _wire(t), group=cg.host if host else cg.group, async_op=True)
+    _bounded(work, cg, what, (wires, t))
+    for c, w in zip(chunks, wires, strict=True):
+        _back(c, w)
 
 
 @torch._dynamo.disable  # never traced into a graph (module docstring)
 def gather(t: torch.Tensor, chunks: list[torch.Tensor] | None, cg: Any, what: str, dst: int) -> None:
     """Every rank's ``t`` into ``chunks`` on group rank ``dst`` (``None`` elsewhere), bounded."""
-    work = dist.gather(t, chunks, group=cg.group, group_dst=dst, async_op=True)
-    _bounded(work, cg, what, (t, chunks))
+    wires = _wires(chunks)
+    work = dist.gather(_wire(t), wires, group=cg.group, group_dst=dst, async_op=True)
+    _bounded(work, cg, what, (t, wires))
+    for c, w in zip(chunks or (), wires or (), strict=True):
+        _back(c, w)
 
 
 @torch._dynamo.disable  # never traced into a graph (module docstring)
 def scatter(t: torch.Tensor, chunks: list[torch.Tensor] | None, cg: Any, what: str, src: int) -> None:
     """Group rank ``src``'s ``chunks[r]`` into ``t`` on rank ``r`` (``chunks`` ``None`` off ``src``), bounded."""
-    work = dist.scatter(t, chunks, group=cg.group, group_src=src, async_op=True)
-    _bounded(work, cg, what, (chunks, t))
+    wire = _wire(t)
+    work = dist.scatter(wire, _wires(chunks), group=cg.group, group_src=src, async_op=True)
+    _bounded(work, cg, what, (chunks, wire))
+    _back(t, wire)
 
 
 @torch._dynamo.disable  # never traced into a graph (module docstring)
 def reduce_scatter(t: torch.Tensor, chunks: list[torch.Tensor], cg: Any, what: str, op: Any = None) -> None:
     """The reduction over ranks of ``chunks[r]`` into ``t`` on rank ``r`` (``op`` default SUM), bounded."""
-    work = dist.reduce_scatter(t, chunks, op=op if op is not None else dist.ReduceOp.SUM, group=cg.group,
-                               async_op=True)
-    _bounded(work, cg, what, (chunks, t))
+    wire = _wire(t)
+    work = dist.reduce_scatter(wire, _wires(chunks), op=op if op is not None else dist.ReduceOp.SUM,
+                               group=cg.group, async_op=True)
+    _bounded(work, cg, what, (chunks, wire))
+    _back(t, wire)
 
 
 @torch._dynamo.disable  # never traced into a graph (module docstring)
 def broadcast(t: torch.Tensor, cg: Any, what: str, src: int, *, host: bool = False) -> torch.Tensor:
     """Group rank ``src``'s ``t`` into ``t`` on every rank (``host``: on the host group, CPU tensors), bounded."""
-    work = dist.broadcast(t, group=cg.host if host else cg.group, group_src=src, async_op=True)
-    _bounded(work, cg, what, t)
-    return t
+    wire = _wire(t)
+    work = dist.broadcast(wire, group=cg.host if host else cg.group, group_src=src, async_op=True)
+    _bounded(work, cg, what, wire)
+    return _back(t, wire)
 
 
 @torch._dynamo.disable  # never traced into a graph (module docstring)

@@ -212,8 +212,58 @@ class Order(nn.Module):
         return self.alpha(self.conv(self.zeta(x)))
 
 
+class ZeroMeanBN(nn.Module):
+    """A BatchNorm after a BatchNorm: its batch mean, hence its running_mean, is 0 in exact arithmetic (~1e-18 in
+    float64, rounding of sums in another order on a shard): compared relative to its own value it was a false alarm
+    (issue 32)."""
+
+    def __init__(self, broken=False):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(C, affine=False)
+        self.bn2 = nn.BatchNorm2d(C)
+        self.scale = Scale(C, broken)
+
+    def forward(self, x):
+        return self.scale(self.bn2(self.bn1(self.conv(x))))
+
+
+class TimmHead(nn.Module):
+    """A timm classifier head (``ClassifierHead``: ``SelectAdaptivePool2d`` with its flatten, then ``fc``): halo
+    folds the flatten into its pool, so comparing the pool's children was a false alarm ("not called", (B, C) vs
+    (B, C, 1, 1)); the head's own output, whole on every rank, is compared."""
+
+    def __init__(self, broken=False):
+        super().__init__()
+        _thirdparty_timm()
+        from timm.layers import ClassifierHead
+
+        self.conv = nn.Conv2d(C, C, 3, padding=1)
+        self.scale = Scale(C, broken)
+        self.head = ClassifierHead(C, 5, pool_type="avg")
+
+    def forward(self, x):
+        return self.head(self.scale(self.conv(x)))
+
+
+def _thirdparty_timm():
+    import _thirdparty
+
+    _thirdparty._torchvision_schemas()  # (this environment's torchvision: its ops' schemas stand in)
+    import timm  # noqa: F401
+
+
+def _timm():
+    try:
+        _thirdparty_timm()
+    except ImportError:
+        return False
+    return True
+
+
 MODELS = {"scse": SENet, "features": Encoder, "multihead": MultiHead, "timestep": TimeBlock,
-          "bias_bn": BiasBeforeBN, "complex": ComplexNet, "functional": FunctionalBug, "order": Order}
+          "bias_bn": BiasBeforeBN, "complex": ComplexNet, "functional": FunctionalBug, "order": Order,
+          "zero_mean_bn": ZeroMeanBN, **({"timm_head": TimmHead} if _timm() else {})}
 #: leaf modules halo does not know are declared pointwise in latitude (as users do): true of the exact variants
 DECLARED = {"custom_converters": {Scale: None, ComplexGain: None, ComplexNet: INSIDE}}
 EXTRA = {"timestep": lambda: (torch.tensor([3.0, 250.0], dtype=torch.float64),)}
@@ -225,7 +275,9 @@ BROKEN_AT = {"scse": ("output of scse (SCSE)", "inside"),
              "bias_bn": ("output of scale (Scale)", "inside"),
              "complex": ("output of gain (ComplexGain)", "inside"),
              "functional": ("output of b (Conv2d)", "in the forward of (model) (FunctionalBug) before it calls b"),
-             "order": ("output of zeta (Scale)", "inside")}
+             "order": ("output of zeta (Scale)", "inside"),
+             "zero_mean_bn": ("output of scale (Scale)", "inside"),
+             "timm_head": ("output of scale (Scale)", "inside")}
 
 
 def _cases(rank, world, names):
@@ -305,6 +357,13 @@ def test_check_equivalence_on_real_model_kinds(world):
     err, scale, tol, ok = checks["gradient of conv.bias"]
     weight_scale = checks["gradient of conv.weight"][1]
     assert ok and scale < 1e-12 * weight_scale and tol >= 1e-9 * weight_scale, (err, scale, tol, weight_scale)
+    _, _, _, text, checks = results[0][("zero_mean_bn", False)]
+    err, scale, tol, ok = checks["buffer bn2.running_mean after the step"]
+    assert ok and scale < 1e-15 and tol > 1e-12, (err, scale, tol)  # its tolerance: the scale of bn2's inputs
+    if "timm_head" in MODELS:
+        _, _, _, text, checks = results[0][("timm_head", False)]
+        assert "output of head (ClassifierHead)" in checks and "output of head.global_pool.flatten (Flatten)" \
+            not in checks, text
     _, _, _, text, checks = results[0][("complex", False)]
     assert "gradient of gain.gain" in checks and checks["gradient of gain.gain"][1] > 0, text
     assert checks["output of (model) (ComplexNet) [1]"][2] == 0.0, text  # integers: exact

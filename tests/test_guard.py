@@ -203,8 +203,10 @@ class UpLocal(nn.Module):
         x1 = self.up(x1)
         if self.how == "pad_like":
             x1 = halo.nn.pad_like(x1, x2)  # one rank (or no torch.distributed): F.pad's own result
-        elif self.how == "hidden":
-            x1 = _HiddenPad.apply(x1, x2.shape[2], x2.shape[3])
+        elif self.how == "hidden":  # ops run with torch function modes off: the guard cannot see them (a custom
+            with torch._C.DisableTorchFunction():  # autograd.Function it refuses since issue 32: test_unseen_ops)
+                dy, dx = x2.shape[2] - x1.shape[2], x2.shape[3] - x1.shape[3]
+                x1 = torch.constant_pad_nd(x1, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
         else:
             x1 = _local_pad(x1, x2)
         return self.conv(torch.cat([x2, x1], dim=1))
@@ -213,22 +215,6 @@ class UpLocal(nn.Module):
 def _local_pad(x1, x2):
     dy, dx = x2.size(2) - x1.size(2), x2.size(3) - x1.size(3)
     return F.pad(x1, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
-
-
-class _HiddenPad(torch.autograd.Function):
-    """The same local pad inside a custom Function: torch function modes do not see inside it."""
-
-    @staticmethod
-    def forward(ctx, x1, h, w):
-        dy, dx = h - x1.shape[2], w - x1.shape[3]
-        ctx.pads = (dy // 2, dx // 2, x1.shape[2], x1.shape[3])
-        with torch._C.DisableTorchFunction():
-            return torch.constant_pad_nd(x1, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
-
-    @staticmethod
-    def backward(ctx, g):
-        top, left, h, w = ctx.pads
-        return g[:, :, top:top + h, left:left + w], None, None
 
 
 class UNet(nn.Module):

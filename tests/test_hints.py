@@ -275,3 +275,91 @@ def test_the_mesh_hint_for_linear_followed_on_a_field_is_refused():
         assert followed is not None and followed.startswith("linear at linear.py:"), followed
         assert "acts on W" in followed and "(in the forward of 1 (Linear))" in followed, followed
     assert results[0][1] == results[1][1]
+
+
+# -- a layer that reads the shard's shape (issue 32, item 2) ---------------------------------------------------------
+
+class Coords(nn.Module):
+    """neuraloperator's GridEmbedding2D in miniature: coordinate channels built from the input's own shape (on a
+    shard: the shard's rows, 0..1 over each rank's rows; the guard sees only ints)."""
+
+    def forward(self, x):
+        h, w = x.shape[-2:]
+        gy = torch.linspace(0, 1, h + 1, dtype=x.dtype)[:-1].view(1, 1, h, 1).expand(x.shape[0], 1, h, w)
+        return torch.cat([x[:, :-1], x[:, -1:] + gy], dim=1)
+
+
+class GlobalCoords(nn.Module):
+    """The exact form the hint points to: the same coordinates built for the global field, this rank's rows taken
+    with halo.local_rows."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, x):
+        import halo
+
+        gy = torch.linspace(0, 1, self.rows + 1, dtype=x.dtype)[:-1].view(1, 1, self.rows, 1)
+        gy = halo.local_rows(gy, x).expand(x.shape[0], 1, x.shape[-2], x.shape[-1])
+        return torch.cat([x[:, :-1], x[:, -1:] + gy], dim=1)
+
+
+def _grid_net(kind):
+    torch.manual_seed(0)
+    if kind == "coords":
+        return Net(Coords()).double()
+    from neuralop.layers.embeddings import GridEmbedding2D
+
+    net = Net(GridEmbedding2D(C))
+    net.head = nn.Conv2d(C + 2, C, 3, padding=1)
+    return net.double()
+
+
+def _shape_reader(rank, world, kind):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, world)
+    refusal = None
+    try:
+        model = convert_to_domain_parallel(_grid_net(kind), manager)
+    except ValueError as exc:
+        refusal = str(exc)
+        model = convert_to_domain_parallel(_grid_net(kind), manager,
+                                           custom_converters={Coords: lambda m, ctx: GlobalCoords(H)})
+    full, wts = _inputs()
+    offs = split_offsets(H, world)
+    x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+    y = model(x)
+    (y * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
+    grads = {n: halo.reduce.all_reduce(p.grad.clone()) for n, p in model.named_parameters()}
+    return refusal, type(model.block).__name__, halo.gather(y.detach()), halo.gather(x.grad), grads
+
+
+@pytest.mark.parametrize("kind, world", [("coords", 2), ("coords", 3), ("neuralop", 2), ("neuralop", 3)])
+def test_a_layer_reading_the_shard_shape_is_not_offered_none(kind, world):
+    """Its refusal says that it reads the shape (naming the line) and offers the exact form, never {T: None}; the
+    exact form followed is exact. neuraloperator's own GridEmbedding2D (whose refusal offered {T: None}: 0.1-0.3
+    off) converts, building the global grid's rows."""
+    if kind == "neuralop":
+        pytest.importorskip("neuralop")
+    results = run_on_ranks(_shape_reader, world, kind, timeout=180)
+    model = _grid_net(kind)
+    full, wts = _inputs()
+    x = full.clone().requires_grad_(True)
+    y = model(x)
+    (y * wts).sum().backward()
+    for refusal, block, got, grad, grads in results:
+        if kind == "coords":
+            assert refusal is not None and "reads its input's shape (at test_hints.py:" in refusal, refusal
+            assert "h, w = x.shape[-2:]" in refusal and "halo.local_rows(t, x)" in refusal, refusal
+            assert "custom_converters={Coords: fn}" in refusal, refusal
+            assert "halo does not offer it" in refusal, refusal
+            assert block == "GlobalCoords"
+        else:
+            assert refusal is None and block == "DomainGridEmbedding2D", (refusal, block)
+        assert torch.allclose(got, y.detach(), rtol=0, atol=1e-12), (got - y).abs().max()
+        assert torch.allclose(grad, x.grad, rtol=0, atol=1e-12), (grad - x.grad).abs().max()
+        for n, p in model.named_parameters():
+            assert torch.allclose(grads[n], p.grad, rtol=0, atol=1e-10), (n, (grads[n] - p.grad).abs().max())

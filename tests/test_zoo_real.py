@@ -21,6 +21,7 @@ its entry says.
 
 from __future__ import annotations
 
+import re
 import time
 import traceback
 
@@ -103,15 +104,21 @@ def _weights(shape: torch.Size, i: int) -> torch.Tensor:
     return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2 + i))
 
 
-def _one(rank: int, world: int, name: str) -> dict:
+def _one(rank: int, world: int, name: str, hint: tuple[str, str] | None = None) -> dict:
     import halo
     from halo.nn import convert_to_domain_parallel, revert_domain_parallel
 
     spec = tp.SPECS[name]
     model = _build(spec)
     keys, types = list(model.state_dict()), [type(m) for m in model.modules()]
+    converters = spec.converters()
+    if hint is not None:  # a refusal's hint, followed: {T: None} or {T: INSIDE} for the class it names
+        from halo.nn.convert import INSIDE
+
+        kind = next(type(m) for m in model.modules() if type(m).__name__ == hint[0])
+        converters = {**converters, kind: None if hint[1] == "None" else INSIDE}
     try:
-        convert_to_domain_parallel(model, custom_converters=spec.converters() or None)
+        convert_to_domain_parallel(model, custom_converters=converters or None)
     except (ValueError, TypeError, NotImplementedError) as exc:
         return {"refused": f"{type(exc).__name__}: {exc}", "at": "convert"}
     full = _input(spec, world)
@@ -359,3 +366,56 @@ def test_smp_decoder_block_outside_a_converted_decoder_refuses_a_shard_size():
     with pytest.raises(ValueError, match="outside a converted UnetDecoder"):
         halo_block(torch.randn(1, 4, 5, 6), 10, 12)
     assert isinstance(GlobalExtent(10), int)
+
+
+# -- every hint the zoo's refusals offer, followed (issue 32, item 2) --------------------------------------------------
+
+_HINT = re.compile(r"custom_converters=\{(\w+): (None|halo\.nn\.convert\.INSIDE)\}")
+
+
+def _hint_of(name: str) -> tuple[str, str] | None:
+    """The first ``{T: None}`` / ``{T: INSIDE}`` hint of the model's conversion refusal (``None``: no refusal or
+    no such hint); conversion only, nothing runs."""
+    from halo.nn import convert_to_domain_parallel
+
+    spec = tp.SPECS[name]
+    try:
+        convert_to_domain_parallel(_build(spec), custom_converters=spec.converters() or None)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        found = _HINT.search(str(exc))
+        return found.groups() if found else None
+    return None
+
+
+def _hinted(rank: int, world: int, names: list[str]) -> dict:
+    import os
+
+    import halo
+
+    os.environ["TRITON_INTERPRET"] = "0"
+    tp.load()
+    halo.initialize_domain_parallel(world, world)
+    halo.set_timeout(STEP_TIMEOUT)
+    out = {}
+    for name in names:
+        hint = _hint_of(name)
+        if hint is not None:
+            out[name] = (hint, _one(rank, world, name, hint))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_every_zoo_hint_followed_is_exact_or_refused():
+    """Each refusal's ``{T: None}`` / ``{T: INSIDE}`` hint, followed on the model that provoked it, at P=2: the
+    unsharded model's numbers or a refusal the same on every rank, never a silent difference."""
+    runs = run_on_ranks(_hinted, 2, list(tp.SPECS), timeout=600)
+    assert runs[0], "no zoo refusal offers a hint: nothing followed"
+    for name, (hint, _) in runs[0].items():
+        results = [r[name][1] for r in runs]
+        if "refused" in results[0]:
+            errors = {r.get("refused") for r in results}
+            assert len(errors) == 1, f"{name} with {hint}: ranks disagree: {errors}"
+            continue
+        assert all("refused" not in r for r in results), [r.get("refused") for r in results]
+        bad = differences(results, name, 2)
+        assert not bad, f"{name}, its hint {hint} followed, is SILENTLY different from the unsharded model: {bad}"

@@ -12,10 +12,14 @@ families keep their recognisers beside their layers (``swinv2_adapter``, ``swin_
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch import nn
 
+from ..plans import resolve
 from . import dropout, norm
+from .base import HaloLayer
 from .credit_padding import CROSSFORMER_MODULES
 from .longrange import DomainCrossFormerAttention
 from .neighborhood import DomainNeighborhoodAttention2D
@@ -25,7 +29,7 @@ from .target import ConvertContext
 from .timm_layers import timm_adapter  # timm's channel norms, activations, layer scale, Conv2dSame, heads, ...
 from .window import swin_adapter  # timm's SwinTransformerBlock, PatchMerging (v1), PatchEmbed
 
-__all__ = ["adapter"]
+__all__ = ["DomainGridEmbedding2D", "adapter"]
 
 #: what a converter is: ``fn(module, ctx)`` returning the replacement
 Converter = Callable[[nn.Module, ConvertContext], nn.Module]
@@ -42,9 +46,14 @@ def adapter(module: nn.Module) -> Converter | None:
         return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group, mesh=ctx.mesh)
     if stateless and kind.__name__ == "StochasticDepth" and hasattr(module, "p") and hasattr(module, "mode"):
         return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group, mesh=ctx.mesh)  # torchvision.ops
-    if kind.__name__ == "NeighborhoodAttention2D" and all(  # natten.NeighborhoodAttention2D (any version)
+    if kind.__name__.startswith("NeighborhoodAttention") and kind.__module__.split(".")[0] == "natten":
+        return _natten(module)
+    if kind.__name__ == "NeighborhoodAttention2D" and all(  # a copy of NATTEN < 0.20's class (with its rpb)
             hasattr(module, a) for a in ("qkv", "proj", "rpb", "num_heads", "kernel_size", "dilation", "scale")):
         return lambda m, ctx: DomainNeighborhoodAttention2D(m, group=ctx.group)
+    if kind.__name__ == "GridEmbedding2D" and kind.__module__.split(".")[0] == "neuralop" \
+            and hasattr(module, "grid_boundaries") and callable(getattr(kind, "grid", None)):
+        return _grid_embedding
     if kind.__module__.startswith(CROSSFORMER_MODULES):
         made = _crossformer_layer(module)
         if made is not None:
@@ -65,3 +74,80 @@ def _crossformer_layer(module: nn.Module) -> Converter | None:
     if kind.__name__ == "DynamicPositionBias" and hasattr(module, "layers"):  # an MLP of relative positions
         return lambda m, ctx: m
     return None
+
+
+def _natten(module: nn.Module) -> Converter:
+    """NATTEN's own classes, every version (0.14-0.21): ``NeighborhoodAttention2D`` becomes halo's
+    :class:`DomainNeighborhoodAttention2D` (exact: NATTEN's clamped windows, with its ``rpb`` before 0.20 and without
+    it from 0.20 on, where NATTEN dropped relative position biases); what halo has no form of is refused by name at
+    conversion (the same on every rank): 1-D and 3-D neighbourhoods, strided (0.20's ``stride``) and causal ones."""
+    kind = type(module)
+    name = f"{kind.__module__}.{kind.__name__}"
+    problem = None
+    if kind.__name__ != "NeighborhoodAttention2D":
+        problem = (f"halo converts NATTEN's 2-D neighbourhood attention over (B, H, W, C) only; {kind.__name__} "
+                   f"(a {kind.__name__[-2:]} neighbourhood) has no domain-parallel form in halo")
+    elif not all(hasattr(module, a) for a in ("qkv", "proj", "num_heads", "kernel_size", "dilation", "scale")):
+        problem = ("this NATTEN version's class lacks the attributes halo reads (qkv, proj, num_heads, kernel_size, "
+                   "dilation, scale)")
+    else:
+        stride = getattr(module, "stride", 1)
+        causal = getattr(module, "is_causal", False)
+        if any(s != 1 for s in (stride if isinstance(stride, (tuple, list)) else (stride,))):
+            problem = f"strided neighbourhoods (stride={tuple(stride) if isinstance(stride, list) else stride}) " \
+                      f"have no domain-parallel form in halo"
+        elif any(causal) if isinstance(causal, (tuple, list)) else causal:
+            problem = f"causal neighbourhoods (is_causal={causal}) have no domain-parallel form in halo"
+    if problem is None:
+        return lambda m, ctx: DomainNeighborhoodAttention2D(m, group=ctx.group)
+
+    def refuse(m: nn.Module, ctx: ConvertContext) -> nn.Module:
+        raise ValueError(f"{name}: {problem}; run on each shard it would attend within the shard's rows only "
+                         f"(silently different from the unsharded model). Gather before it (halo.gather), or give "
+                         f"custom_converters={{{kind.__name__}: fn}} returning a module that computes the same on an "
+                         f"H-shard")
+
+    return refuse
+
+
+def _grid_embedding(module: nn.Module, ctx: ConvertContext) -> nn.Module:
+    if ctx.mesh is not None and len(getattr(ctx.mesh, "domain_shape", (1,))) == 2:
+        raise ValueError(f"{type(module).__module__}.{type(module).__name__}: halo converts it on latitude rows "
+                         f"only (its grid along a sharded W would be the shard's); shard latitude only")
+    return DomainGridEmbedding2D(module, group=ctx.group)
+
+
+def _rows(cg: Any, extents: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
+    """This rank's first row and the global rows (agreed extents)."""
+    (sizes,) = extents
+    return sum(sizes[:cg.index]), sum(sizes)
+
+
+class DomainGridEmbedding2D(HaloLayer, nn.Module):
+    """neuraloperator's ``GridEmbedding2D`` on an H-shard: the coordinate channels of the *global* grid's rows this
+    rank holds. The original builds its grid from its input's shape, which on a shard is the shard's (each rank's
+    coordinates would run 0..1 over its own rows: silently wrong, and invisible to the guard, which sees only the
+    ints); here the grid is neuraloperator's own (``GridEmbedding2D.grid``) of the global extent, agreed on every
+    rank, cut to this rank's rows. No parameters: the state dict is unchanged."""
+
+    def __init__(self, embedding: nn.Module, *, group: Any | None = None) -> None:
+        super().__init__()
+        self.in_channels = embedding.in_channels
+        self.grid_boundaries = embedding.grid_boundaries
+        self._grid, self._res = None, None
+        self._make_grid = type(embedding).grid  # neuraloperator's grid of a whole (h, w) field
+        self.halo_init(group)
+
+    @property
+    def out_channels(self) -> int:
+        return self.in_channels + 2
+
+    def forward(self, data: torch.Tensor, batched: bool = True) -> torch.Tensor:
+        if not batched and data.ndim == 3:
+            data = data.unsqueeze(0)
+        first, rows = resolve(data, self.group, type(self).__name__, _rows, site=self._halo_site, spec=(-2,))
+        batch = data.shape[0]
+        x, y = self._make_grid(self, (rows, data.shape[-1]), data.device, data.dtype)
+        x, y = (g.narrow(-2, first, data.shape[-2]) for g in (x, y))
+        out = torch.cat((data, x.expand(batch, -1, -1, -1), y.expand(batch, -1, -1, -1)), dim=1)
+        return out.squeeze(0) if not batched and batch == 1 else out

@@ -18,6 +18,9 @@ the replacement).
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -120,6 +123,16 @@ def _unknown(path: str, kind: type, own: list[str], children: bool = False, inne
         shown = ", ".join(inner[:3]) + (f" and {len(inner) - 3} more" if len(inner) > 3 else "")
         return (f"{path} ({_name(kind)}) {what}. It holds layers halo converts ({shown}), so it cannot be declared "
                 f"pointwise and kept as it is (they would run unconverted on each shard). {inside}{rest}")
+    shape = _reads_shape(kind)
+    if shape is not None and not inner:  # {T: None} would build from the shard's shape, unseen: not offered
+        keep = (f"Its forward reads its input's shape ({shape}): on an H-shard that is the shard's, not the field's, "
+                f"and what it builds from it (coordinates, a grid, a mask, a size) is made from plain ints the "
+                f"guard cannot see, so keeping it as it is (custom_converters={{{kind.__name__}: None}}) could be "
+                f"silently wrong and halo does not offer it. The exact form builds such tensors for the global "
+                f"field and takes this rank's rows: halo.local_rows(t, x) in a converter custom_converters="
+                f"{{{kind.__name__}: fn}} (fn(module, ctx) returning that module), or gather before it (halo.gather)")
+        lead = f"{path} ({_name(kind)}) {what}. "
+        return f"{lead}{inside}{keep}" if children else f"{lead}{keep}"
     pointwise = (f"A layer is pointwise in latitude when every output row depends only on the input row of the same "
                  f"latitude and the layer keeps the number of rows (an activation, a 1x1 conv, a per-pixel linear "
                  f"map, a softmax over channels) and draws no random numbers; such a layer can be declared with "
@@ -129,6 +142,29 @@ def _unknown(path: str, kind: type, own: list[str], children: bool = False, inne
     if children:  # a composite: INSIDE first
         return f"{path} ({_name(kind)}) {what}. {inside}{pointwise}{rest}"
     return f"{path} ({_name(kind)}) {what}. {pointwise}{rest}"
+
+
+_SHAPE = re.compile(r"\.shape\b|\.size\(")
+
+
+def _reads_shape(kind: type) -> str | None:
+    """Where a class of user code reads a tensor's shape (``file:line `code```), or ``None``: its own methods (and
+    its bases' outside torch and halo), by their source. A layer that does may build tensors from the shard's
+    extent (neuraloperator's ``GridEmbedding2D``: ``torch.linspace`` over ``data.shape[-2]`` rows), which no guard
+    sees (a tensor made from ints is no field): the hint then points to the exact form instead of ``{T: None}``."""
+    for cls in kind.__mro__:
+        if cls is object or (cls.__module__ or "").split(".")[0] in ("torch", "halo", "builtins"):
+            continue
+        try:
+            lines, first = inspect.getsourcelines(cls)
+            name = os.path.basename(inspect.getsourcefile(cls) or "?")
+        except (OSError, TypeError):
+            continue
+        for i, line in enumerate(lines):
+            code = line.split("#")[0]
+            if _SHAPE.search(code) and not code.lstrip().startswith(("def ", "\"\"\"", "'")):
+                return f"at {name}:{first + i} `{line.strip()}`"
+    return None
 
 
 def _converted_inside(module: nn.Module, builtin: dict[type, Entry], ctx: ConvertContext) -> list[str]:

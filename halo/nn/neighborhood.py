@@ -297,7 +297,14 @@ class DomainNeighborhoodAttention2D(HaloLayer, nn.Module):
         causal = getattr(m, "is_causal", False)
         if any(causal) if isinstance(causal, (tuple, list)) else causal:
             raise ValueError(f"{name}: causal neighbourhood attention (is_causal={causal}) is not supported")
+        stride = getattr(m, "stride", 1)
+        if any(s != 1 for s in (stride if isinstance(stride, (tuple, list)) else (stride,))):
+            raise ValueError(f"{name}: strided neighbourhood attention (stride={stride}) is not supported")
         adopt(self, m, name=name)  # shares Parameters; keeps names (state_dict keys unchanged)
+        if "rpb" not in m._parameters and not hasattr(m, "rpb"):  # NATTEN >= 0.20: no relative position bias
+            self.register_parameter("rpb", None)
+        if not hasattr(m, "attn_drop"):  # NATTEN >= 0.20: no attention dropout
+            self.attn_drop = nn.Dropout(0.0)
         self.kernel_size = _pair(m.kernel_size, "kernel_size")
         self.dilation = _pair(m.dilation, "dilation")
         self.__dict__.setdefault("head_dim", m.qkv.in_features // m.num_heads)

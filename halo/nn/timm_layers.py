@@ -277,6 +277,8 @@ class DomainSelectAdaptivePool2d(nn.Module):
     """timm's ``SelectAdaptivePool2d`` (a global avg / max / avgmax / catavgmax pool, flattened or not) on an
     H-shard: the result is whole on every rank. No state (as timm's)."""
 
+    _halo_check = "children"  # check_equivalence: its own output (its flatten is folded into its pool)
+
     def __init__(self, m: nn.Module, *, group: Any | None = None) -> None:
         super().__init__()
         self.pool_type = m.pool_type
