@@ -30,6 +30,7 @@ from .pool import (
 from .registry import converts
 from .shuffle import HaloPixelShuffle, HaloPixelUnshuffle
 from .softmax import DomainLogSoftmax, DomainSoftmax
+from .spectral_layers import DomainInverseRealSHT, DomainRealSHT, DomainSpectralConv, DomainSpectralConvS2
 from .swinv2 import HaloCreditPatchEmbed, HaloCubeEmbedding, HaloSwinV2Block, HaloUTransformer, HaloWindowAttentionV2
 from .timm_layers import DomainBlurPool2d, DomainSelectAdaptivePool2d, DomainSqueezeExcite, HaloConv2dSame
 from .upsample import HaloUpsample, halo_interpolate
@@ -58,11 +59,15 @@ __all__ = [
     "DomainFeatureAlphaDropout",
     "DomainGroupNorm",
     "DomainInstanceNorm2d",
+    "DomainInverseRealSHT",
     "DomainLayerNorm",
     "DomainLogSoftmax",
     "DomainNeighborhoodAttention2D",
+    "DomainRealSHT",
     "DomainSelectAdaptivePool2d",
     "DomainSoftmax",
+    "DomainSpectralConv",
+    "DomainSpectralConvS2",
     "DomainSqueezeExcite",
     "HaloAdaptiveAvgPool2d",
     "HaloAdaptiveMaxPool2d",
