@@ -72,6 +72,10 @@ def _mode_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], rows: int, g
 class _Spectral(HaloLayer, nn.Module):
     """Common part: adopt the module's state, agree on the call's plan."""
 
+    #: the converter leaves the children alone: they are this layer's own (neuralop's weight is a tltorch module,
+    #: SFNO's transforms are converted here), computed in its forward on the columns layout
+    halo_owns_children = True
+
     def __init__(self, module: nn.Module, *, group: Any | None = None) -> None:
         adopt(self, module)
         self.halo_init(group)
@@ -192,11 +196,11 @@ class DomainSpectralConv(_Spectral):
         if output_shape is not None:
             raise ValueError(f"{op}: output_shape= is not supported on H-shards, got {output_shape}")
         width = x.shape[-1] // 2 + 1 if x.dim() >= 2 else 0
-        kept_w = min(width, self.n_modes[-1], self.max_n_modes[-1]) if width else 0
+        kept_w = min(width, self._n_modes[-1], self.max_n_modes[-1]) if width else 0
         p = self.plan(x, -1, x.shape[-1] if x.dim() >= 2 else -1, kept_w)
         h, w = p.height, x.shape[-1]
         fft_size = [h, width]
-        starts = [mx - min(size, n) for size, n, mx in zip(fft_size, self.n_modes, self.max_n_modes, strict=True)]
+        starts = [mx - min(size, n) for size, n, mx in zip(fft_size, self._n_modes, self.max_n_modes, strict=True)]
         slices_w = [slice(None)] if self.separable else [slice(None), slice(None)]
         slices_w.append(slice(starts[0] // 2, -starts[0] // 2) if starts[0] else slice(starts[0], None))
         slices_w.append(slice(None, -starts[1]) if starts[1] else slice(None))

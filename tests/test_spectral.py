@@ -1,0 +1,299 @@
+"""Spectral transforms on H-shards (``halo.nn.spectral``, ``halo.nn.spectral_layers``), exact by distributed transposes.
+
+- ``to_columns`` / ``to_rows`` (``longrange.rows_to_columns`` reused; complex fields as their real pairs): bitwise
+  the column split of the global field and back, and the dot-product test of the adjoint in float64 (complex).
+- ``rfft2`` / ``irfft2`` / ``fft2`` / ``ifft2`` and ``fft`` / ``ifft`` / ``rfft`` / ``irfft`` along H on 2 and 3
+  gloo ranks, H = 33 / 37 (odd, uneven shards), W even and odd, both layouts, a truncated spectrum (``modes_w``):
+  forward and input gradient equal ``torch.fft`` on the whole field (float64; 1e-12: FFT rounding only, no sum
+  across ranks other than the transform's own).
+- torch-harmonics 0.8 ``RealSHT`` / ``InverseRealSHT`` in a model with a 1x1 conv, converted by
+  ``convert_to_domain_parallel``; SFNO's ``SpectralConvS2`` (diagonal, driscoll-healy) alone and inside
+  ``SphericalFourierNeuralOperatorBlock``; neuraloperator 2.0 ``SpectralConv``: forward, input and parameter
+  gradients (summed over the domain group) against the unsharded module in the same test, equiangular nlat odd,
+  ``state_dict`` keys unchanged. A run of the unconverted module on each shard is checked to differ (so the
+  comparisons would fail if the exact path were the local one).
+- Memory: no tensor autograd saves in the converted SHT model is larger than ~1/P of the whole field's.
+- Refusals, the same on every rank: one rank's wrong longitude count; fewer modes than ranks; SFNO's
+  block-diagonal operator; neuraloperator's complex data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from halo.partition import split_offsets
+from halo.testing import run_on_ranks, run_on_ranks_outcomes
+
+TOL = 1e-12  # float64 FFT/Legendre rounding: the transforms are the same sums in another order
+TOL32 = 2e-5  # SFNO's SpectralConvS2 computes in float32 (x.float()), neuralop's SpectralConv in complex64
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _shard(t: torch.Tensor, rank: int, world: int, dim: int = -2) -> torch.Tensor:
+    o = split_offsets(t.shape[dim], world)
+    return t.narrow(dim, o[rank], o[rank + 1] - o[rank])
+
+
+def _cols(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return _shard(t, rank, world, -1)
+
+
+# -- the functional transforms -------------------------------------------------------------------------------------
+
+def _functional(rank: int, world: int, h: int, w: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    import halo
+    from halo.nn import spectral as S
+
+    halo.initialize_domain_parallel(world, world)
+    gen = torch.Generator().manual_seed(h * w)
+    full = torch.randn(2, 3, h, w, generator=gen, dtype=torch.float64)
+    errs: dict[str, float] = {}
+
+    def check(name, ref_fn, got_fn, out_shard, complex_in=False):
+        src = full if not complex_in else torch.complex(full, full.flip(-1))
+        xf = src.clone().requires_grad_(True)
+        xs = _shard(src, rank, world).clone().requires_grad_(True)
+        ref, got = ref_fn(xf), got_fn(xs)
+        y = torch.randn(ref.shape, generator=gen, dtype=ref.dtype)
+        (ref * y.conj()).real.sum().backward() if ref.is_complex() else (ref * y).sum().backward()
+        ys = out_shard(y)
+        (got * ys.conj()).real.sum().backward() if got.is_complex() else (got * ys).sum().backward()
+        errs[name] = max(rel(got.detach(), out_shard(ref.detach())), rel(xs.grad, _shard(xf.grad, rank, world)))
+
+    rows = lambda t: _shard(t, rank, world)  # noqa: E731
+    cols = lambda t: _cols(t, rank, world)  # noqa: E731
+    for norm in (None, "ortho", "forward"):
+        check(f"rfft2 {norm}", lambda x, norm=norm: torch.fft.rfft2(x, norm=norm),
+              lambda x, norm=norm: S.rfft2(x, norm=norm), rows)
+        check(f"rfft2 columns {norm}", lambda x, norm=norm: torch.fft.rfft2(x, norm=norm),
+              lambda x, norm=norm: S.rfft2(x, norm=norm, layout="columns"), cols)
+        check(f"irfft2 {norm}", lambda x, norm=norm: torch.fft.irfft2(torch.fft.rfft2(x), s=(h, w), norm=norm),
+              lambda x, norm=norm: S.irfft2(S.rfft2(x, layout="columns"), s=(h, w), norm=norm, layout="columns"), rows)
+    m = w // 2  # a truncated spectrum: the first m modes travel, irfft2 zero-pads the rest
+    check("rfft2 -> keep m -> irfft2",
+          lambda x: torch.fft.irfft2(torch.fft.rfft2(x)[..., :m], s=(h, w)),
+          lambda x: S.irfft2(S.rfft2(x, modes_w=m, layout="columns"), s=(h, w), layout="columns"), rows)
+    check("rfft2 modes_w rows", lambda x: torch.fft.rfft2(x)[..., :m], lambda x: S.rfft2(x, modes_w=m), rows)
+    check("irfft2 rows", lambda x: torch.fft.irfft2(torch.fft.rfft2(x), s=(h, w)),
+          lambda x: S.irfft2(S.rfft2(x), s=(h, w)), rows)
+    check("fft2 complex", lambda x: torch.fft.fft2(x, norm="ortho"), lambda x: S.fft2(x, norm="ortho"), rows, True)
+    check("fft2 -> ifft2", lambda x: torch.fft.ifft2(torch.fft.fft2(x)),
+          lambda x: S.ifft2(S.fft2(x, layout="columns"), layout="columns"), rows, True)
+    check("ifft2 rows", lambda x: torch.fft.ifft2(x), lambda x: S.ifft2(x), rows, True)
+    check("fft over H", lambda x: torch.fft.fft(x, dim=-2), lambda x: S.fft(x, dim=-2), rows, True)
+    check("ifft over H", lambda x: torch.fft.ifft(x, dim=-2, norm="ortho"),
+          lambda x: S.ifft(x, dim=-2, norm="ortho"), rows, True)
+    check("rfft over H", lambda x: torch.fft.rfft(x, dim=-2), lambda x: S.rfft(x, dim=-2), rows)
+    check("irfft over H", lambda x: torch.fft.irfft(torch.fft.rfft(x, dim=-2), n=h, dim=-2),
+          lambda x: S.irfft(S.rfft(x, dim=-2), n=h, dim=-2), rows)
+    check("rfft over W", lambda x: torch.fft.rfft(x, dim=-1), lambda x: S.rfft(x, dim=-1), rows)
+    # the complex transpose: bitwise the column split, and the dot-product test of its adjoint
+    z = torch.complex(full, torch.randn(full.shape, generator=gen, dtype=torch.float64))
+    zy = torch.complex(torch.randn(full.shape, generator=gen, dtype=torch.float64), full)
+    xs = rows(z).clone().requires_grad_(True)
+    c = S.to_columns(xs)
+    same = torch.equal(c.detach(), cols(z)) and torch.equal(S.to_rows(c.detach()), rows(z))
+    (c * cols(zy).conj()).real.sum().backward()
+    dots = torch.tensor([(c.detach() * cols(zy).conj()).real.sum().item(),
+                         (xs.detach() * xs.grad.conj()).real.sum().item()], dtype=torch.float64)
+    dist.all_reduce(dots)
+    errs["transpose bitwise"] = 0.0 if same else 1.0
+    errs["transpose adjoint"] = abs(dots[0] - dots[1]).item() / max(1.0, abs(dots[0]).item())
+    return errs
+
+
+@pytest.mark.parametrize("world,h,w", [(2, 37, 10), (3, 33, 9)])
+def test_transforms_equal_torch_fft_forward_and_backward(world, h, w):
+    for errs in run_on_ranks(_functional, world, h, w, timeout=240):
+        bad = {k: v for k, v in errs.items() if not v < TOL}
+        assert not bad, bad
+
+
+# -- the converted layers ------------------------------------------------------------------------------------------
+
+class SHTModel(nn.Module):
+    """A 1x1 conv (parameter gradients), the forward SHT, a spectral scale (pointwise in the modes), the inverse."""
+
+    def __init__(self, nlat: int, nlon: int, c: int = 3, grid: str = "equiangular") -> None:
+        super().__init__()
+        from torch_harmonics import InverseRealSHT, RealSHT
+
+        self.lift = nn.Conv2d(c, c, 1)
+        self.sht = RealSHT(nlat, nlon, grid=grid)
+        self.isht = InverseRealSHT(nlat, nlon, grid=grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.sht(self.lift(x))
+        return self.isht(spec * 0.5 + spec.abs() * 0.25) + x
+
+
+class First(nn.Module):
+    """SpectralConvS2 returns ``(x, residual)``: use both."""
+
+    def __init__(self, conv: nn.Module) -> None:
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, r = self.conv(x)
+        return y + r
+
+
+def _sfno_conv(nlat: int, nlon: int, c: int, operator: str) -> nn.Module:
+    from torch_harmonics import InverseRealSHT, RealSHT
+    from torch_harmonics.examples.models._layers import SpectralConvS2
+
+    modes = (nlat // 2 + 1, nlon // 4 + 1)
+    return SpectralConvS2(RealSHT(nlat, nlon, *modes), InverseRealSHT(nlat, nlon, *modes), c, c,
+                          operator_type=operator, bias=True)
+
+
+def _sfno_block(nlat: int, nlon: int, c: int) -> nn.Module:
+    from torch_harmonics import InverseRealSHT, RealSHT
+    from torch_harmonics.examples.models.sfno import SphericalFourierNeuralOperatorBlock
+
+    modes = (nlat // 2 + 1, nlon // 4 + 1)
+    return SphericalFourierNeuralOperatorBlock(RealSHT(nlat, nlon, *modes), InverseRealSHT(nlat, nlon, *modes), c, c,
+                                               norm_layer="instance_norm", inner_skip="linear", outer_skip="identity")
+
+
+def _spectral_conv(c: int) -> nn.Module:
+    from neuralop.layers.spectral_convolution import SpectralConv
+
+    return nn.Sequential(nn.Conv2d(c, c, 1), SpectralConv(c, c + 1, n_modes=(8, 7)))
+
+
+def _build(kind: str, h: int, w: int, c: int) -> tuple[nn.Module, torch.dtype, float]:
+    torch.manual_seed(7)
+    if kind == "sht":
+        return SHTModel(h, w, c).double(), torch.float64, TOL
+    if kind in ("diagonal", "driscoll-healy"):
+        return First(_sfno_conv(h, w, c, kind)), torch.float32, TOL32
+    if kind == "sfno block":
+        return _sfno_block(h, w, c), torch.float32, TOL32
+    if kind == "neuralop":
+        return _spectral_conv(c), torch.float32, TOL32
+    raise ValueError(kind)
+
+
+def _layers(rank: int, world: int, kind: str, h: int, w: int) -> dict[str, Any]:
+    import copy
+
+    import torch.distributed as dist
+
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    halo.initialize_domain_parallel(world, world)
+    c = 3
+    ref, dtype, _ = _build(kind, h, w, c)
+    model = copy.deepcopy(ref)
+    local = copy.deepcopy(ref)
+    keys = list(ref.state_dict())
+    convert_to_domain_parallel(model)
+    gen = torch.Generator().manual_seed(h + w)
+    full = torch.randn(2, c, h, w, generator=gen, dtype=dtype)
+    xf = full.clone().requires_grad_(True)
+    out_ref = ref(xf)
+    y = torch.randn(out_ref.shape, generator=gen, dtype=dtype)
+    (out_ref * y).sum().backward()
+    xs = _shard(full, rank, world).clone().requires_grad_(True)
+    biggest = [0]
+    state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # the field's tensors (not the module's constants, held whole)
+        if t.untyped_storage().data_ptr() not in state:
+            biggest[0] = max(biggest[0], t.numel() * (2 if t.is_complex() else 1))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(xs)
+    (out * _shard(y, rank, world)).sum().backward()
+    errs = {"forward": rel(out.detach(), _shard(out_ref.detach(), rank, world)),
+            "input grad": rel(xs.grad, _shard(xf.grad, rank, world))}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        errs[f"grad {name}"] = rel(g, q.grad)
+    with torch.no_grad():  # the unconverted module on each shard: what the exact path replaces
+        try:
+            wrong = rel(local(_shard(full, rank, world)), _shard(out_ref.detach(), rank, world))
+        except Exception:  # noqa: BLE001 - a module that cannot even run on a shard differs too
+            wrong = float("inf")
+    kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Domain")})
+    return {"errs": errs, "keys": list(model.state_dict()) == keys, "wrong": wrong, "kinds": kinds,
+            "saved": biggest[0], "field": full.numel()}
+
+
+CASES = [("sht", 2, 33, 16), ("sht", 3, 37, 16), ("diagonal", 2, 33, 16), ("driscoll-healy", 3, 33, 16),
+         ("sfno block", 3, 37, 16), ("neuralop", 2, 37, 14), ("neuralop", 3, 33, 15)]
+
+
+@pytest.mark.parametrize("kind,world,h,w", CASES)
+def test_converted_spectral_layers_equal_unsharded(kind, world, h, w):
+    pytest.importorskip("torch_harmonics" if kind != "neuralop" else "neuralop.layers.spectral_convolution")
+    tol = _build_tol(kind)
+    for res in run_on_ranks(_layers, world, kind, h, w, timeout=300):
+        bad = {k: v for k, v in res["errs"].items() if not v < tol}
+        assert not bad, (res["kinds"], bad)
+        assert res["keys"], "state_dict keys changed"
+        assert res["wrong"] > 1e3 * tol, res["wrong"]  # the local path would fail the comparisons above
+        assert res["kinds"], res
+        if kind == "sht":  # ~1/P of the field (the spectrum and the transposed columns); 1.5x: uneven shards
+            assert res["saved"] <= 1.5 * res["field"] / world, (res["saved"], res["field"], world)
+
+
+def _build_tol(kind: str) -> float:
+    return TOL if kind == "sht" else TOL32
+
+
+# -- refusals: the same error on every rank -------------------------------------------------------------------------
+
+def _refusal(rank: int, world: int, case: str) -> str:
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    if case == "nlon":  # rank 1 alone holds a field of the wrong width: agreed before the transpose
+        model = nn.Sequential(SHTModel(9, 8, 2))
+        convert_to_domain_parallel(model)
+        w = 10 if rank == 1 else 8
+        x = torch.randn(1, 2, split_offsets(9, world)[rank + 1] - split_offsets(9, world)[rank], w)
+        model(x)
+    elif case == "modes":  # 2 modes over 3 ranks
+        from torch_harmonics import RealSHT
+
+        model = nn.Sequential(RealSHT(9, 8, mmax=2))
+        convert_to_domain_parallel(model)
+        o = split_offsets(9, world)
+        model(torch.randn(1, 2, o[rank + 1] - o[rank], 8))
+    elif case == "block-diagonal":
+        convert_to_domain_parallel(First(_sfno_conv(9, 8, 2, "block-diagonal")))
+    elif case == "complex":
+        from neuralop.layers.spectral_convolution import SpectralConv
+
+        convert_to_domain_parallel(nn.Sequential(SpectralConv(2, 2, n_modes=(4, 4), complex_data=True)))
+    return "no error"
+
+
+@pytest.mark.parametrize("case,match", [
+    ("nlon", "8"), ("modes", "2 modes cannot be split over 3 ranks"),
+    ("block-diagonal", "block-diagonal"), ("complex", "complex_data")])
+def test_refusals_are_the_same_on_every_rank(case, match):
+    pytest.importorskip("torch_harmonics" if case != "complex" else "neuralop.layers.spectral_convolution")
+    outs = run_on_ranks_outcomes(_refusal, 3, case, timeout=120, pg_timeout=60)
+    assert all(kind == "error" for kind, _ in outs), outs
+    firsts = {msg.splitlines()[0] for _, msg in outs}
+    assert len(firsts) == 1, firsts
+    assert match in firsts.pop()
+
