@@ -166,6 +166,29 @@ def _sfno_block(nlat: int, nlon: int, c: int) -> nn.Module:
                                                norm_layer="instance_norm", inner_skip="linear", outer_skip="identity")
 
 
+class ChannelsLast(nn.Module):
+    """FourCastNet's blocks run on ``(B, H, W, C)``: the model permutes (followed by halo's guard), as AFNONet does."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def _afno(c: int, block: bool, fraction: float) -> nn.Module:
+    import _thirdparty
+
+    _thirdparty.load()  # timm (which afnonet imports) imports torchvision
+    from ai_models_fourcastnet.afnonet import AFNO2D, Block
+
+    if block:
+        blk = Block(c, num_blocks=2, hard_thresholding_fraction=fraction)
+        return ChannelsLast(blk)
+    return ChannelsLast(AFNO2D(c, num_blocks=2, hard_thresholding_fraction=fraction, sparsity_threshold=0.002))
+
+
 def _spectral_conv(c: int) -> nn.Module:
     from neuralop.layers.spectral_convolution import SpectralConv
 
@@ -182,6 +205,8 @@ def _build(kind: str, h: int, w: int, c: int) -> tuple[nn.Module, torch.dtype, f
         return _sfno_block(h, w, c), torch.float32, TOL32
     if kind == "neuralop":
         return _spectral_conv(c), torch.float32, TOL32
+    if kind.startswith("afno"):  # AFNO2D computes in float32 (x.float())
+        return _afno(4, kind == "afno block", 0.5 if "half" in kind else 1.0), torch.float32, TOL32
     raise ValueError(kind)
 
 
@@ -194,7 +219,7 @@ def _layers(rank: int, world: int, kind: str, h: int, w: int) -> dict[str, Any]:
     from halo.nn import convert_to_domain_parallel
 
     halo.initialize_domain_parallel(world, world)
-    c = 3
+    c = 4 if kind.startswith("afno") else 3
     ref, dtype, _ = _build(kind, h, w, c)
     model = copy.deepcopy(ref)
     local = copy.deepcopy(ref)
@@ -235,12 +260,19 @@ def _layers(rank: int, world: int, kind: str, h: int, w: int) -> dict[str, Any]:
 
 
 CASES = [("sht", 2, 33, 16), ("sht", 3, 37, 16), ("diagonal", 2, 33, 16), ("driscoll-healy", 3, 33, 16),
-         ("sfno block", 3, 37, 16), ("neuralop", 2, 37, 14), ("neuralop", 3, 33, 15)]
+         ("sfno block", 3, 37, 16), ("neuralop", 2, 37, 14), ("neuralop", 3, 33, 15), ("afno", 2, 33, 12),
+         ("afno half", 3, 37, 13), ("afno block", 3, 33, 12)]
+
+
+def _package(kind: str) -> str:
+    if kind.startswith("afno"):
+        return "ai_models_fourcastnet"
+    return "neuralop.layers.spectral_convolution" if kind == "neuralop" else "torch_harmonics"
 
 
 @pytest.mark.parametrize("kind,world,h,w", CASES)
 def test_converted_spectral_layers_equal_unsharded(kind, world, h, w):
-    pytest.importorskip("torch_harmonics" if kind != "neuralop" else "neuralop.layers.spectral_convolution")
+    pytest.importorskip(_package(kind))
     tol = _build_tol(kind)
     for res in run_on_ranks(_layers, world, kind, h, w, timeout=300):
         bad = {k: v for k, v in res["errs"].items() if not v < tol}

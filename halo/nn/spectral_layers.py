@@ -33,13 +33,13 @@ import torch
 from torch import nn
 
 from ..comm import CommGroup
-from ..guard import trusted
+from ..guard import place, trusted
 from ..partition import split_offsets
 from ..plans import carry, resolve
 from .base import HaloLayer, adopt
 from .spectral import to_columns, to_rows
 
-__all__ = ["DomainInverseRealSHT", "DomainRealSHT", "DomainSpectralConv", "DomainSpectralConvS2",
+__all__ = ["DomainAFNO2D", "DomainInverseRealSHT", "DomainRealSHT", "DomainSpectralConv", "DomainSpectralConvS2",
            "spectral_adapter"]
 
 
@@ -223,6 +223,58 @@ class DomainSpectralConv(_Spectral):
         return y
 
 
+# -- FourCastNet: AFNO2D ----------------------------------------------------------------------------------------
+
+class DomainAFNO2D(_Spectral):
+    """FourCastNet's ``AFNO2D`` (``ai_models_fourcastnet.afnonet``; PhysicsNeMo's is the same computation) on
+    latitude rows of its channels-last input ``(B, H_r, W, C)``: ``rfft`` along W, its first ``kept_modes`` modes
+    to the columns layout, ``fft`` along H, the block-diagonal two-layer MLP on the kept modes (per mode: local),
+    softshrink, ``ifft`` along H, back to rows, ``irfft`` along W (the modes past ``kept_modes`` are zero, as the
+    module leaves them), plus the input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        op = type(self).__name__
+        got_w = int(x.shape[2]) if x.dim() == 4 else -1
+        p = resolve(x, self.group, op, _afno_plan, (got_w, self.hard_thresholding_fraction, op), site=self._halo_site,
+                    spec=(1,), split=True)
+        bias, dtype = x, x.dtype
+        x = x.float()
+        b, w, c = x.shape[0], x.shape[2], x.shape[3]
+        h, nb, bs = p.height, self.num_blocks, self.block_size
+        total = h // 2 + 1
+        kept = int(total * self.hard_thresholding_fraction)
+        spec = torch.fft.rfft(x.permute(0, 3, 1, 2), dim=-1, norm="ortho")[..., :min(kept, w // 2 + 1)]
+        cols = torch.fft.fft(to_columns(spec, group=self.group), dim=-2, norm="ortho")  # (B, C, H, m_s)
+        z = cols.permute(0, 2, 3, 1).reshape(b, h, p.c1 - p.c0, nb, bs)[:, total - kept: total + kept]
+        w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
+        o1_real = torch.relu(torch.einsum("...bi,bio->...bo", z.real, w1[0])
+                             - torch.einsum("...bi,bio->...bo", z.imag, w1[1]) + b1[0])
+        o1_imag = torch.relu(torch.einsum("...bi,bio->...bo", z.imag, w1[0])
+                             + torch.einsum("...bi,bio->...bo", z.real, w1[1]) + b1[1])
+        o2_real = torch.einsum("...bi,bio->...bo", o1_real, w2[0]) \
+            - torch.einsum("...bi,bio->...bo", o1_imag, w2[1]) + b2[0]
+        o2_imag = torch.einsum("...bi,bio->...bo", o1_imag, w2[0]) \
+            + torch.einsum("...bi,bio->...bo", o1_real, w2[1]) + b2[1]
+        o2 = torch.zeros((b, h, p.c1 - p.c0, nb, bs, 2), device=x.device)  # float32, as the module's buffers
+        o2[:, total - kept: total + kept] = torch.stack([o2_real, o2_imag], dim=-1)
+        z = torch.view_as_complex(torch.nn.functional.softshrink(o2, lambd=self.sparsity_threshold))
+        z = torch.fft.ifft(z.reshape(b, h, p.c1 - p.c0, c).permute(0, 3, 1, 2), n=h, dim=-2, norm="ortho")
+        y = torch.fft.irfft(to_rows(z, group=self.group), n=w, dim=-1, norm="ortho").permute(0, 2, 3, 1)
+        out = y.type(dtype) + bias
+        place(out, 1)
+        carry(out, bias)
+        return out
+
+
+def _afno_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], got_w: int, fraction: float,
+               op: str) -> ModePlan:
+    """The kept longitudinal modes split over the ranks (``AFNO2D`` keeps ``int((H // 2 + 1) * fraction)``)."""
+    if got_w < 0:
+        raise ValueError(f"{op}: expected a channels-last field (B, H, W, C), got a tensor of another rank")
+    kept = min(int((sum(extents[0]) // 2 + 1) * fraction), got_w // 2 + 1)
+    return _mode_plan(cg, extents, -1, got_w, got_w, kept, op)
+
+
 # -- recognised by name (halo.nn.adapters asks here) ---------------------------------------------------------------
 
 def spectral_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | None:
@@ -238,6 +290,10 @@ def spectral_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module]
         if name == "SpectralConvS2" and all(hasattr(module, a) for a in (
                 "forward_transform", "inverse_transform", "weight", "contract_func", "operator_type")):
             return lambda m, ctx: DomainSpectralConvS2(m, group=ctx.group)
+    if name == "AFNO2D" and where.startswith(("ai_models_fourcastnet", "physicsnemo", "modulus")) and all(
+            hasattr(module, a) for a in ("w1", "b1", "w2", "b2", "num_blocks", "block_size",
+                                         "hard_thresholding_fraction", "sparsity_threshold")):
+        return lambda m, ctx: DomainAFNO2D(m, group=ctx.group)
     if where.startswith("neuralop") and name == "SpectralConv" and all(hasattr(module, a) for a in (
             "n_modes", "max_n_modes", "order", "fft_norm", "separable", "_contract", "complex_data")):
         return lambda m, ctx: DomainSpectralConv(m, group=ctx.group)
