@@ -148,13 +148,13 @@ class First(nn.Module):
         return y + r
 
 
-def _sfno_conv(nlat: int, nlon: int, c: int, operator: str) -> nn.Module:
+def _sfno_conv(nlat: int, nlon: int, c: int, operator: str, fft: bool = False) -> nn.Module:
     from torch_harmonics import InverseRealSHT, RealSHT
-    from torch_harmonics.examples.models._layers import SpectralConvS2
+    from torch_harmonics.examples.models._layers import InverseRealFFT2, RealFFT2, SpectralConvS2
 
     modes = (nlat // 2 + 1, nlon // 4 + 1)
-    return SpectralConvS2(RealSHT(nlat, nlon, *modes), InverseRealSHT(nlat, nlon, *modes), c, c,
-                          operator_type=operator, bias=True)
+    fwd, inv = (RealFFT2, InverseRealFFT2) if fft else (RealSHT, InverseRealSHT)
+    return SpectralConvS2(fwd(nlat, nlon, *modes), inv(nlat, nlon, *modes), c, c, operator_type=operator, bias=True)
 
 
 def _sfno_block(nlat: int, nlon: int, c: int) -> nn.Module:
@@ -201,6 +201,13 @@ def _build(kind: str, h: int, w: int, c: int) -> tuple[nn.Module, torch.dtype, f
         return SHTModel(h, w, c).double(), torch.float64, TOL
     if kind in ("diagonal", "driscoll-healy"):
         return First(_sfno_conv(h, w, c, kind)), torch.float32, TOL32
+    if kind.startswith("fno "):  # torch-harmonics' FNO: SpectralConvS2 on RealFFT2 / InverseRealFFT2
+        return First(_sfno_conv(h, w, c, kind[4:], fft=True)), torch.float32, TOL32
+    if kind == "fft2":
+        from torch_harmonics.examples.models._layers import InverseRealFFT2, RealFFT2
+
+        return nn.Sequential(nn.Conv2d(c, c, 1), RealFFT2(h, w, h // 2, w // 3), InverseRealFFT2(h, w, h // 2, w // 3)
+                             ).double(), torch.float64, TOL
     if kind == "sfno block":
         return _sfno_block(h, w, c), torch.float32, TOL32
     if kind == "neuralop":
@@ -260,7 +267,8 @@ def _layers(rank: int, world: int, kind: str, h: int, w: int) -> dict[str, Any]:
 
 
 CASES = [("sht", 2, 33, 16), ("sht", 3, 37, 16), ("diagonal", 2, 33, 16), ("driscoll-healy", 3, 33, 16),
-         ("sfno block", 3, 37, 16), ("neuralop", 2, 37, 14), ("neuralop", 3, 33, 15), ("afno", 2, 33, 12),
+         ("sfno block", 3, 37, 16), ("fno diagonal", 3, 33, 16), ("fno driscoll-healy", 2, 37, 14),
+         ("fft2", 3, 33, 16), ("neuralop", 2, 37, 14), ("neuralop", 3, 33, 15), ("afno", 2, 33, 12),
          ("afno half", 3, 37, 13), ("afno block", 3, 33, 12)]
 
 
@@ -285,7 +293,7 @@ def test_converted_spectral_layers_equal_unsharded(kind, world, h, w):
 
 
 def _build_tol(kind: str) -> float:
-    return TOL if kind == "sht" else TOL32
+    return TOL if kind in ("sht", "fft2") else TOL32
 
 
 # -- refusals: the same error on every rank -------------------------------------------------------------------------

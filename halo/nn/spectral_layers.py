@@ -26,6 +26,7 @@ SFNO's ``"block-diagonal"`` operator (it mixes the ``m`` modes), neuraloperator'
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -39,8 +40,8 @@ from ..plans import carry, resolve
 from .base import HaloLayer, adopt
 from .spectral import to_columns, to_rows
 
-__all__ = ["DomainAFNO2D", "DomainInverseRealSHT", "DomainRealSHT", "DomainSpectralConv", "DomainSpectralConvS2",
-           "spectral_adapter"]
+__all__ = ["DomainAFNO2D", "DomainInverseRealFFT2", "DomainInverseRealSHT", "DomainRealFFT2", "DomainRealSHT",
+           "DomainSpectralConv", "DomainSpectralConvS2", "spectral_adapter"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,49 @@ class DomainInverseRealSHT(_Spectral):
         return out
 
 
+# -- torch-harmonics SFNO/FNO: RealFFT2 / InverseRealFFT2 (the FFT in place of the SHT) ------------------------------
+
+class DomainRealFFT2(_Spectral):
+    """torch-harmonics' ``RealFFT2`` (``examples.models._layers``: the FNO form of its SFNO) on latitude rows:
+    ``rfft2(norm="ortho")``, its first ``ceil(lmax / 2)`` and last ``floor(lmax / 2)`` frequency rows (cut on the
+    columns layout, where they are whole) and first ``mmax`` modes (cut before the transpose)."""
+
+    def columns(self, x: torch.Tensor) -> tuple[torch.Tensor, ModePlan]:
+        """The kept spectrum in the columns layout ``(..., lmax, m_s)`` and the plan of the call."""
+        p = self.plan(x, self.nlat, self.nlon, min(self.mmax, self.nlon // 2 + 1))
+        spec = torch.fft.rfft(x, dim=-1, norm="ortho")[..., : self.mmax]
+        y = torch.fft.fft(to_columns(spec, group=self.group), dim=-2, norm="ortho")
+        lo, hi = math.ceil(self.lmax / 2), math.floor(self.lmax / 2)
+        return torch.cat((y[..., :lo, :], y[..., -hi:, :]), dim=-2), p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = to_rows(self.columns(x)[0], group=self.group)
+        carry(out, x)
+        return out
+
+
+class DomainInverseRealFFT2(_Spectral):
+    """torch-harmonics' ``InverseRealFFT2``: ``irfft2(x, s=(nlat, nlon), norm="ortho")`` of the H-sharded spectrum
+    (its frequency rows zero-padded or trimmed at the end to ``nlat``, as torch does, on the columns layout)."""
+
+    def from_columns(self, spec: torch.Tensor, p: ModePlan | None = None) -> torch.Tensor:
+        """The field's balanced latitude rows from a spectrum in the columns layout."""
+        cols = torch.fft.ifft(spec, n=self.nlat, dim=-2, norm="ortho")
+        return torch.fft.irfft(to_rows(cols, group=self.group), n=self.nlon, dim=-1, norm="ortho")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = int(x.shape[-1]) if x.dim() >= 2 else -1
+        self.plan(x, -1, width, width)  # agreed: every rank's shape alike, enough modes for every rank
+        out = self.from_columns(to_columns(x, group=self.group))
+        carry(out, x)
+        return out
+
+
 # -- torch-harmonics SFNO: SpectralConvS2 -------------------------------------------------------------------------
+
+_PAIRS = {(a + f, a + i) for a in ("", "Domain") for f, i in (("RealSHT", "InverseRealSHT"),
+                                                                ("RealFFT2", "InverseRealFFT2"))}
+
 
 class DomainSpectralConvS2(_Spectral):
     """torch-harmonics' SFNO ``SpectralConvS2`` (``examples.models._layers``) with SHT transforms, on latitude rows:
@@ -140,18 +183,20 @@ class DomainSpectralConvS2(_Spectral):
         if module.operator_type not in ("diagonal", "driscoll-healy"):
             raise ValueError(f"{op}: operator_type={module.operator_type!r} mixes the m modes of each degree (the "
                              f"columns layout splits them); halo converts 'diagonal' and 'driscoll-healy'")
-        for t in (module.forward_transform, module.inverse_transform):
-            if type(t).__name__ not in ("RealSHT", "InverseRealSHT", "DomainRealSHT", "DomainInverseRealSHT"):
-                raise ValueError(f"{op}: its transform {type(t).__name__} has no columns form in halo (expected "
-                                 f"torch-harmonics RealSHT / InverseRealSHT)")
+        pair = (type(module.forward_transform).__name__, type(module.inverse_transform).__name__)
+        if pair not in _PAIRS:
+            raise ValueError(f"{op}: its transforms {pair[0]} / {pair[1]} have no columns form in halo (expected "
+                             f"torch-harmonics RealSHT / InverseRealSHT or RealFFT2 / InverseRealFFT2)")
         fwd, inv = module.forward_transform, module.inverse_transform
-        if (fwd.lmax, fwd.mmax) != (inv.lmax, inv.mmax):
+        if (fwd.lmax, fwd.mmax) != (inv.lmax, inv.mmax) or fwd.nlon // 2 + 1 < fwd.mmax:  # mmax: their weight's
             raise ValueError(f"{op}: its transforms keep different modes (forward lmax, mmax = {fwd.lmax}, "
-                             f"{fwd.mmax}; inverse {inv.lmax}, {inv.mmax}); halo expects the same")
+                             f"{fwd.mmax}; inverse {inv.lmax}, {inv.mmax}; at most nlon // 2 + 1 = "
+                             f"{fwd.nlon // 2 + 1} longitudinal modes); halo expects the same, within that bound")
         super().__init__(module, group=group)
-        self._modules["forward_transform"] = fwd if isinstance(fwd, DomainRealSHT) else DomainRealSHT(fwd, group=group)
-        self._modules["inverse_transform"] = inv if isinstance(inv, DomainInverseRealSHT) \
-            else DomainInverseRealSHT(inv, group=group)
+        fft = pair[0].endswith("RealFFT2")
+        fwd_kind, inv_kind = (DomainRealFFT2, DomainInverseRealFFT2) if fft else (DomainRealSHT, DomainInverseRealSHT)
+        self._modules["forward_transform"] = fwd if isinstance(fwd, fwd_kind) else fwd_kind(fwd, group=group)
+        self._modules["inverse_transform"] = inv if isinstance(inv, inv_kind) else inv_kind(inv, group=group)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fwd, inv = self.forward_transform, self.inverse_transform
@@ -226,7 +271,7 @@ class DomainSpectralConv(_Spectral):
 # -- FourCastNet: AFNO2D ----------------------------------------------------------------------------------------
 
 class DomainAFNO2D(_Spectral):
-    """FourCastNet's ``AFNO2D`` (``ai_models_fourcastnet.afnonet``; PhysicsNeMo's is the same computation) on
+    """FourCastNet's ``AFNO2D`` (its ``networks/afnonet.py``, as ``ai_models_fourcastnet.afnonet`` ships it) on
     latitude rows of its channels-last input ``(B, H_r, W, C)``: ``rfft`` along W, its first ``kept_modes`` modes
     to the columns layout, ``fft`` along H, the block-diagonal two-layer MLP on the kept modes (per mode: local),
     softshrink, ``ifft`` along H, back to rows, ``irfft`` along W (the modes past ``kept_modes`` are zero, as the
@@ -287,10 +332,14 @@ def spectral_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module]
             return lambda m, ctx: DomainRealSHT(m, group=ctx.group)
         if name == "InverseRealSHT" and all(hasattr(module, a) for a in ("nlat", "nlon", "lmax", "mmax", "pct")):
             return lambda m, ctx: DomainInverseRealSHT(m, group=ctx.group)
+        if name == "RealFFT2" and all(hasattr(module, a) for a in ("nlat", "nlon", "lmax", "mmax")):
+            return lambda m, ctx: DomainRealFFT2(m, group=ctx.group)
+        if name == "InverseRealFFT2" and all(hasattr(module, a) for a in ("nlat", "nlon", "lmax", "mmax")):
+            return lambda m, ctx: DomainInverseRealFFT2(m, group=ctx.group)
         if name == "SpectralConvS2" and all(hasattr(module, a) for a in (
                 "forward_transform", "inverse_transform", "weight", "contract_func", "operator_type")):
             return lambda m, ctx: DomainSpectralConvS2(m, group=ctx.group)
-    if name == "AFNO2D" and where.startswith(("ai_models_fourcastnet", "physicsnemo", "modulus")) and all(
+    if name == "AFNO2D" and where.endswith("afnonet") and all(  # FourCastNet's networks/afnonet.py, ai-models' copy
             hasattr(module, a) for a in ("w1", "b1", "w2", "b2", "num_blocks", "block_size",
                                          "hard_thresholding_fraction", "sparsity_threshold")):
         return lambda m, ctx: DomainAFNO2D(m, group=ctx.group)
