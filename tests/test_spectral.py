@@ -1,7 +1,8 @@
 """Spectral transforms on H-shards (``halo.nn.spectral``, ``halo.nn.spectral_layers``), exact by distributed transposes.
 
-- ``to_columns`` / ``to_rows`` (``longrange.rows_to_columns`` reused; complex fields as their real pairs): bitwise
-  the column split of the global field and back, and the dot-product test of the adjoint in float64 (complex).
+- ``to_columns`` / ``to_rows`` (``halo.nn.transpose``: slabs; complex fields as their real view): bitwise the column
+  split of the global field and back, the same as ``longrange.rows_to_columns``'s regroup, and the dot-product
+  test of the adjoint in float64 (complex).
 - ``rfft2`` / ``irfft2`` / ``fft2`` / ``ifft2`` and ``fft`` / ``ifft`` / ``rfft`` / ``irfft`` along H on 2 and 3
   gloo ranks, H = 33 / 37 (odd, uneven shards), W even and odd, both layouts, a truncated spectrum (``modes_w``):
   forward and input gradient equal ``torch.fft`` on the whole field (float64; 1e-12: FFT rounding only, no sum
@@ -13,7 +14,8 @@
   ``state_dict`` keys unchanged. A run of the unconverted module on each shard is checked to differ (so the
   comparisons would fail if the exact path were the local one).
 - Memory: no tensor autograd saves in the converted SHT model is larger than ~1/P of the whole field's.
-- Refusals, the same on every rank: one rank's wrong longitude count; fewer modes than ranks; SFNO's
+- Refusals, the same on every rank: one rank's wrong longitude count; fewer modes (or columns for the transpose
+  itself) than ranks; SFNO's
   block-diagonal operator; neuraloperator's complex data.
 """
 
@@ -101,7 +103,8 @@ def _functional(rank: int, world: int, h: int, w: int) -> dict[str, float]:
     zy = torch.complex(torch.randn(full.shape, generator=gen, dtype=torch.float64), full)
     xs = rows(z).clone().requires_grad_(True)
     c = S.to_columns(xs)
-    same = torch.equal(c.detach(), cols(z)) and torch.equal(S.to_rows(c.detach()), rows(z))
+    same = torch.equal(c.detach(), cols(z)) and torch.equal(S.to_rows(c.detach()), rows(z)) \
+        and torch.equal(S.to_columns_regroup(rows(z)), cols(z))  # the slabs move what longrange's regroup moves
     (c * cols(zy).conj()).real.sum().backward()
     dots = torch.tensor([(c.detach() * cols(zy).conj()).real.sum().item(),
                          (xs.detach() * xs.grad.conj()).real.sum().item()], dtype=torch.float64)
@@ -317,6 +320,11 @@ def _refusal(rank: int, world: int, case: str) -> str:
         convert_to_domain_parallel(model)
         o = split_offsets(9, world)
         model(torch.randn(1, 2, o[rank + 1] - o[rank], 8))
+    elif case == "columns":  # the transpose itself: 2 columns over 3 ranks
+        from halo.nn import spectral as S
+
+        o = split_offsets(9, world)
+        S.to_columns(torch.randn(1, 2, o[rank + 1] - o[rank], 2, dtype=torch.complex128))
     elif case == "block-diagonal":
         convert_to_domain_parallel(First(_sfno_conv(9, 8, 2, "block-diagonal")))
     elif case == "complex":
@@ -328,6 +336,7 @@ def _refusal(rank: int, world: int, case: str) -> str:
 
 @pytest.mark.parametrize("case,match", [
     ("nlon", "8"), ("modes", "2 modes cannot be split over 3 ranks"),
+    ("columns", "2 columns cannot be split over 3 ranks"),
     ("block-diagonal", "block-diagonal"), ("complex", "complex_data")])
 def test_refusals_are_the_same_on_every_rank(case, match):
     pytest.importorskip("torch_harmonics" if case != "complex" else "neuralop.layers.spectral_convolution")

@@ -33,10 +33,11 @@ import torch
 
 from ..comm import comm_group
 from ..partition import split_offsets
-from .longrange import columns_to_rows, rows_to_columns
+from .longrange import rows_to_columns
+from .transpose import cols_to_rows, rows_to_cols
 
 __all__ = ["column_range", "fft", "fft2", "ifft", "ifft2", "irfft", "irfft2", "rfft", "rfft2", "to_columns",
-           "to_rows"]
+           "to_columns_regroup", "to_rows"]
 
 LAYOUTS = ("rows", "columns")
 
@@ -49,21 +50,23 @@ def _layout(layout: str, op: str) -> None:
 def to_columns(x: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
     """H-shards ``(..., H_r, W)`` -> W-shards ``(..., H, W_s)`` (``W`` split balanced), real or complex.
 
-    :func:`halo.nn.longrange.rows_to_columns` (a regroup; backward: the inverse transpose); a complex field travels
-    as its ``(re, im)`` pairs, moved to the front so that the regroup sees ``(..., H, W)`` as its last dims. Every
+    :func:`halo.nn.transpose.rows_to_cols` (slabs, one message per pair; backward: the inverse transpose). Every
     rank of the group must call it; ``W`` smaller than the group raises on every rank alike."""
-    if not x.is_complex():
-        return rows_to_columns(x, group=group)
-    pairs = torch.view_as_real(x).movedim(-1, 0)
-    return torch.view_as_complex(rows_to_columns(pairs, group=group).movedim(0, -1).contiguous())
+    return rows_to_cols(x, group=group)
 
 
 def to_rows(y: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
     """W-shards ``(..., H, W_s)`` -> the balanced H-shards ``(..., H_r, W)``: the inverse of :func:`to_columns`."""
-    if not y.is_complex():
-        return columns_to_rows(y, group=group)
-    pairs = torch.view_as_real(y).movedim(-1, 0)
-    return torch.view_as_complex(columns_to_rows(pairs, group=group).movedim(0, -1).contiguous())
+    return cols_to_rows(y, group=group)
+
+
+def to_columns_regroup(x: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
+    """:func:`to_columns` by :func:`halo.nn.longrange.rows_to_columns` (a general regroup over index maps; a
+    complex field as its ``(re, im)`` pairs moved to the front): kept to measure against the slab transpose."""
+    if not x.is_complex():
+        return rows_to_columns(x, group=group)
+    pairs = torch.view_as_real(x).movedim(-1, 0)
+    return torch.view_as_complex(rows_to_columns(pairs, group=group).movedim(0, -1).contiguous())
 
 
 def column_range(width: int, group: Any | None = None) -> tuple[int, int]:
