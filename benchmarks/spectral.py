@@ -10,7 +10,10 @@ impl              one call
 local rfft2       ``torch.fft.rfft2`` of the shard alone (wrong on a shard: the floor of the arithmetic)
 halo rfft2 cols   ``halo.nn.spectral.rfft2(layout="columns")``: rfft along W, one transpose, fft along H
 halo rfft2 rows   the same and the transpose back (the balanced split of the frequency rows)
-transpose         ``halo.nn.spectral.to_columns`` of the shard's rfft (the wire part alone)
+transpose         ``halo.nn.spectral.to_columns`` of the shard's rfft (the wire part alone, forward only): the
+                  slab transpose of ``halo.nn.transpose``
+transpose         the same permutation by ``halo.nn.longrange.rows_to_columns`` (a regroup over index maps)
+  regroup
 local SHT         torch-harmonics ``RealSHT(H_r, W)`` on the shard (the same work per rank, wrong on a shard)
 halo SHT          ``halo.nn.DomainRealSHT`` of ``RealSHT(H, W)``: rfft, transpose, Legendre, transpose back
 whole rfft2/SHT   the unsharded transform of the whole field on one rank (the one-device cost; halo's / P is
@@ -75,6 +78,7 @@ def _rank(rank: int, world: int, b: int, c: int, h: int, w: int, iters: int) -> 
     cols = convert_to_domain_parallel(_Call(lambda t: S.rfft2(t, layout="columns")), custom_converters=mine)
     rows_ = convert_to_domain_parallel(_Call(S.rfft2), custom_converters=mine)
     tr = convert_to_domain_parallel(_Call(S.to_columns), custom_converters=mine)
+    tr_regroup = convert_to_domain_parallel(_Call(S.to_columns_regroup), custom_converters=mine)
 
     def step(fn):
         def run():
@@ -94,7 +98,8 @@ def _rank(rank: int, world: int, b: int, c: int, h: int, w: int, iters: int) -> 
         return run
 
     fns = {"local rfft2": step(torch.fft.rfft2), "halo rfft2 cols": step(cols), "halo rfft2 rows": step(rows_),
-           "transpose": lambda: tr(spec), "local SHT": step(sht_local), "halo SHT": step(sht),
+           "transpose": lambda: tr(spec), "transpose regroup": lambda: tr_regroup(spec),
+           "local SHT": step(sht_local), "halo SHT": step(sht),
            "whole rfft2": whole(torch.fft.rfft2), "whole SHT": whole(RealSHT(h, w))}
     th_note = ""
     try:  # torch-harmonics' own distributed SHT: polar (latitude) group = ours, no azimuth split
@@ -116,7 +121,7 @@ def _rank(rank: int, world: int, b: int, c: int, h: int, w: int, iters: int) -> 
     co = split_offsets(m, world)
     sent = max((ro[r + 1] - ro[r]) * (m - (co[r + 1] - co[r])) for r in range(world)) * b * c * 8  # complex64
     rows = [{"impl": k, "P": world, "ms": round(median(v) * 1e3, 3), "bytes/rank": sent if "halo" in k or
-             k == "transpose" else 0} for k, v in times.items()]
+             k.startswith("transpose") else 0} for k, v in times.items()]
     rows.sort(key=lambda r: list(fns).index(r["impl"]))
     if th_note:
         rows.append({"impl": "th dist SHT", "P": world, "ms": "n/a", "bytes/rank": th_note})

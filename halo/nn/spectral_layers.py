@@ -1,6 +1,7 @@
-"""The users' spectral layers on H-shards, exact: torch-harmonics' SHTs and SFNO spectral conv, neuraloperator's
-``SpectralConv``. Each is the third-party module's state adopted (same attributes and Parameters: ``state_dict``
-keys unchanged) with a forward written on the transposes of :mod:`halo.nn.spectral`.
+"""The users' spectral layers on H-shards, exact: torch-harmonics' SHTs, FFT2s and SFNO spectral conv,
+neuraloperator's ``SpectralConv``, FourCastNet's ``AFNO2D``. Each is the third-party module's state adopted (same
+attributes and Parameters: ``state_dict`` keys unchanged) with a forward written on the transposes of
+:mod:`halo.nn.spectral`.
 
 =============================  ===============================================================================
 torch-harmonics ``RealSHT``    ``rfft`` along W on the shard (local), its first ``mmax`` modes to the columns
@@ -12,9 +13,13 @@ torch-harmonics ``RealSHT``    ``rfft`` along W on the shard (local), its first 
 SFNO ``SpectralConvS2``        SHT to the columns layout, the per-mode contraction there (its ``weight`` sliced
                                to this rank's modes for ``"diagonal"``; whole for ``"driscoll-healy"``: it has no
                                ``m``), inverse SHT from the columns layout: two transposes per call, not four.
+torch-harmonics ``RealFFT2``   (its FNO) ``rfft`` along W, the first ``mmax`` modes to columns, ``fft`` along H,
+/ ``InverseRealFFT2``          the kept ``lmax`` frequency rows cut there; the inverse likewise backwards.
 neuraloperator ``SpectralConv``  2-d, real data: ``rfft`` along W, the kept modes to columns, ``fft`` + ``fftshift``
                                along H there, the module's own contraction (``_contract``) on this rank's modes,
                                its ``fftshift`` and ``ifft`` along H, back to rows, ``irfft`` along W, bias.
+FourCastNet ``AFNO2D``         channels-last ``(B, H_r, W, C)``: the kept modes to columns, the block MLP and
+                               softshrink per mode there, back (module below).
 =============================  ===============================================================================
 
 Parameter gradients are each rank's modes' contribution: summed over the domain group (the gradient sync) they are
