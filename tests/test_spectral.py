@@ -14,6 +14,9 @@
   ``state_dict`` keys unchanged. A run of the unconverted module on each shard is checked to differ (so the
   comparisons would fail if the exact path were the local one).
 - Memory: no tensor autograd saves in the converted SHT model is larger than ~1/P of the whole field's.
+- The guard on the columns layout (``rows_to_cols`` places its output along W, and the guard follows it through the
+  transform): per-mode work along the whole frequency rows in user code passes and is exact; a reduction over the
+  sharded modes is refused on every rank.
 - Refusals, the same on every rank: one rank's wrong longitude count; fewer modes (or columns for the transpose
   itself) than ranks; SFNO's
   block-diagonal operator; neuraloperator's complex data.
@@ -297,6 +300,51 @@ def test_converted_spectral_layers_equal_unsharded(kind, world, h, w):
 
 def _build_tol(kind: str) -> float:
     return TOL if kind in ("sht", "fft2") else TOL32
+
+
+# -- the guard and the columns layout ------------------------------------------------------------------------------
+
+class ModeFilter(nn.Module):
+    """User code between the transforms, as FNO-style models write it: per-mode work on the columns layout (whole
+    frequency rows, this rank's modes), then (``reduce_w``) a reduction over the sharded modes, which is wrong."""
+
+    def __init__(self, reduce_w: bool) -> None:
+        super().__init__()
+        self.reduce_w = reduce_w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from halo.nn import spectral as S
+
+        spec = S.rfft2(x, layout="columns")
+        h, w = spec.shape[-2], x.shape[-1]  # the global H: whole in the columns layout (x.shape[-2] is a shard's)
+        if self.reduce_w:
+            return spec.abs().sum(-1, keepdim=True)  # over the modes: sharded in this layout
+        keep = torch.ones_like(spec.real)
+        keep[..., h // 4: h - h // 4, :] = 0  # latitudinal truncation: whole rows here, so local
+        return S.irfft2(spec * keep, s=(h, w), layout="columns")
+
+
+def _guarded(rank: int, world: int, reduce_w: bool) -> float:
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    halo.initialize_domain_parallel(world, world)
+    full = torch.randn(1, 2, 37, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    model = convert_to_domain_parallel(ModeFilter(reduce_w), custom_converters={ModeFilter: INSIDE})
+    out = model(_shard(full, rank, world))
+    spec = torch.fft.rfft2(full)
+    spec[..., 37 // 4: 37 - 37 // 4, :] = 0
+    return rel(out, _shard(torch.fft.irfft2(spec, s=(37, 8)), rank, world))
+
+
+def test_guard_passes_per_mode_work_on_columns_and_refuses_a_reduction_over_the_sharded_modes():
+    for err in run_on_ranks(_guarded, 2, False, timeout=120):
+        assert err < TOL, err
+    outs = run_on_ranks_outcomes(_guarded, 2, True, timeout=120, pg_timeout=60)
+    assert all(kind == "error" for kind, _ in outs), outs
+    firsts = {msg.splitlines()[0] for _, msg in outs}
+    assert len(firsts) == 1 and "sum" in firsts.pop(), outs
 
 
 # -- refusals: the same error on every rank -------------------------------------------------------------------------
