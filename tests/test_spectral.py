@@ -272,10 +272,10 @@ def _layers(rank: int, world: int, kind: str, h: int, w: int) -> dict[str, Any]:
             "saved": biggest[0], "field": full.numel()}
 
 
-CASES = [("sht", 2, 33, 16), ("sht", 3, 37, 16), ("diagonal", 2, 33, 16), ("driscoll-healy", 3, 33, 16),
-         ("sfno block", 3, 37, 16), ("fno diagonal", 3, 33, 16), ("fno driscoll-healy", 2, 37, 14),
-         ("fft2", 3, 33, 16), ("neuralop", 2, 37, 14), ("neuralop", 3, 33, 15), ("afno", 2, 33, 12),
-         ("afno half", 3, 37, 13), ("afno block", 3, 33, 12)]
+CASES = [("sht", 2, 33, 16), ("sht", 3, 37, 16), ("sht", 7, 37, 16), ("diagonal", 2, 33, 16),
+         ("driscoll-healy", 3, 33, 16), ("sfno block", 3, 37, 16), ("fno diagonal", 3, 33, 16),
+         ("fno driscoll-healy", 2, 37, 14), ("fft2", 3, 33, 16), ("neuralop", 2, 37, 14), ("neuralop", 3, 33, 15),
+         ("afno", 2, 33, 12), ("afno half", 3, 37, 13), ("afno block", 3, 33, 12)]
 
 
 def _package(kind: str) -> str:
