@@ -17,7 +17,8 @@
 - The guard on the columns layout (``rows_to_cols`` places its output along W, and the guard follows it through the
   transform): per-mode work along the whole frequency rows in user code passes and is exact; a reduction over the
   sharded modes is refused on every rank.
-- Refusals, the same on every rank: one rank's wrong longitude count; fewer modes (or columns for the transpose
+- Refusals, the same on every rank: one rank's wrong longitude count; every rank's wrong longitude or latitude
+  count; fewer modes (or columns for the transpose
   itself) than ranks; SFNO's
   block-diagonal operator; neuraloperator's complex data.
 """
@@ -398,6 +399,14 @@ def _refusal(rank: int, world: int, case: str) -> str:
         w = 10 if rank == 1 else 8
         x = torch.randn(1, 2, split_offsets(9, world)[rank + 1] - split_offsets(9, world)[rank], w)
         model(x)
+    elif case in ("nlon all", "nlat"):  # every rank alike, but not the grid the SHT was built for (9 x 8)
+        from torch_harmonics import RealSHT
+
+        model = nn.Sequential(RealSHT(9, 8))
+        convert_to_domain_parallel(model)
+        h = 10 if case == "nlat" else 9
+        o = split_offsets(h, world)
+        model(torch.randn(1, 2, o[rank + 1] - o[rank], 10 if case == "nlon all" else 8))
     elif case == "modes":  # 2 modes over 3 ranks
         from torch_harmonics import RealSHT
 
@@ -420,7 +429,9 @@ def _refusal(rank: int, world: int, case: str) -> str:
 
 
 @pytest.mark.parametrize("case,match", [
-    ("nlon", "8"), ("modes", "2 modes cannot be split over 3 ranks"),
+    ("nlon", "8"), ("nlon all", "expected 8 along the last dim, got 10"),
+    ("nlat", "expected 9 rows along dim -2 over the domain group, got 10"),
+    ("modes", "2 modes cannot be split over 3 ranks"),
     ("columns", "2 columns cannot be split over 3 ranks"),
     ("block-diagonal", "block-diagonal"), ("complex", "complex_data")])
 def test_refusals_are_the_same_on_every_rank(case, match):
