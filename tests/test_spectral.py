@@ -17,6 +17,9 @@
 - The guard on the columns layout (``rows_to_cols`` places its output along W, and the guard follows it through the
   transform): per-mode work along the whole frequency rows in user code passes and is exact; a reduction over the
   sharded modes is refused on every rank.
+- torch.compile (aot_eager) of a converted SHT model equals eager (the transposes are graph breaks).
+- Arguments and configurations halo does not convert (``s=``, layouts, dims; neuraloperator's 1-d / 3-d / half /
+  rescaling / ``output_shape``; SFNO's mismatched modes or transforms) raise naming what was expected.
 - Refusals, the same on every rank: one rank's wrong longitude count; every rank's wrong longitude or latitude
   count; fewer modes (or columns for the transpose
   itself) than ranks; SFNO's
@@ -442,3 +445,38 @@ def test_refusals_are_the_same_on_every_rank(case, match):
     assert len(firsts) == 1, firsts
     assert match in firsts.pop()
 
+
+
+def test_argument_and_configuration_refusals_name_what_was_expected():
+    """Refusals decided by the call's own arguments or the module's configuration (alike on every rank by
+    construction), checked in one process."""
+    pytest.importorskip("neuralop.layers.spectral_convolution")
+    from neuralop.layers.spectral_convolution import SpectralConv
+    from torch_harmonics import InverseRealSHT, RealSHT
+    from torch_harmonics.examples.models._layers import SpectralConvS2
+
+    from halo.nn import DomainSpectralConv, DomainSpectralConvS2
+    from halo.nn import spectral as S
+
+    x = torch.randn(1, 2, 9, 8)
+    with pytest.raises(ValueError, match="s= .* not supported on H-shards, got s=\\(9, 8\\)"):
+        S.rfft2(x, s=(9, 8))
+    with pytest.raises(ValueError, match="layout must be one of \\('rows', 'columns'\\), got 'cols'"):
+        S.irfft2(x, s=(9, 8), layout="cols")
+    with pytest.raises(ValueError, match="runs over \\(H, W\\) = dims \\(-2, -1\\), got dim=\\(1, 2\\)"):
+        S.fft2(x, dim=(1, 2))
+    with pytest.raises(ValueError, match="along H \\(dim -2\\) or W \\(dim -1\\), got dim=1"):
+        S.fft(x, dim=1)
+    for kwargs, why in (({"n_modes": (4,)}, "a 1-d transform"), ({"n_modes": (4, 4, 4)}, "a 3-d transform"),
+                        ({"n_modes": (4, 4), "fno_block_precision": "half"}, "fno_block_precision='half'"),
+                        ({"n_modes": (4, 4), "resolution_scaling_factor": 2}, "resolution_scaling_factor")):
+        with pytest.raises(ValueError, match=why):
+            DomainSpectralConv(SpectralConv(2, 2, **kwargs))
+    with pytest.raises(ValueError, match="output_shape= is not supported on H-shards, got \\(9, 8\\)"):
+        DomainSpectralConv(SpectralConv(2, 2, n_modes=(4, 4)))(x, output_shape=(9, 8))
+    with pytest.raises(ValueError, match="keep different modes \\(forward lmax, mmax = 9, 5; inverse 5, 3"):
+        DomainSpectralConvS2(SpectralConvS2(RealSHT(9, 8), InverseRealSHT(9, 8, 5, 3), 2, 2))
+    with pytest.raises(ValueError, match="Identity / InverseRealSHT have no columns form"):
+        conv = SpectralConvS2(RealSHT(9, 8), InverseRealSHT(9, 8), 2, 2)
+        conv.forward_transform = nn.Identity()
+        DomainSpectralConvS2(conv)
