@@ -30,6 +30,15 @@ from .pool import (
 from .registry import converts
 from .shuffle import HaloPixelShuffle, HaloPixelUnshuffle
 from .softmax import DomainLogSoftmax, DomainSoftmax
+from .spectral_layers import (
+    DomainAFNO2D,
+    DomainInverseRealFFT2,
+    DomainInverseRealSHT,
+    DomainRealFFT2,
+    DomainRealSHT,
+    DomainSpectralConv,
+    DomainSpectralConvS2,
+)
 from .swinv2 import HaloCreditPatchEmbed, HaloCubeEmbedding, HaloSwinV2Block, HaloUTransformer, HaloWindowAttentionV2
 from .timm_layers import DomainBlurPool2d, DomainSelectAdaptivePool2d, DomainSqueezeExcite, HaloConv2dSame
 from .upsample import HaloUpsample, halo_interpolate
@@ -45,6 +54,7 @@ from .window import (
 )
 
 __all__ = [
+    "DomainAFNO2D",
     "DomainAlphaDropout",
     "DomainBatchNorm2d",
     "DomainBatchNormAct2d",
@@ -58,11 +68,17 @@ __all__ = [
     "DomainFeatureAlphaDropout",
     "DomainGroupNorm",
     "DomainInstanceNorm2d",
+    "DomainInverseRealFFT2",
+    "DomainInverseRealSHT",
     "DomainLayerNorm",
     "DomainLogSoftmax",
     "DomainNeighborhoodAttention2D",
+    "DomainRealFFT2",
+    "DomainRealSHT",
     "DomainSelectAdaptivePool2d",
     "DomainSoftmax",
+    "DomainSpectralConv",
+    "DomainSpectralConvS2",
     "DomainSqueezeExcite",
     "HaloAdaptiveAvgPool2d",
     "HaloAdaptiveMaxPool2d",

@@ -24,6 +24,7 @@ from .credit_padding import CROSSFORMER_MODULES
 from .longrange import DomainCrossFormerAttention
 from .neighborhood import DomainNeighborhoodAttention2D
 from .smp_layers import smp_adapter  # smp's U-Net decoder: resizes to global level sizes
+from .spectral_layers import spectral_adapter  # torch-harmonics SHTs and SFNO's SpectralConvS2; neuralop SpectralConv
 from .swinv2 import swinv2_adapter  # timm's SwinTransformerV2Block; CREDIT's Swin (V2 Cr) and FuXi
 from .target import ConvertContext
 from .timm_layers import timm_adapter  # timm's channel norms, activations, layer scale, Conv2dSame, heads, ...
@@ -58,6 +59,9 @@ def adapter(module: nn.Module) -> Converter | None:
         made = _crossformer_layer(module)
         if made is not None:
             return made
+    made = spectral_adapter(module)  # spectral transforms (halo.nn.spectral_layers): by distributed transposes
+    if made is not None:
+        return made
     return swinv2_adapter(module) or swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
 
 

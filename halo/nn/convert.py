@@ -331,6 +331,7 @@ def convert_to_domain_parallel(
                 object.__setattr__(replacement, _ORIGINAL, child)
                 parent._modules[name] = replacement
                 if id(replacement) not in visited and id(replacement) not in finished \
+                        and not getattr(replacement, "halo_owns_children", False) \
                         and next(replacement.children(), None) is not None:
                     visited.add(id(replacement))
                     visit(replacement, path + ".")  # children an adapter keeps (an activation after a norm)
