@@ -381,9 +381,10 @@ def latitude_weighted_mean(x: torch.Tensor, group: Any | None = None, *, dim: in
 
 
 def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None, dim: Any, keepdim: bool,
-                       weights: torch.Tensor | None, weight_kwargs: dict, op: str, mesh: Any | None = None
-                       ) -> torch.Tensor:
-    """The weighted mean of ``values``, whose rows are those of the shard ``x`` (its extents name the rows)."""
+                       weights: torch.Tensor | None, weight_kwargs: dict, op: str, mesh: Any | None = None,
+                       sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The weighted mean of ``values``, whose rows are those of the shard ``x`` (its extents name the rows;
+    ``sizes``: every rank's rows of ``x`` when the caller agreed them already)."""
     if x.dim() < 2:
         raise ValueError(f"{op}: x must be (..., H, W), got shape {tuple(x.shape)}")
     if mesh is not None:
@@ -394,7 +395,7 @@ def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None,
         else:
             info = comm_group(group)
             group, index = info.group, info.index
-        sizes = shard_sizes(x, -2, group, op=op)
+        sizes = shard_sizes(x, -2, group, op=op) if sizes is None else sizes
         n_lat, start, rows = sum(sizes), sum(sizes[:index]), sizes[index]
     acc = accumulation_dtype(values.dtype)
     weights = row_weights(n_lat, weights, weight_kwargs, values.device, acc)
@@ -407,32 +408,33 @@ def latitude_weighted_mse(pred: torch.Tensor, target: torch.Tensor, group: Any |
     """WeatherBench-style loss: mean over all dims of ``w(lat) * (pred - target)**2`` over the global field
     (``dim``/``weights``/grid options as in :func:`latitude_weighted_mean`). fp32 for half inputs."""
     mesh = check_mesh(kwargs.pop("mesh", None), "latitude_weighted_mse")
-    _agree_pair(pred, target, group, mesh, "latitude_weighted_mse")
+    sizes = _agree_pair(pred, target, group, mesh, "latitude_weighted_mse")
     acc = accumulation_dtype(torch.promote_types(pred.dtype, target.dtype))
     err = (pred.to(acc) - target.to(acc)).square()
     dim, keepdim, weights = kwargs.pop("dim", None), kwargs.pop("keepdim", False), kwargs.pop("weights", None)
-    return _latitude_weighted(pred, err, group, dim, keepdim, weights, kwargs, "latitude_weighted_mse", mesh)
+    return _latitude_weighted(pred, err, group, dim, keepdim, weights, kwargs, "latitude_weighted_mse", mesh, sizes)
 
 
-def _agree_pair(pred: torch.Tensor, target: torch.Tensor, group: Any | None, mesh: Any | None, op: str) -> None:
+def _agree_pair(pred: torch.Tensor, target: torch.Tensor, group: Any | None, mesh: Any | None, op: str
+                ) -> tuple[int, ...] | None:
     """``pred`` and ``target`` must be shards of fields of one shape; checked so that every rank raises the same
     ``ValueError`` (invariant 4) when they differ on some ranks only (a target one row shorter: before, that rank
     raised alone and its peers waited in the next agreement until it exited). Both tensors' extents are agreed
     over the domain group first (recorded per step for a model's output and a ``halo.shard`` result: no message in
     a steady step), which also checks every other dim, the dtype and the device alike across ranks for each; then
-    what is compared is the same on every rank."""
+    what is compared is the same on every rank. Returns pred's rows per rank (``None`` on a mesh)."""
     if pred.dim() < 2 or target.dim() < 2:
         if pred.shape != target.shape:  # every rank sees it: shard_sizes would refuse them alike anyway
             raise ValueError(f"{op}: pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
-        return
+        return None
     if mesh is not None:  # the global rows are agreed; a block's columns are checked on this rank only
         p_rows, t_rows = mesh_rows(pred, mesh, op)[0], mesh_rows(target, mesh, op)[0]
         if p_rows != t_rows or pred.shape != target.shape:
             raise ValueError(f"{op}: pred is a block of a field of {p_rows} rows (local shape {tuple(pred.shape)}), "
                              f"target of {t_rows} rows (local shape {tuple(target.shape)}): expected blocks of fields "
                              f"of one shape")
-        return
-    sp = shard_sizes(pred, -2, group, op=f"{op} (pred)")
+        return None
+    sp = shard_sizes(pred, -2, group, op=op)
     st = shard_sizes(target, -2, group, op=f"{op} (target)")
     if sp != st or pred.dim() != target.dim() or pred.shape[:-2] != target.shape[:-2] \
             or pred.shape[-1] != target.shape[-1]:
@@ -444,6 +446,7 @@ def _agree_pair(pred: torch.Tensor, target: torch.Tensor, group: Any | None, mes
                          f"target is {field(target, st)}")
     if pred.dtype != target.dtype and not (pred.dtype.is_floating_point and target.dtype.is_floating_point):
         raise ValueError(f"{op}: pred is {pred.dtype} and target {target.dtype}: expected floating-point tensors")
+    return sp
 
 
 class _ShareFn(torch.autograd.Function):
