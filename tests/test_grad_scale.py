@@ -256,10 +256,25 @@ def _wrapped(rank, world):
     domain_mean((ddp(xs) - ys) ** 2).backward()
     sync_domain_gradients(ddp, domain_group=manager.domain_group)  # DDP averaged over dp already
     out["dp"] = _grads(ddp)
+    model = halo.nn.convert_to_domain_parallel(_net(), manager)  # accumulation: DDP's reduction held back too
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=manager.data_parallel_group)
+    from halo.reduce import no_sync
+
+    for k in range(3):
+        loss = domain_mean((ddp(xs) - ys) ** 2 * (k + 1))
+        if k < 2:
+            with no_sync(ddp):
+                loss.backward()
+        else:
+            loss.backward()
+    sync_domain_gradients(ddp, domain_group=manager.domain_group)
+    out["accum"] = _grads(ddp)
     return portable(out)
 
 
 def test_ddp_over_domain_ranks_is_refused_and_over_dp_is_exact():
+    """DDP over the world: refused at its first forward; over the dp group (accumulating in halo.reduce.no_sync, which
+    holds DDP's reduction back too): exact."""
     results = run_on_ranks(_wrapped, 4, timeout=240)
     x, y = _data(batch=4)
     want = _grads(_ref(lambda m: ((m(x) - y) ** 2).mean()))
@@ -270,6 +285,12 @@ def test_ddp_over_domain_ranks_is_refused_and_over_dp_is_exact():
         assert f"holds global ranks [0, 1, 2, 3], which share global ranks {domain}" in msg, msg
         assert "manager.data_parallel_group" in msg and "halo.parallelize" in msg and "x1/2" in msg, msg
         _assert_close(r["dp"], want)
+    model = _net()
+    for k in range(3):
+        (((model(x) - y) ** 2).mean() * (k + 1)).backward()
+    want = _grads(model)
+    for r in results:
+        _assert_close(r["accum"], want)
 
 
 # -- CREDIT's convention and halo's: one or the other, never both ----------------------------------------------
