@@ -11,6 +11,8 @@ a value with the inner product of its kind: *per-rank* ``<S, y> = sum_r <S_r, y_
     domain_sum(x)           sum of the global field        replicated   mean_q g_q
     domain_mean(x)          that / N (global count)        replicated   mean_q g_q / N
     latitude_weighted_*     domain_mean(w(lat) * ...)      replicated   the same, times w(lat)
+    local_share(l)          l (this rank's share)          per-rank     g (declared: the sum over ranks is the loss)
+    replicated_loss(l)      l (the same on every rank)     replicated   g / P (whole values: counted once)
 
 ``all_reduce`` is the primitive used *inside* layers (norm statistics): every rank uses the result in its own
 downstream computation, so the gradients arriving on the ranks differ and all of them flow back (plain adjoint).
@@ -21,6 +23,14 @@ gradients (one all-reduce of a few numbers), which is the incoming gradient itse
 calls ``loss.backward()`` on the same loss. With that, each rank's parameter gradient is its own part of the
 global gradient, which :func:`sync_domain_gradients` sums (:mod:`halo.reduce_grads`, re-exported here with the
 norms; the latitude grid's rows and weights: :mod:`halo.reduce_weights`).
+
+Each of these losses' backward marks the backward it runs in as a domain loss's (:mod:`halo.reduce_marks`), and the
+sync refuses gradients of a backward without one: a loss computed on the shard alone (``F.mse_loss`` of the shard,
+each rank's mean over its own rows) cannot be told from a share of the global loss by its gradients, and is off by
+about the domain size after the sum. A loss that *is* this rank's share of a global sum is declared with
+:func:`local_share`; one computed alike on every rank from whole values (a global pool's result) with
+:func:`replicated_loss`. ``latitude_weighted_mse`` agrees on both tensors' extents before comparing them, so a
+target that differs on one rank only is the same ``ValueError`` on every rank.
 
 Precision (invariant 5): bf16/fp16 values are summed in fp32 (float64 for cross-rank sums of a few numbers);
 ``domain_*`` and the losses return fp32 for half inputs, the input dtype otherwise; ``all_reduce`` returns the

@@ -46,6 +46,7 @@ __all__ = ["DOMAIN_LOSSES", "check", "forget", "mark_domain_backward", "no_sync"
 DOMAIN_LOSSES = ("halo.reduce.latitude_weighted_mse(pred, target)", "halo.reduce.domain_mean((pred - target) ** 2)",
                  "halo.reduce.domain_sum")
 MAX_TASKS = 256
+MAX_RECORDS = 1 << 16
 WHAT = "sync_domain_gradients"
 
 
@@ -98,6 +99,8 @@ def _arrived(p: torch.Tensor, task: int) -> None:
         st.into_synced[id(p)] = weakref.ref(p)
     seen = st.pending.get(task)
     if seen is None:
+        while len(st.pending) >= MAX_TASKS:  # backwards that raised before their end: never finished
+            del st.pending[next(iter(st.pending))]
         seen = st.pending[task] = []
 
         def once_more() -> None:  # queued from a final callback: runs after those queued before it (DDP's copy)
@@ -111,6 +114,10 @@ def _finish(task: int) -> None:
     """The end of backward ``task``: record every gradient it wrote, with its version now."""
     st = _state()
     domain = bool(st.domain_tasks.pop(task, False))
+    if len(st.fresh) > MAX_RECORDS:  # parameters that are gone, never synced (a model trained without the sync)
+        for table in (st.fresh, st.into_synced):
+            for key in [k for k, v in table.items() if (v.param if isinstance(v, _Record) else v)() is None]:
+                del table[key]
     for ref in st.pending.pop(task, []):
         p = ref()
         if p is None or p.grad is None:
