@@ -233,7 +233,7 @@ def _replicated_grad_op(grad: torch.Tensor, order: torch.Tensor, gid: int) -> to
     info = group_by_id(gid)
     buf = torch.empty_like(grad, dtype=accumulation_dtype(grad.dtype))
     buf.copy_(grad.detach())
-    bounded_all_reduce(buf, info, "domain reduction (backward)")
+    bounded_all_reduce(buf, info, "all_reduce")  # the label halo::all_reduce gave this backward before
     buf.div_(info.size)
     return buf if buf.dtype == grad.dtype else torch.empty_like(grad).copy_(buf)
 

@@ -97,6 +97,11 @@ def _arrived(p: torch.Tensor, task: int) -> None:
     st = _state()
     if p.grad is not None and synced_as_left(p):
         st.into_synced[id(p)] = weakref.ref(p)
+    elif id(p) in st.into_synced:  # flagged: kept while backwards only accumulate; zeroed (or written) since, cleared
+        rec = st.fresh.get(id(p))
+        g = None if p.grad is None else local_grad(p.grad)
+        if g is None or rec is None or rec.param() is not p or rec.grad() is not g or rec.version != g._version:
+            del st.into_synced[id(p)]
     seen = st.pending.get(task)
     if seen is None:
         while len(st.pending) >= MAX_TASKS:  # backwards that raised before their end: never finished
