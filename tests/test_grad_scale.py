@@ -142,6 +142,10 @@ def _scenarios(rank, world, names):
                     loss.backward()
                     sync_domain_gradients(model, manager)
             out[name] = _grads(model)
+        elif name == "accum_mixed":  # one micro-step's loss local: the accumulated gradient is not a domain loss's
+            F.mse_loss(model(xs), ys).backward()
+            domain_mean((model(xs) - ys) ** 2).backward()  # the last backward a domain loss's: not enough
+            out[name] = _error(lambda m=model: sync_domain_gradients(m, manager))
         elif name == "accum_once":
             for k in range(3):
                 domain_mean((model(xs) - ys) ** 2 * (k + 1)).backward()
@@ -165,7 +169,7 @@ def _mse_ref(model):
 def three():
     """Every scenario on 3 ranks (one rank pool for the file's exact and refused cases)."""
     names = ["local", "lwmse", "share", "head_local", "head_replicated", "torch_clip", "scaled", "halo_clip",
-             "accum_each", "accum_no_sync", "accum_once"]
+             "accum_each", "accum_no_sync", "accum_once", "accum_mixed"]
     return run_on_ranks(_scenarios, 3, names, timeout=300)
 
 
@@ -231,6 +235,8 @@ def test_accumulation(three):
     for k in range(3):
         (((model(x) - y) ** 2).mean() * (k + 1)).backward()
     want = _grads(model)
+    msg = _same_on_every_rank(three, "accum_mixed")
+    assert "no halo domain reduction" in msg, msg
     for r in three:
         _assert_close(r["accum_no_sync"], want)
         _assert_close(r["accum_once"], want)
