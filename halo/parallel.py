@@ -35,7 +35,7 @@ from torch import nn
 from .mesh import DomainMesh, DomainParallelManager, get_domain_parallel_manager
 from .replicated import check_replicated
 
-__all__ = ["DATA_PARALLEL", "data_parallel_mesh", "parallelize", "watch_model"]
+__all__ = ["DATA_PARALLEL", "data_parallel_mesh", "parallelize"]
 
 DATA_PARALLEL = ("none", "ddp", "fsdp", "hsdp", "fsdp-all")
 
@@ -121,48 +121,3 @@ def parallelize(model: nn.Module, manager: DomainParallelManager | DomainMesh | 
         m.__dict__["_halo_data_parallel"] = data_parallel
         m.__dict__["_halo_groups"] = (dm.domain_group, dm.dp_group if dm.dp_size > 1 else None)
     return wrapped
-
-
-def _refuse_spanning_ddp(module: nn.Module, args: Any) -> None:
-    """A converted model's forward pre-hook: refuse a torch ``DistributedDataParallel`` around it whose process
-    group holds other ranks of its domain group (the world group): DDP would average the ranks' *parts* of the
-    gradient (x1/P, measured x0.5 on 2 ranks) and the replicated-weights check cannot see it (every rank gets the
-    same wrong gradient). Every rank of the domain group runs the same wrapper, so every rank raises alike."""
-    if torch.compiler.is_compiling():
-        return
-    ddp = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
-    if ddp is None or module.__dict__.get("_halo_ddp_checked") == id(ddp):
-        return
-    import torch.distributed as dist
-
-    from .comm import comm_group
-
-    root = module.__dict__.get("_halo_root")
-    if root is None or not dist.is_initialized():
-        return
-    domain = comm_group(root.group)
-    group = getattr(ddp, "process_group", None)
-    wrapped = comm_group(group) if group is not None else comm_group(dist.group.WORLD)
-    me = dist.get_rank()
-    shared = sorted(set(wrapped.ranks) & set(domain.ranks))
-    if domain.size > 1 and shared != [me]:
-        raise ValueError(
-            f"DistributedDataParallel around a domain-parallel model: its process group holds global ranks "
-            f"{list(wrapped.ranks)}, which share global ranks {shared} with the model's domain group "
-            f"{list(domain.ranks)} (on global rank {me}); expected a data-parallel group that holds one rank of each "
-            f"domain group (this one). DDP would average the ranks' parts of the gradient (x1/{domain.size}). Wrap "
-            f"with process_group=manager.data_parallel_group, or use halo.parallelize(model, manager, "
-            f"data_parallel='ddp')")
-    module.__dict__["_halo_ddp_checked"] = id(ddp)
-
-
-def watch_model(model: nn.Module) -> None:
-    """What a converted model gets at conversion (``convert_to_domain_parallel``): the provenance hooks of its
-    parameters (:mod:`halo.reduce_marks`, so that the sync can refuse a wrong gradient scale from the first step)
-    and the check of a data-parallel wrapper around it (:func:`_refuse_spanning_ddp`), installed once."""
-    from .reduce_marks import watch
-
-    watch(model.parameters())
-    if "_halo_ddp_hook" not in model.__dict__:
-        model.register_forward_pre_hook(_refuse_spanning_ddp)
-        model.__dict__["_halo_ddp_hook"] = True

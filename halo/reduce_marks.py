@@ -22,8 +22,10 @@ their provenance, kept on the host (no message, no device read):
 
 Every rank of a domain group runs the same program, so every rank makes the same records and raises the same
 error; a mistake made on some ranks only (a clip under ``if rank == 0``) raises there, and its peers' sums fail
-within the timeout naming the rank (:func:`halo.comm.set_timeout`). State: the :mod:`halo.context` slot
-``"reduce_marks"``; the hooks stay on the parameters (one each, marked by ``_halo_grad_watch``).
+within the timeout naming the rank (:func:`halo.comm.set_timeout`). A converted model also gets, at conversion
+(:func:`watch_model`), a forward pre-hook that refuses a torch DDP around it whose group spans its domain ranks.
+State: the :mod:`halo.context` slot ``"reduce_marks"``; the hooks stay on the parameters (one each, marked by
+``_halo_grad_watch``).
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import context
+from .comm import comm_group
 from .reduce_layout import local_grad, synced_as_left
 
-__all__ = ["DOMAIN_LOSSES", "check", "forget", "mark_domain_backward", "no_sync", "syncing", "watch"]
+__all__ = ["DOMAIN_LOSSES", "check", "forget", "mark_domain_backward", "no_sync", "syncing", "watch",
+           "watch_model"]
 
 #: How the refusals name the losses to use.
 DOMAIN_LOSSES = ("halo.reduce.latitude_weighted_mse(pred, target)", "halo.reduce.domain_mean((pred - target) ** 2)",
@@ -257,3 +262,42 @@ def no_sync(model: Any | None = None) -> Iterator[None]:
             model.set_requires_gradient_sync(True)
         if inner is not None:
             inner.__exit__(None, None, None)
+
+
+def _refuse_spanning_ddp(module: torch.nn.Module, args: Any) -> None:
+    """A converted model's forward pre-hook: refuse a torch ``DistributedDataParallel`` around it whose process
+    group holds other ranks of its domain group (the world group): DDP would average the ranks' *parts* of the
+    gradient (x1/P, measured x0.5 on 2 ranks) and the replicated-weights check cannot see it (every rank gets the
+    same wrong gradient). Every rank of the domain group runs the same wrapper, so every rank raises alike."""
+    if torch.compiler.is_compiling():
+        return
+    ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+    if ddp is None or module.__dict__.get("_halo_ddp_checked") == id(ddp):
+        return
+    root = module.__dict__.get("_halo_root")
+    if root is None or not dist.is_initialized():
+        return
+    domain = comm_group(root.group)
+    group = getattr(ddp, "process_group", None)
+    wrapped = comm_group(group) if group is not None else comm_group(dist.group.WORLD)
+    me = dist.get_rank()
+    shared = sorted(set(wrapped.ranks) & set(domain.ranks))
+    if domain.size > 1 and shared != [me]:
+        raise ValueError(
+            f"DistributedDataParallel around a domain-parallel model: its process group holds global ranks "
+            f"{list(wrapped.ranks)}, which share global ranks {shared} with the model's domain group "
+            f"{list(domain.ranks)} (on global rank {me}); expected a data-parallel group that holds one rank of each "
+            f"domain group (this one). DDP would average the ranks' parts of the gradient (x1/{domain.size}). Wrap "
+            f"with process_group=manager.data_parallel_group, or use halo.parallelize(model, manager, "
+            f"data_parallel='ddp')")
+    module.__dict__["_halo_ddp_checked"] = id(ddp)
+
+
+def watch_model(model: torch.nn.Module) -> None:
+    """What a converted model gets at conversion (``convert_to_domain_parallel``): the provenance hooks of its
+    parameters (:mod:`halo.reduce_marks`, so that the sync can refuse a wrong gradient scale from the first step)
+    and the check of a data-parallel wrapper around it (:func:`_refuse_spanning_ddp`), installed once."""
+    watch(model.parameters())
+    if "_halo_ddp_hook" not in model.__dict__:
+        model.register_forward_pre_hook(_refuse_spanning_ddp)
+        model.__dict__["_halo_ddp_hook"] = True

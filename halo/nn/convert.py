@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import DomainMesh, DomainParallelManager
-from ..parallel import watch_model
+from ..reduce_marks import watch_model
 from ..replicated import check_replicated
 from ..reroute import uninstall
 from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample  # noqa: F401  (they fill the registry)
