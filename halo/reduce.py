@@ -11,6 +11,8 @@ a value with the inner product of its kind: *per-rank* ``<S, y> = sum_r <S_r, y_
     domain_sum(x)           sum of the global field        replicated   mean_q g_q
     domain_mean(x)          that / N (global count)        replicated   mean_q g_q / N
     latitude_weighted_*     domain_mean(w(lat) * ...)      replicated   the same, times w(lat)
+    local_share(l)          l (this rank's share)          per-rank     g (declared: the sum over ranks is the loss)
+    replicated_loss(l)      l (the same on every rank)     replicated   g / P (whole values: counted once)
 
 ``all_reduce`` is the primitive used *inside* layers (norm statistics): every rank uses the result in its own
 downstream computation, so the gradients arriving on the ranks differ and all of them flow back (plain adjoint).
@@ -21,6 +23,14 @@ gradients (one all-reduce of a few numbers), which is the incoming gradient itse
 calls ``loss.backward()`` on the same loss. With that, each rank's parameter gradient is its own part of the
 global gradient, which :func:`sync_domain_gradients` sums (:mod:`halo.reduce_grads`, re-exported here with the
 norms; the latitude grid's rows and weights: :mod:`halo.reduce_weights`).
+
+Each of these losses' backward marks the backward it runs in as a domain loss's (:mod:`halo.reduce_marks`), and the
+sync refuses gradients of a backward without one: a loss computed on the shard alone (``F.mse_loss`` of the shard,
+each rank's mean over its own rows) cannot be told from a share of the global loss by its gradients, and is off by
+about the domain size after the sum. A loss that *is* this rank's share of a global sum is declared with
+:func:`local_share`; one computed alike on every rank from whole values (a global pool's result) with
+:func:`replicated_loss`. ``latitude_weighted_mse`` agrees on both tensors' extents before comparing them, so a
+target that differs on one rank only is the same ``ValueError`` on every rank.
 
 Precision (invariant 5): bf16/fp16 values are summed in fp32 (float64 for cross-rank sums of a few numbers);
 ``domain_*`` and the losses return fp32 for half inputs, the input dtype otherwise; ``all_reduce`` returns the
@@ -40,6 +50,7 @@ from .comm import all_reduce as bounded_all_reduce
 from .comm import comm_group, group_by_id, group_id
 from .plans import shard_sizes
 from .reduce_grads import accumulation_dtype, clip_grad_norm_, grad_norm, local_grad, sync_domain_gradients
+from .reduce_marks import mark_domain_backward, no_sync
 from .reduce_weights import (
     LAT_METHODS,
     check_mesh,
@@ -64,6 +75,9 @@ __all__ = [
     "grad_norm",
     "clip_grad_norm_",
     "local_grad",
+    "local_share",
+    "no_sync",
+    "replicated_loss",
     "LAT_METHODS",
 ]
 
@@ -210,10 +224,32 @@ def _replicated_setup(ctx, inputs, output) -> None:
     ctx.order, ctx.gid = inputs[1], inputs[2]
 
 
-def _replicated_backward(ctx, grad: torch.Tensor):
-    from .exchange import backward_order_token
+@torch.library.custom_op("halo::replicated_grad", mutates_args=())
+def _replicated_grad_op(grad: torch.Tensor, order: torch.Tensor, gid: int) -> torch.Tensor:
+    """The backward of ``halo::replicated_sum``: the mean over ranks of the incoming gradients (as
+    ``halo::all_reduce`` with ``"mean"``), which also marks the running backward as a domain loss's
+    (:mod:`halo.reduce_marks`: the sync checks it) when the compiled backward runs."""
+    mark_domain_backward()
+    info = group_by_id(gid)
+    buf = torch.empty_like(grad, dtype=accumulation_dtype(grad.dtype))
+    buf.copy_(grad.detach())
+    bounded_all_reduce(buf, info, "all_reduce")  # the label halo::all_reduce gave this backward before
+    buf.div_(info.size)
+    return buf if buf.dtype == grad.dtype else torch.empty_like(grad).copy_(buf)
 
-    return _ordered_all_reduce(grad, "mean", ctx.gid, backward_order_token(ctx.order, grad)), None, None
+
+@_replicated_grad_op.register_fake
+def _(grad: torch.Tensor, order: torch.Tensor, gid: int) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+def _replicated_backward(ctx, grad: torch.Tensor):
+    from .exchange import backward_order_token, order_after
+
+    order = backward_order_token(ctx.order, grad)
+    out = _replicated_grad_op(grad, order, ctx.gid)
+    order_after(order, out)
+    return out, None, None
 
 
 _replicated_sum_op.register_autograd(_replicated_backward, setup_context=_replicated_setup)
@@ -241,7 +277,7 @@ def _order_all_reduce() -> None:
     :func:`halo.exchange.order_communication`)."""
     from .exchange import order_communication
 
-    order_communication(_all_reduce_op, _replicated_sum_op)
+    order_communication(_all_reduce_op, _replicated_sum_op, _replicated_grad_op)
 
 
 _order_all_reduce()
@@ -269,6 +305,7 @@ class _ReplicatedSumFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        mark_domain_backward()  # the gradients of this backward are a domain loss's (halo.reduce_marks)
         buf = grad.reshape(-1).to(torch.float64, copy=True)
         bounded_all_reduce(buf, ctx.info, "domain reduction (backward)")
         buf.div_(ctx.info.size)
@@ -354,9 +391,10 @@ def latitude_weighted_mean(x: torch.Tensor, group: Any | None = None, *, dim: in
 
 
 def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None, dim: Any, keepdim: bool,
-                       weights: torch.Tensor | None, weight_kwargs: dict, op: str, mesh: Any | None = None
-                       ) -> torch.Tensor:
-    """The weighted mean of ``values``, whose rows are those of the shard ``x`` (its extents name the rows)."""
+                       weights: torch.Tensor | None, weight_kwargs: dict, op: str, mesh: Any | None = None,
+                       sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The weighted mean of ``values``, whose rows are those of the shard ``x`` (its extents name the rows;
+    ``sizes``: every rank's rows of ``x`` when the caller agreed them already)."""
     if x.dim() < 2:
         raise ValueError(f"{op}: x must be (..., H, W), got shape {tuple(x.shape)}")
     if mesh is not None:
@@ -367,7 +405,7 @@ def _latitude_weighted(x: torch.Tensor, values: torch.Tensor, group: Any | None,
         else:
             info = comm_group(group)
             group, index = info.group, info.index
-        sizes = shard_sizes(x, -2, group, op=op)
+        sizes = shard_sizes(x, -2, group, op=op) if sizes is None else sizes
         n_lat, start, rows = sum(sizes), sum(sizes[:index]), sizes[index]
     acc = accumulation_dtype(values.dtype)
     weights = row_weights(n_lat, weights, weight_kwargs, values.device, acc)
@@ -379,10 +417,84 @@ def latitude_weighted_mse(pred: torch.Tensor, target: torch.Tensor, group: Any |
                           **kwargs: Any) -> torch.Tensor:
     """WeatherBench-style loss: mean over all dims of ``w(lat) * (pred - target)**2`` over the global field
     (``dim``/``weights``/grid options as in :func:`latitude_weighted_mean`). fp32 for half inputs."""
-    if pred.shape != target.shape:
-        raise ValueError(f"latitude_weighted_mse: pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
+    mesh = check_mesh(kwargs.pop("mesh", None), "latitude_weighted_mse")
+    sizes = _agree_pair(pred, target, group, mesh, "latitude_weighted_mse")
     acc = accumulation_dtype(torch.promote_types(pred.dtype, target.dtype))
     err = (pred.to(acc) - target.to(acc)).square()
     dim, keepdim, weights = kwargs.pop("dim", None), kwargs.pop("keepdim", False), kwargs.pop("weights", None)
-    mesh = check_mesh(kwargs.pop("mesh", None), "latitude_weighted_mse")
-    return _latitude_weighted(pred, err, group, dim, keepdim, weights, kwargs, "latitude_weighted_mse", mesh)
+    return _latitude_weighted(pred, err, group, dim, keepdim, weights, kwargs, "latitude_weighted_mse", mesh, sizes)
+
+
+def _agree_pair(pred: torch.Tensor, target: torch.Tensor, group: Any | None, mesh: Any | None, op: str
+                ) -> tuple[int, ...] | None:
+    """``pred`` and ``target`` must be shards of fields of one shape; checked so that every rank raises the same
+    ``ValueError`` (invariant 4) when they differ on some ranks only (a target one row shorter: before, that rank
+    raised alone and its peers waited in the next agreement until it exited). Both tensors' extents are agreed
+    over the domain group first (recorded per step for a model's output and a ``halo.shard`` result: no message in
+    a steady step), which also checks every other dim, the dtype and the device alike across ranks for each; then
+    what is compared is the same on every rank. Returns pred's rows per rank (``None`` on a mesh)."""
+    if pred.dim() < 2 or target.dim() < 2:
+        if pred.shape != target.shape:  # every rank sees it: shard_sizes would refuse them alike anyway
+            raise ValueError(f"{op}: pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
+        return None
+    if mesh is not None:  # the global rows are agreed; a block's columns are checked on this rank only
+        p_rows, t_rows = mesh_rows(pred, mesh, op)[0], mesh_rows(target, mesh, op)[0]
+        if p_rows != t_rows or pred.shape != target.shape:
+            raise ValueError(f"{op}: pred is a block of a field of {p_rows} rows (local shape {tuple(pred.shape)}), "
+                             f"target of {t_rows} rows (local shape {tuple(target.shape)}): expected blocks of fields "
+                             f"of one shape")
+        return None
+    sp = shard_sizes(pred, -2, group, op=op)
+    st = shard_sizes(target, -2, group, op=f"{op} (target)")
+    if sp != st or pred.dim() != target.dim() or pred.shape[:-2] != target.shape[:-2] \
+            or pred.shape[-1] != target.shape[-1]:
+        def field(x: torch.Tensor, sizes: tuple[int, ...]) -> str:
+            dims = list(x.shape)
+            dims[-2] = sum(sizes)
+            return f"{tuple(dims)} (rows per rank {list(sizes)})"
+        raise ValueError(f"{op}: pred and target must be shards of fields of one shape; pred is {field(pred, sp)}, "
+                         f"target is {field(target, st)}")
+    if pred.dtype != target.dtype and not (pred.dtype.is_floating_point and target.dtype.is_floating_point):
+        raise ValueError(f"{op}: pred is {pred.dtype} and target {target.dtype}: expected floating-point tensors")
+    return sp
+
+
+class _ShareFn(torch.autograd.Function):
+    """Forward: the loss itself. Backward: the incoming gradient times ``scale`` (1: a share; 1/P: a replicated
+    loss counted once), marking the backward as a domain loss's (:mod:`halo.reduce_marks`)."""
+
+    @staticmethod
+    def forward(ctx, loss, scale):
+        ctx.scale = scale
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mark_domain_backward()
+        return (grad if ctx.scale == 1.0 else grad * ctx.scale), None
+
+
+@torch._dynamo.disable  # a host mark in backward: eager
+def local_share(loss: torch.Tensor) -> torch.Tensor:
+    """Declare ``loss`` this rank's *share* of the global loss: the sum over the domain group of every rank's
+    ``loss`` is the objective (e.g. ``(pred * w_shard).sum()``, or ``((pred - t) ** 2).sum() / global_count``).
+
+    Its value and gradient are unchanged; the backward is marked as a domain loss's, so
+    :func:`sync_domain_gradients` (which sums the ranks' parts) accepts it. Without a domain reduction or this
+    declaration the sync refuses the gradients: a per-shard *mean* (``F.mse_loss`` of the shard) is off by about
+    the domain size after the sum, and from the gradients alone the two cannot be told apart."""
+    return _ShareFn.apply(loss, 1.0)
+
+
+@torch._dynamo.disable  # a host mark in backward: eager
+def replicated_loss(loss: torch.Tensor, group: Any | None = None) -> torch.Tensor:
+    """Declare ``loss`` computed alike on every rank of the domain group (default: the manager's) from whole values
+    (a global pool's result and the layers after it, a head on a gathered field), counted once.
+
+    Each rank's backward of such a loss holds the whole gradient of the replicated part (the head's weights) and
+    the layers before the whole value send every rank's copy back (a global pool's plain adjoint): summed over the
+    ranks by :func:`sync_domain_gradients`, that is P times the gradient (measured: x2.000 on 2 ranks). This
+    divides the incoming gradient by P (the value is unchanged), so the sum is exact, and marks the backward as a
+    domain loss's."""
+    info = comm_group(group)
+    return _ShareFn.apply(loss, 1.0 / info.size) if info.size > 1 else _ShareFn.apply(loss, 1.0)

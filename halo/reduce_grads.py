@@ -33,6 +33,8 @@ from .reduce_layout import (
     settle,
     status_section,
 )
+from .reduce_marks import check as check_marks
+from .reduce_marks import forget, quiet, syncing, watch
 
 __all__ = ["accumulation_dtype", "clip_grad_norm_", "grad_norm", "local_grad", "sync_domain_gradients"]
 
@@ -67,7 +69,7 @@ def _live(group: Any | None) -> CommGroup | None:
 @torch._dynamo.disable  # host bookkeeping (version counters, weak references) and collectives: always eager
 def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: DomainParallelManager | None = None,
                           *, domain_group: Any | None = None, dp_group: Any | None = None,
-                          bucket_mb: float = 128.0) -> None:
+                          bucket_mb: float = 128.0, _convention: str = "halo") -> None:
     """Sum parameter gradients over the domain group, then average them over the data-parallel group.
 
     After a replicated loss's ``backward()`` each rank holds its own part of the gradient (its rows of the
@@ -94,6 +96,14 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     go in flat buckets of at most ``bucket_mb`` MB per (device, dtype), one all-reduce per bucket and group;
     bf16/fp16 gradients are bucketed in fp32.
 
+    Refused before anything is sent (:mod:`halo.reduce_marks`, host bookkeeping only), with ``RuntimeError``: gradients
+    from a backward that went through no halo domain reduction (a local ``F.mse_loss`` of the shard: x P after the
+    sum; use :func:`halo.reduce.latitude_weighted_mse`, :func:`~halo.reduce.domain_mean`, or declare the loss with
+    :func:`~halo.reduce.local_share` / :func:`~halo.reduce.replicated_loss`); gradients changed between the backward
+    and the sync (clipping, unscaling: version counters; sync first, then :func:`clip_grad_norm_`); a backward
+    accumulated into gradients already synced (accumulation with a sync per micro-step: use
+    :func:`halo.reduce.no_sync` for all but the last). Inside a ``no_sync()`` window this does nothing.
+
     Checked, with no message: a second call for one backward (a gradient exactly as the previous sync left it, by
     its tensor and version counter: summing it again would multiply it by the domain size) raises
     ``RuntimeError``; for a converted model (or a wrapper of one), a ``domain_group`` other than the one it was
@@ -101,6 +111,8 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     raises ``ValueError``. A forgotten sync lets the weights diverge: the converted model's periodic check
     (:func:`halo.replicated.check_every`) names the tensor within that many forwards.
     """
+    if quiet():  # a no_sync() window: the parts keep accumulating, one sync after it
+        return
     mode = model.__dict__.get("_halo_data_parallel") if isinstance(model, nn.Module) else None
     if mode == "fsdp-all":  # FSDP's reduce-scatter over every rank, divided by the dp size: done already
         scale = model.__dict__.get("_halo_grad_scale")
@@ -111,6 +123,7 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
                 for p in scaled:
                     local_grad(p.grad).mul_(scale)
             mark_synced(scaled)
+        forget(model.parameters())
         return
     groups = model.__dict__.get("_halo_groups") if isinstance(model, nn.Module) else None
     if mode in ("ddp", "fsdp", "hsdp") and domain_group is None and dp_group is None:
@@ -135,12 +148,16 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     infos = [(info, op) for info, op in ((_live(domain_group), "sum"), (_live(dp_group), "mean")) if info]
     params = _params(model)  # every parameter: the flags of the frozen ones are part of the layout too
     grads = [p for p in params if p.requires_grad]
+    watch(grads)  # from now on their gradients carry their provenance (a converted model's: from conversion)
     if not infos:
+        syncing(grads)
         return
     for p in grads:
         if p.grad is not None and p.grad.is_sparse:
             raise TypeError("sync_domain_gradients: sparse gradients are not supported")
     refuse_second_sync(grads)
+    domain_size = next((info.size for info, op in infos if op == "sum"), 1)
+    check_marks(grads, lambda: _names(model, grads), domain_size, _convention)
     _check_sharded_grads(grads, infos)
     groups = [info for info, _ in infos]
     layout = layout_of(params, groups)
@@ -164,6 +181,7 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
         if layout.travel:
             _sum(params, layout.travel, infos, bucket_mb, [])
     mark_synced([p for p in grads if p.grad is not None])
+    syncing(grads)
 
 
 def _names(model: Any, params: list[torch.Tensor]) -> list[str]:

@@ -40,7 +40,7 @@ from . import comm, context
 from .comm import CommGroup
 
 __all__ = ["Layout", "MAX_LAYOUTS", "MAX_STATUS", "agree_layout", "layout_of", "local_grad", "mark_synced",
-           "refuse_second_sync", "settle", "status_section"]
+           "refuse_second_sync", "settle", "status_section", "synced_as_left"]
 
 #: Layouts remembered per group (least recently used dropped first).
 MAX_LAYOUTS = 64
@@ -198,6 +198,15 @@ def mark_synced(params: list[torch.Tensor]) -> None:
         if p.grad is not None:
             g = local_grad(p.grad)
             synced[id(p)] = (weakref.ref(p), weakref.ref(g), g._version)
+
+
+def synced_as_left(p: torch.Tensor) -> bool:
+    """Whether ``p.grad`` is exactly as the last sync left it (its tensor, and no write since)."""
+    mark = _state().synced.get(id(p))
+    if mark is None or mark[0]() is not p or p.grad is None:
+        return False
+    g = local_grad(p.grad)
+    return mark[1]() is g and g._version == mark[2]
 
 
 def refuse_second_sync(params: list[torch.Tensor]) -> None:

@@ -38,7 +38,7 @@ def _target(kind, world):
 def _rank(rank, world, kind):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import sync_domain_gradients
+    from halo.reduce import local_share, sync_domain_gradients
 
     torch.manual_seed(0)
     ref = _net().double()
@@ -68,7 +68,7 @@ def _rank(rank, world, kind):
     (want * weight).sum().backward()
     x = split(full).requires_grad_(True)
     y = model(x)
-    (y * split(weight)).sum().backward()
+    local_share((y * split(weight)).sum()).backward()  # this rank's share of the global sum
     sync_domain_gradients(model, domain_group=group)  # each rank's parameter gradient is its rows' part: sum
     return {
         "converted": type(model[0]).__name__,

@@ -75,7 +75,7 @@ def _ranks(rank, world, mode):
     from halo.comm import unsharded
     from halo.compat import credit
     from halo.nn import convert_to_domain_parallel, revert_domain_parallel
-    from halo.reduce import sync_domain_gradients
+    from halo.reduce import local_share, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     full = torch.randn(2, 2, 1, 21, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -103,7 +103,7 @@ def _ranks(rank, world, mode):
     (yr * g).sum().backward()
     xs = halo.shard(f4).requires_grad_(True)
     y = model(xs)
-    (y * halo.shard(g)).sum().backward()
+    local_share((y * halo.shard(g)).sum()).backward()  # this rank's share of the global sum
     sync_domain_gradients(model, manager)
     out["model"] = max([float((halo.gather(y.detach()) - yr.detach()).abs().max()),
                         float((halo.gather(xs.grad) - xf.grad).abs().max())]

@@ -317,7 +317,9 @@ def _multigpu(rank, world):
     ref_in = full.clone().requires_grad_(True)
     model_ref(ref_in).sum().backward()
     local = credit.shard_tensor(full, dim=-2, manager=manager).detach().requires_grad_(True)
-    model_dp(local).sum().backward()
+    from halo.reduce import local_share
+
+    local_share(model_dp(local).sum()).backward()  # this rank's share of the global sum
     grads_ok = all(p.grad is not None for p in model_dp.parameters())
     # halo's convention: each rank's parameter gradient is its rows' share, summed over the domain group
     from halo.reduce import sync_domain_gradients

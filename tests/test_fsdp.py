@@ -43,7 +43,7 @@ def _samples(n=2):
 def _run(rank, world, how):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import sync_domain_gradients
+    from halo.reduce import local_share, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, 2)
     torch.manual_seed(0)
@@ -60,7 +60,7 @@ def _run(rank, world, how):
     offs = split_offsets(H, 2)
     x = xs[dp][..., offs[r]:offs[r + 1], :]
     w = ws[dp][..., offs[r]:offs[r + 1], :]
-    (wrapped(x) * w).sum().backward()
+    local_share((wrapped(x) * w).sum()).backward()  # this rank's share of the global sum
     try:
         if how == "fsdp-both":
             sync_domain_gradients(model, manager)
@@ -100,7 +100,7 @@ def test_fsdp_gradients_averaged_twice_over_dp_raise():
 
 def _parallelized(rank, world, domain, mode, mixed, ckpt):
     import halo
-    from halo.reduce import sync_domain_gradients
+    from halo.reduce import local_share, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, domain)
     torch.manual_seed(0)
@@ -122,7 +122,7 @@ def _parallelized(rank, world, domain, mode, mixed, ckpt):
     w = ws[dp][..., offs[r]:offs[r + 1], :]
     if f32:
         x, w = x.float(), w.float()
-    (model(x) * w).sum().backward()
+    local_share((model(x) * w).sum()).backward()  # this rank's share of the global sum
     sync_domain_gradients(model)
     grads = {}
     for name, p in model.named_parameters():
@@ -198,7 +198,7 @@ def test_distributed_checkpoint_moves_between_rank_counts(tmp_path):
 
 def _parallelized_mesh(rank, world, shape, mode):
     import halo
-    from halo.reduce import sync_domain_gradients
+    from halo.reduce import local_share, sync_domain_gradients
 
     mesh = halo.DomainMesh(shape)
     torch.manual_seed(0)
@@ -206,7 +206,7 @@ def _parallelized_mesh(rank, world, shape, mode):
     xs, ws = _samples(mesh.dp_size)
     dp = mesh.dp_rank
     x, w = halo.shard_2d(xs[dp], mesh=mesh), halo.shard_2d(ws[dp], mesh=mesh)
-    (model(x) * w).sum().backward()
+    local_share((model(x) * w).sum()).backward()  # this rank's share of the global sum
     sync_domain_gradients(model)  # the groups parallelize set it up with: the mesh's
     grads = {}
     for name, p in model.named_parameters():

@@ -471,7 +471,7 @@ def test_block_refuses_shards_that_split_windows():
 def _model_worker(rank, world, img, dynamic_mask, steps):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import sync_domain_gradients
+    from halo.reduce import local_share, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)
@@ -495,7 +495,7 @@ def _model_worker(rank, world, img, dynamic_mask, steps):
         weights = torch.randn(yf.shape, generator=gen, dtype=torch.float64)
         o = offsets(split_sizes(yf.shape[1], world, 2))
         (yf * weights).sum().backward()
-        (y * weights[:, o[rank]:o[rank + 1]]).sum().backward()
+        local_share((y * weights[:, o[rank]:o[rank + 1]]).sum()).backward()  # this rank's share
         sync_domain_gradients(model, manager)
         errs.append({"fwd": rel_err(y.detach(), yf.detach()[:, o[rank]:o[rank + 1]]),
                      "gather": rel_err(halo.gather(y.detach(), 1), yf.detach()),  # a block split gathers

@@ -32,8 +32,10 @@ TensorPadding``                          "earth" (across the poles, rolled by W/
 =======================================  ==============================================================================
 
 The convention differs from halo's own (``halo.reduce.domain_mean`` counts every row once and
-``halo.reduce.sync_domain_gradients`` *sums* over the domain group): use one or the other, not both (mixing them is
-off by exactly the domain size, with no error).
+``halo.reduce.sync_domain_gradients`` *sums* over the domain group): use one or the other, not both. Mixing them is
+refused on every rank (it would be off by exactly the domain size): halo's sync refuses gradients of a loss that went
+through no halo domain reduction (CREDIT's per-shard mean), and this module's sync refuses gradients of a halo domain
+loss (``halo.reduce_marks``).
 """
 
 from __future__ import annotations
@@ -364,7 +366,9 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     if manager is None:
         return
     params = [p for p in (model.parameters() if isinstance(model, nn.Module) else model) if p.requires_grad]
-    domain_sum(params, domain_group=manager.domain_group)  # halo's bucketed sum: the same gradients everywhere
+    # halo's bucketed sum (the same gradients everywhere); CREDIT's convention: gradients of a halo domain loss
+    # (counted once, summed) are refused here, as halo's own sync refuses CREDIT's per-shard losses
+    domain_sum(params, domain_group=manager.domain_group, _convention="credit")
     with torch.no_grad():
         for p in params:
             if p.grad is not None:

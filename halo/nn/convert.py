@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import DomainMesh, DomainParallelManager
+from ..reduce_marks import watch_model
 from ..replicated import check_replicated
 from ..reroute import uninstall
 from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample  # noqa: F401  (they fill the registry)
@@ -349,6 +350,7 @@ def convert_to_domain_parallel(
     make_root(model, domain_group, grid, w_sharded=ctx.mesh is not None,
                mesh_shape=tuple(ctx.mesh.domain_shape) if ctx.mesh is not None else None)
     guard_whole(model, tails, domain_size)
+    watch_model(model)  # gradient provenance for the sync's scale checks; a DDP over domain ranks refused
     # every rank of the domain group must hold the same parameters and buffers (a model built after
     # torch.manual_seed(rank) would otherwise differ silently): one small agreement at conversion
     check_replicated(model, domain_group, op="convert_to_domain_parallel")
