@@ -48,7 +48,7 @@ from .entry import KEY_ATTR, FieldSpec, fingerprint, key_digest, set_spec, spec_
 from .exchanger import memory_format
 from .mesh import DomainMesh, mesh_coords
 from .partition import split_problem, split_sizes
-from .plans import epoch_of, field_epoch, mark_whole, resolve, shard_sizes, tag, whole_source
+from .plans import epoch_of, field_epoch, resolve, shard_sizes, tag, whole_source
 
 __all__ = ["shard", "scatter", "gather", "shard_2d", "scatter_2d", "gather_2d", "local_rows"]
 
@@ -305,9 +305,10 @@ def _agree_shard(x: torch.Tensor, dim: int, info: CommGroup, granularity: int) -
         raise TypeError(f"shard: x must be a tensor, got {type(x).__name__}")
     fp, key = fingerprint(x)[0], key_digest(getattr(x, KEY_ATTR, None))
     extents, tails = agree_with(Meta.of(x, (Spec.of(dim),)), (fp, key), info, "shard", allow_empty=True)
+    sizes = _shard_plan(info, extents, dim % x.dim(), granularity)  # (shapes first: a fingerprint includes it)
     if (tails != tails[0]).any():
         raise _different_samples("shard", info, tails, "fingerprints")
-    return _shard_plan(info, extents, dim % x.dim(), granularity), fp
+    return sizes, fp
 
 
 def gather(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, dst: int | None = None) -> torch.Tensor:
@@ -323,6 +324,8 @@ def gather(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, dst: int
     if dst is not None:
         _check_rank(dst, info, "gather", "dst")
     whole = whole_source(x)
+    if getattr(x, _GATHERED, None) == info.ranks:
+        whole = "halo.gather over this group"
     if whole is not None and info.size > 1:  # (marked on every rank alike: by a gather, a global pool)
         raise ValueError(f"gather: x is already whole and the same on every rank (the output of {whole}); gathering "
                          f"it would stack {info.size} copies along dim {dim}: use it as it is")
@@ -335,9 +338,12 @@ def gather(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, dst: int
     if dst is None:
         out = _GatherFn.apply(x, sizes, dim % x.dim(), info)
         if info.size > 1 and not torch.compiler.is_compiling():
-            mark_whole(out, "halo.gather")
+            setattr(out, _GATHERED, info.ranks)  # whole on this group's ranks (not on another group's)
         return out
     return _GatherToFn.apply(x, sizes, dim % x.dim(), info, dst)
+
+
+_GATHERED = "_halo_gathered"  # a gather's output: the group's global ranks it is whole over
 
 
 def _check_share(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup) -> None:
