@@ -387,7 +387,9 @@ def judge(table: np.ndarray, mine: EntryView, module: torch.nn.Module, config: A
                 f"({known.source}): the whole field (or, on a mesh, a shard along one axis only) on every rank; "
                 f"expected each rank's share ({_share_str(_share(known.grid, parts, 0), parts)} on "
                 f"{cg.describe(0)}), got {int(hs[0])} x {int(ws[0])}: pass halo.shard(field) "
-                f"{'(halo.shard_2d) ' if len(parts) == 2 else ''}/ halo.scatter, not the whole field")
+                f"{'(halo.shard_2d) ' if len(parts) == 2 else ''}/ halo.scatter, not the whole field (for a new "
+                f"grid whose shares are these, call halo.nn.root.set_grid(model, None) on every rank first, or pass "
+                f"halo.shard outputs: their spec names the grid)")
     if n > 1 and not spec_h[0] and all(fps) and (fps == fps[0]).all():
         raise ValueError(
             f"{op}: every rank of the domain group holds the same values ({int(hs[0])} x {int(ws[0])} along dims -2, "

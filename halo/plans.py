@@ -10,8 +10,10 @@ agreement. An epoch is the name of such an agreement, identical in meaning on ev
 what starts an epoch                        what every rank agrees on, and its cost
 ==========================================  ==================================================================
 a converted model's forward (its root)      every rank's input shapes: one small all-gather of host data per
-                                            call (a digest of each rank's inputs), none with a declared grid
-``shard`` / ``scatter`` of a whole field    the field's global shape, which every rank already holds: free
+                                            call (a digest of each rank's inputs and its share of the grid:
+                                            :mod:`halo.entry`), none with a declared grid
+``shard`` / ``scatter`` of a whole field    the field's global shape, which every rank already holds (each call
+                                            still agrees on its arguments and sample: one host all-gather)
 ==========================================  ==================================================================
 
 Which epoch a call belongs to: inside a converted model's forward, the model's (a model computes the same shapes

@@ -256,7 +256,11 @@ def _shard_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int,
 def shard(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, granularity: int = 1) -> torch.Tensor:
     """This rank's slice of ``x``, which every rank of ``group`` holds whole (the balanced split, group order).
 
-    ``x`` is replicated: the same tensor on every rank, counted once (extents are checked, values are not).
+    ``x`` is replicated: the same tensor on every rank, counted once. Every call agrees (one small all-gather of
+    host data): a shape, dtype or dim that differs on one rank is the same ``ValueError`` on every rank, and, for a
+    host (CPU) tensor, a fingerprint of a strided subsample of ``x`` (and ``x.halo_sample_key``, if set) must be the
+    same on every rank: ranks holding different samples are refused (no device tensor is read). The result carries
+    its spec (the global shape, dim and group: ``halo.entry.FieldSpec``), from which a converted model takes its grid.
     Backward: the full gradient on every rank is the concatenation of all ranks' slice gradients (all-gather).
     ``granularity=g``: the balanced split of blocks of ``g`` rows (``g * split_sizes(N // g, P)``), so that
     attention windows or patches of ``g`` rows never straddle two ranks; a ``ValueError`` on every rank when
@@ -313,6 +317,10 @@ def _agree_shard(x: torch.Tensor, dim: int, info: CommGroup, granularity: int) -
 
 def gather(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, dst: int | None = None) -> torch.Tensor:
     """Concatenate the ranks' shards along ``dim`` in group order (any extents, the other dims equal).
+
+    Refuses, on every rank alike, what is not a shard: extents that are not the balanced split of their sum (nor
+    one of whole blocks), a gather's own output (whole already), and a host tensor with the same non-constant values
+    on every rank (a fingerprint of a strided subsample rides on the agreement a tensor halo did not make needs).
 
     ``dst=None``: the whole tensor on every rank (replicated, counted once); backward gives each rank its slice
     of the mean of the ranks' incoming gradients (its slice, when they agree). ``dst=s`` (a position in the
