@@ -348,8 +348,9 @@ def judge(table: np.ndarray, mine: EntryView, module: torch.nn.Module, config: A
                              f"{_show(a)}, {cg.describe(r)} passes {_show(b)}; every rank must pass its share of the "
                              f"same inputs (only the sharded extents may differ)")
         shown = [reports[q]["key"] for q in range(n)]
+        odd = [q for q in range(1, n) if shown[q] != shown[0]]
         raise ValueError(
-            f"{op}: ranks {','.join(str(q) for q in range(n))} of the domain group are looking at different "
+            f"{op}: ranks {','.join(str(q) for q in [0, *odd])} of the domain group are looking at different "
             f"samples: keys {shown} (halo_sample_key, or the fingerprint of the field halo.shard cut) on group ranks "
             f"0..{n - 1}; every rank of a domain group must hold a share of the same sample: sample with halo's "
             f"data-parallel sampler / DistributedSampler(num_replicas=dp_size, rank=dp_rank)")
