@@ -349,3 +349,32 @@ def test_set_grid_refuses_what_is_not_a_converted_model_or_a_grid():
     with pytest.raises(ValueError, match=r"set_grid: grid must be \(H, W\), two positive ints, got \(4, 0\)"):
         _check_grid((4, 0), "set_grid")
     assert known_grid(nn.Conv2d(1, 1, 1)) is None
+
+
+def _data_parallel(rank, world):
+    """2 domain groups x 2 ranks: each domain group its own sample (allowed), or one group's ranks two (refused)."""
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, 2)
+    halo.set_timeout(10)
+    dp, dr = manager.dp_rank, manager.domain_rank
+    ref = _net()
+    full = _full(seed=100 + dp)  # this domain group's sample
+    out = {"exact": _exact(convert_to_domain_parallel(_net(), manager), ref, full, halo.shard(full), 2, dr,
+                           halo.gather)}
+    x = _rows(full, 2, dr)
+    x.halo_sample_key = dp
+    out["keyed"] = _outcome(lambda: convert_to_domain_parallel(_net(), manager)(x))
+    y = _rows(full, 2, dr)
+    y.halo_sample_key = dp if dp == 0 else 10 + dr  # group 1's ranks: two samples
+    out["stitched"] = _outcome(lambda: convert_to_domain_parallel(_net(), manager)(y))
+    return out
+
+
+def test_samples_are_compared_within_a_domain_group_only():
+    results = run_on_ranks(_data_parallel, 4, timeout=240)
+    assert all(r["exact"] <= TOL and r["keyed"] == "ok" for r in results), results
+    assert [r["stitched"] for r in results[:2]] == ["ok", "ok"], results
+    for r in results[2:]:
+        assert "ranks 0,1 of the domain group are looking at different samples: keys [10, 11]" in r["stitched"], r
