@@ -129,7 +129,35 @@ def _one_d(rank, world):
     x.halo_sample_key = 7 + rank
     out["key_differs_declared"] = _outcome(lambda: fresh((H, W))(x))
     out["shard_different_samples"] = _outcome(lambda: halo.shard(_full(seed=10 + rank)))
+
+    # -- a second field input that is whole; two sample keys on one rank's inputs
+    two = convert_to_domain_parallel(_Two(), manager)
+    out["second_field_whole"] = _outcome(lambda: two(mine, full))
+    a, b = mine.clone(), mine.clone()
+    a.halo_sample_key, b.halo_sample_key = 1, 2
+    out["two_keys"] = _outcome(lambda: convert_to_domain_parallel(_Two(), manager)(a, b))
+
+    # -- a spec that does not match the shares (set by hand: halo's own shards cannot disagree with it)
+    from halo.comm import comm_group
+    from halo.entry import FieldSpec, set_spec
+
+    ranks = comm_group(None).ranks
+    x = mine.clone()
+    set_spec(x, FieldSpec((2, C, 11, W), (2,), ranks, (world,)))
+    out["spec_vs_shares"] = _outcome(lambda: fresh()(x))
+    out["spec_vs_declared"] = _outcome(lambda: fresh((H, W))(x))
+    out["gather_spec"] = _outcome(lambda: halo.gather(x))
     return out
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(C, C, 3, padding=1).double()
+        self.b = nn.Conv2d(C, C, 3, padding=1).double()
+
+    def forward(self, x, forcing):
+        return self.a(x) + self.b(forcing)
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +235,21 @@ def test_ranks_looking_at_different_samples_are_refused(one_d):
     assert _same_everywhere(one_d, "key_same") == "ok" and _same_everywhere(one_d, "key_same_declared") == "ok"
     msg = _same_everywhere(one_d, "shard_different_samples")
     assert "shard: ranks 0,1 of the domain group are looking at different samples: fingerprints" in msg, msg
+
+
+def test_every_field_input_and_spec_is_checked(one_d):
+    msg = _same_everywhere(one_d, "second_field_whole")
+    assert "on group rank 0 (global 0) (and group ranks [1] (global [1])): input 1 of shape (2, 3, 9, 8) is a " \
+        "field" in msg and "where the first field holds (5, 8)" in msg, msg
+    msg = _same_everywhere(one_d, "two_keys")
+    assert "its inputs carry different sample keys [1, 2]" in msg, msg
+    msg = _same_everywhere(one_d, "spec_vs_shares")
+    assert "the inputs are shards (halo.shard) of a 11 x 8 field, but the ranks' shares add up to 9 x 8" in msg, msg
+    for r in one_d:
+        assert "is a shard (halo.shard) of a field of shape (2, 3, 11, 8), but the model was converted with " \
+            "grid=(9, 8)" in r["spec_vs_declared"], r["spec_vs_declared"]
+    msg = _same_everywhere(one_d, "gather_spec")
+    assert "x is a shard (halo.shard) of a field of 11 along dim -2, but the ranks' extents [5, 4] add up to 9" in msg
 
 
 def _one_rank_only(rank, world):
@@ -307,6 +350,8 @@ def _mesh(rank, world):
     out["whole"] = _outcome(lambda: model(full))
     rows = halo.shard(full, group=mesh.axis_group(0)).detach().clone()  # a plain latitude shard, all columns
     out["rows_only_plain"] = _outcome(lambda: model(rows))
+    block = x.detach()[..., :-1, :].clone() if rank == 1 else x.detach().clone()  # mesh row 0: 3 and 2 rows
+    out["not_tiling"] = _outcome(lambda: model(block))
     return out
 
 
@@ -319,6 +364,9 @@ def test_mesh_blocks_are_checked_on_both_axes():
     assert "holds all rows and columns of the model's grid (9, 10)" in msg, msg
     msg = _same_everywhere(results, "rows_only_plain")
     assert "holds all columns of the model's grid (9, 10)" in msg, msg
+    msg = _same_everywhere(results, "not_tiling")
+    assert "the ranks' blocks do not tile one grid: group rank 0 (global 0) holds 5 x 5, group rank 1 (global 1) " \
+        "holds 4 x 5" in msg, msg
 
 
 # -- one process: the pieces ----------------------------------------------------------------------------------
