@@ -171,11 +171,11 @@ def _touches(shape: tuple[int, ...], grid: tuple[int, int], share: tuple[int, in
     return shape[-1] in extents or shape[-2] in extents or shape[-3] == grid[0]
 
 
-def _describe(shape: tuple[int, ...], mask: int) -> tuple:
-    """``shape`` with its sharded extents replaced by ``-1``: H (dim -2), and W (dim -1) when ``mask`` is 2."""
-    if mask == 2:
-        return (*shape[:-2], -1, -1)
-    return (*shape[:-2], -1, shape[-1])
+def _describe(shape: tuple[int, ...]) -> tuple:
+    """``shape`` with the extents of dims -2 and -1 replaced by ``-1``: H is sharded; W too on a mesh, and on one
+    axis a W that differs across ranks (a flattened H x W, a shape changed on one rank) is left to the layers'
+    agreements, which name the layer (and the guard, which names the op)."""
+    return (*shape[:-2], -1, -1)
 
 
 def _axes(parts: tuple[int, ...]) -> str:
@@ -207,7 +207,6 @@ def view(args: Any, kwargs: Any, module: torch.nn.Module, config: Any, cg: CommG
     """This rank's side of the entry (module docstring). With a declared grid and no sample to compare, the
     geometry is checked here, locally, and a wrong input raises at once (expected vs got)."""
     parts = _parts(config, cg.size)
-    mask = len(parts)
     known = known_grid(module)
     declared = config.grid
     share = _share(known.grid, parts, cg.index) if known is not None else None
@@ -257,7 +256,7 @@ def view(args: Any, kwargs: Any, module: torch.nn.Module, config: Any, cg: CommG
                         spec_grid, spec_fp = sg, spec_fp or spec.fingerprint
             if is_field:
                 full_shape = (*shape[:-2], *declared) if declared is not None and shape[-2:] == share else shape
-                rest.append((_describe(shape, mask), str(leaf.dtype), leaf.device.type, leaf.requires_grad))
+                rest.append((_describe(shape), str(leaf.dtype), leaf.device.type, leaf.requires_grad))
             else:
                 full_shape = shape
                 rest.append((shape, str(leaf.dtype), leaf.device.type, leaf.requires_grad))
@@ -369,6 +368,8 @@ def judge(table: np.ndarray, mine: EntryView, module: torch.nn.Module, config: A
                                  f"ranks in one mesh row hold the same rows, in one column the same columns")
         lines = ([int(hs[i * pw]) for i in range(ph)], [int(ws[j]) for j in range(pw)])
     else:
+        if (ws != ws[0]).any():
+            return  # W differs across ranks: not a field of one grid; the layers refuse it, naming the op
         lines = ([int(h) for h in hs], None)
     for axis, sizes in enumerate(lines):
         if sizes is None:

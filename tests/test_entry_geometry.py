@@ -295,7 +295,7 @@ def test_one_rank_only_is_one_error_everywhere():
     assert all(kind == "ok" for kind, _ in outcomes), outcomes
     results = [res for _, res in outcomes]
     want = {"entry_dtype": "disagree on the dtype of input 0", "entry_shape": "disagree on the shape of input 0",
-            "entry_step_arg": "disagree on input 1", "entry_w": "disagree on the shape of input 0",
+            "entry_step_arg": "disagree on input 1", "entry_w": "disagree on the shape",
             "shard_dtype": "the ranks of the group disagree on the dtype", "shard_shape": "disagree on the shape",
             "gather_dtype": "disagree on the dtype", "gather_shape": "disagree on the shape",
             "scatter_dim": "pass different (src, dim, granularity): [(0, -2, 1), (0, -2, 1), (0, -1, 1)]",
