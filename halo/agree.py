@@ -33,7 +33,7 @@ from .comm import CommGroup
 from .partition import BOUNDARIES, check_boundary
 from .transport import all_gather_object, gather_words
 
-__all__ = ["DEVICES", "DTYPES", "MAX_NDIM", "ROW_WORDS", "SHAPE_AT", "Meta", "Spec", "agree",
+__all__ = ["DEVICES", "DTYPES", "MAX_NDIM", "ROW_WORDS", "SHAPE_AT", "Meta", "Spec", "agree", "agree_with",
            "needs_grad"]
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
@@ -287,11 +287,24 @@ def agree(meta: Meta, cg: CommGroup, op: str, *, coords: Sequence[tuple[int, ...
           allow_empty: bool = False) -> tuple[tuple[int, ...], ...]:
     """Every rank's extents along each sharded dim of ``meta`` (one tuple per spec), after checking that the
     ranks' calls agree; the same ``ValueError`` on every rank otherwise. One small all-gather of host data."""
+    return agree_with(meta, (), cg, op, coords=coords, allow_empty=allow_empty)[0]
+
+
+def agree_with(meta: Meta, tail: Sequence[int], cg: CommGroup, op: str, *,
+               coords: Sequence[tuple[int, ...]] | None = None,
+               allow_empty: bool = False) -> tuple[tuple[tuple[int, ...], ...], np.ndarray]:
+    """:func:`agree`, with ``tail``: words of this rank's own (a fingerprint, a sample key) that ride on the same
+    all-gather, unchecked here; returns the extents and every rank's tail (``(size, len(tail))``, group order), for
+    the caller to judge (a pure function of it, so that every rank raises alike). No extra collective."""
+    tail = [int(v) for v in tail]
     if cg.size == 1:
         dims = _check([meta], cg, op)
-        return _extents([meta.shape], dims, meta, cg, op, coords, allow_empty)
+        return _extents([meta.shape], dims, meta, cg, op, coords, allow_empty), np.asarray([tail], dtype=np.int64)
     row = meta.row()
-    table = gather_words(row, cg, op)
+    table = gather_words([*row, len(tail), *tail], cg, op)
+    tails = table[:, ROW_WORDS + 1:]
+    table = table[:, :ROW_WORDS + 1]  # (the tail's length: a peer in a different call is caught, not misread)
+    row = [*row, len(tail)]
     dims = [s.dim % meta.ndim for s in meta.specs] if not row[1] else []
     ok = not row[1] and bool((table[:, 0] == _MAGIC).all()) and not table[:, 1].any()
     if ok:  # every row equals this rank's but for the sharded extents: the full check could only pass
@@ -307,4 +320,4 @@ def agree(meta: Meta, cg: CommGroup, op: str, *, coords: Sequence[tuple[int, ...
             _check(metas, cg, op)  # raises: another call answered
         dims = _check(metas, cg, op)
         shapes = [m.shape for m in metas]
-    return _extents(shapes, dims, meta, cg, op, coords, allow_empty)
+    return _extents(shapes, dims, meta, cg, op, coords, allow_empty), tails

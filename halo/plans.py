@@ -10,8 +10,10 @@ agreement. An epoch is the name of such an agreement, identical in meaning on ev
 what starts an epoch                        what every rank agrees on, and its cost
 ==========================================  ==================================================================
 a converted model's forward (its root)      every rank's input shapes: one small all-gather of host data per
-                                            call (a digest of each rank's inputs), none with a declared grid
-``shard`` / ``scatter`` of a whole field    the field's global shape, which every rank already holds: free
+                                            call (a digest of each rank's inputs and its share of the grid:
+                                            :mod:`halo.entry`), none with a declared grid
+``shard`` / ``scatter`` of a whole field    the field's global shape, which every rank already holds (each call
+                                            still agrees on its arguments and sample: one host all-gather)
 ==========================================  ==================================================================
 
 Which epoch a call belongs to: inside a converted model's forward, the model's (a model computes the same shapes
@@ -72,10 +74,10 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from . import context
+from . import context, entry
 from .agree import Meta, Spec, agree, needs_grad
 from .comm import CommGroup, HaloCommError, comm_group, gather_words, unsharded_default
-from .partition import POLE_MODES, split_problem, split_sizes
+from .partition import POLE_MODES, split_problem
 
 __all__ = [
     "Site",
@@ -521,41 +523,6 @@ def carry(out: Any, x: torch.Tensor) -> None:
 
 # -- the entry of a converted model --------------------------------------------------------------------------
 
-def _describe_inputs(args: Any, kwargs: Any, grid: tuple[int, int] | None, cg: CommGroup, op: str,
-                     mesh_shape: tuple[int, int] | None = None) -> bytes:
-    """This rank's inputs as bytes (shapes, dtypes, grad flags, simple values); with a declared ``grid``, fields'
-    H extents replaced by the global one after checking that this rank holds its balanced share (on a latitude x
-    longitude mesh, its block: rows and columns)."""
-    parts: list[Any] = [torch.is_grad_enabled()]
-    if grid is not None and mesh_shape is not None:
-        i, j = divmod(cg.index, mesh_shape[1])
-        block = (split_sizes(grid[0], mesh_shape[0])[i], split_sizes(grid[1], mesh_shape[1])[j])
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor):
-            shape = tuple(leaf.shape)
-            if grid is not None and mesh_shape is not None and leaf.dim() >= 2 and shape[-1] in (block[1], grid[1]):
-                if shape[-2:] != block:  # a field (its last dim is a block's or the grid's width), cut wrongly
-                    raise ValueError(
-                        f"{op}: the model was converted with grid={grid} on a {mesh_shape[0]}x{mesh_shape[1]} "
-                        f"latitude x longitude mesh, so {cg.describe()} expects its block of {block[0]} rows x "
-                        f"{block[1]} columns, got shape {shape}; pass this rank's block (halo.shard_2d)")
-                shape = (*shape[:-2], *grid)
-            elif grid is not None and mesh_shape is None and leaf.dim() >= 2 and shape[-1] == grid[1]:
-                want = split_sizes(grid[0], cg.size)[cg.index]
-                if shape[-2] != want:
-                    raise ValueError(
-                        f"{op}: the model was converted with grid={grid} ({grid[0]} rows over {cg.size} ranks), so "
-                        f"{cg.describe()} expects {want} rows along dim -2 of an input with {grid[1]} columns, got "
-                        f"shape {shape}; pass this rank's rows of the grid (halo.shard), or convert without grid=")
-                shape = (*shape[:-2], grid[0], shape[-1])
-            parts.append((shape, str(leaf.dtype), leaf.device.type, leaf.requires_grad))
-        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
-            parts.append(leaf)
-        else:
-            parts.append(type(leaf).__qualname__)
-    return repr(parts).encode()
-
-
 _ENTRY = 0x454E5452  # "ENTR"
 _DYNAMO_DIR = os.path.join("torch", "_dynamo") + os.sep
 
@@ -634,16 +601,16 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     config = module.__dict__["_halo_root"]
     cg = comm_group(config.group)
     op = f"{type(module).__name__} (converted model entry)"
-    digest = hashlib.blake2b(_describe_inputs(args, kwargs, config.grid, cg, op, getattr(config, "mesh_shape", None)),
-                             digest_size=16).digest()
-    words = np.frombuffer(digest, dtype=np.int64)
+    seen = entry.view(args, kwargs, module, config, cg, op)  # the grid and this rank's share of it (halo.entry)
+    words = np.frombuffer(seen.digest, dtype=np.int64)
     forwards = module.__dict__.get("_halo_forwards", 0)
     if cg.size > 1:
         module.__dict__["_halo_forwards"] = forwards + 1
-    if config.grid is not None or cg.size == 1:
+    if seen.local_only:  # a declared grid (checked locally) with no sample to compare, or one rank
         epoch = _intern(("grid", config.grid, tuple(int(w) for w in words)))
     else:
-        row = [_ENTRY, int(words[0]), int(words[1]), int(module.training), module.__dict__.get("_halo_backwards", 0)]
+        row = [_ENTRY, int(words[0]), int(words[1]), int(module.training), module.__dict__.get("_halo_backwards", 0),
+               *seen.words]
         try:
             table = gather_words(row, cg, op)  # host data only
         except HaloCommError as exc:
@@ -652,6 +619,7 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
                 raise HaloCommError(f"{exc}. Likely cause: {hint}") from exc
             raise
         _check_entry(table, cg, op)
+        entry.judge(table[:, 5:], seen, module, config, cg, op)  # the same error on every rank, or the grid learned
         epoch = _intern(("entry", cg.ranks, tuple(table[:, :3].ravel().tolist())))
     if module.__dict__.get("_halo_data_parallel") != "fsdp-all":  # (fsdp-all: shards differ within a domain group)
         from .replicated import periodic_check

@@ -36,17 +36,19 @@ the result on every rank (the backward is a collective too). Layers: primitives 
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
 
 from . import transport
-from .agree import DEVICES, DTYPES, MAX_NDIM, ROW_WORDS, SHAPE_AT, Meta, Spec
+from .agree import DEVICES, DTYPES, MAX_NDIM, ROW_WORDS, SHAPE_AT, Meta, Spec, agree_with
 from .comm import CommGroup, comm_group
+from .entry import KEY_ATTR, FieldSpec, fingerprint, key_digest, set_spec, spec_of
 from .exchanger import memory_format
 from .mesh import DomainMesh, mesh_coords
-from .partition import split_sizes
-from .plans import field_epoch, resolve, shard_sizes, tag
+from .partition import split_problem, split_sizes
+from .plans import epoch_of, field_epoch, resolve, shard_sizes, tag, whole_source
 
 __all__ = ["shard", "scatter", "gather", "shard_2d", "scatter_2d", "gather_2d", "local_rows"]
 
@@ -254,22 +256,71 @@ def _shard_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int,
 def shard(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, granularity: int = 1) -> torch.Tensor:
     """This rank's slice of ``x``, which every rank of ``group`` holds whole (the balanced split, group order).
 
-    ``x`` is replicated: the same tensor on every rank, counted once (extents are checked, values are not).
+    ``x`` is replicated: the same tensor on every rank, counted once. Every call agrees (one small all-gather of
+    host data): a shape, dtype or dim that differs on one rank is the same ``ValueError`` on every rank, and, for a
+    host (CPU) tensor, a fingerprint of a strided subsample of ``x`` (and ``x.halo_sample_key``, if set) must be the
+    same on every rank: ranks holding different samples are refused (no device tensor is read). The result carries
+    its spec (the global shape, dim and group: ``halo.entry.FieldSpec``), from which a converted model takes its grid.
     Backward: the full gradient on every rank is the concatenation of all ranks' slice gradients (all-gather).
     ``granularity=g``: the balanced split of blocks of ``g`` rows (``g * split_sizes(N // g, P)``), so that
     attention windows or patches of ``g`` rows never straddle two ranks; a ``ValueError`` on every rank when
     ``N`` is not a multiple of ``g`` or a rank would get no block (:func:`halo.partition.split_sizes`).
     """
     info = comm_group(group)
-    sizes = resolve(x, info.group, "shard", _shard_plan, (dim % max(x.dim(), 1), granularity), spec=(dim,),
-                    grad=False, allow_empty=True, replicated=True)
+    if torch.compiler.is_compiling():  # (traced: the plan is a constant of the graph, learned once per shape)
+        sizes = resolve(x, info.group, "shard", _shard_plan, (dim % max(x.dim(), 1), granularity), spec=(dim,),
+                        grad=False, allow_empty=True, replicated=True)
+        fp = 0
+    else:
+        sizes, fp = _agree_shard(x, dim, info, granularity)
     out = _ShardFn.apply(x, sizes, dim % x.dim(), info)
     tag(out, field_epoch(info, dim % x.dim(), _field_shape(tuple(x.shape), granularity)))
+    if not torch.compiler.is_compiling():
+        _mark_share(out, x, (dim % x.dim(),), info, (info.size,), fp)
     return out
+
+
+def _mark_share(out: torch.Tensor, x: torch.Tensor | None, dims: tuple[int, ...], info: CommGroup,
+                parts: tuple[int, ...], fp: int, shape: tuple[int, ...] | None = None) -> None:
+    """Record on ``out`` the field it is a share of (``halo.entry``: a converted model takes its grid from it), and
+    keep the sample key of the field it was cut from."""
+    set_spec(out, FieldSpec(tuple(x.shape) if shape is None else shape, dims, info.ranks, parts, fp))
+    key = getattr(x, KEY_ATTR, None) if x is not None else None
+    if key is not None:
+        setattr(out, KEY_ATTR, key)
+
+
+def _different_samples(op: str, info: CommGroup, tails: Any, what: str) -> ValueError:
+    odd = [r for r in range(info.size) if (tails[r] != tails[0]).any()]
+    return ValueError(
+        f"{op}: ranks {','.join(str(r) for r in [0, *odd])} of the domain group are looking at different samples: "
+        f"{what} {[format(int(v), '#x') for v in tails[:, 0]]} on group ranks 0..{info.size - 1} (a fingerprint of "
+        f"the whole field each rank holds, and its halo_sample_key); every rank of a domain group must hold the same "
+        f"field: sample with halo's data-parallel sampler / DistributedSampler(num_replicas=dp_size, rank=dp_rank)")
+
+
+@torch._dynamo.disable  # an agreement on host data: never traced
+def _agree_shard(x: torch.Tensor, dim: int, info: CommGroup, granularity: int) -> tuple[tuple[int, ...], int]:
+    """The split of ``x`` along ``dim`` and a fingerprint of ``x``, agreed on every call: a shape, dtype or field
+    that differs on one rank is the same error on every rank (one small all-gather of host data, as any
+    agreement). The fingerprint (host tensors only: nothing is read from a device) and ``x.halo_sample_key`` ride
+    on it: ranks that hold different samples are refused on every rank."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"shard: x must be a tensor, got {type(x).__name__}")
+    fp, key = fingerprint(x)[0], key_digest(getattr(x, KEY_ATTR, None))
+    extents, tails = agree_with(Meta.of(x, (Spec.of(dim),)), (fp, key), info, "shard", allow_empty=True)
+    sizes = _shard_plan(info, extents, dim % x.dim(), granularity)  # (shapes first: a fingerprint includes it)
+    if (tails != tails[0]).any():
+        raise _different_samples("shard", info, tails, "fingerprints")
+    return sizes, fp
 
 
 def gather(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, dst: int | None = None) -> torch.Tensor:
     """Concatenate the ranks' shards along ``dim`` in group order (any extents, the other dims equal).
+
+    Refuses, on every rank alike, what is not a shard: extents that are not the balanced split of their sum (nor
+    one of whole blocks), a gather's own output (whole already), and a host tensor with the same non-constant values
+    on every rank (a fingerprint of a strided subsample rides on the agreement a tensor halo did not make needs).
 
     ``dst=None``: the whole tensor on every rank (replicated, counted once); backward gives each rank its slice
     of the mean of the ranks' incoming gradients (its slice, when they agree). ``dst=s`` (a position in the
@@ -280,17 +331,74 @@ def gather(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, dst: int
     info = comm_group(group)
     if dst is not None:
         _check_rank(dst, info, "gather", "dst")
-    sizes = shard_sizes(x, dim, info.group, op="gather", allow_empty=True)
+    whole = whole_source(x)
+    if getattr(x, _GATHERED, None) == info.ranks:
+        whole = "halo.gather over this group"
+    if whole is not None and info.size > 1:  # (marked on every rank alike: by a gather, a global pool)
+        raise ValueError(f"gather: x is already whole and the same on every rank (the output of {whole}); gathering "
+                         f"it would stack {info.size} copies along dim {dim}: use it as it is")
+    if isinstance(x, torch.Tensor) and info.size > 1 and epoch_of(x) is None and not torch.compiler.is_compiling():
+        sizes = _agree_gather(x, dim, info)  # a tensor halo did not make: checked on every call
+    else:
+        sizes = shard_sizes(x, dim, info.group, op="gather", allow_empty=True)
+    if isinstance(x, torch.Tensor) and not torch.compiler.is_compiling():
+        _check_share(x, sizes, dim, info)
     if dst is None:
-        return _GatherFn.apply(x, sizes, dim % x.dim(), info)
+        out = _GatherFn.apply(x, sizes, dim % x.dim(), info)
+        if info.size > 1 and not torch.compiler.is_compiling():
+            setattr(out, _GATHERED, info.ranks)  # whole on this group's ranks (not on another group's)
+        return out
     return _GatherToFn.apply(x, sizes, dim % x.dim(), info, dst)
 
 
-def _broadcast_meta(x: Any, info: CommGroup, src: int, dim: int) -> list[int]:
+_GATHERED = "_halo_gathered"  # a gather's output: the group's global ranks it is whole over
+
+
+def _check_share(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup) -> None:
+    """Refuse what is not a shard: extents that are not the balanced split of their sum (nor one of whole blocks),
+    or a shard of a field whose spec says another split. The extents are agreed, so every rank raises alike."""
+    problem = split_problem(sizes)
+    if problem is not None:
+        raise ValueError(f"gather: the ranks' tensors are not the shares of one tensor along dim {dim}: {problem}")
+    spec = spec_of(x)
+    d = dim % x.dim()
+    if spec is not None and spec.ranks == info.ranks and spec.dims == (d,) and sum(sizes) != spec.shape[d]:
+        raise ValueError(f"gather: x is a shard (halo.shard) of a field of {spec.shape[d]} along dim {dim}, but the "
+                         f"ranks' extents {list(sizes)} add up to {sum(sizes)}")
+
+
+@torch._dynamo.disable  # an agreement on host data: never traced
+def _agree_gather(x: torch.Tensor, dim: int, info: CommGroup) -> tuple[int, ...]:
+    """Every rank's extent along ``dim``, agreed (as for any tensor halo did not make), with a fingerprint of each
+    rank's tensor riding on the same all-gather (host tensors only): the same non-constant values on every rank
+    are a tensor that is whole already, not shards of one, and are refused on every rank."""
+    value, constant = fingerprint(x)
+    extents, tails = agree_with(Meta.of(x, (Spec.of(dim),)), (0 if constant else value,), info, "gather",
+                                allow_empty=True)
+    (sizes,) = extents
+    if tails[0, 0] and (tails[:, 0] == tails[0, 0]).all():
+        raise ValueError(
+            f"gather: every rank of the group holds the same values (a tensor of shape {tuple(x.shape)}: the same "
+            f"fingerprint of a strided subsample on group ranks 0..{info.size - 1}): x is already whole, and "
+            f"gathering it would give {sum(sizes)} rows along dim {dim} instead of {sizes[0]}; gather shards "
+            f"(halo.shard, a converted model's output), or use x as it is")
+    return sizes
+
+
+def _scatter_meta(x: Any, info: CommGroup, src: Any, dim: Any, granularity: Any) -> list[int]:
     """src's :meth:`halo.agree.Meta.row` of ``x`` on every rank (host data; word 1 flags what src got wrong:
-    1 not a tensor, 2 too many dims, 3 a dtype without a code)."""
+    1 not a tensor, 2 too many dims, 3 a dtype without a code), after checking that every rank passed the same
+    ``src``, ``dim`` and ``granularity``: one all-gather of every rank's row (not a broadcast of src's), so an
+    argument wrong on one rank only is the same error on every rank."""
+    def code(v: Any) -> int:
+        try:
+            return operator.index(v) if not isinstance(v, bool) else -(1 << 40)
+        except TypeError:
+            return -(1 << 40)  # not an int: judged below, alike on every rank
+
+    args = [code(src), code(dim), code(granularity)]
     row = [0] * ROW_WORDS
-    if info.index == src:
+    if args[0] == info.index:
         if not isinstance(x, torch.Tensor):
             row[1] = 1
         elif x.dim() > MAX_NDIM:
@@ -300,11 +408,16 @@ def _broadcast_meta(x: Any, info: CommGroup, src: int, dim: int) -> list[int]:
         else:
             row = Meta.of(x, (Spec.of(dim),), int(x.requires_grad and torch.is_grad_enabled())).row()
             row[1] = 0  # a bad dim is judged on every rank below
-    if info.size > 1:
-        t = torch.tensor(row, dtype=torch.int64)  # host data: src's description, once per scatter
-        transport.broadcast_host(t, info, "scatter (shape)", src)
-        row = t.tolist()
-    return row
+    if info.size == 1:
+        return row
+    table = transport.gather_words([*args, *row], info, "scatter (shape)")  # host data, once per scatter
+    if (table[:, :3] != table[0, :3]).any():
+        shown = [tuple(int(v) for v in r[:3]) for r in table]
+        raise ValueError(f"scatter: the ranks of the group pass different (src, dim, granularity): {shown} on group "
+                         f"ranks 0..{info.size - 1} (a value that is not an int shows as {-(1 << 40)}); pass the "
+                         f"same src, dim and granularity on every rank")
+    at = int(table[0, 0])
+    return [int(v) for v in table[at, 3:]] if 0 <= at < info.size else row
 
 
 def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any | None = None,
@@ -318,8 +431,8 @@ def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any |
     split of blocks of ``g`` rows, as :func:`shard` (its errors are raised on every rank alike).
     """
     info = comm_group(group)
+    row = _scatter_meta(x, info, src, dim, granularity)
     _check_rank(src, info, "scatter", "src")
-    row = _broadcast_meta(x, info, src, dim)
     who = f"group rank {src} (src, global {info.ranks[src]})"
     if row[1] == 1:
         raise ValueError(f"scatter: {who} must pass a tensor (the other ranks may pass None)")
@@ -348,6 +461,8 @@ def scatter(x: torch.Tensor | None, dim: int = -2, *, src: int = 0, group: Any |
     sizes = _split("scatter", shape[dim], info.size, granularity)
     out = _ScatterFn.apply(x if info.index == src else None, anchor, like, sizes, dim, info, src)
     tag(out, field_epoch(info, dim, _field_shape(tuple(shape), granularity)))
+    if not torch.compiler.is_compiling():
+        _mark_share(out, None, (dim,), info, (info.size,), 0, tuple(shape))
     return out
 
 
@@ -372,11 +487,16 @@ def _mesh_rank(mesh: DomainMesh, rank: int, op: str, name: str) -> tuple[int, in
 def shard_2d(x: torch.Tensor, *, mesh: DomainMesh | None = None) -> torch.Tensor:
     """This rank's block of the replicated ``x``: H over mesh axis 0, W over axis 1 (``mesh.shard_dims``)."""
     mesh = _mesh_2d(mesh, "shard_2d")
-    full = tuple(x.shape)
+    full, whole = tuple(x.shape), x
     x = shard(x, mesh.shard_dims[0], group=mesh.axis_group(0))
     out = shard(x, mesh.shard_dims[1], group=mesh.axis_group(1))
     # The block belongs to the whole field (one epoch over the domain group), not to the H-shard it was cut from.
-    tag(out, field_epoch(comm_group(mesh.domain_group), tuple(d % len(full) for d in mesh.shard_dims), full))
+    dims = tuple(d % len(full) for d in mesh.shard_dims)
+    tag(out, field_epoch(comm_group(mesh.domain_group), dims, full))
+    if not torch.compiler.is_compiling():
+        spec = spec_of(x)
+        _mark_share(out, whole, dims, comm_group(mesh.domain_group), tuple(mesh.domain_shape),
+                    spec.fingerprint if spec is not None else 0)
     return out
 
 
@@ -386,7 +506,10 @@ def scatter_2d(x: torch.Tensor | None, *, src: int = 0, mesh: DomainMesh | None 
     src_h, src_w = _mesh_rank(mesh, src, "scatter_2d", "src")
     if mesh.axis_rank(1) == src_w:  # only src's column holds anything to split along H
         x = scatter(x, mesh.shard_dims[0], src=src_h, group=mesh.axis_group(0))
-    return scatter(x, mesh.shard_dims[1], src=src_w, group=mesh.axis_group(1))
+    out = scatter(x, mesh.shard_dims[1], src=src_w, group=mesh.axis_group(1))
+    if not torch.compiler.is_compiling():
+        set_spec(out, None)  # (the W scatter's spec names an H-shard; the global H is not known off src's column)
+    return out
 
 
 def gather_2d(x: torch.Tensor, *, mesh: DomainMesh | None = None, dst: int | None = None) -> torch.Tensor:

@@ -268,7 +268,7 @@ class HostWorkCounter:
         import torch
         import torch.distributed as dist
 
-        from . import agree, comm, plans, reduce_layout
+        from . import agree, comm, entry, plans, reduce_layout
 
         for name in _READS:
             self._patch(torch.Tensor, name, "read")
@@ -278,7 +278,7 @@ class HostWorkCounter:
         for name in _COLLECTIVES:
             if hasattr(dist, name):
                 self._patch(dist, name, f"c10d.{name}")
-        for module in (comm, agree, plans, reduce_layout):  # the modules that agree (a name imported: its own copy)
+        for module in (comm, agree, entry, plans, reduce_layout):  # the modules that agree (a name imported: own copy)
             for name in ("gather_words", "all_gather_object"):
                 if hasattr(module, name):
                     self._patch(module, name, "agreement")

@@ -165,9 +165,10 @@ def _shape_change_one_rank(rank, world):
     halo.set_timeout(5)
     manager = halo.initialize_domain_parallel(world, world)
     model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1)), manager)
-    model(torch.randn(1, 2, 5, 8))
+    gen = torch.Generator().manual_seed(rank)  # each rank its own rows (the same values on every rank: a whole field)
+    model(torch.randn(1, 2, 5, 8, generator=gen))
     try:
-        model(torch.randn(1, 2, 5, 9 if rank == 1 else 8))
+        model(torch.randn(1, 2, 5, 9 if rank == 1 else 8, generator=gen))
     except Exception as exc:  # noqa: BLE001
         return type(exc).__name__, str(exc)
     return None

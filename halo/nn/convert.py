@@ -210,9 +210,13 @@ def convert_to_domain_parallel(
             again), or ``{LayerType: None}`` to declare a layer pointwise in latitude.
         boundary: what fills the latitude edges of converted convolutions, e.g. ``"pole"`` for a global
             lat-lon grid; default: each conv's own ``padding_mode``.
-        grid: ``(H, W)`` of the global field, if you want to declare it: every tensor input of the model with at
-            least 2 dims whose last dim is ``W`` then holds this rank's rows of ``H`` along dim -2 (checked on
-            each rank), and a call starts without any communication. Default: each call's first act is one
+        grid: ``(H, W)`` of the global field, if you want to declare it: every field input of the model (a tensor
+            one of whose last dims is an extent of the grid or of this rank's share, ``halo.entry``) must then
+            hold this rank's share along dims -2, -1 (checked on each rank: a whole field, a W shard, a
+            ``(B, H, W, C)`` tensor raise at once; the peers within the timeout), and a call starts without any
+            communication (unless an input carries ``halo_sample_key``: then the ranks compare it). Without it the
+            grid is taken from a ``halo.shard`` output's spec or learned from the first call's agreement
+            (``halo.nn.root.set_grid`` changes it). Default: each call's first act is one
             small agreement on host data (every rank's input shapes), which makes a changed input shape on any
             rank safe. Either way, every layer learns its extents once and a steady step sends only halo
             messages and the reductions the math needs (``halo.plans``). With ``mesh=``, every input whose last

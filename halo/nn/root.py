@@ -18,12 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import plans
+from .. import entry, plans
+from ..comm import comm_group
 from ..mesh import GroupRef
 from ..plans import enter_root, exit_root
+from ..transport import gather_words
 from . import pool
 
-__all__ = ["RootConfig", "drop_root", "global_pool", "guard_whole", "make_root", "rooted"]
+__all__ = ["RootConfig", "drop_root", "global_pool", "guard_whole", "make_root", "rooted", "set_grid"]
 
 
 def global_pool(m: nn.Module, domain_size: int) -> bool:
@@ -112,10 +114,9 @@ def make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_shar
                mesh_shape: tuple[int, int] | None = None) -> None:
     """Make ``model`` a converted model's root: its calls start (or join) a step's epoch (``halo.plans``)."""
     if grid is not None:
-        if len(grid) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in grid):
-            raise ValueError(f"grid must be (H, W), two positive ints, got {grid!r}")
-        grid = (int(grid[0]), int(grid[1]))
+        grid = _check_grid(grid, "convert_to_domain_parallel")
     had = "_halo_root" in model.__dict__
+    entry.forget_grid(model)  # (converting again: the grid is learned or declared afresh)
     model.__dict__["_halo_root"] = RootConfig(GroupRef(group), grid, w_sharded, mesh_shape)
     if type(model).__module__.startswith("torch.nn"):
         # torch.compile traces a torch.nn container's call *with* its hooks (and the entry hook runs outside any
@@ -125,6 +126,38 @@ def make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_shar
     if not had:
         model.register_forward_pre_hook(enter_root, with_kwargs=True)
         model.register_forward_hook(exit_root, with_kwargs=True, always_call=True)
+
+
+def _check_grid(grid: Any, op: str) -> tuple[int, int]:
+    if not isinstance(grid, (tuple, list)) or len(grid) != 2 or any(
+            isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in grid):
+        raise ValueError(f"{op}: grid must be (H, W), two positive ints, got {grid!r}")
+    return int(grid[0]), int(grid[1])
+
+
+def set_grid(model: nn.Module, grid: tuple[int, int] | None) -> None:
+    """Change the global grid ``(H, W)`` a converted model runs on (``None``: learn it from its calls again).
+
+    Why: a declared grid is fixed (every call is checked against it, with no communication), and a learned one is
+    refused when every rank passes all of its rows (the whole field); an evaluation at another resolution says so
+    here. Call it on every rank of the domain group: the ranks agree on ``grid`` (one small host all-gather) and all
+    raise the same ``ValueError`` when they pass different grids."""
+    op = "set_grid"
+    config = model.__dict__.get("_halo_root")
+    if config is None:
+        raise ValueError(f"{op}: {type(model).__name__} is not a converted model (convert_to_domain_parallel)")
+    mine = (0, 0) if grid is None else _check_grid(grid, op)
+    cg = comm_group(config.group)
+    if cg.size > 1:
+        table = gather_words([0x47524944, *mine], cg, op)  # "GRID": host data, once per change
+        grids = [(int(row[1]), int(row[2])) for row in table]
+        if any(g != grids[0] for g in grids) or (table[:, 0] != 0x47524944).any():
+            shown = ", ".join("None" if g == (0, 0) else str(g) for g in grids)
+            raise ValueError(f"{op}: the ranks of the domain group pass different grids ({shown} on group ranks "
+                             f"0..{cg.size - 1}); pass the same grid on every rank")
+    entry.forget_grid(model)
+    model.__dict__["_halo_root"] = RootConfig(config.group_ref, None if grid is None else mine, config.w_sharded,
+                                              config.mesh_shape)
 
 
 @functools.cache  # a pure function of a torch.nn class (a bounded set): one derived class each
