@@ -10,9 +10,12 @@ What it does, on every rank (seconds on a laptop CPU):
    the input gradient and every parameter gradient, in float64 -- *with the boundary it trains with*
    (``boundary="pole"``: the rows across a pole are the rows on the other side of it, half the longitudes
    away; torch has no layer for that, so the unsharded reference pads across the poles by hand, ``PoleConv2d``);
-3. converts the model (same ``state_dict`` keys) and trains it a few steps on this rank's latitude rows with the
+3. converts the model (same ``state_dict`` keys) and trains it a few steps on this rank's latitude rows: samples
+   from ``halo.DomainSampler`` (the same sample on every rank of a domain group, split over data parallel), the
    latitude-weighted MSE over the *global* field (``halo.reduce.latitude_weighted_mse``: every rank gets the same
-   loss) and ``sync_domain_gradients`` (sum over the domain group, mean over data parallel);
+   loss), ``sync_domain_gradients`` (sum over the domain group, mean over data parallel), then halo's
+   ``clip_grad_norm_``; with ``--ckpt DIR`` it resumes from and saves the whole training state
+   (``halo.checkpoint``: model, Adam's moments, the sampler's epoch, the step, halo's RNG);
 4. compares the sharded loss of the trained model with the unsharded loss of the same weights on the whole field,
    computed inside this distributed job under ``halo.comm.unsharded()``;
 5. optionally saves the weights (``--save model.pt``): they load into the unconverted ``UNet``.
@@ -37,8 +40,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import halo
+import halo.checkpoint
+import halo.launch
 from halo.nn import convert_to_domain_parallel
-from halo.reduce import latitude_weighted_mse, sync_domain_gradients
+from halo.reduce import clip_grad_norm_, latitude_weighted_mse, sync_domain_gradients
 
 
 class PoleConv2d(nn.Conv2d):
@@ -102,6 +107,21 @@ def make_sample(channels: int, grid: tuple[int, int], seed: int) -> tuple[torch.
     return x.float(), x.roll(1, dims=-1).float()
 
 
+class Samples(torch.utils.data.Dataset):
+    """Sample ``i``: the field of seed ``1 + i`` and its target, whole (``(channels, H, W)``: the DataLoader adds the
+    batch dim). The ranks of one domain group must get the same ``i``: ``halo.DomainSampler`` sees to it."""
+
+    def __init__(self, n: int, channels: int, grid: tuple[int, int]) -> None:
+        self.n, self.channels, self.grid = n, channels, grid
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = make_sample(self.channels, self.grid, seed=1 + i)
+        return x[0], y[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--grid", default="37x72", help="HxW latitude x longitude (default 37x72: 5 degrees; W a "
@@ -112,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--domain", type=int, default=None, help="ranks per domain group (default: all)")
     parser.add_argument("--save", default=None, help="write the trained weights here (rank 0)")
+    parser.add_argument("--ckpt", default=None, help="checkpoint folder: resume from its newest complete checkpoint "
+                        "(model, optimizer, sampler, step), save the whole training state there at the end")
     args = parser.parse_args(argv)
     h, w = (int(v) for v in args.grid.lower().split("x"))
     if w % 4 or h < 8:
@@ -127,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = halo.launch.init_from_env(backend)  # init_process_group that comes back after a torchrun restart
     manager = halo.initialize_domain_parallel(world_size=world, domain_parallel_size=args.domain or world)
 
     def say(msg: str) -> None:
@@ -159,21 +180,37 @@ def main(argv: list[str] | None = None) -> int:
     model = convert_to_domain_parallel(copy.deepcopy(net), manager, boundary=boundary, grid=(h, w))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
-    # 3. Train. Each data-parallel replica trains on its own samples; the ranks of a domain group share a sample,
-    #    each holding its latitude rows (halo.shard: the balanced split, 37 rows on 2 ranks are 19 + 18).
+    # 3. Data: each data-parallel replica trains on its own samples, the ranks of a domain group on the same one
+    #    (halo.DomainSampler: a DistributedSampler over the data-parallel ranks only), each holding its latitude
+    #    rows (halo.shard: the balanced split, 37 rows on 2 ranks are 19 + 18). One epoch is --steps steps.
+    dataset = Samples(args.steps * manager.dp_world_size, args.channels, (h, w))
+    sampler = halo.DomainSampler(dataset, manager=manager, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, sampler=sampler, batch_size=1)
+    state = {"model": model, "optim": optimizer, "sampler": sampler, "step": 0}
+    if args.ckpt and halo.checkpoint.latest(args.ckpt) is not None:
+        halo.checkpoint.load(state, args.ckpt)  # weights, Adam's moments, the sampler's epoch, the step, halo's RNG
+        sampler.set_epoch(sampler.epoch + 1)
+        say(f"resumed from {args.ckpt} at step {state['step']} (epoch {sampler.epoch})")
+
+    # 4. Train.
     t0 = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        x, y = make_sample(args.channels, (h, w), seed=1 + step * manager.dp_world_size + manager.dp_rank)
+    first = state["step"]
+    for i, (x, y) in enumerate(loader, start=1):
         x_local, y_local = halo.shard(x.to(device)), halo.shard(y.to(device))
         optimizer.zero_grad(set_to_none=True)
         loss = latitude_weighted_mse(model(x_local), y_local)  # the global loss, the same on every domain rank
         loss.backward()
         sync_domain_gradients(model, manager)  # sum over the domain group, mean over data parallel
+        clip_grad_norm_(model, 10.0)  # the norm of the whole gradient (after the sync), the same on every rank
         optimizer.step()
-        if step == 1 or step % 5 == 0 or step == args.steps:
-            say(f"step {step:3d}/{args.steps}  loss {loss.item():.5f}  ({time.perf_counter() - t0:.1f} s)")
+        if i == 1 or i % 5 == 0 or i == args.steps:
+            say(f"step {i:3d}/{args.steps}  loss {loss.item():.5f}  ({time.perf_counter() - t0:.1f} s)")
+    state["step"] = first + len(loader)
+    if args.ckpt:
+        halo.checkpoint.save(state, args.ckpt, state["step"])  # a new folder, complete once every rank's part is in
+        say(f"saved the training state to {args.ckpt} (step {state['step']})")
 
-    # 4. The sharded loss of the trained model against the unsharded loss of the same weights on the whole field.
+    # 5. The sharded loss of the trained model against the unsharded loss of the same weights on the whole field.
     #    Inside a distributed job, halo's functions reduce over the domain group by default; under
     #    halo.comm.unsharded() they act on this process alone, as on one device.
     x, y = make_sample(args.channels, (h, w), seed=10**6)  # a held-out sample

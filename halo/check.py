@@ -123,9 +123,10 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         raise_on_failure: raise ``AssertionError`` with the report instead of returning a failed one.
         mesh: a latitude x longitude ``halo.DomainMesh((ph, pw))`` instead of a manager: the sample is split into
             blocks (``shard_2d``), the model converted with ``mesh=``, outputs gathered with ``gather_2d``.
-        args, kwargs: further inputs of the model's forward, whole and the same on every rank (a timestep, a class
-            label): given to both copies as they are (tensors moved to the sample's device, floating ones cast to
-            ``dtype``).
+        args: further positional inputs of the model's forward, whole and the same on every rank (a timestep, a
+            class label): given to both copies as they are (tensors moved to the sample's device, floating ones
+            cast to ``dtype``).
+        kwargs: further keyword inputs of the model's forward, handled as ``args``.
 
     Every rank gets the same report (the comparisons use gathered tensors; errors are the maximum over ranks).
     """

@@ -112,7 +112,10 @@ class ShardedField:
         watch: check the store's version around each sample (default). Costs two ``os.stat`` per chunk file of
             the step (1820 files, 20 variables of 91 chunks: ~20 ms each time on the shared CI machine); ``False``
             for an archive nobody writes (and then ``halo_sample_key`` carries no version).
-        engine, time_dim, lat_dim, lon_dim: passed to / used with xarray (defaults: guessed).
+        engine: xarray's engine (default: guessed).
+        time_dim: the name of the time dim (default: guessed).
+        lat_dim: the name of the latitude dim (default: guessed).
+        lon_dim: the name of the longitude dim (default: guessed).
 
     Every rank of the domain group opens the same field: the grid, the number of steps and channels, the variables,
     the coordinates and the options are agreed when it is opened (a file that differs on one rank, or an error

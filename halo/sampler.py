@@ -69,9 +69,10 @@ class DomainSampler(DistributedSampler):
         dataset: a sized dataset (``len(dataset)`` the same on every rank: agreed).
         manager: a :class:`halo.DomainParallelManager` (default: the initialised one).
         mesh: a :class:`halo.DomainMesh` instead of ``manager``.
-        shuffle, seed, drop_last: as ``DistributedSampler`` (a permutation seeded by ``seed + epoch``, the same on
-            every rank; without ``drop_last`` the indices are padded by wrapping so every replica gets
-            ``ceil(len / dp)``, with it cut to ``floor(len / dp)``).
+        shuffle: as ``DistributedSampler``: a permutation seeded by ``seed + epoch``, the same on every rank.
+        seed: the permutation's seed (with the epoch).
+        drop_last: as ``DistributedSampler``: without it the indices are padded by wrapping so every replica gets
+            ``ceil(len / dp)``, with it cut to ``floor(len / dp)``.
 
     Every rank of one domain group iterates the same indices; the ``dp`` groups get disjoint shares that together
     cover the dataset (with ``drop_last=False``, the few padding indices repeat the first ones).
@@ -89,6 +90,19 @@ class DomainSampler(DistributedSampler):
         value; agreed over the world (a mismatch raises the same ``ValueError`` on every rank)."""
         super().set_epoch(int(epoch))
         self._agree("set_epoch")
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps of the data position: the epoch and the seed (``halo.checkpoint.save`` takes the
+        sampler itself). Resuming at an epoch boundary continues the same permutation sequence."""
+        return {"epoch": int(self.epoch), "seed": int(self.seed)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore :meth:`state_dict`: the seed must be this sampler's (a different one would change the order of
+        every later epoch), the epoch is set as :meth:`set_epoch` sets it (agreed over the world)."""
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"halo.DomainSampler.load_state_dict: the checkpoint's sampler was seeded {state['seed']}"
+                             f", this one {self.seed}: build the sampler with seed={state['seed']}")
+        self.set_epoch(int(state["epoch"]))
 
     def _agree(self, when: str) -> None:
         cg = self._world

@@ -373,6 +373,11 @@ def _agree_gather(x: torch.Tensor, dim: int, info: CommGroup) -> tuple[int, ...]
     rank's tensor riding on the same all-gather (host tensors only): the same non-constant values on every rank
     are a tensor that is whole already, not shards of one, and are refused on every rank."""
     value, constant = fingerprint(x)
+    if not constant and x.dim() and x.shape[dim] > 1 and x.device.type == "cpu":
+        # Rows that are all alike (a field that does not vary along ``dim``, or a gradient of a global pool's
+        # input): shards of such a field are alike on every rank too, and their gather is right; not refused.
+        xd = x.detach()
+        constant = torch.equal(xd, xd.narrow(dim, 0, 1).expand_as(xd))
     extents, tails = agree_with(Meta.of(x, (Spec.of(dim),)), (0 if constant else value,), info, "gather",
                                 allow_empty=True)
     (sizes,) = extents

@@ -71,14 +71,14 @@ def _equal(a, b):
 
 def _train(model, opt, sched, manager, steps=2):
     from halo.partition import split_offsets
-    from halo.reduce import sync_domain_gradients
+    from halo.reduce import local_share, sync_domain_gradients
 
     g = torch.Generator().manual_seed(5)
     offs = split_offsets(H, manager.domain_parallel_size)
     r = manager.domain_rank
     for _ in range(steps):
         x = torch.randn(2, C, H, W, dtype=torch.float64, generator=g)[..., offs[r]:offs[r + 1], :]
-        (model(x) ** 2).sum().backward()
+        local_share((model(x) ** 2).sum()).backward()  # this rank's share of a global sum
         sync_domain_gradients(model)
         opt.step()
         opt.zero_grad()

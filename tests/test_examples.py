@@ -56,6 +56,15 @@ def test_train_example_runs_under_torchrun(nproc, args, layout, tmp_path):
     h, w = (int(v) for v in (args[args.index("--grid") + 1] if "--grid" in args else "37x72").split("x"))
     net = _example_module().UNet(3, 16, (h, w))
     net.load_state_dict(torch.load(saved, weights_only=True))
+    if nproc == 4:  # the README's checkpoint calls: save the whole state, resume from it in a second job
+        ckpt = tmp_path / "ckpt"
+        first = _torchrun(nproc, [*args, "--ckpt", str(ckpt)], tmp_path, timeout=240)
+        assert first.returncode == 0 and "saved the training state" in first.stdout, first.stdout + first.stderr
+        again = _torchrun(nproc, [*args, "--steps", "2", "--ckpt", str(ckpt)], tmp_path, timeout=240)
+        log = again.stdout + again.stderr
+        assert again.returncode == 0, log
+        assert "resumed from" in again.stdout and "at step 5 (epoch 1)" in again.stdout, log
+        assert "saved the training state" in again.stdout and "(step 7)" in again.stdout, log
 
 
 def test_train_example_pole_reference_is_the_pole_boundary():

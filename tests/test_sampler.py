@@ -79,3 +79,20 @@ def test_one_process_and_bad_arguments():
     assert list(s) == [0, 1, 2, 3, 4] and halo.data_parallel_sampler_args() == {"num_replicas": 1, "rank": 0}
     with pytest.raises(ValueError, match="manager= or mesh=, not both"):
         halo.DomainSampler([1], manager=object(), mesh=object())
+
+
+def test_sampler_position_round_trips_through_a_checkpoint(tmp_path):
+    """The data position a checkpoint keeps: the sampler's epoch (and its seed, checked), saved with the sampler
+    itself; a sampler built with another seed is refused rather than resumed on another permutation."""
+    import halo
+    import halo.checkpoint
+
+    s = halo.DomainSampler(list(range(7)), seed=3)
+    s.set_epoch(4)
+    order = list(s)
+    halo.checkpoint.save({"sampler": s}, tmp_path, 1)
+    fresh = halo.DomainSampler(list(range(7)), seed=3)
+    halo.checkpoint.load({"sampler": fresh}, tmp_path)
+    assert fresh.epoch == 4 and list(fresh) == order
+    with pytest.raises(ValueError, match="seeded 3, this one 5"):
+        halo.checkpoint.load({"sampler": halo.DomainSampler(list(range(7)), seed=5)}, tmp_path)

@@ -396,11 +396,12 @@ def _refusal(rank: int, world: int, case: str) -> str:
 
     halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1 + rank)  # each rank its own rows (alike on every rank: a whole field)
     if case == "nlon":  # rank 1 alone holds a field of the wrong width: agreed before the transpose
         model = nn.Sequential(SHTModel(9, 8, 2))
         convert_to_domain_parallel(model)
         w = 10 if rank == 1 else 8
-        x = torch.randn(1, 2, split_offsets(9, world)[rank + 1] - split_offsets(9, world)[rank], w)
+        x = torch.randn(1, 2, split_offsets(9, world)[rank + 1] - split_offsets(9, world)[rank], w, generator=gen)
         model(x)
     elif case in ("nlon all", "nlat"):  # every rank alike, but not the grid the SHT was built for (9 x 8)
         from torch_harmonics import RealSHT
@@ -409,14 +410,14 @@ def _refusal(rank: int, world: int, case: str) -> str:
         convert_to_domain_parallel(model)
         h = 10 if case == "nlat" else 9
         o = split_offsets(h, world)
-        model(torch.randn(1, 2, o[rank + 1] - o[rank], 10 if case == "nlon all" else 8))
+        model(torch.randn(1, 2, o[rank + 1] - o[rank], 10 if case == "nlon all" else 8, generator=gen))
     elif case == "modes":  # 2 modes over 3 ranks
         from torch_harmonics import RealSHT
 
         model = nn.Sequential(RealSHT(9, 8, mmax=2))
         convert_to_domain_parallel(model)
         o = split_offsets(9, world)
-        model(torch.randn(1, 2, o[rank + 1] - o[rank], 8))
+        model(torch.randn(1, 2, o[rank + 1] - o[rank], 8, generator=gen))
     elif case == "columns":  # the transpose itself: 2 columns over 3 ranks
         from halo.nn import spectral as S
 

@@ -483,8 +483,8 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
         dp_group: pool the batch over this group too.
         sync_dp: ``None`` (default): pool over ``dp_group`` if given, else over the initialised manager's
             data-parallel group when it has more than one rank; ``False``: per domain group only (batches of
-            different dp ranks are then normalised separately); ``True``: require a dp group.
-        Batches may differ in size across the dp group (each rank's count is used).
+            different dp ranks are then normalised separately); ``True``: require a dp group. Batches may differ
+            in size across the dp group (each rank's count is used).
     """
 
     def __init__(self, *args: Any, group: Any | None = None, dp_group: Any | None = None,
