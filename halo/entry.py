@@ -51,6 +51,7 @@ __all__ = ["ENTRY_WORDS", "KEY_ATTR", "EntryView", "FieldSpec", "KnownGrid", "fi
 _SPEC_ATTR = "_halo_field"  # a shard's spec rides on the tensor (PhysicsNeMo keeps its ShardTensor spec likewise)
 KEY_ATTR = "halo_sample_key"
 _GRID = "_halo_grid"  # the converted model's known grid, in its __dict__
+_CALLS = "_halo_entry_calls"  # a declared-grid model's calls that carried a sample to compare, in its __dict__
 _SAMPLE = 4  # elements per dim of a fingerprint's strided subsample (at most 4**ndim values read)
 
 
@@ -119,6 +120,19 @@ class KnownGrid:
 def forget_grid(module: torch.nn.Module) -> None:
     """Drop what ``module`` learned of its grid (``halo.nn.set_grid``: the next call learns it again)."""
     module.__dict__.pop(_GRID, None)
+
+
+def _sample_check_due(module: torch.nn.Module) -> bool:
+    """With a declared grid the entry needs no agreement of its own: the samples the ranks hold (their keys, the
+    fingerprint ``halo.shard`` took) are compared at the first call that carries one and then every
+    :func:`halo.replicated.check_every` such calls (default 8; the same count on every rank, as ranks make the same
+    calls), so a sampler that splits a domain group is named within that many steps at 1/8 of an all-gather a step."""
+    from .replicated import check_every
+
+    n = module.__dict__.get(_CALLS, 0)
+    module.__dict__[_CALLS] = n + 1
+    every = check_every()
+    return n == 0 or bool(every) and n % every == 0
 
 
 def known_grid(module: torch.nn.Module) -> KnownGrid | None:
@@ -276,7 +290,7 @@ def view(args: Any, kwargs: Any, module: torch.nn.Module, config: Any, cg: CommG
     key_list = sorted(keys, key=repr)
     if len(key_list) > 1:
         problem = problem or f"its inputs carry different sample keys {key_list} (halo_sample_key)"
-    local_only = declared is not None and not keys and not spec_fp
+    local_only = declared is not None and (not keys and not spec_fp or not _sample_check_due(module))
     if cg.size == 1 or local_only:
         if problem is not None:
             raise ValueError(f"{op}: {problem}")

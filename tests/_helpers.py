@@ -73,6 +73,22 @@ class SteadyNet(nn.Module):
         return x + self.dec(F.gelu(self.upt(b)))  # 22 -> 45
 
 
+def steady_reference(full, steps):
+    """The unsharded twin of the steady-state tests' training loop: SteadyNet (seed 0), SGD with momentum, an MSE
+    against the input, ``steps`` steps on the whole field ``full``; every step's output."""
+    torch.manual_seed(0)
+    model = SteadyNet().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    outs = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = model(full)
+        ((out - full) ** 2).mean().backward()
+        opt.step()
+        outs.append(out.detach())
+    return outs
+
+
 def run_allow_failures(fn, world, *args, timeout=60.0, pg_timeout=30.0):
     """Like ``run_on_ranks`` but a dead rank does not hide the others: per rank ``("ok", result)``,
     ``("error", text)`` or ``("died", exit code)``; ranks still running at ``timeout`` are killed and

@@ -426,3 +426,42 @@ def test_samples_are_compared_within_a_domain_group_only():
     assert [r["stitched"] for r in results[:2]] == ["ok", "ok"], results
     for r in results[2:]:
         assert "ranks 0,1 of the domain group are looking at different samples: keys [10, 11]" in r["stitched"], r
+
+
+def _declared_grid_cadence(rank, world):
+    """A model converted with grid= fed halo.shard outputs (the README's loop): its entry compares the samples at
+    the first call and every check_every()-th, not every call; a key that differs is named within that many."""
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.testing import HostWorkCounter
+
+    manager = halo.initialize_domain_parallel(world, world)
+    halo.set_timeout(30)
+    model = convert_to_domain_parallel(_net(), manager, grid=(H, W))
+    x_local = halo.shard(_full())
+    counts = []
+    for _ in range(17):
+        with HostWorkCounter() as counter:
+            model(x_local)
+        counts.append(counter.summary().get("agreement", 0))
+    y = _full().clone()
+    y.halo_sample_key = 100 + rank  # a sampler that splits the domain group, from now on
+    y_local = _rows(y, world, rank)
+    y_local.halo_sample_key = y.halo_sample_key
+    calls = 0
+    try:
+        for calls in range(1, 9):
+            model(y_local)
+        return counts, "not refused"
+    except ValueError as exc:
+        return counts, (calls, str(exc))
+
+
+def test_declared_grid_entry_compares_samples_every_nth_call():
+    results = run_on_ranks(_declared_grid_cadence, 2, timeout=120)
+    for counts, refused in results:
+        # calls 1-2 learn the layers' plans; then only calls 9 and 17 agree (the entry's sample check), none else
+        assert counts[0] >= 1 and counts[2:] == [0] * 6 + [1] + [0] * 7 + [1], counts
+        calls, msg = refused
+        assert calls == 8 and "looking at different samples: keys [100, 101]" in msg, refused  # call 25 (8 x 3 + 1)
+    assert results[0][1] == results[1][1]

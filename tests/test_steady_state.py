@@ -13,7 +13,7 @@ change) are tested against the unsharded model too.
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import SteadyNet
+from _helpers import SteadyNet, steady_reference
 from torch import nn
 
 from halo.partition import split_offsets
@@ -54,18 +54,8 @@ def _steady(rank, world, grid):
 
 
 def _reference(steps=5):
-    torch.manual_seed(0)
-    model = SteadyNet().double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    full = torch.randn(2, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    outs = []
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        out = model(full)
-        ((out - full) ** 2).mean().backward()
-        opt.step()
-        outs.append(out.detach())
-    return outs
+    return steady_reference(torch.randn(2, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+                            steps)
 
 
 @pytest.mark.parametrize("world, grid", [(2, None), (3, None), (3, (H, W))])

@@ -10,7 +10,7 @@ agreements) and each ``torch.distributed`` call.
 
 import pytest
 import torch
-from _helpers import SteadyNet
+from _helpers import SteadyNet, steady_reference
 from torch import nn
 
 from halo.partition import split_offsets
@@ -58,18 +58,7 @@ def _train(rank, world):
 
 
 def _reference(steps):
-    torch.manual_seed(0)
-    model = SteadyNet().double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    full = _field()
-    outs = []
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        out = model(full)
-        ((out - full) ** 2).mean().backward()
-        opt.step()
-        outs.append(out.detach())
-    return outs
+    return steady_reference(_field(), steps)
 
 
 def test_converted_model_with_grid_makes_no_host_work_for_18_steps():
