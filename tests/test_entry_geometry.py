@@ -450,7 +450,8 @@ def _declared_grid_cadence(rank, world):
     y_local.halo_sample_key = y.halo_sample_key
     calls = 0
     try:
-        for calls in range(1, 9):
+        while calls < 8:
+            calls += 1
             model(y_local)
         return counts, "not refused"
     except ValueError as exc:
