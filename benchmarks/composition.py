@@ -33,8 +33,8 @@ MODES = ("none", "ddp", "fsdp", "fsdp-all")
 
 def _rank(rank: int, world: int, iters: int) -> dict:
     import halo
-    from halo.partition import split_offsets
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
+    from halo.plan.partition import split_offsets
     from halo.tools.demo import DemoNet
 
     manager = halo.initialize_domain_parallel(world, 2)

@@ -346,7 +346,7 @@ def _rel(a: Any, b: Any) -> float:
 
 
 #: steady steps checked for host syncs: two periods of the replicated-state check (every 8th forward by default,
-#: :func:`halo.replicated.check_every`), so a sync that only that check makes is among them
+#: :func:`halo.plan.replicated.check_every`), so a sync that only that check makes is among them
 STEADY_STEPS = 16
 
 
@@ -391,7 +391,7 @@ def steady_steps(step: Callable[[], None], cuda: bool, n: int = STEADY_STEPS) ->
 def check_sync_free(device: Any, grid: tuple[int, int]) -> dict:
     import torch
 
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
     from halo.shard import shard
 
     _, model, _, manager, x, y, _ = _demo(device, torch.float32, grid)
@@ -596,8 +596,8 @@ def rank_worker(dry: bool, out: Path) -> int:
     import torch.distributed as dist
 
     import halo
-    from halo.comm import comm_group
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.dist.comm import comm_group
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
     from halo.shard import shard
 
     cuda = not dry and torch.cuda.is_available()
@@ -621,7 +621,7 @@ def rank_worker(dry: bool, out: Path) -> int:
 
     def host_group() -> dict:
         cg = comm_group(manager.domain_group)
-        table = halo.comm.gather_words([rank, 7], cg, "gpu check")
+        table = halo.dist.comm.gather_words([rank, 7], cg, "gpu check")
         return {"ok": table.tolist() == [[0, 7], [1, 7]], "separate_host": cg.host is not cg.group,
                 "mesh_device_type": manager.device_mesh.device_type}
 
@@ -629,10 +629,10 @@ def rank_worker(dry: bool, out: Path) -> int:
 
     def torch_paths() -> dict:
         """halo's torch-version paths, on this torch and (on a newer one) as torch 2.11 has them:
-        ``halo.comm.new_group(ranks, sort_ranks=False)`` makes ascending groups everywhere; a descending one is a
+        ``halo.dist.comm.new_group(ranks, sort_ranks=False)`` makes ascending groups everywhere; a descending one is a
         group whose rank 0 is global rank 1 on torch >= 2.12, and refused on every rank (before any collective)
         on 2.11, which lacks ``sort_ranks``."""
-        from halo import comm
+        from halo.dist import comm
 
         native = comm.HAS_SORT_RANKS
         res: dict[str, Any] = {"torch": torch.__version__, "has_sort_ranks": native}

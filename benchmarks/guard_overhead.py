@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from halo.testing import run_on_ranks
 
     x = torch.randn(2, 8, 16, 32)
-    guard_cg = halo.comm.comm_group(None)
+    guard_cg = halo.dist.comm.comm_group(None)
     rows = []
     for case, fn in (("elementwise", lambda: x * 0.5 + 1), ("checked", lambda: torch.cat([x, x], dim=1)),
                      ("layout", lambda: x.permute(0, 2, 3, 1))):
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 def _first_call(rank: int, world: int) -> tuple[float, float, float]:
     """A fresh converted model's first call with the guard, without it, and a steady call (best of 5 models)."""
     import halo
-    from halo import plans
     from halo.nn import convert_to_domain_parallel
+    from halo.plan import plans
 
     manager = halo.initialize_domain_parallel(world, world)
     x = torch.randn(2, 8, 64, 128)

@@ -84,9 +84,9 @@ def _validation(full: torch.Tensor, world: int, rank: int, group: Any, reps: int
     import torch.distributed as dist
 
     from halo import shard
-    from halo.agree import ROW_WORDS, Meta, Spec, agree, needs_grad
-    from halo.comm import comm_group
+    from halo.dist.comm import comm_group
     from halo.exchange import halo_exchange
+    from halo.plan.agree import ROW_WORDS, Meta, Spec, agree, needs_grad
 
     info = comm_group(group)
     x = shard(full, group=group)
@@ -153,7 +153,7 @@ def long_run_rank(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     import torch.distributed as dist
 
     import halo
-    from halo.comm import abandoned
+    from halo.dist.comm import abandoned
     from halo.exchange import halo_exchange
     from halo.launch import rank_device
 

@@ -133,7 +133,7 @@ def measure(model: nn.Module, x: torch.Tensor, loss_fn) -> dict:
 def _sharded(rank: int, world: int, name: str, quick: bool) -> dict:
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import domain_mean
+    from halo.parallel.reduce import domain_mean
 
     torch.set_num_threads(1)
     manager = halo.initialize_domain_parallel(world, world)
@@ -143,7 +143,7 @@ def _sharded(rank: int, world: int, name: str, quick: bool) -> dict:
     full = _input(name, quick)
     x = halo.shard(full, dim, granularity=granularity) if granularity > 1 else halo.shard(full, dim)
     rows = x.shape[dim]
-    from halo import exchange_registry
+    from halo.exchange import _registry as exchange_registry
 
     measure(model, x, lambda y: domain_mean(y * y))  # warm-up: plans learned, buffers pooled, first-call guard
     retained = exchange_registry.pooled_bytes()  # held by the exchangers' pools from the step before

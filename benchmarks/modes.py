@@ -33,7 +33,7 @@ def _rank(rank: int, world: int, grid: tuple[int, int], steps: int) -> dict:
 
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.partition import split_offsets
+    from halo.plan.partition import split_offsets
 
     manager = halo.initialize_domain_parallel(world, world)
     h, w = grid

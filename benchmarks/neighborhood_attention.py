@@ -63,10 +63,10 @@ def _layer(kind: str, channels: int, group):
 
 def _sent_bytes(kind: str, h: int, w: int, channels: int, world: int, rank: int, itemsize: int) -> int:
     """Bytes this rank sends per forward + backward, from the plans (pure arithmetic)."""
-    from halo.comm import CommGroup
+    from halo.dist.comm import CommGroup
     from halo.nn.longrange import long_range_plan
     from halo.nn.neighborhood import neighborhood_row_plan
-    from halo.partition import offsets, split_sizes
+    from halo.plan.partition import offsets, split_sizes
 
     sizes = split_sizes(h, world)
     if kind.startswith("natten"):
@@ -89,7 +89,7 @@ def _rss_kb() -> int:
 
 def _bench(rank: int, world: int, kind: str, h: int, w: int, channels: int, iters: int) -> dict:
     import halo
-    from halo.partition import split_offsets
+    from halo.plan.partition import split_offsets
 
     manager = halo.initialize_domain_parallel(world, world)
     layer = _layer(kind, channels, manager.domain_group)

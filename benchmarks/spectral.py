@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, b: int, c: int, h: int, w: int, iters: int) -> 
     from halo.nn import DomainRealSHT, convert_to_domain_parallel
     from halo.nn import spectral as S
     from halo.nn.convert import INSIDE
-    from halo.partition import split_offsets
+    from halo.plan.partition import split_offsets
 
     halo.initialize_domain_parallel(world, world)
     ro = split_offsets(h, world)

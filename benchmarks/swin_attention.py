@@ -42,7 +42,7 @@ def _bench(rank, world, shape, window, heads, iters):
     import halo
     from halo.nn import HaloSwinTransformerBlock
     from halo.nn.window import roll_needs
-    from halo.partition import offsets, plan_exchange, split_sizes
+    from halo.plan.partition import offsets, plan_exchange, split_sizes
     from halo.tools.bench import gather_times
 
     torch.set_num_threads(1)

@@ -61,7 +61,7 @@ def sweep_rank(rank: int, world: int, cfg: dict) -> list[dict]:
 
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.partition import split_sizes
+    from halo.plan.partition import split_sizes
     from halo.tools.bench import median, paired_ratio, run_meta, time_iterations
 
     manager = halo.initialize_domain_parallel(world, world)

@@ -12,12 +12,12 @@ What it does, on every rank (seconds on a laptop CPU):
    away; torch has no layer for that, so the unsharded reference pads across the poles by hand, ``PoleConv2d``);
 3. converts the model (same ``state_dict`` keys) and trains it a few steps on this rank's latitude rows: samples
    from ``halo.DomainSampler`` (the same sample on every rank of a domain group, split over data parallel), the
-   latitude-weighted MSE over the *global* field (``halo.reduce.latitude_weighted_mse``: every rank gets the same
+   latitude-weighted MSE over the *global* field (``halo.parallel.latitude_weighted_mse``: every rank gets the same
    loss), ``sync_domain_gradients`` (sum over the domain group, mean over data parallel), then halo's
    ``clip_grad_norm_``; with ``--ckpt DIR`` it resumes from and saves the whole training state
    (``halo.checkpoint``: model, Adam's moments, the sampler's epoch, the step, halo's RNG);
 4. compares the sharded loss of the trained model with the unsharded loss of the same weights on the whole field,
-   computed inside this distributed job under ``halo.comm.unsharded()``;
+   computed inside this distributed job under ``halo.dist.comm.unsharded()``;
 5. optionally saves the weights (``--save model.pt``): they load into the unconverted ``UNet``.
 
 The task is small on purpose: predict the field one grid column further east (advection by 5 degrees). For real
@@ -43,7 +43,7 @@ import halo
 import halo.checkpoint
 import halo.launch
 from halo.nn import convert_to_domain_parallel
-from halo.reduce import clip_grad_norm_, latitude_weighted_mse, sync_domain_gradients
+from halo.parallel.reduce import clip_grad_norm_, latitude_weighted_mse, sync_domain_gradients
 
 
 class PoleConv2d(nn.Conv2d):
@@ -97,7 +97,7 @@ def make_sample(channels: int, grid: tuple[int, int], seed: int) -> tuple[torch.
     target: the same field one grid column further east."""
     h, w = grid
     gen = torch.Generator().manual_seed(seed)
-    lat = torch.deg2rad(halo.reduce.grid_latitudes(h))[:, None]
+    lat = torch.deg2rad(halo.parallel.grid_latitudes(h))[:, None]
     lon = torch.deg2rad(torch.arange(w, dtype=torch.float64) * 360.0 / w)[None, :]
     x = torch.zeros(1, channels, h, w, dtype=torch.float64)
     for c in range(channels):
@@ -212,14 +212,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # 5. The sharded loss of the trained model against the unsharded loss of the same weights on the whole field.
     #    Inside a distributed job, halo's functions reduce over the domain group by default; under
-    #    halo.comm.unsharded() they act on this process alone, as on one device.
+    #    halo.dist.comm.unsharded() they act on this process alone, as on one device.
     x, y = make_sample(args.channels, (h, w), seed=10**6)  # a held-out sample
     x, y = x.to(device), y.to(device)
     trained = UNet(args.channels, args.hidden, (h, w), conv=pole_conv).to(device)
     trained.load_state_dict(model.state_dict())  # the converted model's keys are the unconverted model's
     with torch.no_grad():
         sharded_loss = latitude_weighted_mse(model(halo.shard(x)), halo.shard(y)).item()
-        with halo.comm.unsharded():
+        with halo.dist.comm.unsharded():
             whole_loss = latitude_weighted_mse(trained(x), y).item()
     rel = abs(sharded_loss - whole_loss) / abs(whole_loss)
     ok = rel < 1e-5  # float32: the two sum the same numbers in another order

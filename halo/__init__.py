@@ -1,35 +1,33 @@
 """halo: exact spatial (domain) parallelism for weather and climate models in PyTorch.
 
 ``import halo`` gives the process-group manager, the halo exchange and the shard/gather ops; layers live in
-``halo.nn``, losses and gradient sync in ``halo.reduce``, sharding-invariant randomness in ``halo.random``, the
-ColossalAI initializers in ``halo.groups``.
+``halo.nn``, losses and gradient sync in ``halo.parallel.reduce``, sharding-invariant randomness in ``halo.random``, the
+ColossalAI initializers in ``halo.dist.groups``.
 """
+
+from . import _moved  # noqa: F401  (old module paths, one release: halo._moved.MOVED)
 
 # halo.io and halo.checkpoint as attributes (not in __all__: a star import must not shadow the stdlib's io)
 from . import checkpoint as checkpoint
 from . import context as context  # halo.context.reset() / use(): the one state object
-from . import guard as guard  # registers the guard with the planner (halo.plans.use_guard)
+from . import guard as guard  # registers the guard with the planner (halo.plan.plans.use_guard)
 from . import io as io
 from .check import check_equivalence
-from .comm import HaloCommError, get_timeout, set_timeout
-from .exchange import (
-    halo_exchange,
-    halo_exchange_,
-    halo_exchange_2d,
-    halo_exchange_async,
-    static_shapes,
-)
-from .mesh import (
+from .dist import (
     DomainMesh,
     DomainParallelManager,
+    HaloCommError,
     destroy_domain_parallel,
     get_domain_parallel_manager,
+    get_timeout,
     initialize_domain_parallel,
+    set_timeout,
 )
+from .exchange import halo_exchange, halo_exchange_, halo_exchange_2d, halo_exchange_async, static_shapes
+from .io import DomainSampler, data_parallel_sampler_args
 from .parallel import parallelize
-from .plans import set_validation
+from .plan import set_validation
 from .random import manual_seed
-from .sampler import DomainSampler, data_parallel_sampler_args
 from .shard import gather, gather_2d, local_rows, scatter, scatter_2d, shard, shard_2d
 
 __version__ = "0.1.0"

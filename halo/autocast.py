@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import context
-from .plans import carry
+from .plan.plans import carry
 
 __all__ = ["PROBES", "cast_as_torch", "policy_device", "policy_of", "result_dtype"]
 

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comm import CommGroup, HaloCommError, comm_group, gather_words
+from .dist.comm import CommGroup, HaloCommError, comm_group, gather_words
 
 __all__ = ["Checkpoint", "MARKER", "RNG_KEY", "complete", "latest", "load", "save"]
 
@@ -305,7 +305,7 @@ def _text(exc: BaseException) -> str:
 def _agree_objects(obj: Any, cg: CommGroup, what: str) -> list[Any]:
     if cg.size == 1:
         return [obj]
-    from .comm import all_gather_object
+    from .dist.comm import all_gather_object
 
     return all_gather_object(obj, cg, what)
 

@@ -23,7 +23,7 @@ stream                   the data-parallel coordinate of the layer's own domain 
                          smallest global rank (distinct for disjoint groups); 0 in one process. Replicas
                          draw different masks, the domain ranks of one replica the same
 global index             the element's position in the field ``(..., H, W)`` (H the sharded dim), learned
-                         once per plan like every layer's extents (``halo.plans``)
+                         once per plan like every layer's extents (``halo.plan.plans``)
 =======================  ==================================================================================
 
 What changes against torch: the masks are not torch's stream (a converted model does not reproduce the unconverted
@@ -48,11 +48,11 @@ import numpy as np
 import torch
 
 from . import kernels
-from .comm import CommGroup, comm_group, gather_words
+from .dist.comm import CommGroup, comm_group, gather_words
+from .dist.mesh import dp_coordinate, mesh_coords
 from .kernels import philox
 from .kernels.philox import BITS
-from .mesh import dp_coordinate, mesh_coords
-from .plans import Site, carry, resolve
+from .plan.plans import Site, carry, resolve
 
 __all__ = [
     "TAG_DROP",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .reduce import latitude_weighted_mean
+from .parallel.reduce import latitude_weighted_mean
 
 __all__ = ["rollout", "scores"]
 
@@ -49,7 +49,7 @@ def scores(predictions: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
     Returns ``rmse`` and ``acc`` of shape ``(leads, B, C)`` — per lead, sample and variable, the same on every rank:
     ``rmse = sqrt(mean_w (p - t)^2)``, ``acc = mean_w(p' t') / sqrt(mean_w(p'^2) mean_w(t'^2))`` with ``'`` the
     anomaly from the climatology and ``mean_w`` the latitude-weighted mean over the global field
-    (:func:`halo.reduce.latitude_weighted_mean`; its keywords choose the weights). ``mesh``: a latitude x longitude
+    (:func:`halo.parallel.latitude_weighted_mean`; its keywords choose the weights). ``mesh``: a latitude x longitude
     ``DomainMesh`` (each tensor is then this rank's block).
     """
     if len(predictions) != len(targets):

@@ -11,7 +11,7 @@ Three kinds of value, and the inner product each is measured with (the dot-produ
     on one rank  only rank s holds X                    <X, Y> = <X_s, Y_s>
     replicated   every rank holds the same X            <X, Y> = mean_r <X_r, Y_r>   (counted once)
 
-"Counted once" is the convention of ``halo.reduce``: a loss computed identically on every rank from a gathered
+"Counted once" is the convention of ``halo.parallel.reduce``: a loss computed identically on every rank from a gathered
 field is one loss, with the gradient one device would give. Under it the four ops are two adjoint pairs::
 
     op                 input        output       backward (the exact adjoint)
@@ -25,7 +25,7 @@ per-rank different loss of a replicated field is averaged); when they agree it i
 gradient of a replicated value is whole on every rank, not a per-rank part: ``shard(gather(x))`` is the
 identity forward and backward, but a parameter used only in replicated computation (before ``shard``, after
 ``gather``) already holds its whole gradient on every rank and must not be summed again over the domain group
-(``halo.reduce.sync_domain_gradients`` sums).
+(``halo.parallel.sync_domain_gradients`` sums).
 
 Like every collective, these must be called by every rank of the group in the same order, with the same
 ``dim``/``src``/``dst``, the same grad mode and the same ``requires_grad``; and backward must run through
@@ -41,14 +41,14 @@ from typing import Any
 
 import torch
 
-from . import transport
-from .agree import DEVICES, DTYPES, MAX_NDIM, ROW_WORDS, SHAPE_AT, Meta, Spec, agree_with
-from .comm import CommGroup, comm_group
-from .entry import KEY_ATTR, FieldSpec, fingerprint, key_digest, set_spec, spec_of
-from .exchanger import memory_format
-from .mesh import DomainMesh, mesh_coords
-from .partition import split_problem, split_sizes
-from .plans import epoch_of, field_epoch, resolve, shard_sizes, tag, whole_source
+from .dist import transport
+from .dist.comm import CommGroup, comm_group
+from .dist.mesh import DomainMesh, mesh_coords
+from .exchange.exchanger import memory_format
+from .plan.agree import DEVICES, DTYPES, MAX_NDIM, ROW_WORDS, SHAPE_AT, Meta, Spec, agree_with
+from .plan.entry import KEY_ATTR, FieldSpec, fingerprint, key_digest, set_spec, spec_of
+from .plan.partition import split_problem, split_sizes
+from .plan.plans import epoch_of, field_epoch, resolve, shard_sizes, tag, whole_source
 
 __all__ = ["shard", "scatter", "gather", "shard_2d", "scatter_2d", "gather_2d", "local_rows"]
 
@@ -101,7 +101,7 @@ def _slice(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> tor
     return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone(memory_format=memory_format(x))
 
 
-@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)
+@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.dist.comm)
 def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup) -> torch.Tensor:
     """Every rank's piece, concatenated along ``dim`` in group order, on every rank."""
     if info.size == 1:
@@ -114,7 +114,7 @@ def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGro
     return _unpack(recv, sizes, dim, rows, memory_format(x))
 
 
-@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)
+@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.dist.comm)
 def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup, dst: int) -> torch.Tensor:
     """The concatenation on group rank ``dst``; elsewhere an empty tensor (extent 0 along ``dim``)."""
     if info.size == 1:
@@ -127,7 +127,7 @@ def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGrou
     return _unpack(recv, sizes, dim, rows, memory_format(x)) if here else _empty_like(x, dim)
 
 
-@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)
+@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.dist.comm)
 def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info: CommGroup, src: int,
                   like: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``x`` (held on group rank ``src`` only); ``like``: an empty tensor of the
@@ -144,7 +144,7 @@ def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info
     return recv[:sizes[info.index]].movedim(0, dim).contiguous()
 
 
-@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.comm)
+@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.dist.comm)
 def _reduce_scatter_mean(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup) -> torch.Tensor:
     """This rank's piece of the mean over ranks of the full tensors ``x``."""
     if info.size == 1:
@@ -260,11 +260,11 @@ def shard(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, granulari
     host data): a shape, dtype or dim that differs on one rank is the same ``ValueError`` on every rank, and, for a
     host (CPU) tensor, a fingerprint of a strided subsample of ``x`` (and ``x.halo_sample_key``, if set) must be the
     same on every rank: ranks holding different samples are refused (no device tensor is read). The result carries
-    its spec (the global shape, dim and group: ``halo.entry.FieldSpec``), from which a converted model takes its grid.
+    its spec (global shape, dim, group: ``halo.plan.entry.FieldSpec``), from which a converted model takes its grid.
     Backward: the full gradient on every rank is the concatenation of all ranks' slice gradients (all-gather).
     ``granularity=g``: the balanced split of blocks of ``g`` rows (``g * split_sizes(N // g, P)``), so that
     attention windows or patches of ``g`` rows never straddle two ranks; a ``ValueError`` on every rank when
-    ``N`` is not a multiple of ``g`` or a rank would get no block (:func:`halo.partition.split_sizes`).
+    ``N`` is not a multiple of ``g`` or a rank would get no block (:func:`halo.plan.partition.split_sizes`).
     """
     info = comm_group(group)
     if torch.compiler.is_compiling():  # (traced: the plan is a constant of the graph, learned once per shape)
@@ -282,7 +282,7 @@ def shard(x: torch.Tensor, dim: int = -2, *, group: Any | None = None, granulari
 
 def _mark_share(out: torch.Tensor, x: torch.Tensor | None, dims: tuple[int, ...], info: CommGroup,
                 parts: tuple[int, ...], fp: int, shape: tuple[int, ...] | None = None) -> None:
-    """Record on ``out`` the field it is a share of (``halo.entry``: a converted model takes its grid from it), and
+    """Record on ``out`` the field it is a share of (``halo.plan.entry``: a converted model takes its grid from it), and
     keep the sample key of the field it was cut from."""
     set_spec(out, FieldSpec(tuple(x.shape) if shape is None else shape, dims, info.ranks, parts, fp))
     key = getattr(x, KEY_ATTR, None) if x is not None else None
@@ -391,7 +391,7 @@ def _agree_gather(x: torch.Tensor, dim: int, info: CommGroup) -> tuple[int, ...]
 
 
 def _scatter_meta(x: Any, info: CommGroup, src: Any, dim: Any, granularity: Any) -> list[int]:
-    """src's :meth:`halo.agree.Meta.row` of ``x`` on every rank (host data; word 1 flags what src got wrong:
+    """src's :meth:`halo.plan.agree.Meta.row` of ``x`` on every rank (host data; word 1 flags what src got wrong:
     1 not a tensor, 2 too many dims, 3 a dtype without a code), after checking that every rank passed the same
     ``src``, ``dim`` and ``granularity``: one all-gather of every rank's row (not a broadcast of src's), so an
     argument wrong on one rank only is the same error on every rank."""
@@ -549,13 +549,13 @@ def local_rows(t: torch.Tensor, like: torch.Tensor, *, dim: int | tuple[int, int
     land-sea mask, latitude features) that lines up with this rank's shard ``like``: rows ``[off_r, off_r + n_r)``
     of ``t`` along ``dim``, where ``like`` holds rows ``off_r ...`` of its global extent along ``like_dim``.
 
-    Differentiable: ``t``'s gradient lands in this rank's rows only, so :func:`halo.reduce.sync_domain_gradients`'s
+    Differentiable: ``t``'s gradient lands in this rank's rows only, so :func:`halo.parallel.sync_domain_gradients`'s
     sum over the domain group assembles a parameter's full gradient. ``mesh``: a latitude x longitude
     ``DomainMesh``; ``dim`` / ``like_dim`` are then pairs (H, W) (default ``(-2, -1)``). Every rank's extent is
-    agreed on once per epoch (``halo.plans``); ``t``'s extent must be the global one (a clear error otherwise).
+    agreed on once per epoch (``halo.plan.plans``); ``t``'s extent must be the global one (a clear error otherwise).
     Use it in a model's ``forward``: ``x = x + halo.local_rows(self.pos_embed, x)``.
     """
-    from .plans import resolve
+    from .plan.plans import resolve
 
     op = "local_rows"
     two = mesh is not None and len(mesh.domain_shape) == 2

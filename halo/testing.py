@@ -69,7 +69,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, sto
         try:
             result = fn(rank, world_size, *args)
         finally:
-            from . import mesh
+            from .dist import mesh
             mesh.destroy_domain_parallel()
         # Plain pickle, not the multiprocessing pickler: tensors travel by value, not as shared-memory handles
         # that die with this process before the parent reads them.
@@ -268,7 +268,9 @@ class HostWorkCounter:
         import torch
         import torch.distributed as dist
 
-        from . import agree, comm, entry, plans, reduce_layout
+        from .dist import comm
+        from .parallel import layout as reduce_layout
+        from .plan import agree, entry, plans
 
         for name in _READS:
             self._patch(torch.Tensor, name, "read")

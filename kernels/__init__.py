@@ -18,17 +18,7 @@ Each op takes ``impl="auto" | "triton" | "reference"``; the submodules ``referen
 """
 
 from . import philox, reference
-from .dispatch import (
-    HAS_TRITON,
-    TRITON_IMPORT_ERROR,
-    Impl,
-    backend_for,
-    bits,
-    dropout,
-    pack,
-    pack_adjoint,
-    unpack,
-)
+from .dispatch import HAS_TRITON, TRITON_IMPORT_ERROR, Impl, backend_for, bits, dropout, pack, pack_adjoint, unpack
 
 __all__ = [
     "HAS_TRITON",

@@ -7,15 +7,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from halo import testing
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 
 
 @contextlib.contextmanager
 def virtual_rank(full, parts, rank, module):
     """Make ``module`` see ``parts`` ranks, this being ``rank``: its plans are made for that split of ``full``
-    (``halo.plans.resolve`` replaced by the plan's pure ``make``), and its exchanges slice ``full``."""
+    (``halo.plan.plans.resolve`` replaced by the plan's pure ``make``), and its exchanges slice ``full``."""
     import halo.exchange as hx
-    from halo.comm import CommGroup
+    from halo.dist.comm import CommGroup
 
     offs = split_offsets(full.shape[-2], parts)
     cg = CommGroup(None, parts, rank, tuple(range(parts)))

@@ -101,7 +101,7 @@ class Harness:
 
     def __init__(self, rank: int, world: int) -> None:
         import halo
-        from halo.partition import split_offsets
+        from halo.plan.partition import split_offsets
 
         self.rank, self.world = rank, world
         self.manager = halo.initialize_domain_parallel(world, world)

@@ -18,10 +18,10 @@ from torch import nn
 
 import halo
 from halo import launch
-from halo.comm import comm_group, unsharded
-from halo.mesh import DomainParallelManager
+from halo.dist.comm import comm_group, unsharded
+from halo.dist.mesh import DomainParallelManager
 from halo.nn import convert_to_domain_parallel
-from halo.reduce import domain_mean, sync_domain_gradients
+from halo.parallel.reduce import domain_mean, sync_domain_gradients
 
 H, W, C = 21, 12, 3  # 21 rows: 6, 5, 5, 5 on 4 ranks; 11, 10 on 2
 

@@ -84,8 +84,8 @@ def main() -> None:
     import halo
     from halo import checkpoint
     from halo.launch import init_from_env
-    from halo.partition import split_offsets
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
+    from halo.plan.partition import split_offsets
 
     torch.set_num_threads(1)
     rank, world = init_from_env("gloo", timeout=60.0, connect_timeout=30.0)

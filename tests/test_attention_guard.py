@@ -1,6 +1,6 @@
 """The guard knows where halo's attention layers leave the sharded rows: a channels-last Swin or NATTEN output has
 them at dim 1, ``rows_to_columns`` output is sharded along W. A mean over the real sharded dim after them is
-computed over the whole domain (``halo.reroute``: its result whole on every rank; taking dim -2 for H would have
+computed over the whole domain (``halo.guard.reroute``: its result whole on every rank; taking dim -2 for H would have
 passed it per shard: silently wrong), one over the unsharded dim runs on the shard; both are exact. A sum over the
 sharded dim is refused on every rank."""
 
@@ -64,7 +64,7 @@ def _ranks(rank, world, kind, dim):
 
     sys.path.insert(0, os.path.dirname(__file__))
     import halo
-    from halo.comm import unsharded
+    from halo.dist.comm import unsharded
     from halo.nn import convert_to_domain_parallel
 
     manager = halo.initialize_domain_parallel(world, world)

@@ -119,7 +119,7 @@ MODULES = {
 
 
 class Functional(nn.Module):
-    """A conv, then a functional op on the field (the guard computes it exactly at its site: halo.reroute)."""
+    """A conv, then a functional op on the field (the guard computes it exactly at its site: halo.guard.reroute)."""
 
     OPS = {
         "F.layer_norm": lambda m, x: F.layer_norm(x, x.shape[1:]),

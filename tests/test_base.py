@@ -97,7 +97,7 @@ def test_adopt_refuses_a_parametrized_layer():
 
 
 def test_finish_keeps_channels_last_and_carries_the_epoch():
-    from halo.plans import epoch_of, tag
+    from halo.plan.plans import epoch_of, tag
 
     x = torch.randn(1, 3, 4, 5).contiguous(memory_format=torch.channels_last)
     tag(x, 12345)
@@ -125,7 +125,7 @@ def _probe_ranks(rank, world, rows):
     import torch.distributed as dist
 
     import halo
-    from halo.partition import local_range
+    from halo.plan.partition import local_range
 
     torch.manual_seed(0)
     full = torch.randn(2, 3, rows, 5, dtype=torch.float64)
@@ -148,7 +148,7 @@ def _probe_ranks(rank, world, rows):
 
 @pytest.mark.parametrize("world, rows", [(2, 9), (3, 8)])
 def test_axis_plans_on_ranks_see_every_rank_extent(world, rows):
-    from halo.partition import split_sizes
+    from halo.plan.partition import split_sizes
 
     results = run_on_ranks(_probe_ranks, world, rows, timeout=120)
     for res in results:

@@ -4,12 +4,12 @@ rank alike, never silently not done (issue 22 item 1).
 Why these. Every table that grows with the shapes seen (a sweep of resolutions, a variable batch, an evaluation at
 another size) must be bounded, and eviction is only safe where it is *the same on every rank that must agree*:
 
-* The planner's records (``halo.plans``): a record a rank dropped makes that rank agree again while its peers,
+* The planner's records (``halo.plan.plans``): a record a rank dropped makes that rank agree again while its peers,
   which kept theirs, go straight to their messages (a hang, or a collective paired with the wrong one). Records
   are therefore dropped per group (the group's own calls, which every member makes, oldest first), never because
   of another group's churn. The test churns a second model on a one-rank group of rank 0 only, past the cap, then
   runs the shared model again: it must compute what the unsharded model does (float64), without a timeout.
-* A converted model's guarded epochs and the sites its modules compute exactly (``halo.reroute``): a call at an
+* A converted model's guarded epochs and the sites its modules compute exactly (``halo.guard.reroute``): a call at an
   epoch whose sites were dropped must not run unrouted (``F.group_norm`` of a shard: silently wrong). The two are
   one table: when an epoch is dropped, its sites go with it, and its next call is guarded again and learns them
   again. The test sweeps shapes past a cap of 2 and back, on 2 and 3 ranks at uneven rows, and checks every call
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 C, W = 3, 8
@@ -41,7 +41,7 @@ class Net(nn.Module):
 
 
 class Normed(nn.Module):
-    """A functional group norm over H in its forward: computed exactly at its site (``halo.reroute``)."""
+    """A functional group norm over H in its forward: computed exactly at its site (``halo.guard.reroute``)."""
 
     def __init__(self):
         super().__init__()
@@ -73,7 +73,7 @@ def _step(model, world, rank, h, seed):
     model.zero_grad(set_to_none=True)
     y = model(x)
     (y * _local(wts, world, rank)).sum().backward()
-    grads = [halo.reduce.all_reduce(p.grad.clone()) for p in model.parameters()]
+    grads = [halo.parallel.all_reduce(p.grad.clone()) for p in model.parameters()]
     return halo.gather(y.detach()), halo.gather(x.grad), grads
 
 
@@ -108,8 +108,8 @@ def _churn_one_rank(rank, world):
     import torch.distributed as dist
 
     import halo
-    from halo import plans
     from halo.nn import convert_to_domain_parallel
+    from halo.plan import plans
 
     halo.set_timeout(60)  # a rank agreeing alone would wait for peers that never join: bounded
     plans.set_limits(records=CAP)
@@ -151,9 +151,9 @@ GUARDED = (True, False, True, True, True, False, True)  # which calls run under 
 
 def _sweep(rank, world):
     import halo
-    from halo import plans
     from halo.nn import convert_to_domain_parallel
     from halo.nn.convert import INSIDE
+    from halo.plan import plans
     from halo.testing import HostWorkCounter
 
     halo.set_timeout(60)
@@ -190,7 +190,8 @@ def test_guarded_epochs_and_their_sites_are_dropped_together_and_learned_again(w
 
 
 def test_limits_are_checked_and_belong_to_the_context():
-    from halo import context, plans
+    from halo import context
+    from halo.plan import plans
 
     with context.use():
         plans.set_limits(records=3, epochs=5)

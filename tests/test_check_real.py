@@ -561,7 +561,7 @@ def test_check_equivalence_makes_nothing_on_the_host_that_meets_the_device():
 
 
 def test_weights_are_drawn_on_the_host_and_live_on_the_outputs_device():
-    from halo.check_record import weights as _weights
+    from halo.check._record import weights as _weights
 
     like = torch.empty(2, 3, 5, device="meta", dtype=torch.float32)
     w = _weights(like, torch.Generator().manual_seed(1))

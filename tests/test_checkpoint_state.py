@@ -70,8 +70,8 @@ def _equal(a, b):
 
 
 def _train(model, opt, sched, manager, steps=2):
-    from halo.partition import split_offsets
-    from halo.reduce import local_share, sync_domain_gradients
+    from halo.parallel.reduce import local_share, sync_domain_gradients
+    from halo.plan.partition import split_offsets
 
     g = torch.Generator().manual_seed(5)
     offs = split_offsets(H, manager.domain_parallel_size)

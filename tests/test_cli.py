@@ -208,7 +208,7 @@ def test_demo_picture_is_readable(mesh, tmp_path, monkeypatch):
     shard labelled with its rank, the untrained model said, a sequential map for |error|, its own file per layout."""
     import numpy as np
 
-    from halo.partition import split_offsets
+    from halo.plan.partition import split_offsets
     from halo.tools.demo import latitudes, picture_name, write_png
 
     saved = _figures_saved(monkeypatch)
@@ -238,7 +238,7 @@ def test_demo_picture_is_readable(mesh, tmp_path, monkeypatch):
 def test_data_demo_pictures_are_readable(tmp_path, monkeypatch):
     import torch
 
-    from halo.partition import split_offsets
+    from halo.plan.partition import split_offsets
     from halo.tools.demo_data import _pictures
 
     saved = _figures_saved(monkeypatch)

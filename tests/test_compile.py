@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from _helpers import SteadyNet
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 #: above the longest rank timeout of this file (cold inductor compiles): pytest must not kill the ranks first

@@ -1,7 +1,7 @@
 """Every communicating op of halo in one order on every rank under ``torch.compile``; checkpointing inside a compiled
 region.
 
-* Newly ordered ops. ``halo.reduce.all_reduce`` with ``max``/``min`` (``halo::all_reduce``, which took only sum and
+* Newly ordered ops. ``halo.parallel.all_reduce`` with ``max``/``min`` (``halo::all_reduce``, which took only sum and
   mean before) and the replicated reductions ``domain_sum``/``domain_mean`` and the latitude-weighted losses
   (``halo::replicated_sum``; an autograd Function before, which dynamo could not trace: a graph break) are custom
   ops that read the device's order token and are declared to write it right after them
@@ -11,7 +11,7 @@ region.
   is logged, in order, and must be program order in forward (and the eager order in backward) on every rank; the
   values, the input gradients of both chains equal the unsharded computation's in float64.
 * Graph breaks. Every other path that communicates from Python (gather/scatter, long-range regrouping, async and
-  in-place exchanges, global pools, the gradient sync) is a graph break: ``halo.comm``'s posting and waiting
+  in-place exchanges, global pools, the gradient sync) is a graph break: ``halo.dist.comm``'s posting and waiting
   helpers and ``halo.exchange.post_messages`` are ``torch._dynamo.disable``d, so dynamo never traces a collective
   into a graph, where nothing would order it. Checked: no graph holds a collective other than halo's own ordered
   ops, at least one graph break, results equal eager.
@@ -21,7 +21,7 @@ region.
   gradient and parameter gradients, one posting order on every rank. torch 2.13 cannot recompute an ordered-effect op
   in backward (aot_eager saved a ``None`` token, inductor failed to unlift the tokens: both crashed inside torch), so
   in a compiled region halo's communicating ops are saved, not recomputed
-  (``halo.exchange_ops._save_communication_in_checkpoints``): the compiled backward posts only the adjoints, where eager
+  (``halo.exchange._ops._save_communication_in_checkpoints``): compiled backward posts only the adjoints, where eager
   checkpointing re-posts the forward's messages; both are exact.
 
 Tolerance: float64; the compiled graph may reorder the arithmetic of fused kernels: 1e-12 relative.
@@ -48,7 +48,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _chains(a: torch.Tensor, b: torch.Tensor, world: int) -> tuple[torch.Tensor, ...]:
     """Two independent chains, each with a max/min all-reduce and a replicated reduction (a's heavier)."""
-    from halo.reduce import all_reduce, domain_mean, domain_sum
+    from halo.parallel.reduce import all_reduce, domain_mean, domain_sum
 
     ha = torch.sin(a) * 3 + a.square()
     ma = all_reduce(ha.amax(dim=-2), "max")  # (2, 4, W): the same shape on every rank
@@ -79,8 +79,8 @@ def _order_on_rank(rank: int, world: int, backend: str) -> dict:
     import torch._dynamo
 
     import halo
-    import halo.reduce as hred
-    from halo.partition import split_offsets
+    import halo.parallel.reduce as hred
+    from halo.plan.partition import split_offsets
 
     halo.initialize_domain_parallel(world, world)
     log: list = []
@@ -137,7 +137,7 @@ def _all_on_rank(rank: int, world: int, backend: str) -> dict:
 
     import halo.exchange as hx
     import halo.nn.norm as hn
-    import halo.reduce as hred
+    import halo.parallel.reduce as hred
 
     saved = (hred.bounded_all_reduce, hn.bounded_all_reduce, hx.Exchanger.start, hx.Exchanger.adjoint)
     checks = {"order": _order_on_rank, "ckpt": _checkpoint_on_rank}
@@ -230,8 +230,8 @@ def _breaks_on_rank(rank: int, world: int) -> dict:
     from halo.exchange import halo_exchange, halo_exchange_, halo_exchange_async
     from halo.nn.longrange import columns_to_rows, rows_to_columns
     from halo.nn.pool import halo_adaptive_avg_pool2d, halo_adaptive_max_pool2d
-    from halo.partition import split_offsets
-    from halo.reduce import domain_sum, latitude_weighted_mse, sync_domain_gradients
+    from halo.parallel.reduce import domain_sum, latitude_weighted_mse, sync_domain_gradients
+    from halo.plan.partition import split_offsets
 
     halo.initialize_domain_parallel(world, world)
     offs = split_offsets(H, world)
@@ -327,14 +327,14 @@ class _Checkpointed(torch.nn.Module):
 
     @staticmethod
     def score(y: torch.Tensor) -> torch.Tensor:
-        from halo.reduce import domain_mean
+        from halo.parallel.reduce import domain_mean
 
         return domain_mean(y.square())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.utils.checkpoint import checkpoint
 
-        from halo.reduce import latitude_weighted_mse
+        from halo.parallel.reduce import latitude_weighted_mse
 
         h = checkpoint(self.block, x, use_reentrant=False)
         y = self.c3(h)
@@ -347,10 +347,10 @@ def _checkpoint_on_rank(rank: int, world: int, backend: str) -> dict:
 
     import halo
     import halo.exchange as hx
-    import halo.reduce as hred
-    from halo.comm import unsharded
+    import halo.parallel.reduce as hred
+    from halo.dist.comm import unsharded
     from halo.nn import convert_to_domain_parallel
-    from halo.partition import split_offsets
+    from halo.plan.partition import split_offsets
 
     manager = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)

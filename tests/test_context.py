@@ -16,7 +16,7 @@ import pytest
 import torch
 from _helpers import SteadyNet
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C = 45, 16, 3
@@ -28,7 +28,7 @@ def _local(full, world, rank):
 
 
 def _step(model, manager, x):
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
 
     model.zero_grad(set_to_none=True)
     xi = x.clone().requires_grad_(True)
@@ -112,7 +112,9 @@ def test_reset_between_steps_relearns_and_computes_the_same(world, grid):
 
 def test_use_starts_empty_and_leaves_the_outer_context_untouched():
     import halo
-    from halo import context, plans, reroute
+    from halo import context
+    from halo.guard import reroute
+    from halo.plan import plans
 
     outer = context.current()
     plans.set_validation("always")
@@ -140,7 +142,8 @@ def test_use_starts_empty_and_leaves_the_outer_context_untouched():
 def test_the_planner_tables_stay_bounded():
     """5000 distinct agreed keys (fields of 5000 shapes): the epoch cache stays at its cap, each key keeps its
     number after eviction (the same agreement, never another's), and another context numbers them apart."""
-    from halo import context, plans
+    from halo import context
+    from halo.plan import plans
 
     group = types.SimpleNamespace(ranks=(0, 1))
     with context.use():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from halo.nn.registry import converts
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W = 21, 12

@@ -38,7 +38,7 @@ def _target(kind, world):
 def _rank(rank, world, kind):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import local_share, sync_domain_gradients
+    from halo.parallel.reduce import local_share, sync_domain_gradients
 
     torch.manual_seed(0)
     ref = _net().double()

@@ -72,10 +72,10 @@ class PaddedNet(nn.Module):
 def _ranks(rank, world, mode):
     os.environ["TRITON_INTERPRET"] = "0"
     import halo
-    from halo.comm import unsharded
     from halo.compat import credit
+    from halo.dist.comm import unsharded
     from halo.nn import convert_to_domain_parallel, revert_domain_parallel
-    from halo.reduce import local_share, sync_domain_gradients
+    from halo.parallel.reduce import local_share, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     full = torch.randn(2, 2, 1, 21, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

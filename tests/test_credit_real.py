@@ -27,7 +27,7 @@ import _thirdparty as tp
 import pytest
 import torch
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 pytestmark = [pytest.mark.timeout(700),  # above the 4-rank case's rank timeout

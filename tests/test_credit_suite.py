@@ -17,11 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from halo.compat import credit
-from halo.compat.credit import (
-    _needs_halo_conv2d,
-    _needs_halo_conv_transpose2d,
-    _needs_halo_conv_transpose3d,
-)
+from halo.compat.credit import _needs_halo_conv2d, _needs_halo_conv_transpose2d, _needs_halo_conv_transpose3d
 from halo.testing import run_on_ranks
 
 
@@ -317,12 +313,12 @@ def _multigpu(rank, world):
     ref_in = full.clone().requires_grad_(True)
     model_ref(ref_in).sum().backward()
     local = credit.shard_tensor(full, dim=-2, manager=manager).detach().requires_grad_(True)
-    from halo.reduce import local_share
+    from halo.parallel.reduce import local_share
 
     local_share(model_dp(local).sum()).backward()  # this rank's share of the global sum
     grads_ok = all(p.grad is not None for p in model_dp.parameters())
     # halo's convention: each rank's parameter gradient is its rows' share, summed over the domain group
-    from halo.reduce import sync_domain_gradients
+    from halo.parallel.reduce import sync_domain_gradients
 
     sync_domain_gradients(model_dp, domain_group=manager.domain_group)
     params_ok = all(torch.allclose(p.grad, q.grad, atol=1e-5) for p, q in zip(model_dp.parameters(),

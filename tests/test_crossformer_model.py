@@ -133,9 +133,9 @@ def _ranks(rank, world, interp, height):
 
     sys.path.insert(0, os.path.dirname(__file__))
     import halo
-    from halo.comm import unsharded
+    from halo.dist.comm import unsharded
     from halo.nn import convert_to_domain_parallel, revert_domain_parallel
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)

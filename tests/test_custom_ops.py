@@ -38,11 +38,11 @@ def _strides_on_rank(rank: int, world: int) -> dict:
 
     import halo
     import halo.exchange as hx
-    import halo.exchange_ops as hops
+    import halo.exchange._ops as hops
     import halo.nn.norm as hn
+    import halo.parallel.reduce as hred
     import halo.random as hr
-    import halo.reduce as hred
-    from halo.comm import comm_group, group_id
+    from halo.dist.comm import comm_group, group_id
 
     halo.initialize_domain_parallel(world, world)
     cg = comm_group(None)
@@ -143,8 +143,8 @@ def _order_on_rank(rank: int, world: int, backend: str) -> dict:
     import halo
     import halo.exchange as hx
     import halo.nn.norm as hn
-    import halo.reduce as hred
-    from halo.partition import split_offsets
+    import halo.parallel.reduce as hred
+    from halo.plan.partition import split_offsets
 
     manager = halo.initialize_domain_parallel(world, world)
     log: list = []

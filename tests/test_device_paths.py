@@ -1,7 +1,7 @@
 """CUDA/NCCL paths that can be checked on CPU: host groups (eager, one order, the group's own rank order), the
 DeviceMesh device type, waits under CUDA-graph capture, the launcher's local rank, the buffer pool under capture.
 
-The NCCL-only host path is forced on gloo ranks by making ``halo.comm.carries_cpu`` say no (what it answers for
+The NCCL-only host path is forced on gloo ranks by making ``halo.dist.comm.carries_cpu`` say no (what it answers for
 ``"nccl"``): the device groups are then gloo groups and halo makes separate gloo host groups for them, as on NCCL.
 """
 
@@ -20,7 +20,7 @@ def _host_groups(rank, world):
     import torch.nn.functional as F
 
     import halo
-    from halo import comm
+    from halo.dist import comm
 
     comm.carries_cpu = lambda backend: False  # every group needs a host group, as with NCCL alone
     out = {}
@@ -86,18 +86,18 @@ def test_host_groups_eager_in_group_order():
             assert out["exchange_exact"], rank
         if rank < 2:
             assert "has no gloo host group" in out["unregistered"]
-            assert "halo.comm.new_group" in out["unregistered"]
+            assert "halo.dist.comm.new_group" in out["unregistered"]
 
 
 def test_carries_cpu():
-    from halo.comm import carries_cpu
+    from halo.dist.comm import carries_cpu
 
     assert carries_cpu("gloo") and carries_cpu("cpu:gloo,cuda:nccl") and carries_cpu("CUDA:nccl, cpu:gloo")
     assert not carries_cpu("nccl") and not carries_cpu("cuda:nccl")
 
 
 def test_device_type_for():
-    from halo.mesh import device_type_for
+    from halo.dist.mesh import device_type_for
 
     assert device_type_for("nccl") == "cuda"
     assert device_type_for("gloo", cuda_available=True) == "cpu"
@@ -108,7 +108,7 @@ def test_device_type_for():
 
 
 def test_first_op_only_for_unbound_nccl():
-    from halo.comm import _needs_first_op
+    from halo.dist.comm import _needs_first_op
 
     assert _needs_first_op("nccl", None) and _needs_first_op("cpu:gloo,cuda:nccl", None)
     assert not _needs_first_op("nccl", torch.device("cuda", 0))
@@ -127,7 +127,7 @@ class _Work:
 def test_wait_under_capture_passes_no_timeout(monkeypatch):
     """set_timeout on NCCL polls the work's event from the host: illegal during graph capture. Under capture the
     wait is the plain stream-ordered one; outside, the bounded one."""
-    from halo import comm, transport
+    from halo.dist import comm, transport
 
     previous = comm.set_timeout(5.0)
     try:
@@ -163,7 +163,7 @@ def test_local_rank_from_launchers():
 def test_buffer_pool_under_capture_and_streams(monkeypatch):
     """While a CUDA graph is captured the pool hands out fresh buffers and keeps none (a replay writes what it
     captured whoever holds it now); buffers are reused only on the stream they were handed out on."""
-    from halo import transport
+    from halo.dist import transport
 
     like = torch.zeros(1, dtype=torch.float32)
     pool = transport.BufferPool()

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks, run_on_ranks_outcomes
 
 H, W, C = 9, 8, 3  # 9 rows over 2 ranks: 5 + 4
@@ -138,8 +138,8 @@ def _one_d(rank, world):
     out["two_keys"] = _outcome(lambda: convert_to_domain_parallel(_Two(), manager)(a, b))
 
     # -- a spec that does not match the shares (set by hand: halo's own shards cannot disagree with it)
-    from halo.comm import comm_group
-    from halo.entry import FieldSpec, set_spec
+    from halo.dist.comm import comm_group
+    from halo.plan.entry import FieldSpec, set_spec
 
     ranks = comm_group(None).ranks
     x = mine.clone()
@@ -372,7 +372,7 @@ def test_mesh_blocks_are_checked_on_both_axes():
 # -- one process: the pieces ----------------------------------------------------------------------------------
 
 def test_fingerprint_reads_a_strided_subsample_of_host_tensors_only():
-    from halo.entry import fingerprint
+    from halo.plan.entry import fingerprint
 
     x = torch.randn(2, 3, 721, 1440)
     a, const = fingerprint(x)
@@ -389,8 +389,8 @@ def test_fingerprint_reads_a_strided_subsample_of_host_tensors_only():
 
 
 def test_set_grid_refuses_what_is_not_a_converted_model_or_a_grid():
-    from halo.entry import known_grid
     from halo.nn.root import _check_grid, set_grid
+    from halo.plan.entry import known_grid
 
     with pytest.raises(ValueError, match="is not a converted model"):
         set_grid(nn.Conv2d(1, 1, 1), (4, 4))

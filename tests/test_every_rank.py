@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 TIMEOUT = 10  # halo.set_timeout in the ranks: a rank left waiting raises HaloCommError within it

@@ -70,7 +70,7 @@ def test_train_example_runs_under_torchrun(nproc, args, layout, tmp_path):
 def test_train_example_pole_reference_is_the_pole_boundary():
     """The example's hand-padded reference pads as halo's pole boundary does (on one process, the whole field):
     so the check in the example compares with the boundary the example trains with, not with zero padding."""
-    from halo.comm import unsharded
+    from halo.dist.comm import unsharded
     from halo.exchange import halo_exchange
 
     ex = _example_module()

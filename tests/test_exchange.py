@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 

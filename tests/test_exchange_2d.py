@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from halo.partition import local_range
+from halo.plan.partition import local_range
 from halo.testing import run_on_ranks
 
 SHAPE = (2, 3, 33, 20)
@@ -87,7 +87,7 @@ POLE_CASES = [((2, 1), 3, "pole", None), ((1, 3), (2, 1), "pole_centered", None)
 
 def _ranks(rank, world, domain_shape):
     os.environ["TRITON_INTERPRET"] = "0"
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
 
     mesh = DomainMesh(domain_shape, periodic=(False, True))
     out = {"cases": _run_cases(mesh, CASES, 10)}

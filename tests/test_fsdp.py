@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C = 21, 8, 3
@@ -43,7 +43,7 @@ def _samples(n=2):
 def _run(rank, world, how):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import local_share, sync_domain_gradients
+    from halo.parallel.reduce import local_share, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, 2)
     torch.manual_seed(0)
@@ -100,7 +100,7 @@ def test_fsdp_gradients_averaged_twice_over_dp_raise():
 
 def _parallelized(rank, world, domain, mode, mixed, ckpt):
     import halo
-    from halo.reduce import local_share, sync_domain_gradients
+    from halo.parallel.reduce import local_share, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, domain)
     torch.manual_seed(0)
@@ -198,7 +198,7 @@ def test_distributed_checkpoint_moves_between_rank_counts(tmp_path):
 
 def _parallelized_mesh(rank, world, shape, mode):
     import halo
-    from halo.reduce import local_share, sync_domain_gradients
+    from halo.parallel.reduce import local_share, sync_domain_gradients
 
     mesh = halo.DomainMesh(shape)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""halo.geometry in one process: the rows each rank needs equal the rows the unsharded op reads (brute force).
+"""halo.plan.geometry in one process: the rows each rank needs equal the rows the unsharded op reads (brute force).
 
 For every small field (n <= 13 rows), every group size P <= 5 and the layer geometries below, the unsharded op's
 reads are enumerated output row by output row (virtual rows: padding rows outside ``[0, n)`` included) and compared
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from halo.geometry import (
+from halo.plan.geometry import (
     adaptive_plan,
     check_output_rows,
     conv_row_plan,
@@ -22,7 +22,7 @@ from halo.geometry import (
     widen_plan,
     window_plan,
 )
-from halo.partition import split_offsets, split_sizes
+from halo.plan.partition import split_offsets, split_sizes
 
 NS = range(1, 14)
 PARTS = range(1, 6)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import RankError, run_on_ranks
 
 H, W, C = 21, 12, 4
@@ -291,7 +291,7 @@ def _psp(rank, world, sizes):
 @pytest.mark.parametrize("sizes", [(1,), (1, 2)])
 def test_psp_levels_resized_to_a_shards_size_are_exact(sizes):
     """A 1 x 1 level is constant along H; a 2 x 2 grid (whole on every rank at 3 ranks) resized to the shard's own
-    size is resized to the field's global rows and each rank keeps its rows (``halo.reroute``)."""
+    size is resized to the field's global rows and each rank keeps its rows (``halo.guard.reroute``)."""
     results = run_on_ranks(_psp, 3, sizes, timeout=60)
     torch.manual_seed(0)
     want = PSP(sizes).double()(_inputs()[0]).detach()
@@ -311,7 +311,7 @@ MESH_CASES = {(1, 3): [(1, "whole"), ((2, 1), "whole"), ((4, 2), "whole"), ((1, 
 def _mesh_pools(rank, world, shape):
     import halo
     from halo.nn import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d
-    from halo.partition import local_range
+    from halo.plan.partition import local_range
 
     mesh = halo.DomainMesh(shape)
     (h0, h1), (w0, w1) = (local_range(n, mesh.axis_size(a), mesh.axis_rank(a)) for a, n in ((0, H), (1, W)))
@@ -337,7 +337,7 @@ def _mesh_pools(rank, world, shape):
                 rows = local_range(m, shape[0], mesh.axis_rank(0))
                 (y * wts[..., rows[0]:rows[1], :y.shape[-1]]).sum().backward()
             results[(size, kind)] = {"out": y.detach(), "idx": idx, "rows": rows, "grad": x.grad,
-                                     "block": (h0, h1, w0, w1), "whole": halo.plans.whole_source(y) is not None}
+                                     "block": (h0, h1, w0, w1), "whole": halo.plan.plans.whole_source(y) is not None}
     return results
 
 

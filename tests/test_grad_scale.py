@@ -44,7 +44,7 @@ def _data(seed=1, batch=2):
 
 
 def _weights():
-    from halo.reduce import latitude_weights
+    from halo.parallel.reduce import latitude_weights
 
     return latitude_weights(H)[:, None]
 
@@ -71,7 +71,7 @@ def _assert_close(got, want):
 
 def _scenarios(rank, world, names):
     import halo
-    from halo.reduce import (
+    from halo.parallel.reduce import (
         clip_grad_norm_,
         domain_mean,
         latitude_weighted_mse,
@@ -182,7 +182,7 @@ def _same_on_every_rank(results, name):
 def test_local_loss_is_refused_on_every_rank(three):
     msg = _same_on_every_rank(three, "local")
     assert msg.startswith("RuntimeError") and "no halo domain reduction" in msg, msg
-    assert "halo.reduce.latitude_weighted_mse" in msg and "halo.reduce.domain_mean" in msg and "x3" in msg, msg
+    assert "halo.parallel.latitude_weighted_mse" in msg and "halo.parallel.domain_mean" in msg and "x3" in msg, msg
 
 
 def test_domain_losses_are_exact(three):
@@ -198,7 +198,7 @@ def test_domain_losses_are_exact(three):
 def test_loss_on_a_global_pools_result(three):
     """Whole on every rank: undeclared it is x P (refused); declared with replicated_loss it is exact."""
     msg = _same_on_every_rank(three, "head_local")
-    assert msg.startswith("RuntimeError") and "halo.reduce.replicated_loss(loss)" in msg, msg
+    assert msg.startswith("RuntimeError") and "halo.parallel.replicated_loss(loss)" in msg, msg
     x, y = _data()
     want = _grads(_ref(lambda m: F.mse_loss(m(x), y[:, 0, 0, :2]), _head))
     for r in three:
@@ -209,7 +209,7 @@ def test_gradients_changed_before_the_sync_are_refused(three):
     for name in ("torch_clip", "scaled"):
         msg = _same_on_every_rank(three, name)
         assert msg.startswith("RuntimeError") and "changed between the backward and the sync" in msg, msg
-        assert "halo.reduce.clip_grad_norm_" in msg, msg
+        assert "halo.parallel.clip_grad_norm_" in msg, msg
     assert "4 of 4 gradients" in three[0]["torch_clip"] and "1 of 4 gradients ('0.weight')" in three[0]["scaled"]
 
 
@@ -246,7 +246,7 @@ def test_accumulation(three):
 
 def _wrapped(rank, world):
     import halo
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, 2)
     x, y = _data(batch=4)
@@ -264,7 +264,7 @@ def _wrapped(rank, world):
     out["dp"] = _grads(ddp)
     model = halo.nn.convert_to_domain_parallel(_net(), manager)  # accumulation: DDP's reduction held back too
     ddp = nn.parallel.DistributedDataParallel(model, process_group=manager.data_parallel_group)
-    from halo.reduce import no_sync
+    from halo.parallel.reduce import no_sync
 
     for k in range(3):
         loss = domain_mean((ddp(xs) - ys) ** 2 * (k + 1))
@@ -279,7 +279,7 @@ def _wrapped(rank, world):
 
 
 def test_ddp_over_domain_ranks_is_refused_and_over_dp_is_exact():
-    """DDP over the world: refused at its first forward; over the dp group (accumulating in halo.reduce.no_sync, which
+    """DDP over the world: refused at its first forward; over the dp group (accumulating in halo.parallel.no_sync, which
     holds DDP's reduction back too): exact."""
     results = run_on_ranks(_wrapped, 4, timeout=240)
     x, y = _data(batch=4)
@@ -304,7 +304,7 @@ def test_ddp_over_domain_ranks_is_refused_and_over_dp_is_exact():
 def _credit(rank, world):
     import halo
     from halo.compat import credit
-    from halo.reduce import latitude_weighted_mse, sync_domain_gradients
+    from halo.parallel.reduce import latitude_weighted_mse, sync_domain_gradients
 
     manager = credit.initialize_domain_parallel(world, world)
     x, y = _data()
@@ -330,7 +330,7 @@ def test_credit_and_halo_conventions_do_not_mix():
     assert "no halo domain reduction" in msg and "halo.compat.credit.sync_domain_gradients" in msg, msg
     msg = _same_on_every_rank(results, "halo_loss_credit_sync")
     assert msg.startswith("RuntimeError: halo.compat.credit.sync_domain_gradients") and "x1/2" in msg, msg
-    assert "halo.reduce.sync_domain_gradients" in msg, msg
+    assert "halo.parallel.sync_domain_gradients" in msg, msg
     want = _grads(_ref(_mse_ref))
     for r in results:
         _assert_close(r["credit"], want)
@@ -340,7 +340,7 @@ def test_credit_and_halo_conventions_do_not_mix():
 
 def _mismatch(rank, world, case):
     import halo
-    from halo.reduce import latitude_weighted_mse
+    from halo.parallel.reduce import latitude_weighted_mse
 
     halo.initialize_domain_parallel(world, world)
     x, y = _data()
@@ -367,7 +367,7 @@ def test_loss_mismatch_on_one_rank_raises_on_every_rank(case):
 
 def test_loss_shape_check_agrees_on_one_process():
     """No distributed run: the check still names both shapes."""
-    from halo.reduce import latitude_weighted_mse
+    from halo.parallel.reduce import latitude_weighted_mse
 
     x, y = _data()
     with pytest.raises(ValueError, match=r"pred is \(2, 2, 11, 6\).*target is \(2, 2, 10, 6\)"):
@@ -378,7 +378,7 @@ def test_loss_shape_check_agrees_on_one_process():
 
 def _compiled(rank, world):
     import halo
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     x, y = _data()
@@ -398,7 +398,7 @@ def test_compiled_domain_loss_is_accepted_and_exact():
 
 def _one_rank_clips(rank, world):
     import halo
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     halo.set_timeout(5)

@@ -1,4 +1,4 @@
-"""Multi-rank (gloo) tests of ``halo.groups``: ``init_dist_group`` on every rank agrees with ``layout()``, and
+"""Multi-rank (gloo) tests of ``halo.dist.groups``: ``init_dist_group`` on every rank agrees with ``layout()``, and
 every group it returns communicates (an all-reduce of the global rank sums the group's ranks).
 
 Each rank returns what it saw; the parent asserts, so all ranks reach the same verdict.
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from halo import groups as G
+from halo.dist import groups as G
 from halo.testing import run_on_ranks
 
 # (initializer name, dp, pp, tp, kwargs); world = dp * pp * tp

@@ -1,4 +1,4 @@
-"""Pure tests of the ColossalAI-style group layouts in ``halo.groups`` (no process group).
+"""Pure tests of the ColossalAI-style group layouts in ``halo.dist.groups`` (no process group).
 
 The expected layouts are built here a different way from the implementation: as numpy reshapes and transposes
 of ``arange(world)``, read off ColossalAI's loops (``colossalai/legacy/context/process_group_initializer``).
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from halo.groups import (
+from halo.dist.groups import (
     GroupInfo,
     Initializer_1D,
     Initializer_2D,

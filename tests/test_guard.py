@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C = 23, 10, 4
@@ -51,7 +51,7 @@ ALLOWED = {
     "stack_last": lambda m, x: torch.stack([x, 2 * x], dim=-1).sum(-1),  # H stays at dim 2 of the 5-d stack
     "trusted_made_here": lambda m, x: x + _trusted_mean(x),
     "nearest_x2": lambda m, x: m.pool(F.interpolate(x, scale_factor=2) * 0.5 + 0.25),  # rows repeated: exact
-    # means over H: computed over the whole domain (halo.reroute; every call: tests/test_guard_exact.py)
+    # means over H: computed over the whole domain (halo.guard.reroute; every call: tests/test_guard_exact.py)
     "mean_hw": lambda m, x: x * x.mean((2, 3), keepdim=True),
     "tokens_mean": lambda m, x: x * x.flatten(2).mean(-1)[..., None, None],
     "stack_then_mean_h": lambda m, x: x * torch.stack([x, x], dim=-1).mean((2, 4))[:, :, None, :],

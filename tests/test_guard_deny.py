@@ -4,7 +4,7 @@ naming the op, the module and the line.
 
 Each op sits in the forward of a small block between two 3x3 convs (the field is a real shard), converted on 2 gloo
 ranks at 23 rows (12 + 11), float64. The ops of issue 23 that used to run per shard without an error (errors
-0.1-0.96) are refused now, or computed exactly (the functional norms: ``halo.reroute``); a representative set of
+0.1-0.96) are refused now, or computed exactly (the functional norms: ``halo.guard.reroute``); a representative set of
 ops that act on each point, follow H or leave it alone still equals the unsharded model, forward and backward.
 The guard is off with one domain rank, and code in a forward hook (monitoring) is refused only once its result
 flows into the model.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C = 23, 6, 4
@@ -79,7 +79,7 @@ DENIED = {
 
 
 def _trusted_nearest_x2(x):
-    """Each shard's own nearest x2 (halo would otherwise resize the global field: ``halo.reroute``), so the result
+    """Each shard's own nearest x2 (halo would otherwise resize the global field: ``halo.guard.reroute``), so the result
     is split unlike the global one (11 rows pooled to 6 + 5, then 12 + 10)."""
     import halo.guard
 
@@ -109,7 +109,7 @@ def _metadata(m, x):
 
 
 ALLOWED = {
-    # the functional norms of issue 23: computed over the whole domain (halo.reroute)
+    # the functional norms of issue 23: computed over the whole domain (halo.guard.reroute)
     "layer_norm_chw": lambda m, x: F.layer_norm(x, x.shape[1:]),
     "group_norm": lambda m, x: F.group_norm(x, 2),
     "instance_norm": lambda m, x: F.instance_norm(x),
@@ -236,7 +236,7 @@ def _allowed(rank, world):
         x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
         y = model(x)
         (y * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
-        grads = [halo.reduce.all_reduce(p.grad.clone()) if p.grad is not None else None for p in model.parameters()]
+        grads = [halo.parallel.all_reduce(p.grad.clone()) if p.grad is not None else None for p in model.parameters()]
         out[name] = (halo.gather(y.detach()), halo.gather(x.grad), grads)
     return out
 

@@ -1,4 +1,4 @@
-"""Functional ops on the sharded dim that halo computes exactly instead of refusing them (``halo.reroute``).
+"""Functional ops on the sharded dim that halo computes exactly instead of refusing them (``halo.guard.reroute``).
 
 Each op sits in the forward of a small block with conv children (so the field is a real shard), converted on 2 and
 3 gloo ranks at uneven rows (37: 19 + 18 and 13 + 12 + 12), float64. Every block is called three times: the first
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 #: above the longest rank timeout of this file (cold inductor compiles): pytest must not kill the ranks first
@@ -123,7 +123,7 @@ def _sharded(rank, world, names):
             model.zero_grad(set_to_none=True)
             y = model(x)
             (y * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
-            grads = [halo.reduce.all_reduce(p.grad.clone()) if p.grad is not None else None
+            grads = [halo.parallel.all_reduce(p.grad.clone()) if p.grad is not None else None
                      for p in model.parameters()]
             calls.append((halo.gather(y.detach()), halo.gather(x.grad), grads, model.rm.clone(), model.rv.clone()))
         rerouted = type(model.__dict__.get("forward")).__name__ == "_Rerouted"
@@ -327,7 +327,7 @@ def _compiled(rank, world):
             y = fn(xi)
             (y * w).sum().backward()
             results.append((halo.gather(y.detach()), halo.gather(xi.grad),
-                            [halo.reduce.all_reduce(p.grad.clone()) if p.grad is not None else None
+                            [halo.parallel.all_reduce(p.grad.clone()) if p.grad is not None else None
                              for p in model.parameters()]))
         out.append(results)
     torch._dynamo.reset()
@@ -394,7 +394,7 @@ def _checkpointed(rank, world, reentrant):
         model.zero_grad(set_to_none=True)
         y = model(x)
         (y * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
-        out.append((halo.gather(x.grad), [halo.reduce.all_reduce(p.grad.clone()) if p.grad is not None else None
+        out.append((halo.gather(x.grad), [halo.parallel.all_reduce(p.grad.clone()) if p.grad is not None else None
                                           for p in model.parameters()]))
     return out
 
@@ -430,7 +430,7 @@ class MeshSE(nn.Module):
 
 def _mesh(rank, world):
     import halo
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
     from halo.nn import convert_to_domain_parallel
     from halo.nn.convert import INSIDE
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C = 23, 8, 4
@@ -153,7 +153,7 @@ def _follow(rank, world, name):
     except ValueError as exc:
         return refusal, str(exc)
     (y * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
-    grads = {n: halo.reduce.all_reduce(p.grad.clone()) for n, p in model.named_parameters()}
+    grads = {n: halo.parallel.all_reduce(p.grad.clone()) for n, p in model.named_parameters()}
     return refusal, (halo.gather(y.detach()), halo.gather(x.grad), grads)
 
 
@@ -333,7 +333,7 @@ def _shape_reader(rank, world, kind):
     x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
     y = model(x)
     (y * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
-    grads = {n: halo.reduce.all_reduce(p.grad.clone()) for n, p in model.named_parameters()}
+    grads = {n: halo.parallel.all_reduce(p.grad.clone()) for n, p in model.named_parameters()}
     return refusal, type(model.block).__name__, halo.gather(y.detach()), halo.gather(x.grad), grads
 
 

@@ -11,7 +11,7 @@ computed exactly; never silently different (docs/design.md invariants 1, 4 and 8
 - ``boundary="pole"`` with an odd number of longitudes: refused on every rank by a converted conv, a ``HaloConv2d``
   built with ``boundary="pole"`` and ``halo_exchange`` alike (a converted conv used to roll by ``W // 2``); an even W
   is exact against the unsharded pole padding.
-- Pure: :func:`halo.partition.split_granularity` for balanced, block and hand-made splits.
+- Pure: :func:`halo.plan.partition.split_granularity` for balanced, block and hand-made splits.
 """
 
 import pytest
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import split_granularity, split_problem, split_sizes
+from halo.plan.partition import split_granularity, split_problem, split_sizes
 from halo.testing import run_on_ranks
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 xr = pytest.importorskip("xarray")
@@ -173,8 +173,8 @@ def test_ranks_write_their_rows_into_one_store(tmp_path):
 
 
 def _read_blocks(rank, world, data, store):
+    from halo.dist.mesh import DomainMesh
     from halo.io import ShardedField, write_rows
-    from halo.mesh import DomainMesh
 
     mesh = DomainMesh((2, 2))
     f = Counting(data)

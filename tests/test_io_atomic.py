@@ -16,7 +16,7 @@ import pytest
 import torch
 from _helpers import run_allow_failures
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 pytest.importorskip("zarr")
@@ -47,7 +47,7 @@ def _write_run(rank, world, store, run, die_at):
     full = _field(run)
     for t in range(T):
         if rank == world - 1 and t == die_at:
-            dist.batch_isend_irecv = lambda *a, **k: os._exit(7)  # halo.transport posts every message
+            dist.batch_isend_irecv = lambda *a, **k: os._exit(7)  # halo.dist.transport posts every message
         t0 = time.monotonic()
         try:
             write_rows(store, "pred", full[t, :, offs[rank]:offs[rank + 1]], (T, C, H, W), (t,),
@@ -277,7 +277,7 @@ def test_one_process_runs_and_resume(tmp_path):
 def test_chunk_owners_tile_the_array():
     """Pure arithmetic, many grids: the regions the ranks write (whole chunks, each by the rank holding its first
     row and column) tile the array exactly once; along latitude a rank sends at most P - 1 rows to its neighbour."""
-    from halo.io_write import _meet, _owned
+    from halo.io._write import _meet, _owned
 
     for h in list(range(1, 40)) + [181, 721]:
         for p in range(1, 9):
@@ -340,20 +340,20 @@ def _resumed_rewrite(rank, world, store):
     import zarr
 
     import halo
-    import halo.io_steps
+    import halo.io._steps
     from halo.io import write_rows
 
     halo.set_timeout(20.0)  # a loaded machine: the survivors see the dead peer's connection close anyway
     offs = split_offsets(H, world)
     new = _field(7)[1].numpy()
     if rank == 1:  # a slow reader of the resumed run's markers: it must read them before rank 0 unmarks step 1
-        complete_steps = halo.io_steps.complete_steps
+        complete_steps = halo.io._steps.complete_steps
 
         def slow(*args, **kwargs):
             time.sleep(1.0)
             return complete_steps(*args, **kwargs)
 
-        halo.io_steps.complete_steps = slow
+        halo.io._steps.complete_steps = slow
     if rank == world - 1:
         open_array = zarr.open_array
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 xr = pytest.importorskip("xarray")
@@ -72,8 +72,8 @@ def _pool(rank, world, paths, store):
     import zarr
 
     import halo
+    from halo.dist.mesh import DomainMesh
     from halo.io import ShardedField
-    from halo.mesh import DomainMesh
 
     halo.initialize_domain_parallel(world, world)
     out = {}

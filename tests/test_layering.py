@@ -15,7 +15,9 @@ a literal name. The rules:
     ``halo.compat`` (a compat layer plugs into what it adapts, never the reverse);
 (e) no private name (``_x``) imported from another module or read off one (``plans._STATE``); a private module
     (``_x.py``) is imported only inside its own package;
-(f) ``halo.kernels`` imports nothing of halo outside itself (the kernels are the bottom of the house).
+(f) ``halo.kernels`` imports nothing of halo outside itself (the kernels are the bottom of the house);
+(g) the core's packages are ordered (:data:`TIERS`: dist, plan, exchange, parallel, io, guard): a module of one
+    never imports a later one, and ``halo.context`` imports no other halo module.
 
 What breaks a rule today is listed in :data:`EXPECTED_VIOLATIONS`, each with its reason (issue 22). A test fails when
 a violation appears that is not listed, and when a listed one is gone: then remove it from the list, so that the
@@ -49,13 +51,20 @@ ALIASES = {
 #: that convert a model for their caller, so import ``halo.nn`` (lazily: ``import halo`` loads no layer); nothing
 #: below imports them (test_the_api_tier_is_on_top)
 API = {
-    "check": "check_equivalence converts the model it checks (convert_to_domain_parallel)",
-    "parallel": "parallelize converts the model before wrapping it for data parallelism",
+    "check": "check_equivalence converts the model it checks (convert_to_domain_parallel); the package's "
+             "modules with it",
+    "parallel": "the parallel package's face re-exports parallelize beside the gradient sync",
+    "parallel.wrap": "parallelize converts the model before wrapping it for data parallelism",
 }
 
-_CYCLE, _TOOLS, _CORE_NN, _COMPAT, _PRIVATE, _KERNELS, _API = (
+#: the core's packages, lowest first (docs/architecture.md): a module of one never imports a later one (rule g).
+#: ``halo.context`` sits below them all; the other top-level core modules (shard, random, autocast, checkpoint, ...)
+#: use them and are used by nn and the API tier
+TIERS = ("dist", "plan", "exchange", "parallel", "io", "guard")
+
+_CYCLE, _TOOLS, _CORE_NN, _COMPAT, _PRIVATE, _KERNELS, _API, _TIER = (
     "cycle", "imports the tools", "core imports nn", "imports compat", "private name", "kernels import halo",
-    "imports the api tier")
+    "imports the api tier", "imports a higher tier")
 
 #: today's violations, each with why it is there; the list may only shrink (see the module docstring). Empty since
 #: issue 22: comm <-> mesh went with the one state object; compat/credit -> nn -> nn/convert -> compat/credit and
@@ -177,13 +186,21 @@ def tier(module: str, root: str = "halo") -> str:
     core."""
     if module in ALIASES:
         return "alias"
-    if module == root or module in {f"{root}.{name}" for name in API}:
+    if module == root or module in {f"{root}.{name}" for name in API} or module.startswith(f"{root}.check."):
         return "api"
     for sub in ("tools", "nn", "compat", "kernels"):
         prefix = f"{root}.{sub}"
         if module == prefix or module.startswith(prefix + "."):
             return sub
     return "core"
+
+
+def core_rank(module: str, root: str = "halo") -> int | None:
+    """The rank of a core module's package in :data:`TIERS` (``halo.context``: -1, below all), else None."""
+    if module == f"{root}.context":
+        return -1
+    parts = module.split(".")
+    return TIERS.index(parts[1]) if len(parts) > 2 and parts[1] in TIERS else None
 
 
 def violations(edges: list[Import], reads: list[Import], mods: dict[str, Path],
@@ -207,8 +224,13 @@ def violations(edges: list[Import], reads: list[Import], mods: dict[str, Path],
             add((_API, e.importer, e.target), what)
         if src == "kernels" and dst != "kernels":
             add((_KERNELS, e.importer, e.target), what)
+        if src == "core" and dst == "core":
+            a, b = core_rank(e.importer, root), core_rank(e.target, root)
+            if a is not None and b is not None and b > a:
+                add((_TIER, e.importer, e.target), what)
         private_module = next((p for p in e.target.split(".") if _private(p)), None)
-        if private_module and not e.importer.startswith(e.target.partition("." + private_module)[0] + "."):
+        home = e.target.partition("." + private_module)[0] if private_module else ""
+        if private_module and not (e.importer == home or e.importer.startswith(home + ".")):
             add((_PRIVATE, e.importer, e.target), f"{what} (a private module, outside its package)")
     for e in [e for e in edges if e.name and _private(e.name) and e.target != e.importer] + reads:
         add((_PRIVATE, e.importer, f"{e.target}.{e.name}"), f"{e.where()}: {e.importer} uses {e.target}.{e.name}")
@@ -351,8 +373,13 @@ def test_kernels_import_nothing_of_halo_outside_themselves():
     _check_rule(_KERNELS)
 
 
+def test_the_core_packages_are_ordered():
+    _check_rule(_TIER)
+    assert {f"halo.{t}" for t in TIERS} <= set(MODS), TIERS
+
+
 def test_every_violation_is_one_of_the_rules_and_says_why():
-    kinds = {_CYCLE, _TOOLS, _CORE_NN, _COMPAT, _PRIVATE, _KERNELS, _API}
+    kinds = {_CYCLE, _TOOLS, _CORE_NN, _COMPAT, _PRIVATE, _KERNELS, _API, _TIER}
     assert {k[0] for k in FOUND} <= kinds, sorted(FOUND)
     for key, reason in EXPECTED_VIOLATIONS.items():
         assert key[0] in kinds and len(reason) > 20, (key, reason)
@@ -417,6 +444,10 @@ FAKE = {
     "tools/cli.py": "from ..nn._private_mod import x\nfrom .. import helper\nhelper._secret\n",
     "check.py": "def run():\n    from .nn import Layer\n    return Layer\n",
     "nn/extra.py": "from .. import check\n",
+    "dist/__init__.py": "",
+    "dist/low.py": "from ..plan import high\n",
+    "plan/__init__.py": "",
+    "plan/high.py": "x = 1\n",
 }
 
 
@@ -445,4 +476,5 @@ def test_the_scanner_finds_each_kind_of_violation(fake):
     assert (_PRIVATE, "fake.nn.layer", "fake.nn._private_mod") not in found  # inside its package: fine
     assert (_API, "fake.nn.extra", "fake.check") in found  # a layer importing the API tier
     assert not any(k[1] == "fake.check" for k in found)  # the API tier importing nn: fine
-    assert len(found) == 8, sorted(found)
+    assert (_TIER, "fake.dist.low", "fake.plan.high") in found  # a lower tier importing a higher one
+    assert len(found) == 9, sorted(found)

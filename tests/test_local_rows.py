@@ -42,7 +42,7 @@ def _ranks(rank, world, layout):
     import torch.distributed as dist
 
     import halo
-    from halo.comm import unsharded
+    from halo.dist.comm import unsharded
     from halo.nn import convert_to_domain_parallel
     from halo.nn.convert import INSIDE
 

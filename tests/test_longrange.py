@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from halo.nn.longrange import DomainCrossFormerAttention, crossformer_attention_reference
-from halo.partition import split_offsets, split_sizes
+from halo.plan.partition import split_offsets, split_sizes
 from halo.testing import run_on_ranks
 
 TOL = 1e-12
@@ -212,7 +212,7 @@ def test_reference_and_module_equal_credit_in_one_process(attn_type, window):
 
 def _regroup(rank, world, cases):
     import halo
-    from halo.comm import comm_group
+    from halo.dist.comm import comm_group
     from halo.nn.longrange import long_range_plan, regroup, regroup_plan
 
     manager = halo.initialize_domain_parallel(world, world)
@@ -306,7 +306,7 @@ def test_crossformer_attention_equals_unsharded(world, cases):
 
 def _block(rank, world, h, w, steps):
     import halo
-    from halo.reduce import local_share, sync_domain_gradients
+    from halo.parallel.reduce import local_share, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W = 23, 10
@@ -47,7 +47,7 @@ def _on_rank(rank: int, world: int) -> list:
         wts = torch.randn(yg.shape, generator=gen, dtype=torch.float64)
         mo = split_offsets(yg.shape[-2], world)
         (y * wts[..., mo[rank]:mo[rank + 1], :]).sum().backward()
-        grads = [halo.reduce.all_reduce(p.grad.clone()) for p in model.parameters()]
+        grads = [halo.parallel.all_reduce(p.grad.clone()) for p in model.parameters()]
         out.append((yg, halo.gather(x.grad), grads, type(revert_domain_parallel(model)[2]).__name__))
     return out
 
@@ -81,9 +81,9 @@ def test_halo_lppool2d_refuses_another_layer() -> None:
 
 def _on_mesh(rank: int, world: int) -> list:
     import halo
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
     from halo.nn import convert_to_domain_parallel
-    from halo.partition import local_range
+    from halo.plan.partition import local_range
 
     mesh = DomainMesh((2, 2))
     out = []
@@ -99,7 +99,7 @@ def _on_mesh(rank: int, world: int) -> list:
         (g0, g1), (c0, c1) = (local_range(yg.shape[d], mesh.axis_size(a), mesh.axis_rank(a)) for a, d in ((0, -2),
                                                                                                           (1, -1)))
         (y * wts[..., g0:g1, c0:c1]).sum().backward()
-        grads = [halo.reduce.all_reduce(p.grad.clone(), group=mesh.domain_group) for p in model.parameters()]
+        grads = [halo.parallel.all_reduce(p.grad.clone(), group=mesh.domain_group) for p in model.parameters()]
         out.append((yg, halo.gather_2d(x.grad, mesh=mesh), grads))
     return out
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from halo.mesh import mesh_layout
+from halo.dist.mesh import mesh_layout
 from halo.testing import RankError, run_on_ranks
 
 
@@ -93,7 +93,7 @@ def test_world_size_mismatch_raises_on_every_rank():
 def _mesh_2d(rank, world):
     import torch.distributed as dist
 
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
 
     mesh = DomainMesh((2, 3), periodic=(False, True))
     out = {"coords": mesh.coords, "h": mesh.axis_ranks(0), "w": mesh.axis_ranks(1),
@@ -148,7 +148,7 @@ def _mesh_3_axes(rank, world):
     import torch.distributed as dist
 
     from halo import context
-    from halo.mesh import DomainAxis, DomainMesh, DomainParallelManager, dp_coordinate, get_domain_parallel_manager
+    from halo.dist.mesh import DomainAxis, DomainMesh, DomainParallelManager, dp_coordinate, get_domain_parallel_manager
 
     mesh = DomainMesh((2, 1, 2), shard_dims=(-3, -2, -1), periodic=(False, False, True))
     t = torch.tensor([1.0])

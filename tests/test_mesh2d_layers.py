@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from halo.partition import local_range
+from halo.plan.partition import local_range
 from halo.testing import run_on_ranks
 
 TOL = 1e-11
@@ -55,9 +55,9 @@ def _model_ranks(rank, world, shape, steps):
     os.environ["TRITON_INTERPRET"] = "0"
     import torch.distributed as dist
 
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
     from halo.shard import gather_2d
 
     mesh = DomainMesh(shape, periodic=(False, True))
@@ -122,7 +122,7 @@ def _layer_ranks(rank, world, shape):
     os.environ["TRITON_INTERPRET"] = "0"
     import torch.distributed as dist
 
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
     from halo.nn import HaloConv2d, HaloMaxPool2d, HaloUpsample, convert_to_domain_parallel
 
     mesh = DomainMesh(shape, periodic=(False, True))
@@ -182,7 +182,7 @@ def test_layers_on_mesh(shape):
 
 def _refusal_ranks(rank, world, layer):
     os.environ["TRITON_INTERPRET"] = "0"
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
     from halo.nn import convert_to_domain_parallel
 
     mesh = DomainMesh((2, 2))
@@ -209,9 +209,9 @@ def test_layers_without_a_2d_form_are_refused(layer, words):
 
 def _loss_ranks(rank, world, shape):
     os.environ["TRITON_INTERPRET"] = "0"
-    from halo.comm import unsharded
-    from halo.mesh import DomainMesh
-    from halo.reduce import domain_mean, domain_sum, latitude_weighted_mean, latitude_weighted_mse
+    from halo.dist.comm import unsharded
+    from halo.dist.mesh import DomainMesh
+    from halo.parallel.reduce import domain_mean, domain_sum, latitude_weighted_mean, latitude_weighted_mse
 
     mesh = DomainMesh(shape)
     gen = torch.Generator().manual_seed(5)
@@ -289,7 +289,7 @@ def _halo_dropout(t):
 
 def _forward_ranks(rank, world, name):
     os.environ["TRITON_INTERPRET"] = "0"
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
     from halo.nn import convert_to_domain_parallel
     from halo.shard import gather_2d
 
@@ -322,8 +322,8 @@ def test_functional_ops_on_w_are_watched(name):
 
 def _scores_ranks(rank, world):
     os.environ["TRITON_INTERPRET"] = "0"
-    from halo.comm import unsharded
-    from halo.mesh import DomainMesh
+    from halo.dist.comm import unsharded
+    from halo.dist.mesh import DomainMesh
     from halo.rollout import scores
 
     mesh = DomainMesh((2, 2))
@@ -524,7 +524,7 @@ def _conv_same_ranks(rank, world, shape):
     tp.load()
     from timm.layers import Conv2dSame
 
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
     from halo.nn import HaloConv2dSame, convert_to_domain_parallel
 
     mesh = DomainMesh(shape, periodic=(False, True))

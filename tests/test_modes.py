@@ -187,7 +187,7 @@ def _fp16_scaler(h: ModesHarness, dom: nn.Module, ref: nn.Module) -> dict:
 
 
 def sync_domain_gradients(model: nn.Module) -> None:
-    """The domain's gradient sum (what ``halo.reduce.sync_domain_gradients`` does on one domain group, dp 1)."""
+    """The domain's gradient sum (what ``halo.parallel.sync_domain_gradients`` does on one domain group, dp 1)."""
     import torch.distributed as dist
 
     for p in model.parameters():

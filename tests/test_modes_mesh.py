@@ -55,8 +55,8 @@ class MeshHarness(ModesHarness):
     net, tiny, rows, cols = MeshNet, TinyNet, H, W
 
     def __init__(self, rank: int, world: int, shape: tuple[int, int]) -> None:
-        from halo.mesh import DomainMesh
-        from halo.partition import local_range
+        from halo.dist.mesh import DomainMesh
+        from halo.plan.partition import local_range
 
         self.rank, self.world = rank, world
         self.mesh = DomainMesh(shape, periodic=(False, True))

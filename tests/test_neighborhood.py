@@ -26,7 +26,7 @@ from halo.nn.neighborhood import (
     neighborhood_row_plan,
     window_start,
 )
-from halo.partition import split_offsets, split_sizes
+from halo.plan.partition import split_offsets, split_sizes
 from halo.testing import run_on_ranks
 
 TOL = 1e-12
@@ -215,7 +215,7 @@ def test_sharded_equals_reference(world, cases):
 
 def _module(rank, world, kernel, dilation, steps):
     import halo
-    from halo.reduce import local_share, sync_domain_gradients
+    from halo.parallel.reduce import local_share, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)

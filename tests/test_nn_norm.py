@@ -18,7 +18,7 @@ from _helpers import portable
 from torch import nn
 
 from halo.nn.norm import DomainBatchNorm2d, DomainGroupNorm, DomainInstanceNorm2d, DomainLayerNorm
-from halo.partition import local_range
+from halo.plan.partition import local_range
 from halo.testing import run_on_ranks
 
 DOMAIN = {nn.GroupNorm: DomainGroupNorm, nn.BatchNorm2d: DomainBatchNorm2d,
@@ -297,7 +297,7 @@ def _mesh_norms(rank, world, shape):
     output block, input-gradient block, and parameter gradients summed over the domain group."""
     import torch.distributed as dist
 
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
 
     mesh = DomainMesh(shape, periodic=(False, True))
     h, w, c = 11, 7, 4

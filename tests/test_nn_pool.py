@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from _helpers import virtual_rank
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W = 37, 13

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _helpers import virtual_rank
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W = 37, 12
@@ -231,9 +231,9 @@ MESH_CASES = [  # (channels, channels_last, H, W, nn.Upsample arguments)
 
 def _mesh_cases(rank, world, shape, cases):
     os.environ["TRITON_INTERPRET"] = "0"
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
     from halo.nn import HaloUpsample
-    from halo.partition import local_range
+    from halo.plan.partition import local_range
     from halo.testing import HostWorkCounter
 
     mesh = DomainMesh(shape, periodic=(False, True))

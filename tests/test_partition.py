@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from halo.partition import (
+from halo.plan.partition import (
     BOUNDARIES,
     check_boundary,
     local_range,

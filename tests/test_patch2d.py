@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from halo.partition import local_range, split_sizes
+from halo.plan.partition import local_range, split_sizes
 from halo.testing import run_on_ranks
 
 TOL = 1e-11
@@ -112,7 +112,7 @@ def _errors(mesh):
 
 def _ranks(rank, world, shapes):
     os.environ["TRITON_INTERPRET"] = "0"
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
 
     out = {}
     for shape in shapes:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from _helpers import virtual_rank
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 D, H, W = 3, 23, 6

@@ -13,7 +13,7 @@ and all of them together a small fraction of one activation. The step is checked
 import torch
 from _helpers import SteadyNet
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C, B = 45, 16, 3, 2
@@ -26,10 +26,10 @@ def _local(full, world, rank):
 
 def _step(rank, world):
     import halo
-    from halo import exchange_registry
-    from halo.exchanger import Exchanger
+    from halo.exchange import _registry as exchange_registry
+    from halo.exchange.exchanger import Exchanger
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ from torch import nn
 
 from halo import kernels as hk
 from halo.kernels import philox
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import RankError, run_on_ranks
 
 H, W, C = 21, 10, 3
@@ -368,7 +368,7 @@ def test_domain_ranks_seeded_differently_raise_on_every_rank():
 def _steady(rank, world):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import domain_mean
+    from halo.parallel.reduce import domain_mean
     from halo.testing import HostWorkCounter
 
     manager = halo.initialize_domain_parallel(world, world)

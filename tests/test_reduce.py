@@ -1,4 +1,4 @@
-"""halo.reduce on gloo ranks vs the unsharded value computed in the same test, forward and backward.
+"""halo.parallel.reduce on gloo ranks vs the unsharded value computed in the same test, forward and backward.
 
 Tolerances: float64 values are sums of the same numbers in a different order (local sums, then across ranks),
 so they agree to a few ulps of the sum: rtol 1e-12 (measured: ~1e-15). Dot-product tests compare two such
@@ -13,8 +13,7 @@ import torch
 from _helpers import portable
 from torch import nn
 
-from halo.partition import local_range
-from halo.reduce import (
+from halo.parallel.reduce import (
     all_reduce,
     clip_grad_norm_,
     domain_mean,
@@ -25,6 +24,7 @@ from halo.reduce import (
     latitude_weighted_mse,
     latitude_weights,
 )
+from halo.plan.partition import local_range
 from halo.testing import run_on_ranks
 
 H, W = 721, 8
@@ -137,7 +137,7 @@ def _rank_seed(rank):
 
 def _reductions(rank, world):
     import halo
-    from halo.reduce import local_latitude_weights
+    from halo.parallel.reduce import local_latitude_weights
 
     halo.initialize_domain_parallel(world, world)
     full, target = _field(1), _field(2)
@@ -286,7 +286,7 @@ def _tiny_model():
 def _sync(rank, world):
     import halo
     from halo.nn.norm import DomainGroupNorm
-    from halo.reduce import sync_domain_gradients
+    from halo.parallel.reduce import sync_domain_gradients
 
     m = halo.initialize_domain_parallel(world, 2)
     model = _tiny_model()

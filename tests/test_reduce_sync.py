@@ -1,4 +1,4 @@
-"""sync_domain_gradients when which parameters have a gradient differs between ranks or steps (halo.reduce_layout).
+"""sync_domain_gradients when which parameters have a gradient differs between ranks or steps (halo.parallel.layout).
 
 The bug this file pins (issue 22, H4): the sync agreed on "which parameters have a gradient" once per *local*
 pattern, so a rank whose pattern changed alone (a branch only its rows took) started an agreement its peers, whose
@@ -16,7 +16,7 @@ import torch
 from _helpers import portable
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks, run_on_ranks_outcomes
 
 H, W, C = 7, 5, 2
@@ -67,7 +67,7 @@ def _reference():
 
 def _steps(rank, world):
     import halo
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
     from halo.testing import HostWorkCounter
 
     manager = halo.initialize_domain_parallel(world, world)
@@ -114,7 +114,7 @@ def test_gradients_missing_on_some_ranks_in_some_steps_are_exact(world):
 def _steady(rank, world):
     """Every gradient on every rank: the steady sync reads nothing, builds nothing from data, agrees nothing."""
     import halo
-    from halo.reduce import local_share, sync_domain_gradients
+    from halo.parallel.reduce import local_share, sync_domain_gradients
     from halo.testing import HostWorkCounter
 
     manager = halo.initialize_domain_parallel(world, world)
@@ -138,7 +138,7 @@ def test_steady_sync_reads_nothing_and_agrees_once():
 
 def _one_rank_freezes(rank, world, peer_reads):
     import halo
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     halo.set_timeout(3)
@@ -176,7 +176,7 @@ def test_requires_grad_changed_on_one_rank_raises(peer_reads):
 
 def _different_models(rank, world):
     import halo
-    from halo.reduce import sync_domain_gradients
+    from halo.parallel.reduce import sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, 2)
     model = _model()

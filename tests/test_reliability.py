@@ -22,7 +22,7 @@ import torch
 from _helpers import run_allow_failures
 from test_exchange import padded_reference
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 RUN_TIMEOUT = 60.0  # seconds for a whole launch: a hang fails here
@@ -210,7 +210,7 @@ def _faulty_sequence(rank, world, fault, steps, marker):
     faulty = rank == world - 1
     torch.manual_seed(0)
     x = torch.randn(1, 2, 4 * world + 1, 6, dtype=torch.float64)
-    steady = fault.endswith("_steady")  # a shard halo made: after the first call, no agreement (halo.plans)
+    steady = fault.endswith("_steady")  # a shard halo made: after the first call, no agreement (halo.plan.plans)
     x = shard(x, group=dist.group.WORLD) if steady else _shard(x, world, rank)
     x.requires_grad_(fault == "skip_backward")
     slowest = 0.0
@@ -304,7 +304,7 @@ def _gather_objects(rank, world, stall, marker):
     """Rank ``world - 1`` stays away when ``stall`` (until the others are done): the others must raise within
     ``halo.set_timeout``; else every rank gathers objects of different pickled sizes, in group order."""
     import halo
-    from halo.comm import HaloCommError, all_gather_object, comm_group, set_timeout
+    from halo.dist.comm import HaloCommError, all_gather_object, comm_group, set_timeout
 
     halo.initialize_domain_parallel(world, world)
     set_timeout(OBJECT_TIMEOUT)
@@ -586,8 +586,8 @@ def test_unusual_layouts_match_the_padded_field(impl, kinds, halos):
 
 def test_metadata_rows_and_timeout_setting():
     """The agreement's fast row: codes for what can be coded, a flag for what a rank got wrong on its own."""
-    from halo.agree import ROW_WORDS, SHAPE_AT, Meta, Spec
     from halo.exchange import get_timeout, set_timeout
+    from halo.plan.agree import ROW_WORDS, SHAPE_AT, Meta, Spec
 
     x = torch.zeros(2, 3, 5, 7, dtype=torch.bfloat16)
     good = Meta.of(x, (Spec.of(-2, (1, 2), "pole_centered"),), 1)

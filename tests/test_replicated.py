@@ -49,7 +49,7 @@ def _field(seed=1):
 def _seeded(rank, world, domain, how):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.replicated import check_replicated
+    from halo.plan.replicated import check_replicated
 
     manager = halo.initialize_domain_parallel(world, domain)
     halo.set_timeout(20)
@@ -83,7 +83,7 @@ def test_divergent_seed_is_refused_by_parallelize_ddp_on_dp_x_domain():
 # -- the gradient sync ------------------------------------------------------------------------------------------
 
 def _step(model, x, opt=None, sync=True, twice=False, zero=True):
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
 
     if opt is not None and zero:
         opt.zero_grad(set_to_none=True)
@@ -125,7 +125,7 @@ def test_sync_twice_raises_once_per_step_does_not():
 
 def _forgotten(rank, world, every):
     import halo
-    from halo.replicated import check_every
+    from halo.plan.replicated import check_every
 
     manager = halo.initialize_domain_parallel(world, world)
     halo.set_timeout(20)
@@ -157,14 +157,14 @@ def test_forgotten_sync_is_caught_within_the_check_interval():
 
 def _groups(rank, world, case):
     import halo
-    from halo.reduce import sync_domain_gradients
+    from halo.parallel.reduce import sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, 2)
     halo.set_timeout(20)
     torch.manual_seed(0)
     model = halo.parallelize(_net(), manager, data_parallel="none")
     x = halo.shard(_field())
-    from halo.reduce import domain_mean
+    from halo.parallel.reduce import domain_mean
 
     domain_mean((model(x) - x) ** 2).backward()
     world_group = torch.distributed.group.WORLD
@@ -189,7 +189,7 @@ def test_wrong_groups_are_refused():
 def _not_in_step(rank, world, case):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import domain_mean
+    from halo.parallel.reduce import domain_mean
 
     halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)
@@ -263,7 +263,7 @@ def test_credit_loss_scale_comes_from_the_loss_tensor_or_refuses():
 
 def test_checksum_sees_one_bit():
     """The periodic check's device work: one exact integer sum of each tensor's bits, folded into one int64."""
-    from halo.replicated import checksum
+    from halo.plan.replicated import checksum
 
     torch.manual_seed(0)
     model = _net()

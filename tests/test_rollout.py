@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C = 37, 24, 3
@@ -56,7 +56,7 @@ def _run(rank, world):
 
 
 def _reference():
-    from halo.reduce import latitude_weights
+    from halo.parallel.reduce import latitude_weights
 
     model = _net()
     x0, forcing, targets, clim = _data()

@@ -1,6 +1,6 @@
 """The scale model (``halo.tools.scale``) counts what halo's planner would send, and its table's shape holds.
 
-The model takes every rank's messages from :func:`halo.partition.plan_exchange` (the plan the exchange posts); here
+The model takes every rank's messages from :func:`halo.plan.partition.plan_exchange` (the plan the exchange posts); here
 they are checked against the closed form of a one-row halo: an interior rank of a 1-D split sends one row of W
 columns to each neighbour (two messages), the edge ranks one; on a 2-D mesh a rank sends one row of its columns
 up and down, then one column of its H-extended rows left and right (periodic in longitude), four messages (three
@@ -10,7 +10,7 @@ the right way: more GPUs, fewer rows, the exchange harder to hide.
 
 import pytest
 
-from halo.partition import split_sizes
+from halo.plan.partition import split_sizes
 from halo.tools.scale import BYTES, GRIDS, best_2d, plan_1d, plan_2d, table
 
 

@@ -167,7 +167,7 @@ def test_shard_and_gather_keep_the_memory_format():
 
 def _ranks_2d(rank, world):
     os.environ["TRITON_INTERPRET"] = "0"
-    from halo.mesh import DomainMesh
+    from halo.dist.mesh import DomainMesh
     from halo.shard import gather_2d, scatter_2d, shard_2d
 
     res = {}

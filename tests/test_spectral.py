@@ -34,7 +34,7 @@ import pytest
 import torch
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks, run_on_ranks_outcomes
 
 TOL = 1e-12  # float64 FFT/Legendre rounding: the transforms are the same sums in another order
@@ -337,7 +337,7 @@ def _compiled(rank: int, world: int) -> dict[str, float]:
 
 
 def test_compiled_sht_model_equals_eager():
-    """aot_eager: the transposes' messages are graph breaks (``halo.transport.post`` is ``dynamo.disable``d)."""
+    """aot_eager: the transposes' messages are graph breaks (``halo.dist.transport.post`` is ``dynamo.disable``d)."""
     for errs in run_on_ranks(_compiled, 2, timeout=400):
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, bad

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _helpers import SteadyNet, steady_reference
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C = 45, 16, 3
@@ -30,7 +30,7 @@ def _local(full, world, rank):
 def _steady(rank, world, grid):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
     from halo.testing import HostWorkCounter
 
     manager = halo.initialize_domain_parallel(world, world)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import offsets, split_sizes
+from halo.plan.partition import offsets, split_sizes
 from halo.testing import run_on_ranks
 
 TIMEOUT = 240
@@ -471,7 +471,7 @@ def test_block_refuses_shards_that_split_windows():
 def _model_worker(rank, world, img, dynamic_mask, steps):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import local_share, sync_domain_gradients
+    from halo.parallel.reduce import local_share, sync_domain_gradients
 
     manager = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)

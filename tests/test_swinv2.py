@@ -20,7 +20,7 @@ import _thirdparty as tp
 import pytest
 import torch
 
-from halo.partition import offsets, split_sizes
+from halo.plan.partition import offsets, split_sizes
 from halo.testing import run_on_ranks
 
 _MISSING = [p for p in tp.missing() if p in ("timm", "miles-credit", "torchvision")]

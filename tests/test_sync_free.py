@@ -13,7 +13,7 @@ import torch
 from _helpers import SteadyNet, steady_reference
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 H, W, C = 45, 16, 3
@@ -34,8 +34,8 @@ def _field(h=H, seed=1):
 def _train(rank, world):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import domain_mean, sync_domain_gradients
-    from halo.replicated import check_every
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
+    from halo.plan.replicated import check_every
     from halo.testing import HostWorkCounter
 
     manager = halo.initialize_domain_parallel(world, world)
@@ -91,8 +91,8 @@ def test_converted_model_with_grid_makes_no_host_work_for_18_steps():
 def _diverge(rank, world, every, at, finish):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import domain_mean, sync_domain_gradients
-    from halo.replicated import check_every, finish_check
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
+    from halo.plan.replicated import check_every, finish_check
     from halo.testing import HostWorkCounter
 
     manager = halo.initialize_domain_parallel(world, world)
@@ -144,7 +144,7 @@ def test_diverged_parameter_is_named_on_every_rank(finish):
 def _finish_now(rank, world):
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.replicated import check_every, finish_check
+    from halo.plan.replicated import check_every, finish_check
 
     manager = halo.initialize_domain_parallel(world, world)
     halo.set_timeout(20)
@@ -259,7 +259,7 @@ def test_standalone_layer_never_reuses_a_stale_plan():
 
 
 class _Event:
-    """A CUDA event's host side as :func:`halo.transport.wait_event` uses it (CPU-checkable)."""
+    """A CUDA event's host side as :func:`halo.dist.transport.wait_event` uses it (CPU-checkable)."""
 
     def __init__(self, done_after):
         self.queries, self.done_after, self.synced = 0, done_after, False
@@ -282,7 +282,7 @@ def test_the_pinned_copy_wait_is_bounded():
     import time
 
     import halo
-    from halo.transport import HaloCommError, wait_event
+    from halo.dist.transport import HaloCommError, wait_event
 
     previous = halo.set_timeout(None)
     try:

@@ -67,8 +67,8 @@ def _sharded(rank, world, domain, batch, steps):
     os.environ["TRITON_INTERPRET"] = "0"  # torch reference kernels: the interpreter path is tested elsewhere
     import halo
     from halo.nn.convert import convert_to_domain_parallel
-    from halo.partition import local_range
-    from halo.reduce import domain_mean, sync_domain_gradients
+    from halo.parallel.reduce import domain_mean, sync_domain_gradients
+    from halo.plan.partition import local_range
 
     m = halo.initialize_domain_parallel(world, domain)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
-"""The one transport (halo.transport, issue 22 item 2) and the comm/exchange state in the context (item 1).
+"""The one transport (halo.dist.transport, issue 22 item 2) and the comm/exchange state in the context (item 1).
 
-- (a) An AST scan: no halo module but ``halo/transport.py`` (and the tools, the test harness) calls
+- (a) An AST scan: no halo module but ``halo/dist/transport.py`` (and the tools, the test harness) calls
   torch.distributed's communication functions or ``.wait()`` on a work handle. What still does is listed in
   :data:`EXPECTED`, with its reason; the list can only shrink (an entry that no longer occurs fails too).
 - (b) post/wait on 2 and 3 gloo ranks, bf16 and float64, uneven messages (a ring both ways, a message to itself),
@@ -26,13 +26,13 @@ from _helpers import run_allow_failures
 from test_exchange import padded_reference
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HALO = ROOT / "halo"
 
-#: torch.distributed's communication functions (what only halo/transport.py may call or pass on).
+#: torch.distributed's communication functions (what only halo/dist/transport.py may call or pass on).
 COMM_FUNCTIONS = frozenset({
     "isend", "irecv", "batch_isend_irecv", "P2POp", "send", "recv", "all_reduce", "all_gather",
     "all_gather_into_tensor", "all_gather_object", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter",
@@ -40,7 +40,7 @@ COMM_FUNCTIONS = frozenset({
     "scatter_object_list", "all_to_all", "all_to_all_single",
 })
 #: Where direct calls are allowed: the transport itself, the tools (scripts, benchmarks), the test harness.
-ALLOWED = ("halo/transport.py", "halo/testing.py", "halo/tools/")
+ALLOWED = ("halo/dist/transport.py", "halo/testing.py", "halo/tools/")
 
 #: (file, what) -> why it is still there. May only shrink.
 EXPECTED: dict[tuple[str, str], str] = {
@@ -109,8 +109,8 @@ def test_nothing_but_the_transport_communicates():
     found = _scan()
     new = {k: v for k, v in found.items() if k not in EXPECTED}
     gone = [k for k in EXPECTED if k not in found]
-    assert not new, ("communication outside halo/transport.py (use halo.transport: see /tmp/briefs/TRANSPORT_READY "
-                     "or its module docstring):\n" + "\n".join(f"  {v}: {k[1]}" for k, v in sorted(new.items())))
+    assert not new, ("communication outside halo/dist/transport.py (use halo.dist.transport, see "
+                     "its module docstring):\n" + "\n".join(f"  {v}: {k[1]}" for k, v in sorted(new.items())))
     assert not gone, f"fixed, remove from EXPECTED: {gone}"
 
 
@@ -135,7 +135,7 @@ def _ring(rank, world, dtype):
     message to itself through post_rows; what arrives is bitwise what was sent."""
     import torch.distributed as dist
 
-    from halo import comm, transport
+    from halo.dist import comm, transport
 
     cg = comm.comm_group(dist.group.WORLD)
 
@@ -167,7 +167,7 @@ def _adjoint(rank, world):
     field's window: the exchange's backward is its exact adjoint."""
     import torch.distributed as dist
 
-    from halo import comm, transport
+    from halo.dist import comm, transport
     from halo.exchange import halo_exchange
 
     cg = comm.comm_group(dist.group.WORLD)
@@ -209,7 +209,7 @@ TIMEOUT = 1.5
 def _missing_peer(rank, world, marker):
     import torch.distributed as dist
 
-    from halo import comm, transport
+    from halo.dist import comm, transport
 
     cg = comm.comm_group(dist.group.WORLD)
     if rank == world - 1:  # never posts; stays until every other rank has raised
@@ -266,7 +266,7 @@ def _reset_between_calls(rank, world):
     import halo
     from halo import context
     from halo.nn import convert_to_domain_parallel
-    from halo.reduce import domain_sum
+    from halo.parallel.reduce import domain_sum
 
     manager = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)
@@ -279,7 +279,7 @@ def _reset_between_calls(rank, world):
         x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
         out = model(x)
         domain_sum(out * weight[..., offs[rank]:offs[rank + 1], :], group=manager.domain_group).backward()
-        grads = [halo.reduce.all_reduce(p.grad.clone(), group=manager.domain_group) for p in model.parameters()]
+        grads = [halo.parallel.all_reduce(p.grad.clone(), group=manager.domain_group) for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         return out.detach(), x.grad, grads
 
@@ -290,7 +290,8 @@ def _reset_between_calls(rank, world):
     second = step()
     names = context.current().names()
     # context.use(): a fresh context starts empty; the outer one is unchanged afterwards
-    from halo import comm, exchange_registry, transport
+    from halo.dist import comm, transport
+    from halo.exchange import _registry as exchange_registry
 
     outer, outer_names = context.current(), context.current().names()
     outer_states = (comm._state(), exchange_registry._state(), transport._state())
@@ -333,8 +334,9 @@ def test_reset_between_calls_and_a_fresh_context():
 def test_ids_are_bounded_and_never_alias(monkeypatch):
     """Exchanger specs are an LRU of SPECS_CAP: an evicted id, or one of another context, fails loudly (never
     another plan's exchanger); group ids are held weakly and are unknown in a fresh context."""
-    from halo import comm, context
-    from halo import exchange_registry as hx
+    from halo import context
+    from halo.dist import comm
+    from halo.exchange import _registry as hx
 
     cg = comm.CommGroup(None, 2, 0, (0, 1))
     with context.use():
@@ -366,7 +368,8 @@ def test_ids_are_bounded_and_never_alias(monkeypatch):
 
 
 def test_host_buffers_are_bounded():
-    from halo import context, transport
+    from halo import context
+    from halo.dist import transport
 
     with context.use():
         cg = type("G", (), {"size": 2})()

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks, run_on_ranks_outcomes
 
 B, C, H, W = 1, 4, 7, 4

@@ -6,7 +6,7 @@
   skip and apply conv-BN-ReLU twice with scSE attention (a global pool). Exact where H divides over the ranks at
   every level (64 rows on 2 ranks, 96 on 3), and at 80 rows on 3 ranks, where the shards' own nearest upsampling
   of an unevenly split level would not line up with its skip: halo resizes the global field there
-  (``halo.reroute``), on every call.
+  (``halo.guard.reroute``), on every call.
 - **WeatherBench-style ResNet** (Rasp & Thuerey's ``PeriodicConv2D``: circular padding in longitude and zeros in
   latitude with ``F.pad`` in ``forward``, then an unpadded conv): refused as written (its padding module is a leaf
   halo does not know; declared pointwise, the guard would refuse its pad of H at the first call), exact with the
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 #: above the rank launch's timeout (one launch runs every case of a world size): pytest must not kill the ranks first
@@ -261,7 +261,7 @@ def test_smp_unet_converts_unchanged_and_exact(world, h):
 
 def test_smp_unet_with_uneven_levels_is_exact():
     """80 rows on 3 ranks: a level of 5 rows (2 + 2 + 1) upsampled by nearest x2 on each shard would be 4 + 4 + 2
-    against its skip's 4 + 3 + 3; halo resizes the global field instead (``halo.reroute``)."""
+    against its skip's 4 + 3 + 3; halo resizes the global field instead (``halo.guard.reroute``)."""
     _check_exact(_results(3, "smp", 80, False), "smp", 80)
 
 

@@ -29,7 +29,7 @@ import _thirdparty as tp
 import pytest
 import torch
 
-from halo.partition import split_offsets
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 _MISSING = tp.missing()
@@ -55,11 +55,11 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     # smp's decoders resize to the skip's local size (F.interpolate(size=skip.shape[-2:])) or upsample unevenly
     # split levels: exact where halo computes the global size, else refused naming the resize (never per shard)
     "smp.Unet": ("exact",),  # its decoder resizes to global level sizes (halo.nn.smp_layers)
-    "smp.UnetPlusPlus": ("exact",),  # its nearest x2 resizes the global field (halo.reroute)
+    "smp.UnetPlusPlus": ("exact",),  # its nearest x2 resizes the global field (halo.guard.reroute)
     "smp.FPN": ("exact",),
     "smp.DeepLabV3Plus": ("exact",),
     "smp.MAnet": ("matmul",),  # its PAB block is attention over all H x W tokens
-    "smp.PSPNet": ("exact",),  # its whole (or sharded) pooled map resized to the global size (halo.reroute)
+    "smp.PSPNet": ("exact",),  # its whole (or sharded) pooled map resized to the global size (halo.guard.reroute)
     "diffusers.UNet2DModel": ("exact",),
     "diffusers.UNet2DModel+attention": ("exact", "scaled_dot_product_attention", "baddbmm", "bmm"),
     "credit.crossformer": ("exact",),

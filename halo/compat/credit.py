@@ -31,11 +31,11 @@ TensorPadding``                          "earth" (across the poles, rolled by W/
                                          instances
 =======================================  ==============================================================================
 
-The convention differs from halo's own (``halo.reduce.domain_mean`` counts every row once and
-``halo.reduce.sync_domain_gradients`` *sums* over the domain group): use one or the other, not both. Mixing them is
+The convention differs from halo's own (``halo.parallel.domain_mean`` counts every row once and
+``halo.parallel.sync_domain_gradients`` *sums* over the domain group): use one or the other, not both. Mixing them is
 refused on every rank (it would be off by exactly the domain size): halo's sync refuses gradients of a loss that went
 through no halo domain reduction (CREDIT's per-shard mean), and this module's sync refuses gradients of a halo domain
-loss (``halo.reduce_marks``).
+loss (``halo.parallel.marks``).
 """
 
 from __future__ import annotations
@@ -49,12 +49,12 @@ import torch
 from torch import nn
 
 from .. import context
-from ..mesh import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
+from ..dist.mesh import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
 from ..nn import DomainGroupNorm, HaloConv2d, HaloConv3d, HaloConvTranspose2d, HaloConvTranspose3d
 from ..nn.credit_padding import TensorPadding
 from ..nn.registry import is_pointwise_conv
-from ..partition import split_offsets, split_sizes
-from ..plans import Site
+from ..plan.partition import split_offsets, split_sizes
+from ..plan.plans import Site
 
 __all__ = [
     "DomainParallelConv2d",
@@ -338,7 +338,7 @@ def domain_loss_scale(manager: DomainParallelManager | None = None, like: torch.
     if manager is None:
         return 1.0
     if like is not None:
-        from ..plans import shard_sizes
+        from ..plan.plans import shard_sizes
 
         sizes = shard_sizes(like, dim, manager.domain_group, op="domain_loss_scale")
         return manager.domain_parallel_size * sizes[manager.domain_rank] / sum(sizes)
@@ -359,8 +359,8 @@ def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: Do
     """CREDIT's convention (module docstring): average the gradients over the domain group, each rank's loss being
     the mean over its own rows (times :func:`domain_loss_scale` on uneven shards). DTensor gradients (FSDP2 on the
     dp mesh) are averaged as their local shards."""
-    from ..reduce import local_grad
-    from ..reduce import sync_domain_gradients as domain_sum
+    from ..parallel.reduce import local_grad
+    from ..parallel.reduce import sync_domain_gradients as domain_sum
 
     manager = _manager(manager)
     if manager is None:

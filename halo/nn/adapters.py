@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plans import resolve
+from ..plan.plans import resolve
 from . import dropout, norm
 from .base import HaloLayer
 from .credit_padding import CROSSFORMER_MODULES

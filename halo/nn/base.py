@@ -1,13 +1,13 @@
 """The layer base: what every halo layer does alike, written once.
 
 A halo layer is a torch layer plus four things: the domain group it runs on (``group=``, held in a
-:class:`halo.mesh.GroupRef` so a deep copy or a pickle does not copy a process group), its site in the planner's
-records (a :class:`halo.plans.Site`), an optional latitude x longitude mesh (``mesh=``), and the torch module's
+:class:`halo.dist.mesh.GroupRef` so a deep copy or a pickle does not copy a process group), its site in the planner's
+records (a :class:`halo.plan.plans.Site`), an optional latitude x longitude mesh (``mesh=``), and the torch module's
 state it adopted (its Parameters shared, so ``state_dict`` keys stay). :class:`HaloLayer` owns all four, and the
 three steps of a forward that every layer repeated:
 
 * :meth:`HaloLayer.axis_plans` — the plan of the call, *per axis*: one entry on latitude rows (the group), two on a
-  latitude x longitude mesh (H then W), learned in one agreement either way (:func:`halo.plans.resolve` over the
+  latitude x longitude mesh (H then W), learned in one agreement either way (:func:`halo.plan.plans.resolve` over the
   group, or over the mesh's domain group with both extents and the mesh coordinates). The layer writes one geometry
   function ``make(axis_group, sizes, dim, *per_axis[a], *extra)`` — which rows of ``dim`` this rank needs, given
   every rank's ``sizes`` along that axis — and never a ``*_2d`` twin of it: an axis of a mesh is a line of ranks
@@ -33,10 +33,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..comm import CommGroup, comm_group
+from ..dist.comm import CommGroup, comm_group
+from ..dist.mesh import DomainMesh, group_attribute, mesh_2d, mesh_coords
 from ..exchange import exchange, like_format, pole_step
-from ..mesh import DomainMesh, group_attribute, mesh_2d, mesh_coords
-from ..plans import Site, carry, resolve
+from ..plan.plans import Site, carry, resolve
 
 __all__ = ["AxisPlan", "HaloLayer", "adopt", "mesh_layout", "mesh_of", "run_axes", "set_mesh"]
 
@@ -84,7 +84,7 @@ class AxisPlan:
 
 def _one_axis(cg: CommGroup, extents: tuple[tuple[int, ...], ...], make: Callable, dim: int,
               per_axis: tuple, extra: tuple) -> tuple:
-    """Latitude rows: the layer's geometry on the group (a plan function of :func:`halo.plans.resolve`)."""
+    """Latitude rows: the layer's geometry on the group (a plan function of :func:`halo.plan.plans.resolve`)."""
     return (make(cg, tuple(extents[0]), dim, *(per_axis[0] if per_axis else ()), *extra),)
 
 

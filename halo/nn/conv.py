@@ -58,11 +58,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..autocast import policy_device, result_dtype
-from ..comm import CommGroup
+from ..dist.comm import CommGroup
 from ..exchange import exchanger_id, get_exchanger
-from ..geometry import conv_row_plan, conv_transpose_row_plan
 from ..kernels.reference import alloc_like as kernels_alloc_like
-from ..partition import check_boundary, split_sizes
+from ..plan.geometry import conv_row_plan, conv_transpose_row_plan
+from ..plan.partition import check_boundary, split_sizes
 from .base import AxisPlan, HaloLayer, adopt
 from .patch2d import corner_exchanger_id, patch_conv_2d
 from .registry import converts, pointwise_conv
@@ -84,7 +84,7 @@ OVERLAP_DEFAULT = True
 
 # -- pure row arithmetic (no process group: every rank computes the same plan for the whole group) ----------
 
-# (conv_row_plan, conv_transpose_row_plan: halo.geometry, re-exported here)
+# (conv_row_plan, conv_transpose_row_plan: halo.plan.geometry, re-exported here)
 
 
 def _pads(conv: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:

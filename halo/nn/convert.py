@@ -27,10 +27,10 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import DomainMesh, DomainParallelManager
-from ..reduce_marks import watch_model
-from ..replicated import check_replicated
-from ..reroute import uninstall
+from ..dist.mesh import DomainMesh, DomainParallelManager
+from ..guard.reroute import uninstall
+from ..parallel.marks import watch_model
+from ..plan.replicated import check_replicated
 from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample  # noqa: F401  (they fill the registry)
 from .adapters import adapter
 from .credit_padding import TensorPadding, swap_tensor_padding, unswap_tensor_padding
@@ -211,7 +211,7 @@ def convert_to_domain_parallel(
         boundary: what fills the latitude edges of converted convolutions, e.g. ``"pole"`` for a global
             lat-lon grid; default: each conv's own ``padding_mode``.
         grid: ``(H, W)`` of the global field, if you want to declare it: every field input of the model (a tensor
-            one of whose last dims is an extent of the grid or of this rank's share, ``halo.entry``) must then
+            one of whose last dims is an extent of the grid or of this rank's share, ``halo.plan.entry``) must then
             hold this rank's share along dims -2, -1 (checked on each rank: a whole field, a W shard, a
             ``(B, H, W, C)`` tensor raise at once; the peers within the timeout), and a call starts without any
             communication (unless an input carries ``halo_sample_key``: then the ranks compare it). Without it the
@@ -219,7 +219,7 @@ def convert_to_domain_parallel(
             (``halo.nn.root.set_grid`` changes it). Default: each call's first act is one
             small agreement on host data (every rank's input shapes), which makes a changed input shape on any
             rank safe. Either way, every layer learns its extents once and a steady step sends only halo
-            messages and the reductions the math needs (``halo.plans``). With ``mesh=``, every input whose last
+            messages and the reductions the math needs (``halo.plan.plans``). With ``mesh=``, every input whose last
             dim is a block's or the grid's width must be this rank's block (checked on each rank: a latitude
             shard with all longitudes is refused, where the layers would take it for a field ``pw`` times wider).
         mesh: the old keyword for a mesh in ``manager``'s place (kept): a ``halo.DomainMesh((ph, pw))`` with two domain

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..exchange import exchange
-from ..plans import Site, carry, resolve
+from ..plan.plans import Site, carry, resolve
 from .pad import pad_plan
 from .upsample import halo_interpolate
 

@@ -8,7 +8,7 @@ over H needs whole columns. Both become local after a *regroup*: a permutation o
 sharded dim, from the balanced split of the rows to a split in which every rank holds whole groups.
 
 ``regroup(x, plan)`` is that permutation as an autograd Function. Forward: each rank packs the rows each peer
-gets into one contiguous buffer (one ``index_select``), the ranks exchange them through ``halo.transport``
+gets into one contiguous buffer (one ``index_select``), the ranks exchange them through ``halo.dist.transport``
 (``post_rows`` / ``wait``: gloo has no ``all_to_all``; one point-to-point message per pair that shares rows,
 bounded waits naming the peers), and each rank places what arrives (one ``index_copy_``). A permutation's
 adjoint is its inverse, so the backward is the same code with the plan reversed: the gradient rows travel back to
@@ -48,11 +48,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import CommGroup, comm_group
+from ..dist.comm import CommGroup, comm_group
+from ..dist.transport import post_rows, wait
 from ..guard import place
-from ..partition import offsets, split_sizes
-from ..plans import carry, device_tensor, resolve
-from ..transport import post_rows, wait
+from ..plan.partition import offsets, split_sizes
+from ..plan.plans import carry, device_tensor, resolve
 from .base import HaloLayer, adopt
 
 __all__ = [

@@ -44,11 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import CommGroup
+from ..dist.comm import CommGroup
 from ..exchange import exchange, exchanger_id
 from ..guard import place
-from ..partition import offsets
-from ..plans import Site, carry, device_tensor, resolve
+from ..plan.partition import offsets
+from ..plan.plans import Site, carry, device_tensor, resolve
 from .base import HaloLayer, adopt
 
 __all__ = [
@@ -240,7 +240,7 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     ``(B, heads, H_r, W, head_dim)`` of the balanced split along dim 2; returns this rank's output rows.
 
     One exchange brings the key/value rows this rank's windows reach (module docstring); the first call under an
-    epoch (``halo.plans``) agrees on every rank's shapes, so a bad shape or a field smaller than the window raises
+    epoch (``halo.plan.plans``) agrees on every rank's shapes, so a bad shape or a field smaller than the window raises
     the same ``ValueError`` on every rank. ``rpb`` is replicated; its gradient on each rank is that rank's share.
     """
     kernel, dil = _pair(kernel_size, "kernel_size"), _pair(dilation, "dilation")

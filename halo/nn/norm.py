@@ -12,7 +12,7 @@ torch twin and adopts the original's parameters and buffers (the same tensor obj
     DomainLayerNorm         normalized_shape, e.g. (C, H, W)   leading dims      training and eval
 
 Statistics: each rank computes its local ``(mean, M2)`` with ``torch.var_mean`` (torch's accurate kernel), the
-ranks' pairs are gathered with one :func:`halo.reduce.all_reduce` of a zero-padded ``(P, 2, ...)`` stack (adding
+ranks' pairs are gathered with one :func:`halo.parallel.all_reduce` of a zero-padded ``(P, 2, ...)`` stack (adding
 zeros is exact, so this is an all-gather with the plain all-reduce adjoint), and every rank combines them in
 rank order (Chan et al.)::
 
@@ -23,7 +23,7 @@ large against the spread (temperature in K, geopotential), losing about ``2 log2
 in fp32 is visible. The combine has no cancellation, costs one collective of ``P`` times a few numbers per
 statistic, and leaves bitwise-identical statistics on every rank. Gradients need no hand-written backward:
 autograd runs through ``var_mean``, the combine and the all-reduce's exact adjoint. Counts ``n_r`` are exact
-integers from every rank's extents, agreed on once per epoch (``halo.plans``: the agreement also checks that B,
+integers from every rank's extents, agreed on once per epoch (``halo.plan.plans``: the agreement also checks that B,
 C, W, dtype agree across ranks, so a mismatch raises on every rank) and made into a device tensor once. Over the
 data-parallel group of a batch norm the counts ride in the same all-reduce instead (batches may differ).
 The extents come as one plan per sharded axis (:meth:`halo.nn.base.HaloLayer.axis_plans`: H on latitude rows; H
@@ -54,14 +54,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .. import reroute
 from ..autocast import cast_as_torch
-from ..comm import CommGroup, comm_group, group_by_id, group_id
+from ..dist.comm import CommGroup, comm_group, group_by_id, group_id
+from ..dist.mesh import GroupRef, get_domain_parallel_manager
+from ..dist.transport import all_reduce as bounded_all_reduce
 from ..exchange import backward_order_token, order_after, order_communication, order_token
-from ..mesh import GroupRef, get_domain_parallel_manager
-from ..plans import device_tensor, shard_sizes
-from ..reduce import accumulation_dtype, all_reduce
-from ..transport import all_reduce as bounded_all_reduce
+from ..guard import reroute
+from ..parallel.reduce import accumulation_dtype, all_reduce
+from ..plan.plans import device_tensor, shard_sizes
 from .base import AxisPlan, HaloLayer, adopt
 from .registry import converts
 
@@ -157,7 +157,7 @@ def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
 
 
 def _plan(module: HaloLayer, x: torch.Tensor, op: str) -> NormPlan:
-    """Every rank's extents along every sharded axis and the domain group, agreed on (or recalled: ``halo.plans``)
+    """Every rank's extents along every sharded axis and the domain group, agreed on (or recalled: ``halo.plan.plans``)
     before any rank checks shapes locally (invariant 4). A tensor without a dim -2 is refused by the agreement
     itself, on every rank."""
     return _norm_plan(module.axis_plans(x, op, _norm_axis, (module.group,)))
@@ -346,7 +346,7 @@ order_communication(_gn_op, _gn_backward_op)  # they all-reduce: one order on ev
 
 @dataclasses.dataclass(frozen=True)
 class NormPlan:
-    """Every rank's H extent and the domain group (by :func:`halo.comm.group_id`), as a norm call needs them;
+    """Every rank's H extent and the domain group (by :func:`halo.dist.comm.group_id`), as a norm call needs them;
     ``cols``: every rank's W extent on a latitude x longitude mesh (``None``: W is whole, the same everywhere)."""
 
     sizes: tuple[int, ...]
@@ -586,7 +586,7 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
     """``nn.LayerNorm`` whose ``normalized_shape`` covers H and W, e.g. ``(C, H, W)`` of the *global* field.
 
     The elementwise ``weight`` / ``bias`` keep their full global shape; each rank uses its H-slice (offsets from
-    every rank's extent), so its gradient lands only in its slice and :func:`halo.reduce.sync_domain_gradients`'
+    every rank's extent), so its gradient lands only in its slice and :func:`halo.parallel.sync_domain_gradients`'
     sum assembles the full gradient. With ``normalized_shape`` of one dim (W or features) the layer is pointwise
     in latitude and runs ``F.layer_norm`` locally.
     """
@@ -623,4 +623,4 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
         return _affine(y, weight, bias).to(x.dtype)
 
 
-reroute.provide(var_mean=domain_var_mean)  # functional norms in users' forward code (halo.reroute)
+reroute.provide(var_mean=domain_var_mean)  # functional norms in users' forward code (halo.guard.reroute)

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..autocast import cast_as_torch
-from ..comm import CommGroup
+from ..dist.comm import CommGroup
 from ..exchange import exchanger_id
-from ..geometry import check_output_rows, pad_needs
-from ..plans import Site, shard_sizes
+from ..plan.geometry import check_output_rows, pad_needs
+from ..plan.plans import Site, shard_sizes
 from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
 from .registry import converts
 

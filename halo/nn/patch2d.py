@@ -45,9 +45,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..comm import comm_group
+from ..dist.comm import comm_group
 from ..exchange import Exchanger, exchange_spec, exchanger_id, get_exchanger
-from ..partition import POLE_MODES, check_boundary, offsets, split_sizes
+from ..plan.partition import POLE_MODES, check_boundary, offsets, split_sizes
 
 __all__ = ["PatchPlan2d", "corner_exchanger_id", "patch_2d_applies", "patch_conv_2d", "plan_patch_2d"]
 

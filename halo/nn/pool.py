@@ -39,7 +39,7 @@ ASPP, CBAM; PSP's small grids) returns its result *whole on every rank*: each ra
 maxima compared, the winner being torch's (the first maximum in row-major order, so indices and the gradient's
 destination agree with torch, ties across ranks included). The backward sums the ranks' partial gradients of the
 result (each rank's consumers used it on its own rows) and routes them to the input rows. The result is marked
-whole (``halo.plans.mark_whole``): the converter keeps the modules after the pool in its ``nn.Sequential`` as
+whole (``halo.plan.plans.mark_whole``): the converter keeps the modules after the pool in its ``nn.Sequential`` as
 torch's own (they compute on the whole tensor: an ASPP branch's BatchNorm gets the unsharded statistics) and makes
 a halo layer that is handed a whole tensor elsewhere raise instead of taking the copies for shards.
 
@@ -68,12 +68,12 @@ from torch import nn
 from torch.nn.modules.utils import _pair, _triple
 
 from ..autocast import cast_as_torch
-from ..comm import CommGroup, comm_group
+from ..dist.comm import CommGroup, comm_group
+from ..dist.transport import all_reduce as bounded_all_reduce
 from ..exchange import exchanger_id, like_format
-from ..geometry import adaptive_plan, adaptive_starts_ends, check_output_rows, widen_plan, window_plan
-from ..plans import Site, mark_whole
-from ..reduce import all_reduce
-from ..transport import all_reduce as bounded_all_reduce
+from ..parallel.reduce import all_reduce
+from ..plan.geometry import adaptive_plan, adaptive_starts_ends, check_output_rows, widen_plan, window_plan
+from ..plan.plans import Site, mark_whole
 from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
 from .registry import converts
 
@@ -102,7 +102,7 @@ def _formatted(out: Any, x: torch.Tensor) -> Any:
 
 # -- pure geometry (no process group: testable for thousands of configurations in one process) --------------
 
-# (window_plan, widen_plan, adaptive_plan, check_output_rows: halo.geometry, re-exported here)
+# (window_plan, widen_plan, adaptive_plan, check_output_rows: halo.plan.geometry, re-exported here)
 
 
 _META_OPS = {"max": F.max_pool2d, "avg": F.avg_pool2d, "adaptive_avg": F.adaptive_avg_pool2d,
@@ -374,7 +374,7 @@ class AdaptivePlan(AxisPlan):
 def _adaptive_axis_plan(cg: CommGroup, sizes: tuple[int, ...], dim: int, op: str, kind: str, shape: tuple,
                         output_size: Any) -> AdaptivePlan:
     """The geometry of an adaptive pool along one axis (H; W too on a mesh: ``dim`` names it). Output ``o`` pools
-    the rows ``[floor(o*n/m), ceil((o+1)*n/m))`` of the axis (:func:`halo.geometry.adaptive_starts_ends`)."""
+    the rows ``[floor(o*n/m), ceil((o+1)*n/m))`` of the axis (:func:`halo.plan.geometry.adaptive_starts_ends`)."""
     n = sum(sizes)
     probe = list(shape)
     probe[dim] = n  # torch's size rule and checks; the other dims are this rank's (only ``dim``'s output is read)

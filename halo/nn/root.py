@@ -1,7 +1,7 @@
 """A converted model's root: where its calls start a step, and the hooks that keep a global pool's result whole.
 
 ``convert_to_domain_parallel`` makes the model it converts a *root* (:func:`make_root`): a :class:`RootConfig` in its
-``__dict__`` and two hooks, so that each call starts (or joins) a step's epoch (``halo.plans.enter_root`` /
+``__dict__`` and two hooks, so that each call starts (or joins) a step's epoch (``halo.plan.plans.enter_root`` /
 ``exit_root``: plans learned once per global shape, invariant 7). A torch container (``nn.Sequential``, ...) gets a
 derived class with a forward of its own (:func:`rooted`): torch.compile then runs the hooks eagerly instead of
 tracing them. With a global pool in the model (its result whole on every rank), :func:`guard_whole` installs the
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import entry, plans
-from ..comm import comm_group
-from ..mesh import GroupRef
-from ..plans import enter_root, exit_root
-from ..transport import gather_words
+from ..dist.comm import comm_group
+from ..dist.mesh import GroupRef
+from ..dist.transport import gather_words
+from ..plan import entry, plans
+from ..plan.plans import enter_root, exit_root
 from . import pool
 
 __all__ = ["RootConfig", "drop_root", "global_pool", "guard_whole", "make_root", "rooted", "set_grid"]
@@ -112,7 +112,7 @@ class RootConfig:
 
 def make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_sharded: bool = False,
                mesh_shape: tuple[int, int] | None = None) -> None:
-    """Make ``model`` a converted model's root: its calls start (or join) a step's epoch (``halo.plans``)."""
+    """Make ``model`` a converted model's root: its calls start (or join) a step's epoch (``halo.plan.plans``)."""
     if grid is not None:
         grid = _check_grid(grid, "convert_to_domain_parallel")
     had = "_halo_root" in model.__dict__

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..autocast import cast_as_torch
-from ..comm import CommGroup
+from ..dist.comm import CommGroup
 from ..exchange import exchanger_id
-from ..geometry import check_output_rows, shuffle_needs
+from ..plan.geometry import check_output_rows, shuffle_needs
 from .base import AxisPlan, HaloLayer
 from .registry import converts
 

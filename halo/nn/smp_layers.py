@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..mesh import GroupRef
-from ..plans import shard_sizes
+from ..dist.mesh import GroupRef
+from ..plan.plans import shard_sizes
 from .upsample import halo_interpolate
 
 __all__ = ["HaloUnetDecoder", "HaloUnetDecoderBlock", "smp_adapter"]

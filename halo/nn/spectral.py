@@ -4,7 +4,7 @@ An FFT or a spherical-harmonic transform along latitude mixes every row of the f
 does is a *transpose*: the H-shards ``(..., H_r, W)`` become W-shards ``(..., H, W_s)`` (every rank holds whole
 columns), the transform along H runs locally there, and the inverse transpose brings the result back. The
 transpose is :func:`halo.nn.longrange.rows_to_columns` / :func:`~halo.nn.longrange.columns_to_rows`, reused as it
-is (a regroup: one point-to-point message per pair of ranks through ``halo.transport``, uneven balanced splits on
+is (a regroup: one point-to-point message per pair of ranks through ``halo.dist.transport``, uneven balanced splits on
 both sides, bounded by ``halo.set_timeout``, its backward the inverse transpose: a permutation's exact adjoint).
 :func:`to_columns` / :func:`to_rows` add complex fields to it (sent as their real pairs).
 
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ..comm import comm_group
-from ..partition import split_offsets
+from ..dist.comm import comm_group
+from ..plan.partition import split_offsets
 from .longrange import rows_to_columns
 from .transpose import cols_to_rows, rows_to_cols
 

@@ -38,10 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import CommGroup
+from ..dist.comm import CommGroup
 from ..guard import place, trusted
-from ..partition import split_offsets
-from ..plans import carry, resolve
+from ..plan.partition import split_offsets
+from ..plan.plans import carry, resolve
 from .base import HaloLayer, adopt
 from .spectral import to_columns, to_rows
 

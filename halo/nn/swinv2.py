@@ -57,11 +57,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import CommGroup
+from ..dist.comm import CommGroup
+from ..dist.mesh import GroupRef
 from ..guard import place
-from ..mesh import GroupRef
-from ..partition import offsets, split_sizes
-from ..plans import Site, carry, resolve, shard_sizes
+from ..plan.partition import offsets, split_sizes
+from ..plan.plans import Site, carry, resolve, shard_sizes
 from .base import HaloLayer
 from .longrange import RegroupPlan, regroup, regroup_plan
 from .window import (
@@ -335,7 +335,7 @@ class HaloUTransformer(HaloLayer, nn.Module):
 # -- the models: their forward reshapes to the global grid ----------------------------------------------------
 
 def _group(model: nn.Module) -> Any:
-    """The domain group a converted model was given (kept in a :class:`halo.mesh.GroupRef`, which pickles)."""
+    """The domain group a converted model was given (kept in a :class:`halo.dist.mesh.GroupRef`, which pickles)."""
     return model.__dict__["_halo_group"].group
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..mesh import DomainMesh, DomainParallelManager, get_domain_parallel_manager
+from ..dist.mesh import DomainMesh, DomainParallelManager, get_domain_parallel_manager
 
 __all__ = ["ConvertContext", "convert_context"]
 

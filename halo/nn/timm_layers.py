@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plans import Site, mark_whole, whole_source
+from ..plan.plans import Site, mark_whole, whole_source
 from .base import AxisPlan, HaloLayer
 from .conv import HaloConv2d
 from .norm import DomainGroupNorm
@@ -400,7 +400,7 @@ def _head(m: nn.Module, ctx: Any) -> nn.Module:
 
 
 def _size(ctx: Any) -> int:
-    from ..comm import comm_group
+    from ..dist.comm import comm_group
 
     return comm_group(ctx.group).size
 

@@ -3,10 +3,10 @@
 Rank ``r`` holds rows ``[r0, r1)`` of every column before and columns ``[c0, c1)`` of every row after (both the
 balanced split, invariant 1, uneven sizes welcome). What rank ``r`` sends rank ``s`` is the block of its rows and
 ``s``'s columns, ``x[..., :, cs0:cs1]``: one contiguous copy per peer (together one pass over the shard), one
-point-to-point message per pair through ``halo.transport`` (gloo's ``all_to_all`` wants equal sizes; the P2P
+point-to-point message per pair through ``halo.dist.transport`` (gloo's ``all_to_all`` wants equal sizes; the P2P
 transport takes any, and its waits are bounded by ``halo.set_timeout``, naming the peers), and each received block
 lands in its rows ``[r0, r1)`` of the output: one pass over the output. A complex field travels as its real view
-(no copy). The plan is the ``P`` row and column offsets, learned once per global shape (``halo.plans.resolve``).
+(no copy). The plan is the ``P`` row and column offsets, learned once per global shape (``halo.plan.plans.resolve``).
 
 :func:`halo.nn.longrange.rows_to_columns` does the same permutation as a general *regroup* (index maps over the
 flattened ``H * W`` positions: an ``H_r * W`` int64 index per rank, made in Python once per shape, ~50 ms at
@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from ..comm import CommGroup, comm_group
+from ..dist.comm import CommGroup, comm_group
+from ..dist.transport import post, wait
 from ..guard import place
-from ..partition import offsets, split_sizes
-from ..plans import carry, resolve
-from ..transport import post, wait
+from ..plan.partition import offsets, split_sizes
+from ..plan.plans import carry, resolve
 
 __all__ = ["TransposePlan", "cols_to_rows", "rows_to_cols"]
 

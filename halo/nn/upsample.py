@@ -57,14 +57,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import reroute
 from ..autocast import cast_as_torch
-from ..comm import CommGroup
+from ..dist.comm import CommGroup
+from ..dist.mesh import DomainMesh
 from ..exchange import exchanger_id
-from ..geometry import adaptive_plan, adaptive_starts_ends, check_output_rows
-from ..mesh import DomainMesh
-from ..partition import split_offsets
-from ..plans import Site, device_tensor
+from ..guard import reroute
+from ..plan.geometry import adaptive_plan, adaptive_starts_ends, check_output_rows
+from ..plan.partition import split_offsets
+from ..plan.plans import Site, device_tensor
 from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
 from .registry import converts
 

@@ -29,11 +29,11 @@ layer                            replaces (recognised by name and attributes)   
 Shard a field so that windows do not straddle ranks with ``halo.shard(x, dim, granularity=g)``: for a model with
 patch ``p`` and window ``ws`` at the first stage, ``g = p * ws`` on the image (``2 * p * ws`` keeps the second
 stage's windows whole too, and so on). A shard that is not made of whole windows raises the same ``ValueError`` on
-every rank (the extents are agreed first, ``halo.plans``).
+every rank (the extents are agreed first, ``halo.plan.plans``).
 
 Gradients: the input gradient is exact (the roll's backward is the adjoint exchange, a roll the other way);
 parameter gradients on each rank are the contribution of its windows: sum them over the domain group
-(``halo.reduce.sync_domain_gradients``). Dropout inside the attention (``attn_drop``, ``proj_drop`` of
+(``halo.parallel.sync_domain_gradients``). Dropout inside the attention (``attn_drop``, ``proj_drop`` of
 ``WindowAttention``) acts on windows, not on a field: in training with ``p > 0`` it is refused (it would draw
 differently per rank); ``DropPath`` and the MLP's dropouts become halo's sharding-invariant ones as elsewhere.
 """
@@ -49,11 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import CommGroup
+from ..dist.comm import CommGroup
 from ..exchange import exchange, exchanger_id
 from ..guard import place
-from ..partition import offsets, split_offsets, split_sizes
-from ..plans import carry, resolve
+from ..plan.partition import offsets, split_offsets, split_sizes
+from ..plan.plans import carry, resolve
 from .base import HaloLayer, adopt
 
 __all__ = [

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from ..check import boundary_reference, check_equivalence
+from ..dist.mesh import DomainMesh, initialize_domain_parallel
 from ..launch import is_printer, launch, rank_device
-from ..mesh import DomainMesh, initialize_domain_parallel
-from ..partition import check_boundary
+from ..plan.partition import check_boundary
 
 __all__ = ["run_check"]
 

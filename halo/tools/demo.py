@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..partition import split_offsets
+from ..plan.partition import split_offsets
 
 __all__ = ["DemoNet", "PolePadConv", "make_field", "pole_pad", "run_demo"]
 
@@ -216,10 +216,10 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
     import torch.distributed as dist
 
     from ..check import check_equivalence
+    from ..dist.mesh import DomainMesh, initialize_domain_parallel
     from ..launch import rank_device
-    from ..mesh import DomainMesh, initialize_domain_parallel
     from ..nn.convert import convert_to_domain_parallel
-    from ..reduce import latitude_weighted_mse, sync_domain_gradients
+    from ..parallel.reduce import latitude_weighted_mse, sync_domain_gradients
     from ..shard import gather, gather_2d, shard, shard_2d
     from .bench import gather_times, median
 

@@ -22,12 +22,12 @@ __all__ = ["run_data_demo"]
 
 
 def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
-    from ..comm import unsharded
+    from ..dist.comm import unsharded
+    from ..dist.mesh import initialize_domain_parallel
     from ..io import ShardedField
     from ..launch import rank_device
-    from ..mesh import initialize_domain_parallel
     from ..nn import convert_to_domain_parallel
-    from ..partition import split_offsets
+    from ..plan.partition import split_offsets
     from ..rollout import rollout, scores
     from ..shard import gather
     from .demo import DemoNet, pole_boundary, reference_model

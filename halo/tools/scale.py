@@ -1,7 +1,7 @@
 """Scale on paper: per-rank halo bytes, messages and exchange time of a 3x3 conv for global grids on 8-1024 GPUs.
 
 For a grid ``H x W`` (0.25 deg 721 x 1440, 0.1 deg 1801 x 3600, 3 km 6667 x 13334), ``C`` channels in bf16 and a
-halo of one row/column, each layout is planned by halo's own planner (:func:`halo.partition.plan_exchange`, the
+halo of one row/column, each layout is planned by halo's own planner (:func:`halo.plan.partition.plan_exchange`, the
 messages every rank would post) and timed by the performance model of docs/design.md:
 
 =====================  ================================================================================================
@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..partition import plan_exchange, split_offsets, split_sizes
+from ..plan.partition import plan_exchange, split_offsets, split_sizes
 
 __all__ = ["GRIDS", "Layout", "main", "plan_1d", "plan_2d"]
 

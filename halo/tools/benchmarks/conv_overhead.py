@@ -70,7 +70,7 @@ def conv_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     from halo.launch import rank_device
     from halo.nn import convert_to_domain_parallel
     from halo.nn.conv import HaloConv2d
-    from halo.partition import split_sizes
+    from halo.plan.partition import split_sizes
 
     device = rank_device(cfg["backend"])
     dtype = getattr(torch, cfg["dtype"])

@@ -72,7 +72,7 @@ def _impls(x: torch.Tensor, local: torch.Tensor, width: int, group: Any) -> dict
     """``x``: this rank's shard as ``halo.shard`` made it; ``local``: the same values in a tensor halo did not make."""
     import torch.distributed as dist
 
-    from halo.comm import comm_group
+    from halo.dist.comm import comm_group
     from halo.exchange import halo_exchange, halo_exchange_
 
     info = comm_group(group)

@@ -48,10 +48,10 @@ def mesh_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     import torch.distributed as dist
 
     from halo import initialize_domain_parallel
+    from halo.dist.mesh import DomainMesh
     from halo.launch import rank_device
-    from halo.mesh import DomainMesh
     from halo.nn.convert import convert_to_domain_parallel
-    from halo.reduce import latitude_weighted_mse, sync_domain_gradients
+    from halo.parallel.reduce import latitude_weighted_mse, sync_domain_gradients
     from halo.shard import shard, shard_2d
     from halo.tools.demo import DemoNet, Traffic, latitudes, make_field, pole_boundary, reference_model, weighted_mse
 

@@ -42,11 +42,11 @@ def _impls(cfg, w_mode):
     from torch import nn
 
     from halo import initialize_domain_parallel
+    from halo.dist.mesh import DomainMesh
     from halo.exchange import exchange_2d, plan_exchange_2d
-    from halo.mesh import DomainMesh
     from halo.nn import HaloConv2d
     from halo.nn.patch2d import patch_conv_2d, plan_patch_2d
-    from halo.partition import offsets, split_sizes
+    from halo.plan.partition import offsets, split_sizes
 
     (h, w), (ph, pw), c = cfg["grid"], cfg["mesh"], cfg["channels"]
     world = ph * pw

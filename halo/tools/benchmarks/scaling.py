@@ -58,8 +58,8 @@ def scaling_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     from halo import initialize_domain_parallel
     from halo.launch import rank_device
     from halo.nn.convert import convert_to_domain_parallel
-    from halo.partition import split_sizes
-    from halo.reduce import latitude_weighted_mse, sync_domain_gradients
+    from halo.parallel.reduce import latitude_weighted_mse, sync_domain_gradients
+    from halo.plan.partition import split_sizes
     from halo.shard import shard
     from halo.testing import HostWorkCounter
     from halo.tools.demo import DemoNet, latitudes, make_field, pole_boundary, reference_model, weighted_mse

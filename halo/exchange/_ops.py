@@ -1,0 +1,257 @@
+"""``halo::exchange`` and its adjoint as custom ops (what ``torch.compile`` sees), and the order of communication.
+
+Under ``torch.compile`` an exchange is opaque to dynamo: :func:`exchange_op` (its extended shape from the plan, in
+the input's memory format, as the fake kernel says) and :func:`exchange_adjoint_op`. Every communicating custom op
+of halo (here, the norms' and the reductions') is declared an ordered effect and reads the device's order token
+(:func:`order_communication`, :func:`order_token`, :func:`order_after`), so no compiler pass drops, repeats or
+reorders messages; checkpointed regions save them (:func:`communicating`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._registry import get_exchanger
+from .exchanger import memory_format
+
+__all__ = ["backward_order_token", "communicating", "exchange_adjoint_op", "exchange_op", "order_after",
+           "order_communication", "order_devices", "order_token"]
+
+
+def _strided_like(t: torch.Tensor, shape: Sequence[int], fmt: torch.memory_format) -> torch.Tensor:
+    """``t`` with exactly the strides of ``torch.empty(shape, memory_format=fmt)``: what the fake kernels below
+    promise (inductor asserts the real strides against them); a copy only if ``t`` has others (never, today)."""
+    want = torch.empty(tuple(shape), dtype=t.dtype, device="meta", memory_format=fmt).stride()
+    if tuple(t.shape) == tuple(shape) and t.stride() == want:
+        return t
+    out = torch.empty(tuple(shape), dtype=t.dtype, device=t.device, memory_format=fmt)
+    return out.copy_(t)
+
+
+#: One order token per device (``str(device)``): a 1-element int64 tensor every communicating custom op reads and
+#: :func:`order_after` declares mutated, made once and kept (see :func:`order_token`). Deliberately not in the
+#: context: a compiled graph reads the token as a global (a graph input at a fixed address, kept by CUDA graphs),
+#: and a reset must not hand a graph compiled before it a different tensor. Bounded by the devices of the process.
+_ORDER: dict[str, torch.Tensor] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _order_key(device: torch.device) -> str:
+    key = str(device)
+    if key not in _ORDER:
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor, even if first met in inference_mode
+            token = torch.zeros(1, dtype=torch.int64, device=device)
+        torch._dynamo.mark_static_address(token)  # a fixed address: CUDA graphs (reduce-overhead) keep it
+        _ORDER[key] = token
+    return key
+
+
+def order_token(device: torch.device) -> torch.Tensor:
+    """The order token of ``device``: under ``torch.compile`` a graph input (the same tensor every step, so no
+    recompiles), read by every communicating custom op and declared mutated right after it (:func:`order_after`)."""
+    key = _order_key(device)  # made outside the trace (a constant result), then read as a global: a graph input
+    return _ORDER[key]
+
+
+def order_devices() -> tuple[str, ...]:
+    """The devices that have an order token so far (for tests and debugging)."""
+    return tuple(_ORDER)
+
+
+#: ``halo::order_after``: declared to write ``order`` after reading ``after`` (a communicating op's output); computes
+#: nothing. Defined on the plain library API (one CompositeExplicitAutograd kernel: ~3 us a call, against ~30 us for
+#: a ``torch.library.custom_op``; nothing to differentiate).
+_LIB = torch.library.Library("halo", "FRAGMENT")
+_LIB.define("order_after(Tensor(a!) order, Tensor after) -> ()")
+
+
+def _order_after_kernel(order: torch.Tensor, after: torch.Tensor) -> None:
+    return None
+
+
+_LIB.impl("order_after", _order_after_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("halo::order_after", _order_after_kernel, lib=_LIB)
+_order_after_op = torch.ops.halo.order_after.default
+
+
+def backward_order_token(order: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The order token of the backward of a graph whose forward read ``order``: one per traced graph, made inside
+    the backward (``like``'s device), shared by every backward formula of that trace.
+
+    Never the forward's token: a tensor the forward saves for backward must keep its version, and every compiled
+    forward declares the device token written (two forwards before one backward, as in a rollout, would fail
+    autograd's saved-tensor check). So the backward formulas key their token on the forward token's traced object.
+    """
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    trace = detect_fake_mode([like]), get_proxy_mode()  # this trace (None, None in eager: one real token)
+    held = getattr(order, "_halo_backward_order", None)
+    if held is not None and held[0] is trace[0] and held[1] is trace[1]:
+        return held[2]
+    token = like.new_zeros((1,), dtype=torch.int64)
+    order._halo_backward_order = (*trace, token)
+    return token
+
+
+def order_after(order: torch.Tensor, after: torch.Tensor) -> None:
+    """Sequence the communicating op that produced ``after`` before the next one that reads ``order``.
+
+    A data dependency every compiler pass keeps: op k reads the token, ``order_after`` writes it after op k's output
+    exists (read-after-write on ``after``, write-after-read on the token), op k+1 reads the written token. So under
+    inductor (whose ``reorder_for_peak_memory`` ignores effect tokens, torch 2.13) the communicating ops of a graph
+    run in program order on every rank, whatever each rank's shard size. Forward and backward alike (the backward
+    formulas chain on :func:`backward_order_token`). Eager never calls it; compiled, it is a no-op call per
+    communicating op (the token's value never changes: the declaration alone orders the graph).
+    """
+    _order_after_op(order, after)
+
+
+@torch.library.custom_op("halo::exchange", mutates_args=())
+def exchange_op(x: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+    """:func:`exchange` under ``torch.compile``. Output: a fresh tensor in ``x``'s memory format (channels_last
+    stays channels_last), as the fake kernel says. ``order``: the device's order token (:func:`order_after`)."""
+    ex = get_exchanger(ex_id)
+    shape = list(x.shape)
+    shape[dim] = rows
+    return _strided_like(ex.finish(x, ex.start(x)), shape, memory_format(x))
+
+
+@exchange_op.register_fake
+def _(x: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = rows
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format(x))
+
+
+@torch.library.custom_op("halo::exchange_adjoint", mutates_args=())
+def exchange_adjoint_op(grad: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+    """The adjoint of ``halo::exchange``. Output: a fresh contiguous tensor (as the fake kernel says)."""
+    shape = list(grad.shape)
+    shape[dim] = rows
+    out = get_exchanger(ex_id).adjoint(grad.contiguous(), shape)
+    if out.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+        out = out.clone(memory_format=torch.contiguous_format)
+    return _strided_like(out, shape, torch.contiguous_format)
+
+
+@exchange_adjoint_op.register_fake
+def _(grad: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, rows: int) -> torch.Tensor:
+    shape = list(grad.shape)
+    shape[dim] = rows
+    return grad.new_empty(shape)
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, order, ex_id, dim, _ = inputs
+    ctx.order, ctx.args = order, (ex_id, dim, x.shape[dim])
+
+
+def _backward(ctx, grad: torch.Tensor):
+    order = backward_order_token(ctx.order, grad)
+    out = exchange_adjoint_op(grad, order, *ctx.args)
+    order_after(order, out)
+    return out, None, None, None, None
+
+
+exchange_op.register_autograd(_backward, setup_context=_setup)
+
+
+def order_communication(*ops: Any) -> None:
+    """Declare communicating custom ops *ordered* side effects under ``torch.compile``.
+
+    A custom op with ``mutates_args=()`` is pure to the compiler: nothing stops it from dropping one whose result is
+    unused, or repeating one when recomputing. An ordered effect threads one token through every such op of a graph
+    (``torch._higher_order_ops.effects``, ``with_effects``): AOT autograd keeps them, in program order, and neither
+    DCE nor recomputation may drop or repeat them. The effect alone does not order them under inductor (torch 2.13:
+    ``reorder_for_peak_memory`` ignores it and would order them by a memory estimate that depends on each rank's
+    shard size — a hang, or swapped halos): every such op also reads the device's order token, declared written
+    after it (:func:`order_after`), a data dependency every pass keeps. torch 2.11-2.14 register the effect through
+    ``torch.library._register_effectful_op``; older versions through ``_higher_order_ops.effects``.
+    """
+    _COMMUNICATING.update(op._qualname for op in ops)
+    register = getattr(torch.library, "_register_effectful_op", None)
+    if register is not None:
+        from torch._library.effects import EffectType
+
+        for op in ops:
+            register(op._qualname, EffectType.ORDERED)
+        return
+    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op  # pragma: no cover - older
+
+    for op in ops:  # pragma: no cover
+        _register_effectful_op(op._opoverload, _EffectType.ORDERED)
+
+
+#: The qualified names of halo's communicating custom ops (:func:`order_communication`) and of ``halo::order_after``,
+#: whose outputs a checkpointed region of a compiled graph saves (:func:`_save_communication_in_checkpoints`).
+_COMMUNICATING: set[str] = {"halo::order_after"}
+
+
+def communicating(op: Any) -> bool:
+    """Whether ``op`` (an ``OpOverload``) is one of halo's communicating custom ops or ``halo::order_after``."""
+    name = getattr(op, "name", None)
+    return callable(name) and name() in _COMMUNICATING
+
+
+def _save_communication_in_checkpoints() -> None:
+    """Under ``torch.compile``, ``torch.utils.checkpoint`` (no ``context_fn``) recomputes every op of its region in
+    backward, with the policy ``torch._higher_order_ops.wrap._always_prefer_recompute``. torch 2.13 cannot recompute
+    an ordered-effect op there: aot_eager saves the region's input effect token, which is ``None`` at run time
+    (``expected all tensors_saved_with_vc_check to be Tensors``), and inductor fails to unlift the tokens
+    (``forward num_erased_outs``). So halo's communicating ops (and ``order_after``) are saved instead
+    (``MUST_SAVE``): a compiled checkpointed region posts its messages once, in forward, and recomputes the rest
+    (convolutions, normalisation, activations) from the saved exchanged shards in backward — correct on every rank
+    alike, at the cost of keeping the exchanged (extended) shards of the region, which eager checkpointing recomputes
+    (re-posting the messages in backward). A ``context_fn`` of your own (selective checkpointing) must save them
+    too: return ``MUST_SAVE`` where ``halo.exchange.communicating(op)``. Eager checkpointing is unchanged. Where
+    the policy is absent (another torch), nothing is patched."""
+    try:
+        from torch._higher_order_ops import wrap
+    except ImportError:  # another torch: nothing to patch
+        return
+    base = getattr(wrap, "_always_prefer_recompute", None)
+    if base is None:  # torch 2.11/2.12: vanilla AC tags each node of the region PREFER_RECOMPUTE (tag_nodes)
+        _save_communication_in_tagged_nodes(wrap)
+        return
+    if getattr(base, "_halo_saves_communication", False):
+        return
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if communicating(op):
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            return CheckpointPolicy.MUST_SAVE
+        return base(ctx, op, *args, **kwargs)
+
+    policy._halo_saves_communication = True  # type: ignore[attr-defined]
+    wrap._always_prefer_recompute = policy
+
+
+def _save_communication_in_tagged_nodes(wrap: Any) -> None:
+    """The same as :func:`_save_communication_in_checkpoints` where torch tags the checkpointed region's nodes
+    itself (``TagActivationCheckpoint.tag_nodes``, torch 2.11 / 2.12): halo's communicating ops are tagged
+    ``MUST_SAVE`` after it."""
+    tag = getattr(getattr(wrap, "TagActivationCheckpoint", None), "tag_nodes", None)
+    if tag is None or getattr(tag, "_halo_saves_communication", False):
+        return
+
+    def tag_nodes(gmod: Any, is_sac: bool) -> Any:
+        gmod = tag(gmod, is_sac)
+        if not is_sac:
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            for node in gmod.graph.nodes:
+                if node.op == "call_function" and communicating(node.target):
+                    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        return gmod
+
+    tag_nodes._halo_saves_communication = True  # type: ignore[attr-defined]
+    wrap.TagActivationCheckpoint.tag_nodes = staticmethod(tag_nodes)
+
+
+order_communication(exchange_op, exchange_adjoint_op)
+_save_communication_in_checkpoints()

@@ -1,0 +1,549 @@
+"""The guard on spatial ops that a converted model's ``forward`` calls itself (not through a module).
+
+The converter replaces modules; code in a ``forward`` (``F.pad(x1, [.., diffY // 2, diffY - diffY // 2])`` sized
+from the *local* shapes, ``F.interpolate``, slicing or a mean over H) runs on the shard as written, and is silently
+wrong. While a converted model learns its plans (its first call for each input shape: ``halo.plan.plans``), a
+``TorchFunctionMode`` watches every torch function called from user code (calls from torch's or halo's own code
+are not checked) and refuses, on every rank, the ops that would act on the sharded dim H of a field:
+
+=====================================================  ===========================================================
+op (function or tensor method)                         refused when
+=====================================================  ===========================================================
+``F.pad``                                              it pads H (any mode): the amounts are local
+``F.interpolate`` / ``upsample*``                      it resizes H in a form halo cannot compute (below): a size
+                                                       from a shard that is no field's rows, antialias, a mode
+                                                       ``halo_interpolate`` lacks, not ``(B, C, H, W)``
+``F.conv2d``, ``conv_transpose2d``, pools, ``unfold``  its window, stride or padding along H is not 1 / 1 / 0
+``adaptive_*_pool2d``, ``pixel_(un)shuffle``,          they change or mix H
+``grid_sample``
+``torch.roll``, ``flip``                               along H
+``cat``, ``split``, ``chunk``, ``narrow``, indexing,   along H (a slice of H that is not the whole of it); a
+                                                       ``cat`` of fields split differently (rows differ)
+``index_select``, ``select``, ``unbind``, ...
+reductions (``sum``, ``max``, ``std``, ``softmax``,    over H, or over everything (``mean``: computed, below)
+``cumsum``, ``sort``, ...)
+``view`` / ``reshape`` / ``flatten``                   H is merged with an earlier dim (with later ones, as
+                                                       ``flatten(2)`` makes tokens, it is tracked)
+``matmul`` / ``@`` / ``bmm``                           H is contracted or becomes a second token dim (attention)
+``F.layer_norm`` / ``rms_norm``                        ``normalized_shape`` covers H, with a weight or bias
+                                                       (``rms_norm``: always)
+``F.group_norm``, ``instance_norm``, ``batch_norm``    their statistics include H and their input does not hold H
+                                                       at dim -2 (batch norm in eval: per channel, passes)
+``F.normalize``, ``glu``, ``cosine_similarity``,       along H
+``diff``, ``cummax``, ``logcumsumexp``, ...
+``einsum``                                             H is contracted, or two fields' H become two dims
+``torch.fft.*``                                        H is among the transformed dims
+``F.scaled_dot_product_attention``, ``baddbmm``        H is a token dim (attention over all tokens)
+``F.linear``                                           H is the last dim (contracted)
+``F.dropout`` and friends, ``rand_like``, ...          they draw (training, p > 0): each shard would draw its own
+``repeat``, ``tile``, ``repeat_interleave``            they repeat H
+a pointwise op on two fields or more                   their shards hold different numbers of rows (split
+                                                       differently), or one has 1 row on some ranks and more on
+                                                       others (its 1-row shard broadcasts over a field's rows; a
+                                                       tensor of 1 row on every rank broadcasts, as a bias)
+``torch.ops.<ns>.<op>`` (extension, custom ops)        given a field from user code (unclassified, as below)
+``torch.nn.attention.flex_attention``, higher-order    given a field from user code: torch compiles their body into
+ops (``torch._higher_order_ops``)                      one op the guard cannot see (a HOP that torch's own compiled
+                                                       code runs on a field: at the next eager op or the call's end)
+a custom ``torch.autograd.Function``                   applied to a field (an output of 3 dims or more) with a graph:
+                                                       its backward is code halo cannot check (found after the call,
+                                                       walking the call's autograd graph; halo's and torch's own
+                                                       Functions and ``trusted()`` blocks pass)
+*anything else*                                        always (default deny: an op halo has not classified)
+=====================================================  ===========================================================
+
+An op that torch itself refuses on one rank's shard (the others' pass) is agreed on like a refusal: every rank
+raises at that op, none is left waiting in the next layer's exchange.
+
+**Computed exactly instead** (:mod:`halo.guard.reroute`, whose docstring has the table): where the rule above finds that
+a group / instance / batch / layer norm, a ``mean`` or an ``F.interpolate`` acts on H of a ``(B, C, ..., H, W)``
+field, outside forward hooks and on latitude rows (on a latitude x longitude mesh they stay refused), the guard
+computes it over the whole domain instead (the statistics, the global mean, ``halo_interpolate``).
+
+The guard records each such call's site (module, line, ordinal) under the model's epoch; later calls of that epoch
+compute exactly the recorded sites (a small ``TorchFunctionMode`` over those modules' forward only), so they stay
+exact after the first call, at no agreement.
+
+**Default deny.** An op given a field passes only when halo knows what it does to H: it acts on each point (the
+explicit, grouped allowlist ``PASS``: elementwise math, activations, comparisons, casts, metadata such as
+``.shape`` / ``.size()`` / ``.dtype``, in-place pointwise ops, ``torch.where``), halo follows H through it (the
+layout ops), or a rule above reads its arguments and finds that it leaves H alone. Every other torch function
+called on a field from user code is refused, naming it; an op torch adds tomorrow is refused until it is classified
+here. The guard is off where nothing is sharded (one domain rank).
+
+**Hooks.** Code in a module's forward hook or pre-hook (monitoring: ``(o != 0).float().mean()``) is not refused
+where it stands: what an op the guard would refuse computes there is marked, and refused (naming that op and line)
+as soon as it flows into the model's computation: an op of the model outside the hook uses it, the hook changed a
+model tensor with it in place, or it is the model's output.
+
+H is dim -2 of a field of 3 or more dims, followed through ``permute``/``transpose``/``movedim``, ``(un)squeeze``
+and ``view``/``flatten`` (channels-last blocks, tokens). Tensors that are whole on every rank (after a global
+pool) are not fields. A refusal raises ``ValueError`` on every rank at the same op, naming the op, the module
+whose forward called it, the line of user code and the way out (a halo layer or module that does it exactly). Every
+checked op is agreed on by the ranks (one small host all-gather), only during those first calls: afterwards the
+model runs without the guard, at no cost but for the modules with sites computed exactly (above). An allowlisted op
+on one field passes by its name alone, with no agreement; on two fields or more it is agreed on (are they split
+alike).
+What it cannot see :func:`halo.check_equivalence` catches by comparing with the unsharded model: numpy, ops run
+under ``torch._C.DisableTorchFunction``, a model compiled by the user (only an eager first call is guarded), and
+above all *values derived from a
+shard's shape*: ``torch.linspace(-1, 1, x.shape[-2])`` or ``torch.arange(h)`` builds coordinates from this rank's
+row count, and a function mode sees only the ints it is given (a tensor made from them is not a field; later
+arithmetic with fields is pointwise), so such code runs, per rank, silently wrong; a shape decision taken before
+the first call, likewise. Code the
+guard takes for a field by mistake (a tensor of 3 or more dims made in ``forward`` rather than derived from the
+input) can be marked ``with halo.guard.trusted():``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+from torch._ops import HigherOrderOperator
+from torch.overrides import TorchFunctionMode
+
+from ..dist.comm import CommGroup, all_gather_object, gather_words
+from ..plan.plans import TensorMap, state, use_guard, whole_source
+from . import reroute
+from ._follow import SPECIAL, SPECIAL_FOLLOW, Follower, place
+from ._ops import (
+    INTERPOLATES,
+    LAYOUT,
+    MATMUL,
+    MEANS,
+    MERGES,
+    PASS,
+    SIZE_READS,
+    STACK,
+    Marks,
+    flows_message,
+    in_hook,
+    op_name,
+    refusal_message,
+    torch_module_call,
+    where,
+)
+from ._rules import (
+    RULES,
+    broadcasts,
+    get_arg,
+    getitem_rule,
+    h_dim,
+    interpolate_rule,
+    linear_rule,
+    on_w,
+    row_masks,
+    split_differently,
+    torch_raised,
+    whole_interpolate_rule,
+)
+from .reroute import user_frame
+
+__all__ = ["PASS", "RULES", "SPECIAL", "SpatialGuard", "place", "trusted"]
+
+T = torch.Tensor
+_AGREE = 0x47554152  # "GUAR"
+
+
+class trusted:  # noqa: N801 - a context manager, named like one
+    """``with halo.guard.trusted():`` the guard does not check the ops in this block (code you know is right on a
+    shard: the guard assumes dim -2 of a 3-d or larger tensor is H unless it followed the tensor there)."""
+
+    def __enter__(self) -> trusted:
+        reroute.state().trusted += 1
+        guard = state().guard
+        self._start = _sequence_nr() if guard is not None and not guard.off else None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        reroute.state().trusted -= 1
+        guard = state().guard
+        if self._start is not None and guard is not None:  # autograd nodes made in here are trusted too
+            guard.trusted_nodes.append((self._start, _sequence_nr()))
+
+
+def _sequence_nr() -> int | None:
+    """The autograd sequence number the next node made on this thread gets (``None``: no graph is recorded, as in
+    inference mode): where the guarded call's graph begins, and a trusted block's nodes."""
+    try:
+        with torch._C.DisableTorchFunction(), torch.enable_grad():
+            node = (torch.zeros((), requires_grad=True) * 1).grad_fn
+    except RuntimeError:  # (inference mode)
+        return None
+    return None if node is None else node._sequence_nr() + 1
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HALO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # halo/, above this package
+#: torch's own code that computes on what it is given where the guard cannot classify it: a function mode sees
+#: only the metadata reads and small tensors it makes, the computation runs in a higher-order op compiled inside
+#: (and the guard passes over torch's frames). A field reaching it from user code is refused, naming it.
+_BLIND = ((os.path.join(_TORCH_DIR, "nn", "attention", "flex_attention.py"), "torch.nn.attention.flex_attention"),
+          (os.path.join(_TORCH_DIR, "_higher_order_ops") + os.sep, "a torch higher-order op (torch._higher_order_ops)"))
+_UNSEEN = ("computes on a field in code the guard cannot see (a higher-order op: torch compiles its body and runs "
+           "it as one op, so neither its attention, its masks nor its reductions over the sharded H are checked): "
+           "each rank would compute over its own rows only")
+
+
+def _blind(frame: Any) -> tuple[str, Any] | None:
+    """``(what, the user frame that called it)`` when ``frame`` is torch code the guard cannot see (:data:`_BLIND`)
+    called from user code (not from halo's own layers)."""
+    name = frame.f_code.co_filename
+    what = next((w for prefix, w in _BLIND if name.startswith(prefix)), None)
+    if what is None:
+        return None
+    f = frame
+    while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
+        f = f.f_back
+    if f is None or f.f_code.co_filename.startswith(_HALO_DIR):
+        return None
+    return what, f
+
+
+class SpatialGuard(Follower, Marks, TorchFunctionMode):
+    """The guard of one converted model's first call (module docstring). ``names``: id(module) -> path."""
+
+    def __init__(self, names: dict[int, str], cg: CommGroup, epoch: int, w_sharded: bool = False) -> None:
+        super().__init__()
+        self.w_sharded = w_sharded  # a latitude x longitude mesh: the last dim of an untracked field is W, sharded
+        self.names = names
+        self.cg = cg
+        self.epoch = epoch
+        self.dims = TensorMap()  # tensor -> (its H dim, rows) where that is not (dim -2, all of it); (-1, 0): none
+        self.tainted = TensorMap()  # tensor -> the refusal of the op in a forward hook that computed it
+        self.checked = 0
+        self.off = cg.size == 1  # nothing is sharded: every op computes what the unsharded model does
+        self.recorder = reroute.Recorder(cg)  # the calls computed exactly (halo.guard.reroute), by site
+        self.sized = reroute.SizeTable()
+        self._hook: Any = None
+        self.hops: list[str] = []  # higher-order ops run on fields inside torch's own compiled code (refused)
+        self.trusted_nodes: list[tuple[int, int]] = []  # autograd sequence numbers made in trusted blocks
+        self.first_node: int | None = None  # the guarded call's first autograd node
+
+    def __enter__(self) -> SpatialGuard:
+        if not self.off:
+            self.first_node = _sequence_nr()
+        if not self.off:  # a halo layer must not take a whole mean computed here for a shard
+            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                lambda module, args: reroute.refuse_whole_mean(module, args, self.names))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            self.recorder.close()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.off:
+            return func(*args, **kwargs)
+        if torch.compiler.is_compiling():  # torch's own code compiled inside the guarded call (flex_attention)
+            if isinstance(func, HigherOrderOperator) and any(
+                    isinstance(a, torch.Tensor) and a.dim() >= 3 for a in (*args, *kwargs.values())):
+                self.hops.append(func._name)  # (a side effect dynamo replays; refused at the next eager op)
+            return func(*args, **kwargs)
+        trusted = reroute.state().trusted
+        if self.hops:
+            self._refuse_hops(func, sys._getframe(1))
+        if not trusted:
+            blind = _blind(sys._getframe(1))
+            if blind is not None and self._any_field(args, kwargs):
+                what, at = blind
+                note = self._verdict(func, f"{_UNSEEN}; attention over all tokens needs a halo attention layer "
+                                     "(window or neighbourhood attention: halo.nn) or a gather first", at,
+                                     checked=False)
+                if note is not None:
+                    raise ValueError(refusal_message((note[0], note[1], note[2], what)))
+        if self.tainted._items:
+            hooked = self._check_taint(func, args, kwargs)
+            if hooked is not None:
+                return hooked[0]
+        if func in STACK:
+            return self._stack(func, args, kwargs)
+        site = None
+        if func in reroute.EXACT and not trusted:  # counted wherever called (the sites' ordinals)
+            at = user_frame()
+            if at is not None and not in_hook(at):
+                site = self.recorder.count(at)
+        elif func in SIZE_READS and args:
+            self._note_size(args[0])
+        rule = None if trusted else RULES.get(func)
+        layout = func in LAYOUT or func in MERGES
+        matmul = func in MATMUL and not trusted
+        tracked = self._tracked(args) if self.dims._items else None
+        special = func in SPECIAL and not trusted
+        unclassified = rule is None and not layout and not matmul and not special and not trusted \
+            and func not in PASS
+        if rule is None and not layout and not matmul and not special and not unclassified:
+            if not trusted and len(args) + len(kwargs) > 1:
+                rows = self._rows_of_fields(args, kwargs)
+                if rows is not None:  # a pointwise op on two fields or more: are they split alike?
+                    frame = user_frame()
+                    if frame is not None:
+                        problem = split_differently(rows)
+                        note = self._verdict(func, problem, frame, rows=rows)
+                        if note is not None:
+                            if not in_hook(frame):
+                                raise ValueError(refusal_message(note))
+                            out = func(*args, **kwargs)  # monitoring: marked, refused once it flows on
+                            self._taint(func, args, out, refusal_message(note))
+                            return out
+            if tracked is None:
+                return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self._carry(tracked, out)
+            return out
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(x, str):  # einsum(equation, *operands)
+            x = next((t for t in args[1:] if isinstance(t, torch.Tensor)), x)
+        if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):  # cat
+            x = next((t for t in x if h_dim(t, self.dims) is not None), x[0])
+        h = h_dim(x, self.dims)
+        if rule is interpolate_rule and h is None and isinstance(x, torch.Tensor) and x.dim() >= 3 \
+                and x.shape[-2] > 1 and whole_source(x) is not None:
+            rule, h = whole_interpolate_rule, x.dim() - 2  # a small map whole on every rank (PSP), resized
+        if unclassified:
+            watch = self._any_field(args, kwargs)
+        else:
+            watch = h is not None or matmul or special
+        frame = user_frame() if watch else None
+        if frame is None and rule is linear_rule and self.w_sharded and watch and torch_module_call():
+            # a kept nn.Linear on a latitude x longitude mesh (custom_converters={nn.Linear: None}): on a field's
+            # last dim, W, it mixes the sharded columns; checked although torch's own module makes the call
+            frame = sys._getframe(1)
+        if frame is None:  # not a field, or torch's / halo's own code: run it (and follow H through it)
+            out = func(*args, **kwargs)
+            if layout and h is not None:
+                self._follow(func, args, kwargs, x, h, out)
+            elif tracked is not None:
+                self._carry(tracked, out)
+            return out
+        if unclassified:
+            problem = ("is not an op halo has classified (pointwise in H, a layout op it follows, or one it computes "
+                       "exactly), and it is given a field sharded along H: it may read rows of other ranks, so halo "
+                       "refuses it until it is classified (halo.guard); compute it with a module halo converts, "
+                       "gather first (halo.gather), or, if it acts on each row of H on its own, run it in "
+                       "`with halo.guard.trusted():`")
+        elif special:
+            problem = SPECIAL[func](self, args, kwargs)
+        else:
+            problem = rule(args, kwargs, x, h) if rule is not None else self._matmul(args) if matmul else None
+        if site is not None and site[0] is not None and not self.w_sharded and isinstance(x, torch.Tensor):
+            exact = self._exact(func, args, kwargs, x, h, problem, frame, site)
+            if isinstance(exact, str):
+                problem = exact
+            elif exact is not None:
+                return exact[0]
+        if problem is None and rule is not None and self.w_sharded and isinstance(x, torch.Tensor) and x.dim() >= 3 \
+                and self.dims.get(x) is None:
+            problem = on_w(rule, args, kwargs, x)
+        out, ran, failed = None, problem is None, None
+        if ran:
+            try:
+                out = func(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - torch refuses this rank's shard: agreed on first (invariant 4)
+                failed, ran, problem = exc, False, torch_raised(exc)
+        if ran:
+            if layout:
+                problem = self._follow(func, args, kwargs, x, h, out)
+            elif func in SPECIAL_FOLLOW:
+                SPECIAL_FOLLOW[func](self, args, kwargs, out)
+            elif rule is getitem_rule and func is T.__getitem__:
+                problem = self._follow_index(x, h, args[1] if len(args) > 1 else None, out)
+            elif getattr(rule, "along", None) is not None and h is not None:
+                self._follow_reduce(rule.along, args, kwargs, x, h, out)
+            elif tracked is not None:
+                self._carry(tracked, out)
+        note = self._verdict(func, problem, frame, checked=not unclassified)
+        if note is not None:  # some rank refuses it (all ranks alike from here)
+            if not in_hook(frame) or failed is not None:
+                raise ValueError(refusal_message(note)) from failed
+            if not ran:  # monitoring code in a hook: refused only once its result flows into the model
+                out = func(*args, **kwargs)
+            self._taint(func, args, out, refusal_message(note))
+        return out
+
+    # -- computed exactly (halo.guard.reroute) -------------------------------------------------------------------------
+
+    def _note_size(self, t: Any) -> None:
+        """User code read the size of ``t``: if it is a field (H at dim -2), a size taken from a shard may name it."""
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.dim() >= 3 \
+                and self.dims.get(t) is None and whole_source(t) is None and user_frame(3) is not None:
+            self.sized.note(t)
+
+    def _exact(self, func, args, kwargs, x, h, problem, frame, site) -> tuple[Any] | str | None:
+        """An op halo can compute exactly where the rule finds it acts on H: ``(out,)`` computed (and recorded at its
+        site for later calls), a refusal (why not here), or ``None``: go on as the rule says."""
+        module, key, ordinal = site
+        whole = False
+        if func in MEANS:
+            dims = reroute.mean_dims(args, kwargs, x) if problem is not None else None
+            if dims is None:
+                return None
+            why = None if h in dims[0] else "it does not reduce over H"
+        elif func in INTERPOLATES:
+            whole = whole_source(x) is not None
+            sized = get_arg(args, kwargs, 1, "size") is not None  # (a size from a shard: gathered on every rank)
+            if h != x.dim() - 2 or problem is None and not sized and (
+                    whole or reroute.interpolate_change(args, kwargs, x) is None):
+                return None
+            why = reroute.plan_interpolate(args, kwargs, x, whole)
+        else:
+            if problem is None:
+                return None
+            why = reroute.plan_norm(func, args, kwargs, x, h)
+        if why is not None:
+            return f"{problem}; halo computes it exactly only in a form it can (here: {why})" if problem else None
+        note = self._verdict(func, None, frame)
+        if note is not None:
+            raise ValueError(refusal_message(note))
+        gid = self.recorder.gid
+        try:  # (collectives: every rank gets here, and an agreement that fails raises the same on every rank)
+            if func in MEANS:
+                action = reroute.finish_mean(x, h, *dims, self.cg, gid)
+            elif func in INTERPOLATES:
+                action = reroute.finish_interpolate(args, kwargs, x, whole, self.sized, self.cg, gid, op_name(func))
+            else:
+                action = reroute.finish_norm(func, x, self.cg, gid)
+        except ValueError as exc:
+            action = f"halo would compute it over the whole domain, but {exc}"
+        if isinstance(action, str):
+            raise ValueError(refusal_message((0, action, where(frame, self.names), op_name(func))))
+        if action is None:  # exact on the shard as it is
+            return (func(*args, **kwargs),)
+        out = action(args, kwargs)
+        self.recorder.record(module, key, ordinal, action)
+        return (out,)
+
+    # -- hooks ---------------------------------------------------------------------------------------------------
+
+    def finish(self, output: Any, root: torch.nn.Module) -> None:
+        """The model's output: refuse it if a forward hook computed it with an op the guard refuses; else the epoch
+        is guarded, with its sites (``root``: the converted model)."""
+        import torch.utils._pytree as pytree
+
+        for t in pytree.tree_leaves(output):
+            message = self.tainted.get(t) if isinstance(t, torch.Tensor) else None
+            if message is not None:
+                raise ValueError(flows_message(message))
+        if not self.off:
+            if self.hops:
+                self._refuse_hops(None, None)
+            self._refuse_functions([t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)])
+        reroute.install(self.recorder, self.epoch, self.names, root)  # later calls of this epoch compute them alike
+
+    def _refuse_hops(self, func, frame) -> None:
+        """A higher-order op ran on a field inside torch's compiled code (the guard saw it only while dynamo traced
+        it): refused on every rank (each rank traced the same code), at the next eager op or the call's end."""
+        name = ", ".join(dict.fromkeys(self.hops))
+        self.hops.clear()
+        text = f"{_UNSEEN}; compute it with a module halo converts, or gather first"
+        if frame is None:
+            self._agree_refusal(f"the higher-order op {name} (run by torch's own code in the model's forward): {text}")
+            return
+        at = user_frame(3) or frame
+        note = self._verdict(func, text, at, checked=False)
+        if note is not None:
+            raise ValueError(refusal_message((note[0], note[1], note[2], f"the higher-order op {name}")))
+
+    def _refuse_functions(self, outputs: list[torch.Tensor]) -> None:
+        """After the guarded call: walk its autograd graph from the outputs (the nodes it made, from
+        :attr:`first_node` on) and refuse a custom ``torch.autograd.Function`` applied to a field (an output of
+        3 dims or more), on every rank: the guard saw the ops of its forward, but its backward is code halo cannot
+        check. halo's and torch's own Functions pass (the exchanges, checkpointing), as do nodes made in
+        ``with halo.guard.trusted():``. (Without a graph, as in inference, only the forward runs: the guard
+        checked its ops.)"""
+        found = None
+        if self.first_node is not None:
+            first, seen = self.first_node, set()
+            stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+            while stack and found is None:
+                node = stack.pop()
+                if node is None or node in seen:
+                    continue
+                seen.add(node)
+                nr = node._sequence_nr()
+                if nr < first:  # made before the call (its input's history)
+                    continue
+                if isinstance(node, torch.autograd.function.BackwardCFunction) \
+                        and not any(a <= nr < b for a, b in self.trusted_nodes):
+                    found = _custom_function(node)
+                stack.extend(n for n, _ in node.next_functions)
+        self._agree_refusal(found)
+
+    def _agree_refusal(self, problem: str | None) -> None:
+        """Every rank at the end of the guarded call: raise the first rank's ``problem`` on all of them."""
+        table = gather_words([_AGREE, 2, 1 if problem else 0], self.cg, "halo guard (the call's graph)") \
+            if self.cg.size > 1 else np.array([[_AGREE, 2, 1 if problem else 0]])
+        if not table[:, 2].any():
+            return
+        notes = all_gather_object(problem, self.cg) if self.cg.size > 1 else [problem]
+        r, text = next((r, n) for r, n in enumerate(notes) if n)
+        raise ValueError(f"{text}. halo refuses it on every rank (seen on domain rank {r}) rather than compute each "
+                         f"shard on its own: the converted model would silently differ from the unsharded one")
+
+    def _verdict(self, func, problem: str | None, frame, checked: bool = True,
+                 rows: list[int] | None = None) -> tuple[int, str, str, str] | None:
+        """The ranks' agreed verdict on an op: ``None`` (every rank goes on), or ``(rank, problem, where, name)`` of
+        the first rank that refuses it. An op refused by its name alone (``checked=False``) is refused on every
+        rank that reaches it (SPMD), with a collective only to check that they all got there. ``rows``: a pointwise
+        op's operand rows on this rank (:meth:`_rows_of_fields`), also judged across ranks (:func:`broadcasts`)."""
+        self.checked += checked
+        if self.cg.size == 1 and problem is None:
+            return None
+        name = op_name(func)
+        tag = zlib.crc32(name.encode()) & 0x7FFFFFFF
+        if self.cg.size > 1:
+            ones, alike = row_masks(rows)
+            table = gather_words([_AGREE, tag, 1 if problem else 0, ones, alike], self.cg, f"halo guard ({name})")
+            split = bool(np.bitwise_and.reduce(table[:, 3]) | np.bitwise_and.reduce(table[:, 4]) != -1)
+            if not table[:, 2].any() and (table[:, 1] == tag).all() and not split:
+                return None
+            notes = all_gather_object((problem, where(frame, self.names), name, rows), self.cg)
+            if split and not any(n[0] for n in notes) and len({n[2] for n in notes}) == 1:
+                text = broadcasts([n[3] for n in notes])
+                notes = [(text, *n[1:]) for n in notes]
+        else:
+            notes = [(problem, where(frame, self.names), name, rows)]
+        if len({n[2] for n in notes}) > 1:
+            raise ValueError(
+                "halo guard: the ranks of the domain group called different torch functions at the same point of "
+                "the model's forward (" + "; ".join(f"rank {r}: {n[2]} at {n[1]}" for r, n in enumerate(notes))
+                + "): code that branches on the size of its shard computes something else on each rank")
+        r, (text, at, name, _) = next((r, n) for r, n in enumerate(notes) if n[0])
+        return r, text, at, name
+
+
+def _custom_function(node: Any) -> str | None:
+    """The refusal of a custom ``autograd.Function``'s node, or ``None``: halo's or torch's own, or not on a field."""
+    cls = getattr(node, "_forward_cls", None)
+    module = getattr(cls, "__module__", "") or ""
+    if module.split(".")[0] in ("halo", "torch"):
+        return None
+    meta = getattr(node, "_input_metadata", None)
+    if meta is not None and all(len(m.shape) < 3 for m in meta):  # its outputs are no fields (parameters, scalars)
+        return None
+    name = getattr(cls, "__qualname__", type(node).__name__)
+    try:
+        import inspect
+
+        at = f" (defined at {os.path.basename(inspect.getsourcefile(cls))}:{inspect.getsourcelines(cls)[1]})"
+    except (OSError, TypeError):
+        at = ""
+    return (f"the custom torch.autograd.Function {module}.{name}{at}, applied to a field in the model's forward: "
+            f"the guard checked the ops of its forward, but not its backward, which is code of its own that halo "
+            f"cannot see (it may mix the sharded rows H); compute it with torch ops or a module halo converts, or, "
+            f"if its forward and backward act on each row of H on their own, call it in "
+            f"`with halo.guard.trusted():`")
+
+
+use_guard(SpatialGuard)  # the planner enters it at a converted model's first call of each epoch

@@ -1,0 +1,298 @@
+"""How the guard follows H (:mod:`halo.guard`): where a field's sharded rows go through layout ops (permute,
+view, indexing, reductions over other dims, stack) and the checks of ops whose operands' H decides (matmul,
+einsum, attention). :class:`Follower` is the part of the guard that reads and writes ``self.dims`` (tensor -> its H
+dim and rows, where that is not dim -2) and ``self.w_sharded``; :data:`SPECIAL` / :data:`SPECIAL_FOLLOW` map the
+ops checked by its methods; it also tells which arguments of an op are fields (:meth:`Follower._rows_of_fields`).
+:func:`place` is how a layer tells it where its output holds H."""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..plan.plans import TensorMap, state
+from ._rules import dims_arg, field_of, get_arg, h_dim, merge_dims
+
+__all__ = ["SPECIAL", "SPECIAL_FOLLOW", "Follower", "place"]
+
+T = torch.Tensor
+_MT = T.mT.__get__  # x.mT: transpose of the last two dims
+
+
+def place(t: Any, dim: int, rows: int | None = None) -> None:
+    """Tell the guard of a converted model's first call where ``t``, a halo layer's output, holds the sharded rows:
+    at ``dim`` (``rows`` of them; more when later dims are merged into it, as tokens). For layers whose output is
+    not ``(..., H, W)`` with H at -2: channels-last blocks (Swin, NATTEN), tokens, W-shards (``rows_to_columns``).
+    Without it the guard would take dim -2 for H and pass a reduction over the real H (silently wrong). A no-op when
+    no guard is watching (re-exported by :mod:`halo.guard`, where layers import it)."""
+    guard = state().guard
+    if guard is None or not isinstance(t, torch.Tensor) or torch.compiler.is_compiling():
+        return
+    d = dim % t.dim()
+    guard.dims[t] = (d, int(t.shape[d]) if rows is None else int(rows))
+
+
+class Follower:
+    """Following H through the ops of a guarded call (a mixin of :class:`halo.guard.SpatialGuard`)."""
+
+    dims: TensorMap
+    w_sharded: bool
+
+    def _stack(self, func, args, kwargs):
+        """``torch.stack``: the new dim shifts H when it comes before it; follow H to its place."""
+        out = func(*args, **kwargs)
+        tensors = get_arg(args, kwargs, 0, "tensors", ())
+        first = next((t for t in tensors if field_of(t, self.dims) is not None), None)
+        if first is not None and isinstance(out, torch.Tensor):
+            h, rows = field_of(first, self.dims)
+            d = get_arg(args, kwargs, 1, "dim", 0) % out.dim()
+            new = h + (d <= h)
+            if new != out.dim() - 2:
+                self.dims[out] = (new, rows)
+        return out
+
+    def _tracked(self, args) -> tuple[torch.Tensor, tuple[int, int]] | None:
+        """The first argument whose H is tracked away from dim -2, with that dim."""
+        for a in args:
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, torch.Tensor):
+                    d = self.dims.get(t)
+                    if d is not None:
+                        return t, d
+        return None
+
+    def _carry(self, tracked: tuple[torch.Tensor, tuple[int, int]], out: Any) -> None:
+        """An op on a tensor whose H is tracked: outputs of its shape along that dim keep it (elementwise ops)."""
+        t, (d, rows) = tracked
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if not isinstance(o, torch.Tensor) or o.dim() < t.dim():
+                continue
+            e = d + o.dim() - t.dim() if d >= 0 else d  # broadcasting puts new dims in front
+            if d < 0 or o.shape[e] == t.shape[d]:
+                self.dims[o] = (e, rows)
+
+    def _rows_of_fields(self, args, kwargs) -> list[int] | None:
+        """An op on two fields or more: the sizes of its tensor arguments along the first field's H (aligned from
+        the right, as broadcasting aligns them); ``None``: fewer than two fields."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        fields = [(t, f) for t in tensors if (f := field_of(t, self.dims)) is not None]
+        if len(fields) < 2:
+            return None
+        ref, (h, _) = fields[0]
+        back = ref.dim() - h
+        return [int(t.shape[t.dim() - back]) for t in tensors if t.dim() >= back]
+
+    def _any_field(self, args, kwargs) -> bool:
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if field_of(t, self.dims) is not None:
+                    return True
+        return False
+
+    def _matmul(self, args) -> str | None:
+        a, b = (args + (None, None))[:2]
+        ha, hb = h_dim(a, self.dims), h_dim(b, self.dims)
+        if (ha is not None and ha == a.dim() - 1) or (hb is not None and b.dim() >= 2 and hb == b.dim() - 1):
+            return ("multiplies over H (the sharded dim) or makes it a second token dim (attention over all "
+                    "tokens): each rank would see only its own rows; gather first")
+        return None
+
+    def _follow(self, func, args, kwargs, x, h, out) -> str | None:
+        """Record where H went through a layout op; a merge of H with an earlier dim is a problem."""
+        if not isinstance(out, torch.Tensor):
+            return None
+        nd = x.dim()
+        rows = field_of(x, self.dims)[1]
+        new = None
+        if func in (torch.permute, T.permute):
+            order = args[1:] if len(args) > 1 and isinstance(args[1], int) else get_arg(args, kwargs, 1, "dims")
+            order = [d % nd for d in order]
+            new = order.index(h)
+        elif func in (torch.transpose, T.transpose, torch.swapaxes, T.swapaxes, torch.swapdims, T.swapdims):
+            a, b = (get_arg(args, kwargs, 1, "dim0") % nd, get_arg(args, kwargs, 2, "dim1") % nd)
+            new = b if h == a else a if h == b else h
+        elif func == _MT:
+            new = nd - 2 if h == nd - 1 else nd - 1 if h == nd - 2 else h
+        elif func in (torch.movedim, T.movedim):
+            src = dims_arg(get_arg(args, kwargs, 1, "source"), nd)
+            dst = dims_arg(get_arg(args, kwargs, 2, "destination"), nd)
+            order = [d for d in range(nd) if d not in src]
+            for s_, d_ in sorted(zip(dst, src, strict=True)):
+                order.insert(s_, d_)
+            new = order.index(h)
+        elif func in (torch.unsqueeze, T.unsqueeze):
+            d = get_arg(args, kwargs, 1, "dim") % (nd + 1)
+            new = h + (d <= h)
+        elif func in (torch.squeeze, T.squeeze):
+            dim = get_arg(args, kwargs, 1, "dim")
+            removed = [d for d in range(nd) if x.shape[d] == 1 and out.dim() < nd
+                       and (dim is None or d in (dims_arg(dim, nd) or ()))]
+            new = None if h in removed else h - sum(d < h for d in removed)
+        else:  # view / reshape / flatten
+            new, problem = merge_dims(x, h, rows, out)
+            if problem is not None:
+                return problem
+        if new is None:
+            self.dims[out] = (-1, 0)
+        elif new != out.dim() - 2 or out.dim() < 3 or int(out.shape[new]) != rows:
+            self.dims[out] = (new, rows)
+        return None
+
+    def _record(self, out: Any, new: int | None, rows: int) -> None:
+        """``out`` holds H at dim ``new`` (``None``: no longer)."""
+        if not isinstance(out, torch.Tensor):
+            return
+        if new is None:
+            self.dims[out] = (-1, 0)
+        elif new != out.dim() - 2 or out.dim() < 3 or int(out.shape[new]) != rows:
+            self.dims[out] = (new, rows)
+
+    def _follow_reduce(self, along, args, kwargs, x, h, out) -> None:
+        """A reduction over other dims than H: H moves down by the dims removed before it (``keepdim=False``)."""
+        position, name, default = along
+        d = get_arg(args, kwargs, position, name, default)
+        dims = dims_arg(d, x.dim()) if not isinstance(d, torch.Tensor) else ()
+        rows = field_of(x, self.dims)[1]
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if not isinstance(o, torch.Tensor):
+                continue
+            if o.dim() == x.dim():
+                if self.dims.get(x) is not None:
+                    self.dims[o] = self.dims.get(x)
+            elif dims and o.dim() == x.dim() - len(dims):
+                self._record(o, h - sum(1 for e in dims if e < h), rows)
+
+    def _follow_index(self, x, h, index, out) -> str | None:
+        """``x[index]`` (H itself kept whole: the rule): where H goes (ints remove dims, ``None`` adds one, an index
+        tensor stands in its place with its own dims)."""
+        if not isinstance(out, torch.Tensor) or h is None:
+            return None
+        items = list(index) if isinstance(index, tuple) else [index]
+
+        def consumed(i):
+            if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+                return max(i.dim(), 1)
+            return 0 if i is None or i is Ellipsis else 1
+
+        used = sum(consumed(i) for i in items)
+        pos = at = 0
+        new = None
+        advanced = 0
+        for i in items:
+            if i is Ellipsis:
+                k = x.dim() - used
+                if pos <= h < pos + k:
+                    new = at + h - pos
+                pos, at = pos + k, at + k
+            elif i is None:
+                at += 1
+            elif isinstance(i, slice):
+                if pos == h:
+                    new = at
+                pos, at = pos + 1, at + 1
+            elif isinstance(i, (int, torch.SymInt)) or (isinstance(i, torch.Tensor) and i.dim() == 0
+                                                      and i.dtype != torch.bool):
+                pos += 1
+            else:  # an index tensor or list: its dims stand in the place of the dims it indexes
+                advanced += 1
+                n = consumed(i)
+                made = 1 if isinstance(i, torch.Tensor) and i.dtype == torch.bool else (
+                    i.dim() if isinstance(i, torch.Tensor) else len(torch.as_tensor(i).shape))
+                pos, at = pos + n, at + made
+        if new is None and h >= pos:
+            new = at + h - pos
+        if advanced > 1:
+            return ("indexes with several index tensors or lists (advanced indexing), which moves dims in ways halo "
+                    "does not follow; index one dim at a time")
+        self._record(out, new, field_of(x, self.dims)[1])
+        return None
+
+    def _einsum_dims(self, args) -> tuple[str | None, int | None, int]:
+        """``torch.einsum``: (a problem, the output dim of H, rows)."""
+        equation = str(args[0]).replace(" ", "")
+        ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+        lhs, arrow, rhs = equation.partition("->")
+        terms = lhs.split(",")
+        if len(terms) != len(ops) or not all(isinstance(t, torch.Tensor) for t in ops):
+            return "an einsum halo cannot read (operands do not match the equation); gather first", None, 0
+        spare = (c for c in string.ascii_letters if c not in equation)
+        width = max((t.dim() - len(term) + 3 for term, t in zip(terms, ops, strict=True) if "..." in term), default=0)
+        ell = "".join(next(spare) for _ in range(width))
+        full = [term.replace("...", ell[width - (t.dim() - len(term) + 3):]) if "..." in term else term
+                for term, t in zip(terms, ops, strict=True)]
+        if arrow:
+            out = rhs.replace("...", ell)
+        else:
+            letters = "".join(full)
+            out = ell + "".join(sorted(c for c in set(letters) if letters.count(c) == 1 and c not in ell))
+        marks = {}
+        rows = 0
+        for term, t in zip(full, ops, strict=True):
+            f = field_of(t, self.dims)
+            if f is not None and f[0] < len(term):
+                marks[term[f[0]]] = True
+                rows = f[1]
+        if not marks:
+            return None, None, 0
+        if len(marks) > 1:
+            return ("makes the sharded H of two fields two dims of its result (attention over all tokens, or an "
+                    "outer product of rows): each rank would see only its own rows; gather first"), None, 0
+        (c,) = marks
+        if c not in out:
+            return ("contracts H (the sharded dim): each rank would sum only over its own rows; use halo.parallel "
+                    "(domain_sum) on the partial result, or gather first"), None, 0
+        return None, out.index(c), rows
+
+    def _einsum(self, args, kwargs) -> str | None:
+        problem = self._einsum_dims(args)[0]
+        if problem is None and self.w_sharded:  # on a latitude x longitude mesh: W (a field's last dim) too
+            ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+            saved = self.dims
+            self.dims = TensorMap()
+            watched = False
+            for t in ops:
+                if isinstance(t, torch.Tensor) and t.dim() >= 3 and saved.get(t) is None and field_of(t, saved):
+                    self.dims[t], watched = (t.dim() - 1, int(t.shape[-1])), True
+                elif isinstance(t, torch.Tensor):
+                    self.dims[t] = (-1, 0)  # tracked elsewhere (tokens): its W is not the last dim
+            try:
+                problem = self._einsum_dims(args)[0] if watched else None
+            finally:
+                self.dims = saved
+            if problem is not None:
+                problem = "acts on W, which a latitude x longitude mesh shards too: " + re.sub(
+                    r"\bH\b", "W", problem).replace("rows", "columns")
+        return problem
+
+    def _einsum_follow(self, args, kwargs, out) -> None:
+        _, new, rows = self._einsum_dims(args)
+        if new is not None:
+            self._record(out, new, rows)
+
+    def _sdpa(self, args, kwargs) -> str | None:
+        for i, name in enumerate(("query", "key", "value")):
+            t = get_arg(args, kwargs, i, name)
+            f = field_of(t, self.dims)
+            if f is not None and f[0] >= t.dim() - 2:
+                return ("attends over tokens that hold H (the sharded dim): each rank would attend over its own "
+                        "rows' tokens only; attention over all tokens needs a halo attention layer (window or "
+                        "neighbourhood attention: halo.nn) or a gather first")
+        return None
+
+    def _sdpa_follow(self, args, kwargs, out) -> None:
+        q = get_arg(args, kwargs, 0, "query")
+        f = field_of(q, self.dims)
+        if f is not None and isinstance(out, torch.Tensor) and out.dim() == q.dim():
+            self._record(out, f[0], f[1])
+
+    def _baddbmm(self, args, kwargs) -> str | None:
+        return self._matmul((get_arg(args, kwargs, 1, "batch1"), get_arg(args, kwargs, 2, "batch2")))
+
+
+SPECIAL = {torch.einsum: Follower._einsum, F.scaled_dot_product_attention: Follower._sdpa,
+            torch.baddbmm: Follower._baddbmm, T.baddbmm: Follower._baddbmm}
+SPECIAL_FOLLOW = {torch.einsum: Follower._einsum_follow, F.scaled_dot_product_attention: Follower._sdpa_follow}
