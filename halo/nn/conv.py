@@ -391,6 +391,8 @@ class _HaloConvNd(_HaloConvMixin):
         cast = autocast_dtype(xb, f"conv{nd}d", self.weight)
         xb = _cast(xb, cast)  # what autocast's conv would cast to, before the exchange (half the bytes)
         plan = plans[0]
+        # A mesh axis of one rank (plain: the conv pads it itself) leaves the H axis alone exchanged: the 1-D path.
+        h_only = not plan.plain and all(p.plain for p in plans[1:])
         if len(plans) == 2 and all(p.patch and not p.plain and not p.rolled for p in plans) \
                 and not torch.compiler.is_compiling():
             # Compute-then-patch on both axes (halo.nn.patch2d): the block's conv while rows and columns travel.
@@ -398,7 +400,7 @@ class _HaloConvNd(_HaloConvMixin):
             with _no_autocast(xb, cast):
                 y = patch_conv_2d(xb, weight, bias, plan.ex, plans[1].ex, (plan.patch, plans[1].patch),
                                   self.dilation, self.groups, ex_c=plans[1].corners)
-        elif len(plans) == 1 and plan.patch and not plan.rolled and not torch.compiler.is_compiling():
+        elif h_only and plan.patch and not plan.rolled and not torch.compiler.is_compiling():
             # The Function computes in the dtype torch's conv would under autocast: its inputs are cast here, by
             # autograd-visible casts (so every gradient comes back in its input's own dtype), and autocast is off
             # inside, so its forward and backward convs see one dtype (as torch's own conv under autocast).

@@ -1,0 +1,68 @@
+"""The fast paths where they apply (issue 33 item 5): compute-then-patch on a latitude x longitude mesh whose W axis
+has one rank is the latitude-rows path (the W axis is plain: the conv pads it itself), not pad-then-conv.
+
+Compared in float64 with the unsharded conv in the same test (forward, input and parameter gradients), and the
+path taken is counted, so the test fails if the mesh falls back to pad-then-conv (a full copy of the shard each way).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from halo.plan.partition import local_range
+from halo.testing import run_on_ranks
+
+TOL = 1e-11
+
+
+def _size1_ranks(rank, world, shape):
+    os.environ["TRITON_INTERPRET"] = "0"
+    import torch.distributed as dist
+
+    import halo.nn.conv as conv_mod
+    from halo.dist.mesh import DomainMesh
+    from halo.nn import HaloConv2d
+
+    mesh = DomainMesh(shape, periodic=(False, True))
+    calls = {"patch": 0}
+    apply = conv_mod._PatchConvFn.apply
+
+    def counted(*a):
+        calls["patch"] += 1
+        return apply(*a)
+
+    conv_mod._PatchConvFn.apply = counted
+    out = {}
+    full = torch.randn(2, 3, 23, 17, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for k, dil, mode in ((3, 1, "zeros"), (5, 2, "circular"), (3, 1, "reflect")):
+        torch.manual_seed(2)
+        conv = nn.Conv2d(3, 4, k, padding=dil * (k // 2), dilation=dil, padding_mode=mode).double()
+        xf = full.clone().requires_grad_(True)
+        yr = conv(xf)
+        g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        (yr * g).sum().backward()
+        pref = [p.grad.clone() for p in conv.parameters()]
+        conv.zero_grad()
+        (h0, h1) = local_range(23, mesh.axis_size(0), mesh.axis_rank(0))
+        x = full[..., h0:h1, :].clone().requires_grad_(True)
+        before = calls["patch"]
+        y = HaloConv2d(conv, mesh=mesh)(x)
+        (y * g[..., h0:h1, :]).sum().backward()
+        pg = [p.grad.clone() for p in conv.parameters()]
+        for t in pg:
+            dist.all_reduce(t, group=mesh.domain_group)
+        out[f"k{k} d{dil} {mode}"] = (
+            max([float((y - yr.detach()[..., h0:h1, :]).abs().max()), float((x.grad - xf.grad[..., h0:h1, :]).abs().max())]
+                + [float((a - b).abs().max()) for a, b in zip(pg, pref, strict=True)]),
+            calls["patch"] - before)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(3, 1)])
+def test_compute_then_patch_on_a_mesh_with_a_one_rank_w_axis(shape):
+    for r in run_on_ranks(_size1_ranks, shape[0] * shape[1], shape, timeout=300):
+        for name, (err, patched) in r.items():
+            assert err <= TOL, (name, err)
+            assert patched == 1, (name, "compute-then-patch not taken", patched)
