@@ -92,6 +92,7 @@ def conv_rank(rank: int, world: int, cfg: dict) -> list[dict]:
                   "halo-grid": convert_to_domain_parallel(nn.Sequential(conv), manager, grid=(h, w)),
                   "pad": convert_to_domain_parallel(nn.Sequential(HaloConv2d(conv, group=group, overlap=False)),
                                                     manager)}
+        torch.manual_seed(1 + rank)  # each rank its own share (the entry refuses one field held whole by every rank)
         x = torch.randn(1, c, rows_local, w, device=device, dtype=dtype, requires_grad=True)
         if cfg["channels_last"]:
             x = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
