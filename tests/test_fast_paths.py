@@ -54,7 +54,8 @@ def _size1_ranks(rank, world, shape):
         for t in pg:
             dist.all_reduce(t, group=mesh.domain_group)
         out[f"k{k} d{dil} {mode}"] = (
-            max([float((y - yr.detach()[..., h0:h1, :]).abs().max()), float((x.grad - xf.grad[..., h0:h1, :]).abs().max())]
+            max([float((y - yr.detach()[..., h0:h1, :]).abs().max()),
+                 float((x.grad - xf.grad[..., h0:h1, :]).abs().max())]
                 + [float((a - b).abs().max()) for a, b in zip(pg, pref, strict=True)]),
             calls["patch"] - before)
     return out

@@ -287,7 +287,7 @@ def periodic_check(model: nn.Module, cg: CommGroup, forwards: int, op: str) -> N
     every = _state().every
     if every is None or cg.size == 1 or forwards % every:
         return
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if transport.capturing():
         return  # a forward captured in a CUDA graph: no collective of its own there (the next eager one checks)
     _collect(model, cg, forwards, op)
     pending = _launch(model, cg, forwards, op)
