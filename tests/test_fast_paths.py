@@ -67,3 +67,47 @@ def test_compute_then_patch_on_a_mesh_with_a_one_rank_w_axis(shape):
         for name, (err, patched) in r.items():
             assert err <= TOL, (name, err)
             assert patched == 1, (name, "compute-then-patch not taken", patched)
+
+
+def _launch_ranks(rank, world):
+    os.environ["TRITON_INTERPRET"] = "0"
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import halo
+    from halo.nn import HaloConv2d
+
+    class Convs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {"convolution": 0, "convolution_backward": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in self.n:
+                self.n[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, padding=1).double()
+    full = torch.randn(1, 3, 23, 9, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (h0, h1) = local_range(23, world, rank)
+    layer = HaloConv2d(conv, group=manager.domain_group)
+    x = full[..., h0:h1, :].clone().requires_grad_(True)
+    layer(x).sum().backward()  # the first call plans
+    x.grad = None
+    counter = Convs()
+    with counter:
+        y = layer(x)
+        y.sum().backward()
+    ref = conv(full)
+    return counter.n, float((y - ref.detach()[..., h0:h1, :]).abs().max())
+
+
+def test_compute_then_patch_is_one_strip_conv_per_layer():
+    """Both boundary strips of a middle rank in one conv (stacked along the batch), forward and backward: two
+    launches each way per layer (the shard's conv and the strips'), not three."""
+    results = run_on_ranks(_launch_ranks, 3, timeout=300)
+    for rank, (n, err) in enumerate(results):
+        assert err <= TOL, (rank, err)
+        assert n == {"convolution": 2, "convolution_backward": 2}, (rank, n)

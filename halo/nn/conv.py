@@ -222,15 +222,15 @@ class _PatchConvFn(torch.autograd.Function):
     """Compute-then-patch: the conv of the shard with zero H padding, plus the halo rows' share of the ``p`` top
     and bottom output rows; no copy of the shard or of its gradient, communication behind the conv.
 
-    Forward on rank r (``p = d(k-1)/2``, ``n`` rows, ``j = ceil(p/d)`` kernel rows reach a halo row)::
+    Forward on rank r (``p = d(k-1)/2``, ``n`` rows)::
 
         post the exchange of the halo rows (the rank's edge rows go to its neighbours)
         y = conv(x, zero H padding p)        # exact but for the p first and last rows, which read zeros
-        y[:p]   += conv([halo_top    | 0 ((j-1)d rows)], w[.., :j, :])    # the halo rows' taps only: the conv
-        y[n-p:] += conv([0 ((j-1)d rows) | halo_bottom], w[.., k-j:, :])  # is linear in its input
+        t = conv(batch-stack([halo_top | 0 (2p rows)], [0 (2p rows) | halo_bottom]), w)  # one launch, both sides
+        y[:p] += t[top];  y[n-p:] += t[bottom]    # the halo rows' taps only: the conv is linear in its input
 
-    Backward (the exact adjoint): the strips' backward first (small), giving the halo rows' gradients, which are
-    posted to their owners at once; then torch's backward of the main conv gives ``grad_x`` (this call's own,
+    Backward (the exact adjoint): the strips' backward first (small, one launch), giving the halo rows' gradients,
+    which are posted to their owners at once; then torch's backward of the main conv gives ``grad_x`` (this call's own,
     contiguous), ``grad_w`` and ``grad_b``; what the neighbours sent back (posted just as early on their side,
     so nobody waits for a peer's big computation) is added into ``grad_x`` in place. ``xp`` is ``x`` padded along
     the other spatial dims as the wrapped conv pads them (``x`` itself when the conv pads them with zeros); ``x``
@@ -244,17 +244,18 @@ class _PatchConvFn(torch.autograd.Function):
         y = layer._conv_main(xp, weight, bias, p)
         halos = ex.halos(x, pending)
         n = y.shape[-2]
-        strips = []
-        for side, halo in enumerate(halos):
-            if all(i < 0 for i in ex.sides[side].rows):  # zeros beyond the domain: nothing to add
-                strips.append(None)
-                continue
-            strip = layer._strip(halo, side, p)
-            y.narrow(-2, 0 if side == 0 else n - p, p).add_(layer._conv_strip(strip, side, p, weight))
-            strips.append(strip)
-        ctx.layer, ctx.ex, ctx.p, ctx.live = layer, ex, p, tuple(t is not None for t in strips)
+        # The sides with a neighbour (beyond the domain: zeros, nothing to add), both strips in one conv (stacked
+        # along the batch dim, with the whole kernel: one launch per layer, not one per side).
+        live = tuple(side for side in (0, 1) if not all(i < 0 for i in ex.sides[side].rows))
+        strips = layer._strips([halos[side] for side in live], live, p) if live else None
+        if strips is not None:
+            b = halos[0].shape[0]
+            taps = layer._conv(strips, layer._main_padding(0), weight, None)
+            for i, side in enumerate(live):
+                y.narrow(-2, 0 if side == 0 else n - p, p).add_(taps.narrow(0, i * b, b))
+        ctx.layer, ctx.ex, ctx.p, ctx.live = layer, ex, p, live
         ctx.has_bias, ctx.halo_shape = bias is not None, halos[0].shape
-        ctx.save_for_backward(xp, weight, *[t for t in strips if t is not None])
+        ctx.save_for_backward(xp, weight, *(() if strips is None else (strips,)))
         return y
 
     @staticmethod
@@ -263,28 +264,27 @@ class _PatchConvFn(torch.autograd.Function):
         layer, ex, p = ctx.layer, ctx.ex, ctx.p
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         n = gy.shape[-2]
-        strips = iter(saved)
         grads: list[torch.Tensor | None] = [None, None]
-        grad_w_strips = []
-        # The strips first (small): the halo rows' gradients then travel while the main conv's backward runs.
-        for side, live in enumerate(ctx.live):
-            if not live:
-                continue
-            strip = next(strips)
-            g_strip, g_w = layer._conv_strip_backward(gy.narrow(-2, 0 if side == 0 else n - p, p), strip, side, p,
-                                                      weight, need_x, need_w)
+        grad_w_strips = None
+        # The strips first (small, one launch): the halo rows' gradients then travel while the main conv's backward
+        # runs.
+        if ctx.live:
+            (strips,) = saved
+            g_taps = torch.cat([gy.narrow(-2, 0 if side == 0 else n - p, p) for side in ctx.live], 0)
+            g_strips, grad_w_strips, _ = torch.ops.aten.convolution_backward(
+                g_taps, strips, weight, None, list(layer.stride), layer._main_padding(0), list(layer.dilation),
+                False, [0] * layer._spatial, layer.groups, [need_x, need_w, False])
             if need_x:
-                grads[side] = layer._strip_halo_grad(g_strip, side, p, ctx.halo_shape)
-            if need_w:
-                grad_w_strips.append((side, g_w))
+                b = ctx.halo_shape[0]
+                for i, side in enumerate(ctx.live):
+                    grads[side] = layer._strip_halo_grad(g_strips.narrow(0, i * b, b), side, p, ctx.halo_shape)
         pending = ex.start_adjoint(grads[0], grads[1], layer._interior(xp)) if need_x else None
         grad_xp, grad_w, grad_b = torch.ops.aten.convolution_backward(
             gy, xp, weight, [weight.shape[0]] if ctx.has_bias else None, list(layer.stride),
             layer._main_padding(p), list(layer.dilation), False, [0] * layer._spatial, layer.groups,
             [need_x, need_w, need_b and ctx.has_bias])
-        for side, g_w in grad_w_strips:
-            rows = g_w.shape[-2]
-            grad_w.narrow(-2, 0 if side == 0 else weight.shape[-2] - rows, rows).add_(g_w)
+        if grad_w_strips is not None and need_w:
+            grad_w.add_(grad_w_strips)
         if pending is not None:  # what the neighbours sent back is added into this rank's own rows, in place
             interior = layer._interior(grad_xp)
             ex.finish_adjoint(pending, interior, interior)
@@ -462,45 +462,22 @@ class _HaloConvNd(_HaloConvMixin):
     def _conv_main(self, xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p: int) -> torch.Tensor:
         return self._conv(xp, self._main_padding(p), weight, bias)
 
-    def _strip_rows(self, p: int) -> int:
-        """``j``: the kernel rows that reach a halo row from the ``p`` boundary output rows (``ceil(p / d)``)."""
-        d = self.dilation[self._spatial - 2]
-        return -(-p // d)
-
-    def _strip(self, halo: torch.Tensor, side: int, p: int) -> torch.Tensor:
-        """The input of a boundary strip: the halo rows and ``(j-1)d`` zero rows on the shard's side, padded along
-        the other dims as the main conv pads them (``_PatchConvFn``)."""
-        d = self.dilation[self._spatial - 2]
-        extra = (self._strip_rows(p) - 1) * d
-        if extra:
-            zeros = halo.new_zeros((*halo.shape[:-2], extra, halo.shape[-1]))
-            halo = torch.cat([halo, zeros] if side == 0 else [zeros, halo], dim=-2)
-        return self._pad_other(halo)
-
-    def _strip_weight(self, weight: torch.Tensor, side: int, p: int) -> torch.Tensor:
-        j = self._strip_rows(p)
-        return weight.narrow(-2, 0 if side == 0 else weight.shape[-2] - j, j)
-
-    def _conv_strip(self, strip: torch.Tensor, side: int, p: int, weight: torch.Tensor) -> torch.Tensor:
-        """The halo rows' share of the ``p`` boundary output rows of ``side`` (no bias)."""
-        return self._conv(strip, self._main_padding(0), self._strip_weight(weight, side, p), None)
-
-    def _conv_strip_backward(self, gy: torch.Tensor, strip: torch.Tensor, side: int, p: int, weight: torch.Tensor,
-                             need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The adjoint of :meth:`_conv_strip`: gradients of the (padded) strip and of the kernel rows it used."""
-        w = self._strip_weight(weight, side, p)
-        g_strip, g_w, _ = torch.ops.aten.convolution_backward(
-            gy, strip, w, None, list(self.stride), self._main_padding(0), list(self.dilation), False,
-            [0] * self._spatial, self.groups, [need_x, need_w, False])
-        return g_strip, g_w
+    def _strips(self, halos: Sequence[torch.Tensor], sides: Sequence[int], p: int) -> torch.Tensor:
+        """The input of the boundary strips, stacked along the batch dim: per side, its ``p`` halo rows and ``2p``
+        zero rows on the shard's side (``(k-1)d = 2p``: the whole kernel then sees exactly the halo rows' taps on
+        the ``p`` boundary output rows), padded along the other dims as the main conv pads them
+        (``_PatchConvFn``)."""
+        parts = []
+        for halo, side in zip(halos, sides, strict=True):
+            zeros = halo.new_zeros((*halo.shape[:-2], 2 * p, halo.shape[-1]))
+            parts.append(torch.cat([halo, zeros] if side == 0 else [zeros, halo], dim=-2))
+        return self._pad_other(parts[0] if len(parts) == 1 else torch.cat(parts, 0))
 
     def _strip_halo_grad(self, g_strip: torch.Tensor, side: int, p: int, halo_shape: torch.Size) -> torch.Tensor:
         """The halo rows' gradient from the padded strip's: undo the other-dim padding (its exact adjoint), keep
         the ``p`` halo rows."""
         if not self._other_padded_by_conv():  # F.pad's adjoint, by autograd on the small strip
-            d = self.dilation[self._spatial - 2]
-            rows = p + (self._strip_rows(p) - 1) * d
-            shape = (*halo_shape[:-2], rows, halo_shape[-1])
+            shape = (*halo_shape[:-2], 3 * p, halo_shape[-1])
             with torch.enable_grad():
                 t = g_strip.new_zeros(shape).requires_grad_(True)
                 (g_strip,) = torch.autograd.grad(self._pad_other(t), t, g_strip)
