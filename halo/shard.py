@@ -44,6 +44,7 @@ import torch
 from .dist import transport
 from .dist.comm import CommGroup, comm_group
 from .dist.mesh import DomainMesh, mesh_coords
+from .dist.transport import eager_only
 from .exchange.exchanger import memory_format
 from .plan.agree import DEVICES, DTYPES, MAX_NDIM, ROW_WORDS, SHAPE_AT, Meta, Spec, agree_with
 from .plan.entry import KEY_ATTR, FieldSpec, fingerprint, key_digest, set_spec, spec_of
@@ -101,7 +102,7 @@ def _slice(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> tor
     return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone(memory_format=memory_format(x))
 
 
-@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.dist.comm)
+@eager_only  # posts a collective: never traced into a compiled graph (halo.dist.comm)
 def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup) -> torch.Tensor:
     """Every rank's piece, concatenated along ``dim`` in group order, on every rank."""
     if info.size == 1:
@@ -114,7 +115,7 @@ def _all_gather(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGro
     return _unpack(recv, sizes, dim, rows, memory_format(x))
 
 
-@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.dist.comm)
+@eager_only  # posts a collective: never traced into a compiled graph (halo.dist.comm)
 def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup, dst: int) -> torch.Tensor:
     """The concatenation on group rank ``dst``; elsewhere an empty tensor (extent 0 along ``dim``)."""
     if info.size == 1:
@@ -127,7 +128,7 @@ def _gather_to(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGrou
     return _unpack(recv, sizes, dim, rows, memory_format(x)) if here else _empty_like(x, dim)
 
 
-@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.dist.comm)
+@eager_only  # posts a collective: never traced into a compiled graph (halo.dist.comm)
 def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info: CommGroup, src: int,
                   like: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``x`` (held on group rank ``src`` only); ``like``: an empty tensor of the
@@ -144,7 +145,7 @@ def _scatter_from(x: torch.Tensor | None, sizes: tuple[int, ...], dim: int, info
     return recv[:sizes[info.index]].movedim(0, dim).contiguous()
 
 
-@torch._dynamo.disable  # posts a collective: never traced into a compiled graph (halo.dist.comm)
+@eager_only  # posts a collective: never traced into a compiled graph (halo.dist.comm)
 def _reduce_scatter_mean(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGroup) -> torch.Tensor:
     """This rank's piece of the mean over ranks of the full tensors ``x``."""
     if info.size == 1:
@@ -299,7 +300,7 @@ def _different_samples(op: str, info: CommGroup, tails: Any, what: str) -> Value
         f"field: sample with halo's data-parallel sampler / DistributedSampler(num_replicas=dp_size, rank=dp_rank)")
 
 
-@torch._dynamo.disable  # an agreement on host data: never traced
+@eager_only  # an agreement on host data: never traced
 def _agree_shard(x: torch.Tensor, dim: int, info: CommGroup, granularity: int) -> tuple[tuple[int, ...], int]:
     """The split of ``x`` along ``dim`` and a fingerprint of ``x``, agreed on every call: a shape, dtype or field
     that differs on one rank is the same error on every rank (one small all-gather of host data, as any
@@ -367,7 +368,7 @@ def _check_share(x: torch.Tensor, sizes: tuple[int, ...], dim: int, info: CommGr
                          f"ranks' extents {list(sizes)} add up to {sum(sizes)}")
 
 
-@torch._dynamo.disable  # an agreement on host data: never traced
+@eager_only  # an agreement on host data: never traced
 def _agree_gather(x: torch.Tensor, dim: int, info: CommGroup) -> tuple[int, ...]:
     """Every rank's extent along ``dim``, agreed (as for any tensor halo did not make), with a fingerprint of each
     rank's tensor riding on the same all-gather (host tensors only): the same non-constant values on every rank

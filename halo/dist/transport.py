@@ -17,7 +17,8 @@ the groups themselves (:class:`halo.dist.comm.CommGroup`, host groups, ids) live
 module sees a group only through the attributes it reads (``group``, ``host``, ``size``, ``index``, ``ranks``).
 Its state (the timeout, the buffers given up on, the host staging buffers) is the context's ``"transport"`` slot.
 
-Under ``torch.compile`` every function here that posts or waits is ``torch._dynamo.disable``d: dynamo never traces
+Under ``torch.compile`` every function here that posts or waits is :func:`eager_only` (``torch._dynamo.disable``d
+while dynamo traces, a direct call in eager mode): dynamo never traces
 a collective into a graph (where nothing would order it against halo's communicating custom ops, see
 :func:`halo.exchange.order_after`). A Python path that reaches one inside a compiled region is a graph break there,
 so it runs eagerly in program order on every rank.
@@ -53,6 +54,26 @@ import torch.distributed as dist
 
 from .. import context
 
+
+def eager_only(fn: Any) -> Any:
+    """``fn`` never traced by dynamo (``torch._dynamo.disable``: a graph break where a compiled region reaches it, so it
+    runs eagerly in program order), at no cost in eager mode: dynamo's disable wrapper costs ~1.5 us a call on a CPU
+    (it sets and restores the frame callback), which a steady step pays for every post, wait and mark; this wrapper
+    calls ``fn`` directly unless dynamo is tracing, where it hands over to the disabled form."""
+    import functools
+
+    disabled = torch._dynamo.disable(fn)
+    compiling = torch.compiler.is_compiling
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    call.__wrapped_disabled__ = disabled  # type: ignore[attr-defined]
+    return call
+
 __all__ = [
     "ABANDONED_CAP",
     "BufferPool",
@@ -68,6 +89,7 @@ __all__ = [
     "broadcast",
     "broadcast_host",
     "capturing",
+    "eager_only",
     "comm_error",
     "first_op",
     "gather",
@@ -303,7 +325,7 @@ class Posted:
         return bool(self.works)
 
 
-@torch._dynamo.disable  # never traced into a compiled graph, unordered (module docstring): a graph break
+@eager_only  # never traced into a compiled graph, unordered (module docstring): a graph break
 def post(cg: Any, what: str, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
          *, host: bool = False, keep: Any = None) -> Posted:
     """Post one batch: each ``(peer, tensor)`` of ``sends`` to that peer, each of ``recvs`` from it (peers are group
@@ -338,7 +360,7 @@ def _post(cg: Any, what: str, sends: Sequence[tuple[int, torch.Tensor]], recvs: 
     return Posted(works, labels, cg, what, keep)
 
 
-@torch._dynamo.disable  # never traced into a compiled graph (module docstring)
+@eager_only  # never traced into a compiled graph (module docstring)
 def post_rows(cg: Any, what: str, send: torch.Tensor | None, send_list: Sequence[tuple[int, int]],
               recv: torch.Tensor | None, recv_list: Sequence[tuple[int, int]]) -> Posted:
     """:func:`post` of row slices: consecutive slices of ``send`` to the ``(peer, rows)`` of ``send_list``, into
@@ -376,7 +398,7 @@ def wait(posted: Posted, what: str | None = None) -> None:
         posted.works = ()
 
 
-@torch._dynamo.disable  # a wait never enters a compiled graph (module docstring)
+@eager_only  # a wait never enters a compiled graph (module docstring)
 def wait_all(works: Sequence[Any], labels: Sequence[Any], cg: Any, what: str, posted: float, keep: Any) -> None:
     """Wait for ``works`` under one deadline; turn a failure or timeout into :class:`HaloCommError`.
 
@@ -411,7 +433,7 @@ def _bounded(work: Any, cg: Any, what: str, keep: Any, label: str | None = None)
     wait_all([work], [label or f"the {what} with global ranks {_others(cg)}"], cg, what, posted, keep)
 
 
-@torch._dynamo.disable  # never traced into a graph, unordered (module docstring): a graph break
+@eager_only  # never traced into a graph, unordered (module docstring): a graph break
 def all_reduce(t: torch.Tensor, cg: Any, what: str, op: Any = None) -> torch.Tensor:
     """In-place all-reduce of ``t`` over ``cg`` (``op`` default SUM) under the bounded wait; returns ``t``."""
     posted = time.monotonic()
@@ -439,7 +461,7 @@ def _back(t: Any, wire: Any) -> Any:
     return t
 
 
-@torch._dynamo.disable  # never traced into a graph, unordered (module docstring): a graph break
+@eager_only  # never traced into a graph, unordered (module docstring): a graph break
 def start_all_reduce(t: torch.Tensor, cg: Any, what: str, op: Any = None) -> Posted:
     """Start an in-place all-reduce of ``t`` over ``cg`` and return it as a :class:`Posted` for :func:`wait`, later
     (the replicated-state check reads its result a few steps on: nothing waits for it now). On a CUDA tensor the
@@ -471,7 +493,7 @@ def wait_event(event: Any, cg: Any, what: str, posted: float, keep: Any) -> None
         time.sleep(1e-4)
 
 
-@torch._dynamo.disable  # never traced into a graph (module docstring)
+@eager_only  # never traced into a graph (module docstring)
 def all_gather(chunks: list[torch.Tensor], t: torch.Tensor, cg: Any, what: str, *, host: bool = False) -> None:
     """Every rank's ``t`` into ``chunks`` (one per rank, group order) on ``cg``'s group (host group where
     ``host``), bounded."""
@@ -482,7 +504,7 @@ def all_gather(chunks: list[torch.Tensor], t: torch.Tensor, cg: Any, what: str, 
         _back(c, w)
 
 
-@torch._dynamo.disable  # never traced into a graph (module docstring)
+@eager_only  # never traced into a graph (module docstring)
 def gather(t: torch.Tensor, chunks: list[torch.Tensor] | None, cg: Any, what: str, dst: int) -> None:
     """Every rank's ``t`` into ``chunks`` on group rank ``dst`` (``None`` elsewhere), bounded."""
     wires = _wires(chunks)
@@ -492,7 +514,7 @@ def gather(t: torch.Tensor, chunks: list[torch.Tensor] | None, cg: Any, what: st
         _back(c, w)
 
 
-@torch._dynamo.disable  # never traced into a graph (module docstring)
+@eager_only  # never traced into a graph (module docstring)
 def scatter(t: torch.Tensor, chunks: list[torch.Tensor] | None, cg: Any, what: str, src: int) -> None:
     """Group rank ``src``'s ``chunks[r]`` into ``t`` on rank ``r`` (``chunks`` ``None`` off ``src``), bounded."""
     wire = _wire(t)
@@ -501,7 +523,7 @@ def scatter(t: torch.Tensor, chunks: list[torch.Tensor] | None, cg: Any, what: s
     _back(t, wire)
 
 
-@torch._dynamo.disable  # never traced into a graph (module docstring)
+@eager_only  # never traced into a graph (module docstring)
 def reduce_scatter(t: torch.Tensor, chunks: list[torch.Tensor], cg: Any, what: str, op: Any = None) -> None:
     """The reduction over ranks of ``chunks[r]`` into ``t`` on rank ``r`` (``op`` default SUM), bounded."""
     wire = _wire(t)
@@ -511,7 +533,7 @@ def reduce_scatter(t: torch.Tensor, chunks: list[torch.Tensor], cg: Any, what: s
     _back(t, wire)
 
 
-@torch._dynamo.disable  # never traced into a graph (module docstring)
+@eager_only  # never traced into a graph (module docstring)
 def broadcast(t: torch.Tensor, cg: Any, what: str, src: int, *, host: bool = False) -> torch.Tensor:
     """Group rank ``src``'s ``t`` into ``t`` on every rank (``host``: on the host group, CPU tensors), bounded."""
     wire = _wire(t)
@@ -520,13 +542,13 @@ def broadcast(t: torch.Tensor, cg: Any, what: str, src: int, *, host: bool = Fal
     return _back(t, wire)
 
 
-@torch._dynamo.disable  # never traced into a graph (module docstring)
+@eager_only  # never traced into a graph (module docstring)
 def broadcast_host(t: torch.Tensor, cg: Any, what: str, src: int) -> torch.Tensor:
     """:func:`broadcast` of a CPU tensor on the host group (an agreement's metadata)."""
     return broadcast(t, cg, what, src, host=True)
 
 
-@torch._dynamo.disable  # never traced into a graph (module docstring)
+@eager_only  # never traced into a graph (module docstring)
 def first_op(group: Any, device: torch.device) -> None:
     """One tiny all-reduce on a raw process group, unbounded (the first NCCL op of a new group, which every member
     takes: :func:`halo.dist.comm.first_ops`)."""
@@ -535,7 +557,7 @@ def first_op(group: Any, device: torch.device) -> None:
 
 # -- host collectives: the agreements' ---------------------------------------------------------------------------
 
-@torch._dynamo.disable  # never traced into a graph (module docstring)
+@eager_only  # never traced into a graph (module docstring)
 def all_gather_host(local: torch.Tensor, table: torch.Tensor, cg: Any, what: str) -> torch.Tensor:
     """Every rank's CPU tensor ``local`` into the rows of ``table`` (``(size, *local.shape)``), on the host group."""
     posted = time.monotonic()
@@ -544,7 +566,7 @@ def all_gather_host(local: torch.Tensor, table: torch.Tensor, cg: Any, what: str
     return table
 
 
-@torch._dynamo.disable  # never traced into a graph (module docstring)
+@eager_only  # never traced into a graph (module docstring)
 def gather_words(words: Sequence[int], cg: Any, what: str) -> np.ndarray:
     """Every rank's row of ``len(words)`` int64 words, in group order (an array ``(size, len(words))``): one
     all-gather on the host group into buffers made once per (group, width), written and read through numpy (no
@@ -555,7 +577,7 @@ def gather_words(words: Sequence[int], cg: Any, what: str) -> np.ndarray:
     return table.numpy().copy()
 
 
-@torch._dynamo.disable  # never traced into a graph (module docstring)
+@eager_only  # never traced into a graph (module docstring)
 def all_gather_object(obj: Any, cg: Any, what: str = "all_gather_object") -> list[Any]:
     """Every rank's picklable ``obj`` in group order, on the host group (the slow path of an agreement: errors).
 

@@ -70,6 +70,7 @@ from torch.nn.modules.utils import _pair, _triple
 from ..autocast import cast_as_torch
 from ..dist.comm import CommGroup, comm_group
 from ..dist.transport import all_reduce as bounded_all_reduce
+from ..dist.transport import eager_only
 from ..exchange import exchanger_id, like_format
 from ..parallel.reduce import all_reduce
 from ..plan.geometry import adaptive_plan, adaptive_starts_ends, check_output_rows, widen_plan, window_plan
@@ -520,7 +521,7 @@ def _max_grad(grad: torch.Tensor, info: CommGroup, positions: torch.Tensor, mine
     return gx.view(shape).to(grad.dtype)
 
 
-@torch._dynamo.disable  # collectives with bounded waits: run eagerly (a graph break under torch.compile)
+@eager_only  # collectives with bounded waits: run eagerly (a graph break under torch.compile)
 def _global_pool(x: torch.Tensor, axes: tuple[Axis, Axis], group: Any | None, is_max: bool,
                  return_indices: bool) -> Any:
     """A global pool, whole on every rank, on either decomposition (module docstring): this rank's part of every

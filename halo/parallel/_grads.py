@@ -24,6 +24,7 @@ from torch import nn
 from ..dist.comm import CommGroup, comm_group
 from ..dist.comm import all_reduce as bounded_all_reduce
 from ..dist.mesh import DomainParallelManager, get_domain_parallel_manager
+from ..dist.transport import eager_only
 from .layout import agree_layout, layout_of, local_grad, mark_synced, refuse_second_sync, settle, status_section
 from .marks import check as check_marks
 from .marks import forget, quiet, syncing, watch
@@ -58,7 +59,7 @@ def _live(group: Any | None) -> CommGroup | None:
     return info if info.size > 1 else None
 
 
-@torch._dynamo.disable  # host bookkeeping (version counters, weak references) and collectives: always eager
+@eager_only  # host bookkeeping (version counters, weak references) and collectives: always eager
 def sync_domain_gradients(model: nn.Module | Iterable[torch.Tensor], manager: DomainParallelManager | None = None,
                           *, domain_group: Any | None = None, dp_group: Any | None = None,
                           bucket_mb: float = 128.0, _convention: str = "halo") -> None:
@@ -336,7 +337,7 @@ def grad_norm(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, nor
     return total
 
 
-@torch._dynamo.disable  # a collective and a host read: eager, a graph break in a compiled step
+@eager_only  # a collective and a host read: eager, a graph break in a compiled step
 def _verify_norm(total: torch.Tensor, verify_group: Any) -> None:
     """Raise on every rank of ``verify_group`` unless all of them hold the same ``total``."""
     info = comm_group(verify_group)

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from ..dist.comm import all_reduce as bounded_all_reduce
 from ..dist.comm import comm_group, group_by_id, group_id
+from ..dist.transport import eager_only
 from ..plan.plans import shard_sizes
 from ._grads import accumulation_dtype, clip_grad_norm_, grad_norm, local_grad, sync_domain_gradients
 from ._weights import (
@@ -474,7 +475,7 @@ class _ShareFn(torch.autograd.Function):
         return (grad if ctx.scale == 1.0 else grad * ctx.scale), None
 
 
-@torch._dynamo.disable  # a host mark in backward: eager
+@eager_only  # a host mark in backward: eager
 def local_share(loss: torch.Tensor) -> torch.Tensor:
     """Declare ``loss`` this rank's *share* of the global loss: the sum over the domain group of every rank's
     ``loss`` is the objective (e.g. ``(pred * w_shard).sum()``, or ``((pred - t) ** 2).sum() / global_count``).
@@ -486,7 +487,7 @@ def local_share(loss: torch.Tensor) -> torch.Tensor:
     return _ShareFn.apply(loss, 1.0)
 
 
-@torch._dynamo.disable  # a host mark in backward: eager
+@eager_only  # a host mark in backward: eager
 def replicated_loss(loss: torch.Tensor, group: Any | None = None) -> torch.Tensor:
     """Declare ``loss`` computed alike on every rank of the domain group (default: the manager's) from whole values
     (a global pool's result and the layers after it, a head on a gathered field), counted once.
