@@ -31,10 +31,9 @@ from ..dist.mesh import DomainMesh, DomainParallelManager
 from ..guard.reroute import uninstall
 from ..parallel.marks import watch_model
 from ..plan.replicated import check_replicated
-from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample  # noqa: F401  (they fill the registry)
 from .adapters import adapter
 from .credit_padding import TensorPadding, swap_tensor_padding, unswap_tensor_padding
-from .registry import Entry, entries, entry_of, is_pointwise_conv
+from .registry import Entry, entries, entry_of, is_pointwise_conv, public
 from .root import drop_root, global_pool, guard_whole, make_root, rooted
 from .swinv2 import unswap_models
 from .target import ConvertContext, convert_context
@@ -187,6 +186,7 @@ def _converted_inside(module: nn.Module, builtin: dict[type, Entry], ctx: Conver
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
+@public
 def convert_to_domain_parallel(
     model: nn.Module,
     manager: DomainParallelManager | DomainMesh | dist.ProcessGroup | None = None,
@@ -388,6 +388,7 @@ def _check_mesh_2d(child: nn.Module, path: str, builtin: dict[type, Entry]) -> N
         + kind.__name__ + ": fn}")
 
 
+@public
 def revert_domain_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`convert_to_domain_parallel` in place; parameters and buffers carry over to the originals."""
     drop_root(model)

@@ -27,7 +27,7 @@ from ..exchange import exchanger_id
 from ..plan.geometry import check_output_rows, pad_needs
 from ..plan.plans import Site, shard_sizes
 from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
-from .registry import converts
+from .registry import converts, public
 
 __all__ = ["PADDING_MODULES", "HaloPad2d", "halo_pad", "pad_like"]
 
@@ -96,6 +96,7 @@ class HaloPad2d(HaloLayer, nn.Module):
                     f"HaloPad2d({self.kind})")
 
 
+@public
 def halo_pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str = "zeros", value: float = 0.0, *,
              group: Any | None = None, site: Site | None = None, op: str = "halo_pad",
              mesh: Any | None = None) -> torch.Tensor:
@@ -144,6 +145,7 @@ def _pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str, val
     return finish(out, x)
 
 
+@public
 def pad_like(x: torch.Tensor, ref: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
     """Zero-pad (or crop) ``x`` to ``ref``'s global H and W, centred as a U-Net's skip connection does it
     (Pytorch-UNet's ``Up``: ``F.pad(x1, [dX // 2, dX - dX // 2, dY // 2, dY - dY // 2])``), with ``dY`` and ``dX``

@@ -72,7 +72,7 @@ def _run(module: HaloLayer, x: torch.Tensor, factor: int, up: bool, op: str) -> 
     return module.finish(out, x)
 
 
-@converts(nn.PixelShuffle, axes=2)
+@converts(nn.PixelShuffle, axes=2, functional=(F.pixel_shuffle, torch.pixel_shuffle))
 class HaloPixelShuffle(HaloLayer, nn.PixelShuffle):
     """``nn.PixelShuffle`` on an H-shard (module docstring)."""
 
@@ -84,7 +84,7 @@ class HaloPixelShuffle(HaloLayer, nn.PixelShuffle):
         return _run(self, cast_as_torch("pixel_shuffle", x), self.upscale_factor, True, "HaloPixelShuffle")
 
 
-@converts(nn.PixelUnshuffle, axes=2)
+@converts(nn.PixelUnshuffle, axes=2, functional=(F.pixel_unshuffle, torch.pixel_unshuffle))
 class HaloPixelUnshuffle(HaloLayer, nn.PixelUnshuffle):
     """``nn.PixelUnshuffle`` on an H-shard (module docstring)."""
 
