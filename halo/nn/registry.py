@@ -24,8 +24,9 @@ a batch norm ``"dp_group"``, a softmax takes none). ``mesh_ok(module)``: on a la
 this instance has its 2-d form (an ``nn.Upsample`` mode, a global adaptive pool); default every instance.
 ``functional``: the torch functions the layer is the exact form of (``F.pixel_shuffle`` for ``nn.PixelShuffle``):
 the guard, refusing such a call on a shard, names the module to use instead (:func:`twin_hint`).
-``example()``: ``(module, shape)``, a small instance of the torch class and the shape of a field it takes (H at dim
--2, odd sizes): the modes matrix runs it, converted, against the unsharded module in every eager mode.
+``example(kind)``: ``(module, shape)``, a small instance of the torch class ``kind`` (one of ``torch_classes``) and
+the shape of a field it takes (H at dim -2, odd sizes): the modes matrix (tests/test_modes.py) runs it, converted,
+against the unsharded module, so a registered layer is in the matrix with no edit there.
 
 The table is filled when halo's layer modules are imported and read-only afterwards (not state: it is code).
 """
@@ -44,8 +45,8 @@ __all__ = ["Entry", "converts", "entries", "entry_of", "exports", "functional_tw
            "layer_modules", "pointwise_conv", "public", "twin_hint"]
 
 Maker = Callable[[nn.Module, Any], nn.Module]
-#: ``example()`` of a registered layer: a small torch module and the shape of a field it takes
-Example = Callable[[], tuple[nn.Module, tuple[int, ...]]]
+#: ``example(kind)`` of a registered layer: a small ``kind`` module and the shape of a field it takes
+Example = Callable[[type], tuple[nn.Module, tuple[int, ...]]]
 T = TypeVar("T")
 
 
