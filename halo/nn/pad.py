@@ -71,7 +71,12 @@ def _pad_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, before: int, afte
     return pad_plan(cg, (sizes,), dim, before, after, boundary, op)
 
 
-@converts(*PADDING_MODULES, axes=2)
+def _example(kind: type) -> tuple[nn.Module, tuple[int, ...]]:
+    """The modes matrix's case (``@converts(example=)``): every side padded differently, 23 x 7."""
+    return (kind((1, 2, 2, 1), 0.5) if kind is nn.ConstantPad2d else kind((1, 2, 2, 1))), (2, 3, 23, 7)
+
+
+@converts(*PADDING_MODULES, axes=2, example=_example)
 class HaloPad2d(HaloLayer, nn.Module):
     """A torch 2-d padding module on an H-shard (module docstring); ``HaloPad2d(nn.ReflectionPad2d(2))``."""
 

@@ -185,7 +185,8 @@ def _global_index(idx: torch.Tensor, plans: tuple[PoolPlan, ...], width: int) ->
 
 # -- max / average pooling --------------------------------------------------------------------------------
 
-@converts(nn.MaxPool2d, axes=2, functional=(F.max_pool2d, torch.max_pool2d))
+@converts(nn.MaxPool2d, axes=2, functional=(F.max_pool2d, torch.max_pool2d),
+          example=lambda kind: (kind(3, 2, 1), (2, 3, 23, 7)))
 class HaloMaxPool2d(HaloLayer, nn.MaxPool2d):
     """``nn.MaxPool2d`` on an H-sharded field; output = the balanced split of the global output rows.
 
@@ -223,7 +224,7 @@ class HaloMaxPool2d(HaloLayer, nn.MaxPool2d):
         return self.finish(_formatted(out, x), x)
 
 
-@converts(nn.AvgPool2d, axes=2, functional=(F.avg_pool2d,))
+@converts(nn.AvgPool2d, axes=2, functional=(F.avg_pool2d,), example=lambda kind: (kind(3, 2, 1), (2, 3, 23, 7)))
 class HaloAvgPool2d(HaloLayer, nn.AvgPool2d):
     """``nn.AvgPool2d`` on an H-sharded field; output = the balanced split of the global output rows.
 
@@ -279,7 +280,8 @@ def _global_index_3d(idx: torch.Tensor, plan: PoolPlan, width: int) -> torch.Ten
     return idx // plane * (plan.n * width) + idx % plane + plan.lo * width
 
 
-@converts(nn.MaxPool3d, functional=(F.max_pool3d, torch.max_pool3d))
+@converts(nn.MaxPool3d, functional=(F.max_pool3d, torch.max_pool3d),
+          example=lambda kind: (kind(3, 2, 1), (2, 2, 5, 23, 7)))
 class HaloMaxPool3d(HaloLayer, nn.MaxPool3d):
     """``nn.MaxPool3d`` on a ``(B, C, D, H, W)`` field sharded along H (dim -2); output = the balanced split of the
     global output rows.
@@ -317,7 +319,7 @@ class HaloMaxPool3d(HaloLayer, nn.MaxPool3d):
         return self.finish(_formatted(out, x), x)
 
 
-@converts(nn.AvgPool3d, functional=(F.avg_pool3d,))
+@converts(nn.AvgPool3d, functional=(F.avg_pool3d,), example=lambda kind: (kind(3, 2, 1), (2, 2, 5, 23, 7)))
 class HaloAvgPool3d(HaloLayer, nn.AvgPool3d):
     """``nn.AvgPool3d`` on a ``(B, C, D, H, W)`` field sharded along H (dim -2); output = the balanced split of the
     global output rows.
@@ -598,7 +600,8 @@ class _AdaptivePool(HaloLayer):
                          getattr(self, "return_indices", False))
 
 
-@converts(nn.AdaptiveAvgPool2d, axes=2, mesh_ok=_global_only, functional=(F.adaptive_avg_pool2d,))
+@converts(nn.AdaptiveAvgPool2d, axes=2, mesh_ok=_global_only, functional=(F.adaptive_avg_pool2d,),
+          example=lambda kind: (kind((5, 4)), (2, 3, 23, 7)))
 class HaloAdaptiveAvgPool2d(_AdaptivePool, nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` on an H-sharded field (windows depend on the global extent: computed from it).
 
@@ -613,7 +616,8 @@ class HaloAdaptiveAvgPool2d(_AdaptivePool, nn.AdaptiveAvgPool2d):
         self.halo_init(group, mesh)
 
 
-@converts(nn.AdaptiveMaxPool2d, axes=2, mesh_ok=_global_only, functional=(F.adaptive_max_pool2d,))
+@converts(nn.AdaptiveMaxPool2d, axes=2, mesh_ok=_global_only, functional=(F.adaptive_max_pool2d,),
+          example=lambda kind: (kind((5, 4)), (2, 3, 23, 7)))
 class HaloAdaptiveMaxPool2d(_AdaptivePool, nn.AdaptiveMaxPool2d):
     """``nn.AdaptiveMaxPool2d`` on an H-sharded field; indices (``return_indices``) are global flat ``h*W + w``."""
 
@@ -628,7 +632,7 @@ class HaloAdaptiveMaxPool2d(_AdaptivePool, nn.AdaptiveMaxPool2d):
 
 # -- conversion ---------------------------------------------------------------------------------------------
 
-@converts(nn.LPPool2d, axes=2, functional=(F.lp_pool2d,))
+@converts(nn.LPPool2d, axes=2, functional=(F.lp_pool2d,), example=lambda kind: (kind(2, 3, 2), (2, 3, 23, 7)))
 class HaloLPPool2d(nn.LPPool2d):
     """``nn.LPPool2d`` on an H-sharded field (and on a latitude x longitude mesh), computed as torch computes it:
     ``(avg_pool2d(x ** p) * kh * kw) ** (1 / p)`` (a max pool of ``|x|`` for ``p = ±inf``), with the pool a
