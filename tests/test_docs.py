@@ -65,8 +65,14 @@ def test_halo_nn_exports_exactly_the_registry():
     assert list(layer_modules()) == found
     missing = [n for n in found if f"halo.nn.{n}" not in __import__("sys").modules]
     assert not missing, missing
-    # the public layers: every class exported is a torch module
-    assert all(issubclass(o, __import__("torch").nn.Module) for o in exports().values() if inspect.isclass(o))
+    # the public layers: every class exported is a torch module, and a HaloLayer (halo.nn.base) but for these three,
+    # which hold halo layers rather than being one (issue 31 counted 6): the list can only shrink
+    from halo.nn.base import HaloLayer
+
+    classes = {n: o for n, o in exports().items() if inspect.isclass(o)}
+    assert all(issubclass(o, __import__("torch").nn.Module) for o in classes.values())
+    others = {n for n, o in classes.items() if not issubclass(o, HaloLayer)}
+    assert others <= {"DomainSelectAdaptivePool2d", "DomainSqueezeExcite", "HaloLPPool2d"}, others
 
 
 def test_the_converters_tables_are_the_registry():
