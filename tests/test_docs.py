@@ -96,8 +96,8 @@ def test_the_converters_tables_are_the_registry():
     assert twin_hint(nn.functional.pixel_shuffle) == ("use nn.PixelShuffle in the model (converted exactly, to "
                                                       "halo.nn.HaloPixelShuffle)")
     assert twin_hint(nn.functional.gelu) is None
-    assert all(f in table[k].functional for k, e in table.items() for f in twins if twins[f] is e.halo_class
-               and k in {kk for kk, ee in table.items() if f in ee.functional})
+    assert set(twins.values()) <= {e.halo_class for e in table.values()}
+    assert {f for e in table.values() for f in e.functional} == set(twins)
 
 
 def test_the_registry_refuses_a_second_claim():

@@ -9,10 +9,11 @@ A halo layer registers itself with a class decorator beside its definition::
 and :func:`halo.nn.convert_to_domain_parallel` reads this table; nothing else lists halo's layers. What comes from
 here: ``halo.nn``'s exports (:func:`exports`: every halo class registered with :func:`converts` and every name marked
 :func:`public`), the converter's tables (the latitude x longitude list, the pools :func:`halo.nn.pool.halo_pool`
-knows, the names in its messages), the guard's hint for a torch function with a layer as its exact twin
-(:func:`functional_twins`, :func:`twin_hint`), the modes matrix's cases (``example=``, tests/test_modes.py) and the
-docs' layer list (docs/hooks/registry.py). The modules that fill it are found by :func:`layer_modules` (every
-non-private module of ``halo.nn``, which the package imports): a new layer is its module and its test, no other edit.
+knows, the names in its messages), the hint for a torch function with a layer as its exact twin
+(:func:`functional_twins`, :func:`twin_hint`: the guard's to read), the modes matrix's cases (``example=``,
+tests/test_modes.py) and the docs' layer lists (docs/hooks/registry.py). The modules that fill it are found by
+:func:`layer_modules` (every non-private module of ``halo.nn``, which the package imports): a new layer is its module
+and its test, no other edit.
 
 ``axes``: how many domain axes the layer handles — 1: latitude rows only; 2: also a latitude x longitude mesh.
 ``make(module, ctx)``: the replacement of ``module`` (``ctx`` a :class:`halo.nn.convert.ConvertContext`).
@@ -23,7 +24,8 @@ takes by keyword (default ``("group",)``, with ``"mesh"`` for a layer with ``axe
 a batch norm ``"dp_group"``, a softmax takes none). ``mesh_ok(module)``: on a latitude x longitude mesh, whether
 this instance has its 2-d form (an ``nn.Upsample`` mode, a global adaptive pool); default every instance.
 ``functional``: the torch functions the layer is the exact form of (``F.pixel_shuffle`` for ``nn.PixelShuffle``):
-the guard, refusing such a call on a shard, names the module to use instead (:func:`twin_hint`).
+:func:`twin_hint` says which module to use instead, for the guard to name when it refuses such a call on a shard
+(the guard's own rule messages still carry their hints until it reads this; issue 31 item 5).
 ``example(kind)``: ``(module, shape)``, a small instance of the torch class ``kind`` (one of ``torch_classes``) and
 the shape of a field it takes (H at dim -2, odd sizes): the modes matrix (tests/test_modes.py) runs it, converted,
 against the unsharded module, so a registered layer is in the matrix with no edit there.
