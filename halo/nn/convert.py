@@ -31,16 +31,17 @@ from ..dist.mesh import DomainMesh, DomainParallelManager
 from ..guard.reroute import uninstall
 from ..parallel.marks import watch_model
 from ..plan.replicated import check_replicated
-from . import conv, dropout, norm, pad, pool, shuffle, softmax, upsample  # noqa: F401  (they fill the registry)
 from .adapters import adapter
 from .credit_padding import TensorPadding, swap_tensor_padding, unswap_tensor_padding
-from .registry import Entry, entries, entry_of, is_pointwise_conv
+from .registry import Entry, entries, entry_of, is_pointwise_conv, public
 from .root import drop_root, global_pool, guard_whole, make_root, rooted
 from .swinv2 import unswap_models
 from .target import ConvertContext, convert_context
 
 # re-exported where they lived before: ConvertContext (halo.nn.target), TensorPadding and its swaps (credit_padding)
-__all__ = ["INSIDE", "MESH_2D", "ConvertContext", "TensorPadding", "convert_to_domain_parallel", "is_pointwise_conv",
+__all__ = ["INSIDE",
+           "MESH_2D",  # noqa: F822 - the module's __getattr__ reads it from the registry when asked
+           "ConvertContext", "TensorPadding", "convert_to_domain_parallel", "is_pointwise_conv",
            "revert_domain_parallel", "swap_tensor_padding", "unswap_tensor_padding"]
 
 
@@ -49,11 +50,10 @@ def _mesh_kinds() -> tuple[type, ...]:
     return tuple(kind for kind, entry in entries().items() if entry.axes >= 2)
 
 
-#: Layers with a latitude x longitude form (``convert_to_domain_parallel(model, DomainMesh((ph, pw)))``), as the
-#: registry (``halo.nn.registry``) has them at import: those with a ``mesh_ok`` check (``nn.Upsample`` modes,
-#: adaptive pools: global ones only) have it for some instances; others that act on H or W are refused on such a
-#: mesh, naming the layer. The converter reads the registry itself (a layer registered later counts too).
-MESH_2D = _mesh_kinds()
+# MESH_2D (module __getattr__ below): the layers with a latitude x longitude form (``convert_to_domain_parallel(
+# model, DomainMesh((ph, pw)))``), read from the registry (``halo.nn.registry``) when asked, so a layer registered
+# after this module was imported counts too: those with a ``mesh_ok`` check (``nn.Upsample`` modes, adaptive pools:
+# global ones only) have it for some instances; others that act on H or W are refused on such a mesh, naming them.
 
 
 #: Leaf modules that act on each grid point independently: kept as they are.
@@ -187,6 +187,7 @@ def _converted_inside(module: nn.Module, builtin: dict[type, Entry], ctx: Conver
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
+@public
 def convert_to_domain_parallel(
     model: nn.Module,
     manager: DomainParallelManager | DomainMesh | dist.ProcessGroup | None = None,
@@ -388,6 +389,7 @@ def _check_mesh_2d(child: nn.Module, path: str, builtin: dict[type, Entry]) -> N
         + kind.__name__ + ": fn}")
 
 
+@public
 def revert_domain_parallel(model: nn.Module) -> nn.Module:
     """Undo :func:`convert_to_domain_parallel` in place; parameters and buffers carry over to the originals."""
     drop_root(model)
@@ -410,8 +412,11 @@ def revert_domain_parallel(model: nn.Module) -> nn.Module:
 
 
 def __getattr__(name: str) -> Any:
-    """``_RootedSequential`` and friends (``halo.nn.root``): a converted model pickled before the root moved there
+    """``MESH_2D``: the torch classes with a latitude x longitude form, from the registry as it is now (see above).
+    ``_RootedSequential`` and friends (``halo.nn.root``): a converted model pickled before the root moved there
     names this module, and loads in a fresh process."""
+    if name == "MESH_2D":
+        return _mesh_kinds()
     kind = getattr(nn, name.removeprefix("_Rooted"), None) if name.startswith("_Rooted") else None
     if isinstance(kind, type) and issubclass(kind, nn.Module):
         return rooted(kind)

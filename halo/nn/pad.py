@@ -27,7 +27,7 @@ from ..exchange import exchanger_id
 from ..plan.geometry import check_output_rows, pad_needs
 from ..plan.plans import Site, shard_sizes
 from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
-from .registry import converts
+from .registry import converts, public
 
 __all__ = ["PADDING_MODULES", "HaloPad2d", "halo_pad", "pad_like"]
 
@@ -71,7 +71,12 @@ def _pad_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, before: int, afte
     return pad_plan(cg, (sizes,), dim, before, after, boundary, op)
 
 
-@converts(*PADDING_MODULES, axes=2)
+def _example(kind: type) -> tuple[nn.Module, tuple[int, ...]]:
+    """The modes matrix's case (``@converts(example=)``): every side padded differently, 23 x 7."""
+    return (kind((1, 2, 2, 1), 0.5) if kind is nn.ConstantPad2d else kind((1, 2, 2, 1))), (2, 3, 23, 7)
+
+
+@converts(*PADDING_MODULES, axes=2, example=_example)
 class HaloPad2d(HaloLayer, nn.Module):
     """A torch 2-d padding module on an H-shard (module docstring); ``HaloPad2d(nn.ReflectionPad2d(2))``."""
 
@@ -96,6 +101,7 @@ class HaloPad2d(HaloLayer, nn.Module):
                     f"HaloPad2d({self.kind})")
 
 
+@public
 def halo_pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str = "zeros", value: float = 0.0, *,
              group: Any | None = None, site: Site | None = None, op: str = "halo_pad",
              mesh: Any | None = None) -> torch.Tensor:
@@ -144,6 +150,7 @@ def _pad(x: torch.Tensor, padding: tuple[int, int, int, int], boundary: str, val
     return finish(out, x)
 
 
+@public
 def pad_like(x: torch.Tensor, ref: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
     """Zero-pad (or crop) ``x`` to ``ref``'s global H and W, centred as a U-Net's skip connection does it
     (Pytorch-UNet's ``Up``: ``F.pad(x1, [dX // 2, dX - dX // 2, dY // 2, dY - dY // 2])``), with ``dY`` and ``dX``

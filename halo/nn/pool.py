@@ -76,7 +76,7 @@ from ..parallel.reduce import all_reduce
 from ..plan.geometry import adaptive_plan, adaptive_starts_ends, check_output_rows, widen_plan, window_plan
 from ..plan.plans import Site, mark_whole
 from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
-from .registry import converts
+from .registry import converts, entries
 
 __all__ = [
     "HaloAdaptiveAvgPool2d",
@@ -90,6 +90,7 @@ __all__ = [
     "halo_adaptive_avg_pool2d",
     "halo_adaptive_max_pool2d",
     "halo_pool",
+    "pools",
     "window_plan",
 ]
 
@@ -185,7 +186,8 @@ def _global_index(idx: torch.Tensor, plans: tuple[PoolPlan, ...], width: int) ->
 
 # -- max / average pooling --------------------------------------------------------------------------------
 
-@converts(nn.MaxPool2d, axes=2)
+@converts(nn.MaxPool2d, axes=2, functional=(F.max_pool2d, torch.max_pool2d),
+          example=lambda kind: (kind(3, 2, 1), (2, 3, 23, 7)))
 class HaloMaxPool2d(HaloLayer, nn.MaxPool2d):
     """``nn.MaxPool2d`` on an H-sharded field; output = the balanced split of the global output rows.
 
@@ -223,7 +225,7 @@ class HaloMaxPool2d(HaloLayer, nn.MaxPool2d):
         return self.finish(_formatted(out, x), x)
 
 
-@converts(nn.AvgPool2d, axes=2)
+@converts(nn.AvgPool2d, axes=2, functional=(F.avg_pool2d,), example=lambda kind: (kind(3, 2, 1), (2, 3, 23, 7)))
 class HaloAvgPool2d(HaloLayer, nn.AvgPool2d):
     """``nn.AvgPool2d`` on an H-sharded field; output = the balanced split of the global output rows.
 
@@ -279,7 +281,8 @@ def _global_index_3d(idx: torch.Tensor, plan: PoolPlan, width: int) -> torch.Ten
     return idx // plane * (plan.n * width) + idx % plane + plan.lo * width
 
 
-@converts(nn.MaxPool3d)
+@converts(nn.MaxPool3d, functional=(F.max_pool3d, torch.max_pool3d),
+          example=lambda kind: (kind(3, 2, 1), (2, 2, 5, 23, 7)))
 class HaloMaxPool3d(HaloLayer, nn.MaxPool3d):
     """``nn.MaxPool3d`` on a ``(B, C, D, H, W)`` field sharded along H (dim -2); output = the balanced split of the
     global output rows.
@@ -317,7 +320,7 @@ class HaloMaxPool3d(HaloLayer, nn.MaxPool3d):
         return self.finish(_formatted(out, x), x)
 
 
-@converts(nn.AvgPool3d)
+@converts(nn.AvgPool3d, functional=(F.avg_pool3d,), example=lambda kind: (kind(3, 2, 1), (2, 2, 5, 23, 7)))
 class HaloAvgPool3d(HaloLayer, nn.AvgPool3d):
     """``nn.AvgPool3d`` on a ``(B, C, D, H, W)`` field sharded along H (dim -2); output = the balanced split of the
     global output rows.
@@ -598,7 +601,8 @@ class _AdaptivePool(HaloLayer):
                          getattr(self, "return_indices", False))
 
 
-@converts(nn.AdaptiveAvgPool2d, axes=2, mesh_ok=_global_only)
+@converts(nn.AdaptiveAvgPool2d, axes=2, mesh_ok=_global_only, functional=(F.adaptive_avg_pool2d,),
+          example=lambda kind: (kind((5, 4)), (2, 3, 23, 7)))
 class HaloAdaptiveAvgPool2d(_AdaptivePool, nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` on an H-sharded field (windows depend on the global extent: computed from it).
 
@@ -613,7 +617,8 @@ class HaloAdaptiveAvgPool2d(_AdaptivePool, nn.AdaptiveAvgPool2d):
         self.halo_init(group, mesh)
 
 
-@converts(nn.AdaptiveMaxPool2d, axes=2, mesh_ok=_global_only)
+@converts(nn.AdaptiveMaxPool2d, axes=2, mesh_ok=_global_only, functional=(F.adaptive_max_pool2d,),
+          example=lambda kind: (kind((5, 4)), (2, 3, 23, 7)))
 class HaloAdaptiveMaxPool2d(_AdaptivePool, nn.AdaptiveMaxPool2d):
     """``nn.AdaptiveMaxPool2d`` on an H-sharded field; indices (``return_indices``) are global flat ``h*W + w``."""
 
@@ -628,7 +633,7 @@ class HaloAdaptiveMaxPool2d(_AdaptivePool, nn.AdaptiveMaxPool2d):
 
 # -- conversion ---------------------------------------------------------------------------------------------
 
-@converts(nn.LPPool2d, axes=2)
+@converts(nn.LPPool2d, axes=2, functional=(F.lp_pool2d,), example=lambda kind: (kind(2, 3, 2), (2, 3, 23, 7)))
 class HaloLPPool2d(nn.LPPool2d):
     """``nn.LPPool2d`` on an H-sharded field (and on a latitude x longitude mesh), computed as torch computes it:
     ``(avg_pool2d(x ** p) * kh * kw) ** (1 / p)`` (a max pool of ``|x|`` for ``p = ±inf``), with the pool a
@@ -669,19 +674,21 @@ class HaloLPPool2d(nn.LPPool2d):
         return (torch.sign(out) * F.relu(torch.abs(out))).mul(kw * kh).pow(1.0 / self.norm_type)
 
 
-_POOLS = ((nn.MaxPool2d, HaloMaxPool2d), (nn.AvgPool2d, HaloAvgPool2d),
-          (nn.AdaptiveAvgPool2d, HaloAdaptiveAvgPool2d), (nn.AdaptiveMaxPool2d, HaloAdaptiveMaxPool2d),
-          (nn.MaxPool3d, HaloMaxPool3d), (nn.AvgPool3d, HaloAvgPool3d), (nn.LPPool2d, HaloLPPool2d))
+def pools() -> dict[type, type]:
+    """The torch pooling classes halo converts -> their halo classes: the registry's entries of this module (a pool
+    registered here with ``@converts`` is known to :func:`halo_pool` with no other edit)."""
+    return {kind: e.halo_class for kind, e in entries().items() if e.halo_class.__module__ == __name__}
 
 
 def halo_pool(pool: nn.Module, *, group: Any | None = None) -> nn.Module:
     """The domain-parallel twin of a 2-d pooling module; ``NotImplementedError`` naming why for the others."""
-    for cls, halo_cls in _POOLS:
-        if type(pool) is cls:
-            return halo_cls(pool, group=group)
+    known = pools()
+    halo_cls = known.get(type(pool))
+    if halo_cls is not None:
+        return halo_cls(pool, group=group)
     raise NotImplementedError(
         f"no domain-parallel version of {type(pool).__name__}: supported are "
-        f"{', '.join(c.__name__ for c, _ in _POOLS)} (over (B, C, H, W) or (B, C, D, H, W) sharded along H, "
+        f"{', '.join(c.__name__ for c in known)} (over (B, C, H, W) or (B, C, D, H, W) sharded along H, "
         f"dim -2); FractionalMaxPool2d (random windows), 1-d pools and adaptive 3-d pools are not "
         f"implemented")
 

@@ -72,7 +72,8 @@ def _run(module: HaloLayer, x: torch.Tensor, factor: int, up: bool, op: str) -> 
     return module.finish(out, x)
 
 
-@converts(nn.PixelShuffle, axes=2)
+@converts(nn.PixelShuffle, axes=2, functional=(F.pixel_shuffle, torch.pixel_shuffle),
+          example=lambda kind: (kind(2), (2, 8, 23, 7)))
 class HaloPixelShuffle(HaloLayer, nn.PixelShuffle):
     """``nn.PixelShuffle`` on an H-shard (module docstring)."""
 
@@ -84,7 +85,8 @@ class HaloPixelShuffle(HaloLayer, nn.PixelShuffle):
         return _run(self, cast_as_torch("pixel_shuffle", x), self.upscale_factor, True, "HaloPixelShuffle")
 
 
-@converts(nn.PixelUnshuffle, axes=2)
+@converts(nn.PixelUnshuffle, axes=2, functional=(F.pixel_unshuffle, torch.pixel_unshuffle),
+          example=lambda kind: (kind(2), (2, 3, 22, 6)))  # 22 rows: a multiple of the factor, as torch needs
 class HaloPixelUnshuffle(HaloLayer, nn.PixelUnshuffle):
     """``nn.PixelUnshuffle`` on an H-shard (module docstring)."""
 
