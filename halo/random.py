@@ -371,6 +371,15 @@ def feature_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inpl
     if x.dim() < lead + 1:
         raise ValueError(f"{op}: expected ({'B, ' if batched else ''}C, ...) with spatial dims, got shape "
                          f"{tuple(x.shape)}")
+    if batched and x.dim() == 3:
+        # (N, C, L) (nn.Dropout1d): C is a field's dim -2, the rows split across the ranks, so each channel's draw
+        # is keyed on its global row (an element of the (N, C, 1) field), not on the local index of a channel.
+        if mesh is not None:
+            raise ValueError(f"{op}: channel dropout of an (N, C, L) block on a latitude x longitude mesh (C is "
+                             f"split along the mesh's first axis, L along its second): not supported; use "
+                             f"latitude rows, or nn.Dropout")
+        scaled = dropout(x.new_ones((*x.shape[:2], 1)), p, True, False, dim=-2, group=group, site=site)
+        return _finish(x * scaled, x, inplace)
     shape = (*x.shape[:lead], *([1] * (x.dim() - lead)))
     keep = _unit_mask(x, shape, p, stream)
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)

@@ -437,13 +437,9 @@ def test_every_registered_layer_has_a_case() -> None:
     assert set(_EXAMPLES) <= set(_layer_cases()), set(_EXAMPLES) - set(_layer_cases())
 
 
-_DROPOUT1D = ("DomainDropout1d on an (N, C, L) field draws each rank's channel masks for its own rows: the channel "
-              "dim is the sharded dim -2 there, so the masks are not the whole field's (silently different); halo.nn."
-              "dropout must key them on global rows or refuse")
 _FORMAT = "the output is channels-last where torch's {} gives a contiguous one (values and gradients equal)"
 #: (case, mode) -> why halo does not do it yet: xfail(strict), so the cell fails once it is fixed
 _KNOWN_LAYER: dict[tuple[str, str], str] = {
-    **{("Dropout1d", m): _DROPOUT1D for m in LAYER_MODES if m != "channels_last"},  # (N, C, L): no channels-last
     ("CircularPad2d", "channels_last"): _FORMAT.format("nn.CircularPad2d"),
     ("InstanceNorm2d", "channels_last"): _FORMAT.format("nn.InstanceNorm2d"),
     ("LayerNorm", "channels_last"): _FORMAT.format("nn.LayerNorm over (H, W)"),
