@@ -16,7 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _helpers import run_allow_failures
+from torch import nn
 
+from halo.plan.partition import split_offsets
 from halo.testing import run_on_ranks
 
 TOL = 1e-12  # float64, the same sums reordered (online softmax): rounding only
@@ -35,7 +37,12 @@ def _mine(t, sizes, rank, dim=-2):
 
 
 def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item() if a.numel() else 0.0
+    """The max error relative to the reference's largest value; a reference that is zero in exact arithmetic
+    (k_norm's bias: a shift of every key changes no softmax; its gradient is rounding, ~1e-17) is compared
+    absolutely."""
+    if not a.numel():
+        return 0.0
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1.0 if b.abs().max() < 1e-12 else 1e-300)).item()
 
 
 # -- the communication --------------------------------------------------------------------------------------------
@@ -232,3 +239,110 @@ def test_bad_input_raises_on_every_rank(kind, words):
     for status, text in outcomes:
         assert status == "error", outcomes
         assert words in text and "HaloCommError" not in text, text
+
+
+# -- the converted layers on a field's tokens ---------------------------------------------------------------------
+
+class FieldAttention(nn.Module):
+    """A conv, attention over all tokens of the field (as user code writes it), a conv."""
+
+    def __init__(self, kind, attn, c=8):
+        super().__init__()
+        self.kind, self.inp, self.attn, self.out = kind, nn.Conv2d(3, c, 3, padding=1), attn, nn.Conv2d(c, 3, 3,
+                                                                                                           padding=1)
+
+    def forward(self, x, context=None):
+        x = self.inp(x)
+        b, c, h, w = x.shape
+        if self.kind == "diffusers":
+            y = self.attn(x) if context is None else self.attn(x, encoder_hidden_states=context)
+        else:
+            t = x.flatten(2).transpose(1, 2)
+            if self.kind == "mha":
+                a = self.attn(t, t, t, need_weights=False)[0]
+            elif self.kind == "mha_seq_first":  # (L, B, E), need_weights left at its default
+                s = t.transpose(0, 1)
+                a = self.attn(s, s, s)[0].transpose(0, 1)
+            else:
+                a = self.attn(t)
+            y = (t + a).transpose(1, 2).reshape(b, c, h, w)
+        return self.out(y)
+
+
+def _attention_module(kind):
+    if kind in ("mha", "mha_seq_first"):
+        return nn.MultiheadAttention(8, 2, batch_first=kind == "mha")
+    import _thirdparty
+
+    _thirdparty.load()
+    if kind == "timm":
+        from timm.layers import Attention
+
+        return Attention(8, num_heads=2, qkv_bias=True, qk_norm=True, norm_layer=nn.LayerNorm)
+    from diffusers.models.attention_processor import Attention
+
+    if kind == "diffusers":
+        return Attention(8, heads=2, dim_head=4, norm_num_groups=4, residual_connection=True, bias=True,
+                         upcast_softmax=True, _from_deprecated_attn_block=True, eps=1e-6)
+    return Attention(8, cross_attention_dim=6, heads=2, dim_head=4, bias=True)  # cross-attention
+
+
+def _perturbed(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+def _layers(rank, world, kinds, h, w):
+    import halo
+    from halo.nn.attention_layers import attention_converters
+
+    manager = halo.initialize_domain_parallel(world, world)
+    out = []
+    for kind in kinds:
+        torch.manual_seed(0)
+        ref = _perturbed(FieldAttention("diffusers" if kind == "cross" else kind, _attention_module(kind)).double(), 3)
+        model = FieldAttention("diffusers" if kind == "cross" else kind, _attention_module(kind)).double()
+        model.load_state_dict(ref.state_dict())
+        keys = list(model.state_dict())
+        halo.nn.convert_to_domain_parallel(model, manager, custom_converters=attention_converters(model))
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(2, 3, h, w, generator=gen, dtype=torch.float64)
+        weight = torch.randn(2, 3, h, w, generator=gen, dtype=torch.float64)
+        context = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64) if kind == "cross" else None
+        offs = split_offsets(h, world)
+        lo, hi = offs[rank], offs[rank + 1]
+        xf = x.clone().requires_grad_(True)
+        (ref(xf, context) * weight).sum().backward()
+        xs = x[:, :, lo:hi].clone().requires_grad_(True)
+        y = model(xs, context)
+        (y * weight[:, :, lo:hi]).sum().backward()
+        with torch.no_grad():
+            yf = ref(x, context)
+        e = {"out": _rel(y.detach(), yf[:, :, lo:hi]), "dx": _rel(xs.grad, xf.grad[:, :, lo:hi])}
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            g = p.grad.clone()
+            torch.distributed.all_reduce(g)
+            e[name] = _rel(g, q.grad)
+        out.append((kind, type(model.attn).__name__, list(model.state_dict()) == keys, e))
+    return out
+
+
+LAYERS = {"mha": "DomainMultiheadAttention", "mha_seq_first": "DomainMultiheadAttention",
+          "timm": "DomainTimmAttention", "diffusers": "DomainDiffusersAttention", "cross": "DomainDiffusersAttention"}
+
+
+@pytest.mark.parametrize("world,h,w", [(3, 7, 4), (2, 5, 3)])
+def test_converted_attention_layers_equal_unsharded(world, h, w):
+    kinds = list(LAYERS)
+    if world == 3:
+        import _thirdparty
+
+        if _thirdparty.missing():
+            kinds = ["mha", "mha_seq_first"]
+    for res in run_on_ranks(_layers, world, kinds, h, w, timeout=300):
+        for kind, name, same_keys, e in res:
+            assert name == LAYERS[kind] and same_keys, (kind, name)
+            assert max(e.values()) < TOL, (kind, e)

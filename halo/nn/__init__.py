@@ -3,6 +3,7 @@
 Which torch class becomes which of these, and on which axes, is :func:`converts` (``halo.nn.registry``), beside each
 layer's class; the exports below stay explicit (functions and adapter-made layers are not in the registry)."""
 
+from . import attention_layers  # noqa: F401 - registers nn.MultiheadAttention (@converts)
 from .conv import HaloConv2d, HaloConv3d, HaloConvTranspose2d, HaloConvTranspose3d
 from .convert import convert_to_domain_parallel, revert_domain_parallel
 from .dropout import (
