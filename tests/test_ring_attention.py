@@ -346,3 +346,53 @@ def test_converted_attention_layers_equal_unsharded(world, h, w):
         for kind, name, same_keys, e in res:
             assert name == LAYERS[kind] and same_keys, (kind, name)
             assert max(e.values()) < TOL, (kind, e)
+
+
+def _mha_masks(rank, world, cases):
+    import halo
+    from halo.nn.attention_layers import DomainMultiheadAttention
+
+    halo.initialize_domain_parallel(world, world)
+    out = []
+    for sizes, batch_first, masks, seed in cases:
+        torch.manual_seed(seed)
+        ref = _perturbed(nn.MultiheadAttention(8, 2, batch_first=batch_first).double(), seed)
+        mha = nn.MultiheadAttention(8, 2, batch_first=batch_first).double()
+        mha.load_state_dict(ref.state_dict())
+        dom = DomainMultiheadAttention(mha)
+        n = sum(sizes)
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(2, n, 8, generator=gen, dtype=torch.float64)
+        wy = torch.randn(2, n, 8, generator=gen, dtype=torch.float64)
+        ww = torch.randn(2, n, n, generator=gen, dtype=torch.float64)
+        kpm = am = None
+        if "kpm" in masks:
+            kpm = torch.zeros(2, n, dtype=torch.bool)
+            kpm[0, 1], kpm[1, n - 1], kpm[1, 2] = True, True, True  # keys each sample ignores (torch: True = ignore)
+        if "am" in masks:
+            am = torch.rand(n, n, generator=gen) > 0.7  # torch: True = not allowed
+            am.fill_diagonal_(False)
+        tb = (lambda t: t) if batch_first else (lambda t: t.transpose(0, 1))
+        xf = x.clone().requires_grad_(True)
+        o_ref, w_ref = ref(tb(xf), tb(xf), tb(xf), key_padding_mask=kpm, attn_mask=am)
+        ((tb(o_ref) * wy).sum() + (w_ref * ww).sum()).backward()
+        xs = _mine(x, sizes, rank).clone().requires_grad_(True)
+        o, w = dom(tb(xs), tb(xs), tb(xs), key_padding_mask=None if kpm is None else _mine(kpm, sizes, rank, -1),
+                   attn_mask=am)  # the global mask: each rank takes its query rows
+        ((tb(o) * _mine(wy, sizes, rank)).sum() + (w * _mine(ww, sizes, rank)).sum()).backward()
+        e = {"out": _rel(tb(o).detach(), _mine(tb(o_ref).detach(), sizes, rank)),
+             "weights": _rel(w.detach(), _mine(w_ref.detach(), sizes, rank)),
+             "dx": _rel(xs.grad, _mine(xf.grad, sizes, rank))}
+        for (name, p), q in zip(mha.named_parameters(), ref.parameters(), strict=True):
+            g = p.grad.clone()
+            torch.distributed.all_reduce(g)
+            e[name] = _rel(g, q.grad)
+        out.append(e)
+    return out
+
+
+def test_multihead_attention_masks_and_weights():
+    cases = [((3, 2, 2), True, ("kpm",), 1), ((3, 2, 2), False, ("am",), 2), ((4, 0, 3), True, ("kpm", "am"), 3)]
+    for res in run_on_ranks(_mha_masks, 3, cases, timeout=180):
+        for e in res:
+            assert max(e.values()) < TOL, e
