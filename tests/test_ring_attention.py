@@ -91,7 +91,8 @@ def _case_tensors(case, gen):
     nq, nk = sum(case["q"]), sum(case["k"])
     q = torch.randn(2, 3, nq, 5, generator=gen, dtype=torch.float64)
     k = torch.randn(2, 3, nk, 5, generator=gen, dtype=torch.float64)
-    v = torch.randn(2, 3, nk, 4, generator=gen, dtype=torch.float64)
+    dv = case.get("dv", 5)  # d_v = d: unmasked blocks run on torch's fused kernel; d_v != d: the explicit scores
+    v = torch.randn(2, 3, nk, dv, generator=gen, dtype=torch.float64)
     mask = None
     kind = case.get("mask")
     if kind == "bool":
@@ -101,7 +102,7 @@ def _case_tensors(case, gen):
         mask = torch.randn(3, nq, nk, generator=gen, dtype=torch.float64)
     elif kind == "row":
         mask = torch.randn(1, nk, generator=gen, dtype=torch.float64)  # one row broadcast over every query
-    weight = torch.randn(2, 3, nq, 4, generator=gen, dtype=torch.float64)
+    weight = torch.randn(2, 3, nq, dv, generator=gen, dtype=torch.float64)
     return q, k, v, mask, weight
 
 
@@ -152,6 +153,7 @@ def _sdpa(rank, world, cases):
 def _cases(variant):
     return [
         {"q": (3, 2, 2), "k": (3, 2, 2), "seed": 1, "variant": variant},
+        {"q": (3, 2, 2), "k": (3, 2, 2), "seed": 10, "variant": variant, "dv": 4},
         {"q": (3, 2, 2), "k": (3, 2, 2), "seed": 2, "variant": variant, "causal": True},
         {"q": (3, 2, 2), "k": (3, 2, 2), "seed": 3, "variant": variant, "mask": "bool"},
         {"q": (3, 2, 2), "k": (3, 2, 2), "seed": 4, "variant": variant, "mask": "add", "mask_rows": "local",
@@ -160,6 +162,7 @@ def _cases(variant):
         {"q": (3, 2, 2), "k": (3, 2, 2), "seed": 6, "variant": variant, "mask": "row"},
         {"q": (4, 0, 3), "k": (4, 0, 3), "seed": 7, "variant": variant, "causal": True},  # a rank with no tokens
         {"q": (3, 2, 2), "k": (1, 4, 0), "seed": 8, "variant": variant},  # cross-attention, other key counts
+        {"q": (3, 2, 2), "k": (1, 4, 0), "seed": 13, "variant": variant, "causal": True, "dv": 3},
         {"q": (2, 5, 4), "k": (6, 1, 4), "seed": 9, "variant": variant, "causal": True},
     ]
 

@@ -271,13 +271,41 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
     return m.masked_fill(torch.isinf(m), 0.0)
 
 
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, o: int, mask: torch.Tensor | None,
+           causal: bool) -> bool:
+    """Whether block ``o`` runs on torch's fused CPU kernel (flash attention with its log-sum-exp, forward and
+    backward): no mask on it (no attn_mask; causal only where the whole block is below the diagonal), 4-d
+    ``(B, heads, n, d)`` tensors of equal leading dims and head sizes, on the CPU. Otherwise the block's scores are
+    computed explicitly (``_scores``)."""
+    if mask is not None or q.device.type != "cpu" or q.dim() != 4 or k.shape[:2] != q.shape[:2] \
+            or v.shape[-1] != q.shape[-1] or q.dtype not in (torch.float32, torch.float64):
+        return False
+    return not causal or plan.k_off[o] + plan.k_sizes[o] - 1 <= plan.q_off[plan.index]
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+                   scale: float, plan: RingPlan, o: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's queries on key block ``o`` alone: its output and log-sum-exp ``(.., n_q, 1)``
+    (-inf and 0 for a row with no key in the block)."""
+    if _fused(q, k, v, plan, o, mask, causal):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
+        return out, lse.unsqueeze(-1).to(q.dtype)
+    s = _scores(q, k, mask, causal, scale, plan, o)
+    m = _finite(s.amax(-1, keepdim=True))
+    p = torch.exp(s - m)
+    total = p.sum(-1, keepdim=True)
+    out = torch.matmul(p, v) / total.masked_fill(total == 0, 1.0)
+    return out, m + torch.log(total)
+
+
 def _ring_forward(q: torch.Tensor, kv: torch.Tensor, d: int, mask: torch.Tensor | None, causal: bool, scale: float,
                   plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' outputs combined by their log-sum-exps: ``lse = log(sum_o exp(lse_o))``,
+    ``out = sum_o exp(lse_o - lse) out_o`` (the online softmax, one block at a time)."""
     nq, dv = q.shape[-2], kv.shape[-1] - d
     lead = torch.broadcast_shapes(q.shape[:-2], kv.shape[:-2])
-    acc = q.new_zeros((*lead, nq, dv))
-    m = q.new_full((*lead, nq, 1), -math.inf)
-    total = q.new_zeros((*lead, nq, 1))
+    out = q.new_zeros((*lead, nq, dv))
+    lse = q.new_full((*lead, nq, 1), -math.inf)
     cur = kv
     for step in range(plan.size):
         o = plan.owner(step)
@@ -285,20 +313,14 @@ def _ring_forward(q: torch.Tensor, kv: torch.Tensor, d: int, mask: torch.Tensor 
         if step < plan.size - 1:  # the next block travels while this one is used
             posted, nxt = _hop(plan, cur, plan.k_sizes[plan.owner(step + 1)], plan.op)
         if not _skipped(plan, o, nq, causal):
-            k, v = cur[..., :d], cur[..., d:]
-            s = _scores(q, k, mask, causal, scale, plan, o)
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            base = _finite(m_new)
-            alpha = torch.exp(m - base)
-            p = torch.exp(s - base)
-            total = total * alpha + p.sum(-1, keepdim=True)
-            acc = acc * alpha + torch.matmul(p, v)
-            m = m_new
+            out_b, lse_b = _block_forward(q, cur[..., :d], cur[..., d:], mask, causal, scale, plan, o)
+            new = torch.logaddexp(lse, lse_b)
+            base = _finite(new)
+            out = out * torch.exp(lse - base) + out_b * torch.exp(lse_b - base)
+            lse = new
         if posted is not None:
             wait(posted)
             cur = nxt
-    out = acc / total.masked_fill(total == 0, 1.0)  # no key left: 0, as SDPA
-    lse = m + torch.log(total)
     return out, lse
 
 
@@ -313,19 +335,29 @@ def _ring_backward(q: torch.Tensor, kv: torch.Tensor, d: int, mask: torch.Tensor
     dmask = q.new_zeros((*big, nq, plan.k_off[-1])) if mask_grad else None
     # The travelling buffer: [K | V | dK | dV] of the block, rows along dim -2.
     cur = torch.cat([kv.expand(*big, *kv.shape[-2:]), kv.new_zeros((*big, *kv.shape[-2:]))], dim=-1)
+    lse_fused = None
     for step in range(plan.size):
         o = plan.owner(step)
         if not _skipped(plan, o, nq, causal):
             k, v = cur[..., :d], cur[..., d:width]
-            s = _scores(q, k, mask, causal, scale, plan, o)
-            p = torch.exp(s - base)
-            dp = torch.matmul(dout, v.transpose(-1, -2))
-            ds = p * (dp - delta)
-            dq = dq + torch.matmul(ds, k) * scale
-            cur[..., width:width + d] += torch.matmul(ds.transpose(-1, -2), q) * scale
-            cur[..., width + d:] += torch.matmul(p.transpose(-1, -2), dout)
-            if dmask is not None:
-                dmask.narrow(-1, plan.k_off[o], plan.k_sizes[o]).copy_(ds)
+            if _fused(q, k, v, plan, o, mask, causal):
+                if lse_fused is None:
+                    lse_fused = lse.squeeze(-1).float() if q.dtype == torch.float32 else lse.squeeze(-1)
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    dout, q, k, v, out, lse_fused, 0.0, False, scale=scale)  # P from the global lse and out
+                dq = dq + gq
+                cur[..., width:width + d] += gk
+                cur[..., width + d:] += gv
+            else:
+                s = _scores(q, k, mask, causal, scale, plan, o)
+                p = torch.exp(s - base)
+                dp = torch.matmul(dout, v.transpose(-1, -2))
+                ds = p * (dp - delta)
+                dq = dq + torch.matmul(ds, k) * scale
+                cur[..., width:width + d] += torch.matmul(ds.transpose(-1, -2), q) * scale
+                cur[..., width + d:] += torch.matmul(p.transpose(-1, -2), dout)
+                if dmask is not None:
+                    dmask.narrow(-1, plan.k_off[o], plan.k_sizes[o]).copy_(ds)
         if step < plan.size - 1:
             posted, cur = _hop(plan, cur, plan.k_sizes[plan.owner(step + 1)], f"{plan.op} (backward)")
         else:  # the accumulators back to their owner (the next rank), ours from the previous one
