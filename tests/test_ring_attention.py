@@ -399,3 +399,27 @@ def test_multihead_attention_masks_and_weights():
     for res in run_on_ranks(_mha_masks, 3, cases, timeout=180):
         for e in res:
             assert max(e.values()) < TOL, e
+
+
+def _on_mesh(rank, world, kind):
+    import halo
+    from halo.nn.attention_layers import attention_converters
+
+    mesh = halo.DomainMesh((2, 2))
+    model = FieldAttention(kind, _attention_module(kind)).double()
+    try:
+        halo.nn.convert_to_domain_parallel(model, mesh=mesh, custom_converters=attention_converters(model) or None)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("kind,words", [("mha", "MultiheadAttention"), ("timm", "latitude rows only")])
+def test_attention_on_a_latitude_longitude_mesh_is_refused(kind, words):
+    if kind == "timm":
+        import _thirdparty
+
+        if _thirdparty.missing():
+            pytest.skip(f"timm is not installed: {_thirdparty.missing()}")
+    for msg in run_on_ranks(_on_mesh, 4, kind, timeout=120):
+        assert msg is not None and words in msg, msg
