@@ -53,6 +53,7 @@ from torch import nn
 from ..guard import place
 from ..plan.plans import Site, carry, resolve, state
 from .base import HaloLayer, adopt
+from .dropout import DomainDropout
 from .norm import DomainGroupNorm
 from .registry import converts
 from .ring import gather_tokens, ring_sdpa
@@ -215,6 +216,8 @@ class DomainTimmAttention(_RingLayer):
         if missing:
             raise TypeError(f"{name} wraps timm's Attention; {type(attn).__name__} lacks {missing}")
         adopt(self, attn, name=name)
+        if type(self.proj_drop) is nn.Dropout:  # draws keyed on global token indices (as the converter makes it)
+            self.proj_drop = DomainDropout(self.proj_drop, group=group)
         self._ring_init(group)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
@@ -259,13 +262,15 @@ class DomainDiffusersAttention(_RingLayer):
         self.__dict__["_diffusers_class"] = type(attn)  # its methods (prepare_attention_mask, ...) run on self
         if type(self.group_norm) is nn.GroupNorm:  # statistics over the whole domain (parameter names kept)
             self.group_norm = DomainGroupNorm(self.group_norm, group=group)
+        if len(self.to_out) > 1 and type(self.to_out[1]) is nn.Dropout:  # draws keyed on global token indices
+            self.to_out = nn.ModuleList([self.to_out[0], DomainDropout(self.to_out[1], group=group),
+                                         *self.to_out[2:]])
         self._ring_init(group)
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None,
                 **kwargs: Any) -> torch.Tensor:
         name = type(self).__name__
-        self._refuse_dropout(getattr(self.to_out[1], "p", 0.0) if len(self.to_out) > 1 else 0.0, "to_out[1].p")
         x = hidden_states
         cross = encoder_hidden_states is not None
         if attention_mask is not None and not cross:
