@@ -423,3 +423,29 @@ def test_attention_on_a_latitude_longitude_mesh_is_refused(kind, words):
             pytest.skip(f"timm is not installed: {_thirdparty.missing()}")
     for msg in run_on_ranks(_on_mesh, 4, kind, timeout=120):
         assert msg is not None and words in msg, msg
+
+
+def _low_precision(rank, world, sizes):
+    import halo
+    from halo.nn.ring import ring_sdpa
+
+    halo.initialize_domain_parallel(world, world)
+    gen = torch.Generator().manual_seed(3)
+    n = sum(sizes)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch_bf16 = F.scaled_dot_product_attention(*(t.bfloat16() for t in (q, k, v)), is_causal=True).double()
+    out = {}
+    for variant in ("ring", "gathered"):
+        got = ring_sdpa(*(_mine(t, sizes, rank).bfloat16() for t in (q, k, v)), is_causal=True, variant=variant)
+        out[variant] = (str(got.dtype), _rel(got.double(), _mine(want, sizes, rank)))
+    return out, _rel(_mine(torch_bf16, sizes, rank), _mine(want, sizes, rank))
+
+
+def test_bf16_inputs_return_bf16_as_accurate_as_torch():
+    """bf16 shards: the ring sums in fp32 (invariant 5), so it is no less accurate than torch's own bf16 SDPA on
+    all tokens (both against float64; bf16 rounds its inputs and output to ~4e-3)."""
+    for res, torch_err in run_on_ranks(_low_precision, 3, (4, 2, 3), timeout=120):
+        for variant, (dtype, err) in res.items():
+            assert dtype == "torch.bfloat16", (variant, dtype)
+            assert err <= max(2 * torch_err, 1e-2), (variant, err, torch_err)

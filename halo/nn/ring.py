@@ -26,6 +26,8 @@ every block gives ``P_o = exp(S_o - lse)``, ``dV_o += P_o^T dO``, ``dS_o = P_o *
 ``dQ += dS_o K_o * scale``, ``dK_o += dS_o^T Q * scale``. The K/V blocks travel the ring again with their dK/dV
 accumulators beside them (one buffer); after ``P - 1`` hops a final hop takes each accumulator back to its owner.
 A float ``attn_mask`` that requires grad gets ``dS`` (local: each rank holds its query rows of the mask).
+bf16 / fp16 inputs run the ring in fp32 (its sums, and its messages: twice the bytes) and return their dtype;
+autocast is off inside the ring (invariant 5).
 
 Masks and positions are global: ``attn_mask`` has the global key dim ``N`` (or 1) and as query dim this rank's
 rows ``n_q``, the global ``L`` (each rank then takes its own rows) or 1; boolean (True = attend) or additive. Key
@@ -374,7 +376,7 @@ class _RingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, d: int, causal: bool,
                 scale: float, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction(), torch.autocast(q.device.type, enabled=False):
             out, lse = _ring_forward(q, kv, d, mask, causal, scale, plan)
         ctx.save_for_backward(q, kv, mask, out, lse)
         ctx.args = (d, causal, scale, plan)
@@ -386,7 +388,7 @@ class _RingFn(torch.autograd.Function):
         q, kv, mask, out, lse = ctx.saved_tensors
         d, causal, scale, plan = ctx.args
         mask_grad = mask is not None and ctx.needs_input_grad[2]
-        with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction(), torch.autocast(q.device.type, enabled=False):
             dq, dkv, dmask = _ring_backward(q, kv, d, mask, causal, scale, plan, out, lse, dout.contiguous(),
                                             mask_grad)
             dq = dq.sum_to_size(q.shape)
@@ -478,6 +480,12 @@ def ring_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
             mask = kj[None, :] <= qi[:, None]
         out = F.scaled_dot_product_attention(q, full[..., :d], full[..., d:], attn_mask=mask, scale=scale)
     else:
-        out, _ = _RingFn.apply(q, kv, mask, d, bool(is_causal), float(scale), plan)
+        low = q.dtype in (torch.float16, torch.bfloat16)  # invariant 5: the blocks' sums in fp32, sent in fp32
+        if low:
+            mask = mask.float() if mask is not None and mask.is_floating_point() else mask
+            out, _ = _RingFn.apply(q.float(), kv.float(), mask, d, bool(is_causal), float(scale), plan)
+            out = out.to(q.dtype)
+        else:
+            out, _ = _RingFn.apply(q, kv, mask, d, bool(is_causal), float(scale), plan)
     carry(out, q)
     return out
