@@ -335,11 +335,17 @@ def _ring_backward(q: torch.Tensor, kv: torch.Tensor, d: int, mask: torch.Tensor
     base = _finite(lse)
     dq = torch.zeros_like(q) if q.shape[:-2] == big else q.new_zeros((*big, *q.shape[-2:]))
     dmask = q.new_zeros((*big, nq, plan.k_off[-1])) if mask_grad else None
-    # The travelling buffer: [K | V | dK | dV] of the block, rows along dim -2.
-    cur = torch.cat([kv.expand(*big, *kv.shape[-2:]), kv.new_zeros((*big, *kv.shape[-2:]))], dim=-1)
+    # What travels: the block's K/V (sent on at once, while this rank computes with it) and its dK/dV
+    # accumulators (sent on after this rank added its part; the last hop takes them home). Two messages per hop
+    # between the same pair, posted in the same order on both sides.
+    cur = kv.expand(*big, *kv.shape[-2:]).contiguous()
+    grads = kv.new_zeros((*big, *kv.shape[-2:]))
     lse_fused = None
     for step in range(plan.size):
         o = plan.owner(step)
+        ahead = None
+        if step < plan.size - 1:
+            ahead, nxt = _hop(plan, cur, plan.k_sizes[plan.owner(step + 1)], f"{plan.op} (backward)")
         if not _skipped(plan, o, nq, causal):
             k, v = cur[..., :d], cur[..., d:width]
             if _fused(q, k, v, plan, o, mask, causal):
@@ -348,25 +354,25 @@ def _ring_backward(q: torch.Tensor, kv: torch.Tensor, d: int, mask: torch.Tensor
                 gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     dout, q, k, v, out, lse_fused, 0.0, False, scale=scale)  # P from the global lse and out
                 dq = dq + gq
-                cur[..., width:width + d] += gk
-                cur[..., width + d:] += gv
+                grads[..., :d] += gk
+                grads[..., d:] += gv
             else:
                 s = _scores(q, k, mask, causal, scale, plan, o)
                 p = torch.exp(s - base)
                 dp = torch.matmul(dout, v.transpose(-1, -2))
                 ds = p * (dp - delta)
                 dq = dq + torch.matmul(ds, k) * scale
-                cur[..., width:width + d] += torch.matmul(ds.transpose(-1, -2), q) * scale
-                cur[..., width + d:] += torch.matmul(p.transpose(-1, -2), dout)
+                grads[..., :d] += torch.matmul(ds.transpose(-1, -2), q) * scale
+                grads[..., d:] += torch.matmul(p.transpose(-1, -2), dout)
                 if dmask is not None:
                     dmask.narrow(-1, plan.k_off[o], plan.k_sizes[o]).copy_(ds)
-        if step < plan.size - 1:
-            posted, cur = _hop(plan, cur, plan.k_sizes[plan.owner(step + 1)], f"{plan.op} (backward)")
-        else:  # the accumulators back to their owner (the next rank), ours from the previous one
-            posted, cur = _hop(plan, cur[..., width:].contiguous(), plan.k_sizes[plan.index],
-                               f"{plan.op} (backward, dK/dV home)")
+        rows = plan.k_sizes[plan.owner(step + 1)] if step < plan.size - 1 else plan.k_sizes[plan.index]
+        posted, grads = _hop(plan, grads, rows, f"{plan.op} (backward, dK/dV)")
+        if ahead is not None:
+            wait(ahead)
+            cur = nxt
         wait(posted)
-    return dq, cur, dmask
+    return dq, grads, dmask
 
 
 class _RingFn(torch.autograd.Function):
