@@ -449,3 +449,64 @@ def test_bf16_inputs_return_bf16_as_accurate_as_torch():
         for variant, (dtype, err) in res.items():
             assert dtype == "torch.bfloat16", (variant, dtype)
             assert err <= max(2 * torch_err, 1e-2), (variant, err, torch_err)
+
+
+class UserAttention(nn.Module):
+    """Attention over all tokens written in a model's own forward: with ``halo.nn.ring.ring_sdpa`` (exact on
+    shards) or with ``F.scaled_dot_product_attention`` (which the guard refuses on a field's tokens)."""
+
+    def __init__(self, c=8, heads=2, ring=True):
+        super().__init__()
+        self.inp, self.qkv, self.proj = nn.Conv2d(3, c, 3, padding=1), nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.heads, self.ring = heads, ring
+
+    def forward(self, x):
+        from halo.nn.ring import ring_sdpa
+
+        x = self.inp(x)
+        b, c, h, w = x.shape
+        t = x.flatten(2).transpose(1, 2)
+        q, k, v = (u.reshape(b, h * w, self.heads, c // self.heads).transpose(1, 2) for u in self.qkv(t).chunk(3, -1))
+        a = ring_sdpa(q, k, v) if self.ring else F.scaled_dot_product_attention(q, k, v)
+        y = t + self.proj(a.transpose(1, 2).reshape(b, h * w, c))
+        return y.transpose(1, 2).reshape(b, c, h, w)
+
+
+def _user_code(rank, world, h, w):
+    import halo
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    ref = _perturbed(UserAttention().double(), 4)
+    model = UserAttention().double()
+    model.load_state_dict(ref.state_dict())
+    halo.nn.convert_to_domain_parallel(model, manager)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 3, h, w, generator=gen, dtype=torch.float64)
+    weight = torch.randn(2, 8, h, w, generator=gen, dtype=torch.float64)
+    lo, hi = split_offsets(h, world)[rank:rank + 2]
+    xf = x.clone().requires_grad_(True)
+    (ref(xf) * weight).sum().backward()
+    xs = x[:, :, lo:hi].clone().requires_grad_(True)
+    y = model(xs)
+    (y * weight[:, :, lo:hi]).sum().backward()
+    with torch.no_grad():
+        e = {"out": _rel(y, ref(x)[:, :, lo:hi]), "dx": _rel(xs.grad, xf.grad[:, :, lo:hi])}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        g = p.grad.clone()
+        torch.distributed.all_reduce(g)
+        e[name] = _rel(g, q.grad)
+    plain = UserAttention(ring=False).double()
+    halo.nn.convert_to_domain_parallel(plain, manager)
+    try:
+        plain(xs.detach())
+        refused = None
+    except Exception as exc:  # noqa: BLE001 - the guard's refusal (its type is the guard's)
+        refused = str(exc)
+    return e, refused
+
+
+def test_ring_sdpa_in_user_code_of_a_converted_model():
+    for e, refused in run_on_ranks(_user_code, 3, 7, 4, timeout=120):
+        assert max(e.values()) < TOL, e
+        assert refused is not None and "scaled_dot_product_attention" in refused, refused

@@ -51,12 +51,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..guard import place
-from ..plan.plans import Site, carry, resolve, state
+from ..plan.plans import Site, carry, resolve
 from .base import HaloLayer, adopt
 from .dropout import DomainDropout
 from .norm import DomainGroupNorm
 from .registry import converts
-from .ring import gather_tokens, ring_sdpa
+from .ring import gather_tokens, place_like, ring_sdpa
 
 __all__ = [
     "DomainDiffusersAttention",
@@ -65,17 +65,6 @@ __all__ = [
     "attention_adapter",
     "attention_converters",
 ]
-
-
-def _place_like(out: torch.Tensor, x: torch.Tensor, dim: int) -> None:
-    """Tell a watching guard that ``out`` holds its tokens at ``dim`` with ``x``'s rows (tokens of a field: rows
-    times the columns merged after them)."""
-    guard = state().guard
-    if guard is None:
-        return
-    known = guard.dims.get(x)
-    rows = known[1] if known is not None and known[0] >= 0 else None
-    place(out, dim, rows)
 
 
 class _RingLayer(HaloLayer, nn.Module):
@@ -182,7 +171,7 @@ class DomainMultiheadAttention(_RingLayer):
         if not self.batch_first:
             out = out.transpose(0, 1)
         carry(out, x)
-        _place_like(out, x, dim)
+        place_like(out, x, dim)
         if weights is not None:
             carry(weights, x)
             place(weights, -2)
@@ -238,7 +227,7 @@ class DomainTimmAttention(_RingLayer):
             y = y * gate
         out = self.proj_drop(self.proj(y))
         carry(out, x)
-        _place_like(out, x, 1)
+        place_like(out, x, 1)
         return out
 
 
@@ -325,7 +314,7 @@ class DomainDiffusersAttention(_RingLayer):
         if four:
             place(out, -2)
         else:
-            _place_like(out, hidden_states, 1)
+            place_like(out, hidden_states, 1)
         return out
 
 

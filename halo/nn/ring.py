@@ -54,11 +54,13 @@ import torch.nn.functional as F
 
 from ..dist.comm import CommGroup, comm_group
 from ..dist.transport import all_gather, post, reduce_scatter, wait
+from ..guard import place
 from ..plan.partition import offsets
-from ..plan.plans import Site, carry, resolve
+from ..plan.plans import Site, carry, resolve, state
 
 __all__ = [
     "GATHER_MAX_BYTES",
+    "place_like",
     "RingPlan",
     "VARIANTS",
     "choose_variant",
@@ -101,6 +103,18 @@ class RingPlan:
     def owner(self, step: int) -> int:
         """The rank whose K/V block this rank holds after ``step`` hops."""
         return (self.index - step) % self.size
+
+
+def place_like(out: torch.Tensor, x: torch.Tensor, dim: int) -> None:
+    """Tell a watching guard (a converted model's first call) that ``out`` holds its tokens at ``dim`` with ``x``'s
+    rows (tokens of a field: its rows times the columns merged after them), so that ``out`` and ``x`` pair up in a
+    residual sum as the unsharded tensors do."""
+    guard = state().guard
+    if guard is None:
+        return
+    known = guard.dims.get(x)
+    rows = known[1] if known is not None and known[0] >= 0 else None
+    place(out, dim, rows)
 
 
 def choose_variant(variant: str, total_keys: int, row_bytes: int) -> str:
@@ -494,4 +508,5 @@ def ring_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         else:
             out, _ = _RingFn.apply(q, kv, mask, d, bool(is_causal), float(scale), plan)
     carry(out, q)
+    place_like(out, q, -2)
     return out
