@@ -118,6 +118,23 @@ MODULES = {
 }
 
 
+
+def _registry_cases() -> dict:
+    """The cases of registered layers that declare ``example=`` (``@converts``) and have none above: a new layer
+    gets its CUDA-policy case from its own module, with no edit here."""
+    import halo.nn  # noqa: F401 - fills the registry
+    from halo.nn.registry import entries
+
+    out = {}
+    for kind, entry in entries().items():
+        if entry.example is not None and kind.__name__ not in MODULES \
+                and entry.halo_class.__module__.startswith("halo."):
+            out[kind.__name__] = ((lambda kind=kind, entry=entry: entry.example(kind)[0]), entry.example(kind)[1], True)
+    return out
+
+
+MODULES.update(_registry_cases())
+
 class Functional(nn.Module):
     """A conv, then a functional op on the field (the guard computes it exactly at its site: halo.guard.reroute)."""
 
@@ -237,13 +254,21 @@ def test_the_cuda_policy_is_torch_s():
     assert cuda_dtype(nn.BatchNorm2d(C), x) == torch.bfloat16
 
 
+#: Converted classes without a faked-CUDA case here, and why (each has its autocast case elsewhere).
+NO_CASE = {
+    "MultiheadAttention": "torch's own nn.MultiheadAttention fails under the faked CUDA policy on a CPU build "
+                          "(_in_projection_packed: 'not linked with cuda'); DomainMultiheadAttention's bf16 case is "
+                          "in tests/test_ring_attention.py",
+}
+
+
 def test_every_converted_class_has_a_case():
     import halo.nn  # noqa: F401 - fills the converter's table
     from halo.nn.registry import entries
 
     # halo's own registrations (a test module may register a class of its own: tests/test_convert.py does)
     ours = [k for k, e in entries().items() if e.halo_class.__module__.startswith("halo.")]
-    missing = sorted(k.__name__ for k in ours if k.__name__ not in MODULES)
+    missing = sorted(k.__name__ for k in ours if k.__name__ not in MODULES and k.__name__ not in NO_CASE)
     assert not missing, f"classes halo's converter replaces without a case in MODULES: {missing}"
 
 

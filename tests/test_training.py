@@ -138,7 +138,7 @@ def _convert_rules(rank, world):
     revert_domain_parallel(model)
     reverted_types = [type(mod) for mod in model.modules()]
     errors = {}
-    for name, bad in (("attention", nn.MultiheadAttention(4, 2)), ("flatten", nn.Flatten()),
+    for name, bad in (("attention", nn.TransformerEncoderLayer(4, 2, dim_feedforward=8)), ("flatten", nn.Flatten()),
                       ("unknown", _Mystery())):
         try:
             convert_to_domain_parallel(nn.Sequential(nn.Conv2d(1, 1, 3), bad), m)
@@ -165,7 +165,8 @@ def test_convert_keeps_state_and_refuses_global_layers():
         assert conv["up2"] == "HaloConvTranspose2d" and conv["avg"] == "HaloAvgPool2d"
         assert conv["inc.2"] == "SiLU"
         assert r["same_state"] and r["reverted"]
-        assert "1 (MultiheadAttention) mixes values across the whole sharded latitude dim" in r["errors"]["attention"]
+        assert "1 (TransformerEncoderLayer) mixes values across the whole sharded latitude dim" \
+            in r["errors"]["attention"]
         assert "1 (Flatten) mixes values across the whole sharded latitude dim" in r["errors"]["flatten"]
         assert "_Mystery) is not a layer halo knows" in r["errors"]["unknown"]
         assert "pointwise in latitude when every output row depends only on" in r["errors"]["unknown"]

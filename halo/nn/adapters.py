@@ -19,6 +19,7 @@ from torch import nn
 
 from ..plan.plans import resolve
 from . import dropout, norm
+from .attention_layers import attention_adapter  # timm's and diffusers' Attention: ring attention
 from .base import HaloLayer
 from .credit_padding import CROSSFORMER_MODULES
 from .longrange import DomainCrossFormerAttention
@@ -62,7 +63,8 @@ def adapter(module: nn.Module) -> Converter | None:
     made = spectral_adapter(module)  # spectral transforms (halo.nn.spectral_layers): by distributed transposes
     if made is not None:
         return made
-    return swinv2_adapter(module) or swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
+    return (swinv2_adapter(module) or swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
+            or attention_adapter(module))  # attention over all tokens (halo.nn.attention_layers): ring attention
 
 
 def _crossformer_layer(module: nn.Module) -> Converter | None:

@@ -66,7 +66,7 @@ POINTWISE = (
 
 #: Leaf modules that need the whole sharded dim and have no domain-parallel form here.
 GLOBAL = (
-    nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.Transformer,
+    nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.Transformer,
     nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d,
     nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Unfold, nn.Fold,
     nn.LocalResponseNorm, nn.ConvTranspose1d,
