@@ -47,7 +47,7 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "timm.efficientnet": ("exact",),
     "timm.tf_efficientnet": ("exact",),
     "timm.mobilenetv3": ("exact",),
-    "timm.fastvit": ("exact", "scaled_dot_product_attention"),  # timm's fused Attention in its last stage
+    "timm.fastvit": ("exact", "scaled_dot_product_attention"),  # fastvit.Attention on (B, C, H, W): not converted
     "timm.regnet": ("exact",),
     # its Swin V2 blocks are halo.nn.swinv2's; its classifier head pools channels-last (NHWC) features with
     # FastAdaptiveAvgPool, which halo.nn.timm_layers does not convert (NCHW pools only): refused, naming it
@@ -61,7 +61,7 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "smp.MAnet": ("matmul",),  # its PAB block is attention over all H x W tokens
     "smp.PSPNet": ("exact",),  # its whole (or sharded) pooled map resized to the global size (halo.guard.reroute)
     "diffusers.UNet2DModel": ("exact",),
-    "diffusers.UNet2DModel+attention": ("exact", "scaled_dot_product_attention", "baddbmm", "bmm"),
+    "diffusers.UNet2DModel+attention": ("exact",),  # its mid-block Attention: ring attention (halo.nn.attention_layers)
     "credit.crossformer": ("exact",),
     "credit.unet": ("exact",),  # CREDIT's smp U-Net: its decoder resizes to global level sizes (halo.nn.smp_layers)
     "credit.swin": ("exact",),  # CREDIT's Swin V2 (halo.nn.swinv2): windows whole on each rank at 48 rows
