@@ -55,7 +55,7 @@ from ..plan.plans import Site, carry, resolve
 from .base import HaloLayer, adopt
 from .dropout import DomainDropout
 from .norm import DomainGroupNorm
-from .registry import converts
+from .registry import converts, public
 from .ring import gather_tokens, place_like, ring_sdpa
 
 __all__ = [
@@ -194,6 +194,7 @@ def _q_offset(layer: _RingLayer, q: torch.Tensor) -> int:
 _TIMM_ATTRS = ("num_heads", "head_dim", "qkv", "q_norm", "k_norm", "attn_drop", "proj", "proj_drop")
 
 
+@public
 class DomainTimmAttention(_RingLayer):
     """timm's ``Attention`` (``timm.layers.Attention``, the ViT's) over a field's tokens ``(B, N_r, C)``: the same
     attributes and numbers (module docstring)."""
@@ -236,6 +237,7 @@ class DomainTimmAttention(_RingLayer):
 _PROCESSORS = ("AttnProcessor2_0", "AttnProcessor")
 
 
+@public
 class DomainDiffusersAttention(_RingLayer):
     """diffusers' ``Attention`` with its default processor on a field ``(B, C, H_r, W)`` or its tokens
     ``(B, N_r, C)`` (module docstring). Cross-attention (``encoder_hidden_states`` given: a whole context) runs
@@ -371,6 +373,7 @@ def attention_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module
     return None
 
 
+@public
 def attention_converters(model: nn.Module) -> dict[type, Callable[[nn.Module, Any], nn.Module]]:
     """``custom_converters`` for the timm / diffusers attention classes found in ``model`` (what
     :func:`attention_adapter` recognises), for ``convert_to_domain_parallel(model, custom_converters=...)``."""

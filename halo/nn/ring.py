@@ -57,6 +57,7 @@ from ..dist.transport import all_gather, post, reduce_scatter, wait
 from ..guard import place
 from ..plan.partition import offsets
 from ..plan.plans import Site, carry, resolve, state
+from .registry import public
 
 __all__ = [
     "GATHER_MAX_BYTES",
@@ -431,6 +432,7 @@ def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str) -> 
         raise ValueError(f"{op}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+@public
 def ring_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, *,
               group: Any | None = None, variant: str = "auto", sites: Sequence[Site] | None = None) -> torch.Tensor:
