@@ -440,8 +440,10 @@ def ring_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     with the token dim (dim -2 of ``q``, ``k``, ``v``) split over ``group`` in rank order (module docstring).
 
     Args:
-        q, k, v: this rank's ``(..., n_q, d)``, ``(..., n_k, d)``, ``(..., n_k, d_v)``; leading dims and ``d``
-            equal on every rank; counts may differ (and be 0).
+        q: this rank's queries ``(..., n_q, d)``; leading dims and ``d`` equal on every rank; counts may differ
+            (and be 0).
+        k: this rank's keys ``(..., n_k, d)``.
+        v: this rank's values ``(..., n_k, d_v)``.
         attn_mask: boolean (True attends) or additive, broadcastable to ``(..., rows, N)`` with ``N`` the global
             key count (or 1) and ``rows`` this rank's ``n_q``, the global ``L`` (this rank's rows are taken) or 1.
         dropout_p: must be 0 (a draw per rank would differ from the unsharded model's).
