@@ -17,18 +17,9 @@ for _module in layer_modules():
 #: Public names of modules that do not mark them with ``@public`` yet (issue 31 item 5: each is marked beside its
 #: definition at the merge, and this table goes). Listed here by module, marked with the same decorator.
 _UNTIL_MARKED = {
-    "dropout": ("DomainDropPath",),
-    "longrange": ("DomainCrossFormerAttention", "columns_to_rows", "regroup", "rows_to_columns"),
-    "neighborhood": ("DomainNeighborhoodAttention2D", "neighborhood_attention", "neighborhood_attention_reference"),
     "norm": ("DomainBatchNormAct2d",),
-    "spectral_layers": ("DomainAFNO2D", "DomainInverseRealFFT2", "DomainInverseRealSHT", "DomainRealFFT2",
-                        "DomainRealSHT", "DomainSpectralConv", "DomainSpectralConvS2"),
-    "swinv2": ("HaloCreditPatchEmbed", "HaloCubeEmbedding", "HaloSwinV2Block", "HaloUTransformer",
-               "HaloWindowAttentionV2"),
     "timm_layers": ("DomainBlurPool2d", "DomainSelectAdaptivePool2d", "DomainSqueezeExcite", "HaloConv2dSame"),
     "upsample": ("halo_interpolate",),
-    "window": ("HaloPatchEmbed", "HaloPatchMerging", "HaloSwinTransformerBlock", "HaloWindowAttention", "halo_roll",
-               "window_attention_mask", "window_partition", "window_reverse"),
 }
 for _module, _names in _UNTIL_MARKED.items():
     for _name in _names:

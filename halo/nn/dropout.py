@@ -21,7 +21,7 @@ from torch import nn
 from .. import random as hr
 from ..autocast import cast_as_torch
 from .base import HaloLayer
-from .registry import converts
+from .registry import converts, public
 
 __all__ = [
     "DomainAlphaDropout",
@@ -158,6 +158,7 @@ class DomainFeatureAlphaDropout(_DomainRandom, nn.FeatureAlphaDropout):
                                 site=self._halo_site, mesh=self.halo_mesh)
 
 
+@public
 class DomainDropPath(_DomainRandom, nn.Module):
     """Stochastic depth per sample (timm's ``DropPath``; ``mode="batch"``: torchvision's ``StochasticDepth`` in
     batch mode): the same draw for a sample on every domain rank, another on each data-parallel replica.

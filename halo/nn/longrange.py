@@ -54,6 +54,7 @@ from ..guard import place
 from ..plan.partition import offsets, split_sizes
 from ..plan.plans import carry, device_tensor, resolve
 from .base import HaloLayer, adopt
+from .registry import public
 
 __all__ = [
     "DomainCrossFormerAttention",
@@ -190,6 +191,7 @@ class _RegroupFn(torch.autograd.Function):
         return _run(grad, ctx.plan.inverse()), None
 
 
+@public
 def regroup(x: torch.Tensor, plan: RegroupPlan) -> torch.Tensor:
     """Permute the global rows of the H-sharded ``x`` along ``plan.dim`` as planned (:func:`regroup_plan`), with
     autograd; its backward is the inverse permutation. Every rank of the plan's group must call it (and run its
@@ -232,6 +234,7 @@ def _rows_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], height: int,
     return dataclasses.replace(fwd, regroup=dataclasses.replace(fwd.regroup.inverse(), op=op))
 
 
+@public
 def rows_to_columns(x: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
     """From H-shards ``(..., H_r, W)`` to W-shards ``(..., H, W_s)`` (``W`` split balanced over the group): every
     rank then holds whole columns, so attention (or any op) along H is local: axial attention over H. A regroup
@@ -245,6 +248,7 @@ def rows_to_columns(x: torch.Tensor, *, group: Any | None = None) -> torch.Tenso
     return out
 
 
+@public
 def columns_to_rows(y: torch.Tensor, *, group: Any | None = None) -> torch.Tensor:
     """The inverse of :func:`rows_to_columns`: from W-shards ``(..., H, W_s)`` back to the balanced H-shards
     ``(..., H_r, W)``."""
@@ -367,6 +371,7 @@ def _empty_unguarded(g: torch.Tensor) -> Any:
     return torch._C.DisableTorchFunction() if g.shape[-2] == 0 else contextlib.nullcontext()
 
 
+@public
 class DomainCrossFormerAttention(HaloLayer, nn.Module):
     """CREDIT's CrossFormer ``Attention`` (short or long distance) on an H-shard ``(B, dim, H_r, W)`` (module
     docstring): the same numbers, the same state_dict keys. Wraps an existing module (its Parameters and buffers

@@ -50,6 +50,7 @@ from ..guard import place
 from ..plan.partition import offsets
 from ..plan.plans import Site, carry, device_tensor, resolve
 from .base import HaloLayer, adopt
+from .registry import public
 
 __all__ = [
     "DomainNeighborhoodAttention2D",
@@ -169,6 +170,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rpb: torch.Ten
         raise ValueError(f"{op}: rpb must have shape (heads, 2*kh-1, 2*kw-1) = {want}, got {tuple(rpb.shape)}")
 
 
+@public
 def neighborhood_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                      kernel_size: int | Sequence[int], dilation: int | Sequence[int] = 1,
                                      rpb: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
@@ -233,6 +235,7 @@ def _input_ok(cg: CommGroup, extents: tuple[tuple[int, ...], ...], name: str, ch
     return None
 
 
+@public
 def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int | Sequence[int],
                            dilation: int | Sequence[int] = 1, rpb: torch.Tensor | None = None, scale: float = 1.0,
                            *, group: Any | None = None) -> torch.Tensor:
@@ -249,6 +252,7 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     return out
 
 
+@public
 class DomainNeighborhoodAttention2D(HaloLayer, nn.Module):
     """``natten.NeighborhoodAttention2D`` on an H-shard ``(B, H_r, W, C)`` (module docstring): same attributes
     (``qkv``, ``rpb``, ``proj``, ``attn_drop``, ``proj_drop``, ``num_heads``, ``head_dim``, ``scale``,

@@ -43,6 +43,7 @@ from ..guard import place, trusted
 from ..plan.partition import split_offsets
 from ..plan.plans import carry, resolve
 from .base import HaloLayer, adopt
+from .registry import public
 from .spectral import to_columns, to_rows
 
 __all__ = ["DomainAFNO2D", "DomainInverseRealFFT2", "DomainInverseRealSHT", "DomainRealFFT2", "DomainRealSHT",
@@ -94,6 +95,7 @@ class _Spectral(HaloLayer, nn.Module):
 
 # -- torch-harmonics: RealSHT / InverseRealSHT --------------------------------------------------------------------
 
+@public
 class DomainRealSHT(_Spectral):
     """torch-harmonics' ``RealSHT`` on latitude rows: ``(..., nlat_r, nlon)`` -> ``(..., lmax_r, mmax)``, the balanced
     split of the degrees of the unsharded ``RealSHT``'s output (module docstring)."""
@@ -115,6 +117,7 @@ class DomainRealSHT(_Spectral):
         return out
 
 
+@public
 class DomainInverseRealSHT(_Spectral):
     """torch-harmonics' ``InverseRealSHT`` on latitude rows: ``(..., lmax_r, mmax)`` -> ``(..., nlat_r, nlon)``."""
 
@@ -137,6 +140,7 @@ class DomainInverseRealSHT(_Spectral):
 
 # -- torch-harmonics SFNO/FNO: RealFFT2 / InverseRealFFT2 (the FFT in place of the SHT) ------------------------------
 
+@public
 class DomainRealFFT2(_Spectral):
     """torch-harmonics' ``RealFFT2`` (``examples.models._layers``: the FNO form of its SFNO) on latitude rows:
     ``rfft2(norm="ortho")``, its first ``ceil(lmax / 2)`` and last ``floor(lmax / 2)`` frequency rows (cut on the
@@ -156,6 +160,7 @@ class DomainRealFFT2(_Spectral):
         return out
 
 
+@public
 class DomainInverseRealFFT2(_Spectral):
     """torch-harmonics' ``InverseRealFFT2``: ``irfft2(x, s=(nlat, nlon), norm="ortho")`` of the H-sharded spectrum
     (its frequency rows zero-padded or trimmed at the end to ``nlat``, as torch does, on the columns layout)."""
@@ -179,6 +184,7 @@ _PAIRS = {(a + f, a + i) for a in ("", "Domain") for f, i in (("RealSHT", "Inver
                                                                 ("RealFFT2", "InverseRealFFT2"))}
 
 
+@public
 class DomainSpectralConvS2(_Spectral):
     """torch-harmonics' SFNO ``SpectralConvS2`` (``examples.models._layers``) with SHT transforms, on latitude rows:
     returns ``(x, residual)`` as the module does."""
@@ -223,6 +229,7 @@ class DomainSpectralConvS2(_Spectral):
 
 # -- neuraloperator: SpectralConv ---------------------------------------------------------------------------------
 
+@public
 class DomainSpectralConv(_Spectral):
     """neuraloperator's ``SpectralConv`` (2-d, real data) on latitude rows (module docstring)."""
 
@@ -275,6 +282,7 @@ class DomainSpectralConv(_Spectral):
 
 # -- FourCastNet: AFNO2D ----------------------------------------------------------------------------------------
 
+@public
 class DomainAFNO2D(_Spectral):
     """FourCastNet's ``AFNO2D`` (its ``networks/afnonet.py``, as ``ai_models_fourcastnet.afnonet`` ships it) on
     latitude rows of its channels-last input ``(B, H_r, W, C)``: ``rfft`` along W, its first ``kept_modes`` modes

@@ -64,6 +64,7 @@ from ..plan.partition import offsets, split_sizes
 from ..plan.plans import Site, carry, resolve, shard_sizes
 from .base import HaloLayer
 from .longrange import RegroupPlan, regroup, regroup_plan
+from .registry import public
 from .window import (
     SwinPlan,
     adopt_recognised,
@@ -108,6 +109,7 @@ def _drops(module: nn.Module) -> list[str]:
             if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
 
 
+@public
 class HaloWindowAttentionV2(HaloLayer, nn.Module):
     """timm's V2 ``WindowAttention`` or CREDIT's ``WindowMultiHeadAttention`` / ``...NoPos`` (same parameters and
     buffers), run by its own class's ``forward`` on this rank's windows: windows are independent, and the position
@@ -182,6 +184,7 @@ def _v2_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], window: int, s
     return shifted_window_plan(cg, sizes, window, shift, pads, op)
 
 
+@public
 class HaloSwinV2Block(HaloLayer, nn.Module):
     """timm's ``SwinTransformerV2Block`` or CREDIT's ``SwinTransformerV2CrBlock`` on an H-shard ``(B, H_r, W, C)``
     made of whole windows (module docstring). Post-norm, as both: ``x + drop_path1(norm1(attn(x)))`` then
@@ -246,6 +249,7 @@ def _global_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> _Global
     return _Global(sum(sizes), offsets(sizes)[cg.index])
 
 
+@public
 class HaloCreditPatchEmbed(HaloLayer, nn.Module):
     """CREDIT Swin's ``PatchEmbed`` (``proj`` conv of kernel = stride = patch, then ``norm`` over channels) on an
     H-shard ``(B, C, H_r, W)``: its check that the height is the model's ``img_size`` is made on the global H (the
@@ -273,6 +277,7 @@ class HaloCreditPatchEmbed(HaloLayer, nn.Module):
         return y
 
 
+@public
 class HaloCubeEmbedding(HaloLayer, nn.Module):
     """FuXi's ``CubeEmbedding`` (a ``Conv3d`` of kernel = stride = patch over ``(T, H, W)``, then ``norm`` over the
     embedding per token) on an H-shard ``(B, C, T, H_r, W)``: ``proj`` is a :class:`halo.nn.HaloConv3d`, the norm is
@@ -301,6 +306,7 @@ class HaloCubeEmbedding(HaloLayer, nn.Module):
         return y
 
 
+@public
 class HaloUTransformer(HaloLayer, nn.Module):
     """FuXi's ``UTransformer`` (down block, pad to a window multiple, Swin V2 stage, crop, concatenation with the
     shortcut, up block) on an H-shard: the pad (a converted ``ZeroPad2d``: the balanced split of the padded field)

@@ -55,6 +55,7 @@ from ..guard import place
 from ..plan.partition import offsets, split_offsets, split_sizes
 from ..plan.plans import carry, resolve
 from .base import HaloLayer, adopt
+from .registry import public
 
 __all__ = [
     "HaloPatchEmbed",
@@ -78,6 +79,7 @@ __all__ = [
 
 # -- pure functions -------------------------------------------------------------------------------------------
 
+@public
 def window_partition(x: torch.Tensor, window_size: tuple[int, int]) -> torch.Tensor:
     """``(B, H, W, C)`` -> ``(B * nW, wh, ww, C)``, windows in row-major order (timm's ``window_partition``).
 
@@ -88,6 +90,7 @@ def window_partition(x: torch.Tensor, window_size: tuple[int, int]) -> torch.Ten
     return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, window_size[0], window_size[1], c)
 
 
+@public
 def window_reverse(windows: torch.Tensor, window_size: tuple[int, int], h: int, w: int) -> torch.Tensor:
     """Inverse of :func:`window_partition`: ``(B * nW, wh, ww, C)`` -> ``(B, h, w, C)`` (timm's)."""
     c = windows.shape[-1]
@@ -104,6 +107,7 @@ def _labels(n: int, window: int, shift: int, device: torch.device | None) -> tor
     return out
 
 
+@public
 def window_attention_mask(height: int, width: int, window_size: tuple[int, int], shift_size: tuple[int, int],
                           rows: tuple[int, int] | None = None, *, dtype: torch.dtype = torch.float32,
                           device: torch.device | None = None) -> torch.Tensor | None:
@@ -156,6 +160,7 @@ def _roll_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], dim: int, sh
     return RollPlan(False, ex, sizes[cg.index], s)
 
 
+@public
 def halo_roll(x: torch.Tensor, shift: int, dim: int = -2, group: Any | None = None) -> torch.Tensor:
     """``torch.roll(x, shift, dim)`` along the sharded ``dim`` of the ranks' shards: every rank keeps its extent
     and gets the rows of the rolled field it owns (``out[i] = x[(i - shift) mod N]`` in global rows).
@@ -187,6 +192,7 @@ def adopt_recognised(self: nn.Module, module: nn.Module, name: str, attrs: tuple
     adopt(self, module, name=name)
 
 
+@public
 class HaloWindowAttention(HaloLayer, nn.Module):
     """timm's ``WindowAttention`` (same parameters and buffers): multi-head self-attention within each window with
     the relative position bias, plus the shifted-window mask of this rank's windows. Windows are independent, so
@@ -351,6 +357,7 @@ def _example(h: int, window: int, parts: int) -> str:
     return f"(but {h} rows are not {parts} or more whole windows of {window} rows)"
 
 
+@public
 class HaloSwinTransformerBlock(HaloLayer, nn.Module):
     """timm's ``SwinTransformerBlock`` on an H-shard ``(B, H_r, W, C)`` made of whole windows (module docstring).
 
@@ -425,6 +432,7 @@ def _merge_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str) ->
     return MergePlan(False, exchanger_id(cg, 1, sizes, needs, "zeros", op), hi - lo)
 
 
+@public
 class HaloPatchMerging(HaloLayer, nn.Module):
     """timm's ``PatchMerging`` (2x2 neighbours concatenated, ``norm`` over ``4 * dim``, ``reduction``) on an H-shard
     ``(B, H_r, W, C)``: shards of even offsets (a block split) give ``ceil(H_r / 2)`` rows each, read from their own
@@ -470,6 +478,7 @@ def _embed_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], img_size: A
     return EmbedPlan(pad)
 
 
+@public
 class HaloPatchEmbed(HaloLayer, nn.Module):
     """timm's ``PatchEmbed`` (``proj`` conv of kernel = stride = patch, then the output format and ``norm``) on an
     H-shard ``(B, C, H_r, W)``: ``img_size`` is checked against the global H, ``dynamic_img_pad`` pads the last
