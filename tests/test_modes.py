@@ -306,23 +306,11 @@ LAYER_WORLD = 3
 
 #: the examples of layers whose module does not declare one yet (see above)
 _EXAMPLES: dict[str, Callable] = {
-    "Dropout": lambda kind: (kind(0.25), (2, 3, 23, 7)),
-    "Dropout1d": lambda kind: (kind(0.25), (2, 23, 7)),
-    "Dropout2d": lambda kind: (kind(0.25), (2, 3, 23, 7)),
-    "Dropout3d": lambda kind: (kind(0.25), (2, 3, 3, 23, 7)),
-    "AlphaDropout": lambda kind: (kind(0.2), (2, 3, 23, 7)),
-    "FeatureAlphaDropout": lambda kind: (kind(0.2), (2, 3, 23, 7)),
     "GroupNorm": lambda kind: (kind(2, 4), (2, 4, 23, 7)),
     "BatchNorm2d": lambda kind: (kind(3), (2, 3, 23, 7)),
     "InstanceNorm2d": lambda kind: (kind(3, affine=True), (2, 3, 23, 7)),
     "LayerNorm": lambda kind: (kind((23, 7)), (2, 3, 23, 7)),
     "Upsample": lambda kind: (kind(scale_factor=2, mode="bilinear"), (2, 3, 23, 7)),
-    "Conv2d": lambda kind: (kind(3, 4, 3, padding=1), (2, 3, 23, 7)),
-    "Conv3d": lambda kind: (kind(2, 3, 3, padding=1), (2, 2, 3, 23, 7)),
-    "ConvTranspose2d": lambda kind: (kind(3, 2, 3, stride=2, padding=1), (2, 3, 23, 7)),
-    "ConvTranspose3d": lambda kind: (kind(2, 2, 3, stride=2, padding=1), (2, 2, 3, 23, 7)),
-    "Softmax": lambda kind: (kind(dim=1), (2, 3, 23, 7)),  # over H halo refuses it, naming why (test_guard*)
-    "LogSoftmax": lambda kind: (kind(dim=1), (2, 3, 23, 7)),
 }
 
 
@@ -430,8 +418,15 @@ def _layer_results() -> list[dict]:
     return _LAYER_RESULTS
 
 
+#: registered layers the one-input matrix cannot call, and where their modes are tested instead
+_ELSEWHERE = {
+    "MultiheadAttention": "takes (query, key, value) and returns (output, weights): its fp64, bf16 and masked cases "
+                          "are in tests/test_ring_attention.py",
+}
+
+
 def test_every_registered_layer_has_a_case() -> None:
-    missing = sorted(n for n, (_, example) in _layer_cases().items() if example is None)
+    missing = sorted(n for n, (_, example) in _layer_cases().items() if example is None and n not in _ELSEWHERE)
     assert not missing, (f"registered layers without a modes-matrix case: {missing}; give their @converts an "
                          f"example=lambda kind: (kind(...), shape) (halo.nn.registry)")
     assert set(_EXAMPLES) <= set(_layer_cases()), set(_EXAMPLES) - set(_layer_cases())

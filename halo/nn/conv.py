@@ -484,7 +484,8 @@ class _HaloConvNd(_HaloConvMixin):
         return g_strip.narrow(-2, 0 if side == 0 else g_strip.shape[-2] - p, p)
 
 
-@converts(nn.Conv2d, axes=2, keep=pointwise_conv, takes=("group", "boundary", "mesh"))
+@converts(nn.Conv2d, axes=2, keep=pointwise_conv, takes=("group", "boundary", "mesh"), functional=(F.conv2d,),
+          example=lambda kind: (kind(3, 4, 3, padding=1), (2, 3, 23, 7)))
 class HaloConv2d(_HaloConvNd, nn.Conv2d):
     """``nn.Conv2d`` on an H-shard ``(B, C, H_r, W)``; equals the unsharded conv, forward and backward.
 
@@ -498,7 +499,8 @@ class HaloConv2d(_HaloConvNd, nn.Conv2d):
     _base, _spatial = nn.Conv2d, 2
 
 
-@converts(nn.Conv3d, keep=pointwise_conv, takes=("group", "boundary"))
+@converts(nn.Conv3d, keep=pointwise_conv, takes=("group", "boundary"), functional=(F.conv3d,),
+          example=lambda kind: (kind(2, 3, 3, padding=1), (2, 2, 3, 23, 7)))
 class HaloConv3d(_HaloConvNd, nn.Conv3d):
     """``nn.Conv3d`` on ``(B, C, D, H_r, W)`` sharded on H (dim -2); D and W are local. As :class:`HaloConv2d`."""
 
@@ -552,7 +554,8 @@ class _HaloConvTransposeNd(_HaloConvMixin):
         return self.finish(y.squeeze(0) if unbatched else y, x)
 
 
-@converts(nn.ConvTranspose2d, axes=2)
+@converts(nn.ConvTranspose2d, axes=2, functional=(F.conv_transpose2d,),
+          example=lambda kind: (kind(3, 2, 3, stride=2, padding=1), (2, 3, 23, 7)))
 class HaloConvTranspose2d(_HaloConvTransposeNd, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` on an H-shard; equals the unsharded layer, forward and backward.
 
@@ -565,7 +568,8 @@ class HaloConvTranspose2d(_HaloConvTransposeNd, nn.ConvTranspose2d):
     _base, _spatial = nn.ConvTranspose2d, 2
 
 
-@converts(nn.ConvTranspose3d)
+@converts(nn.ConvTranspose3d, functional=(F.conv_transpose3d,),
+          example=lambda kind: (kind(2, 2, 3, stride=2, padding=1), (2, 2, 3, 23, 7)))
 class HaloConvTranspose3d(_HaloConvTransposeNd, nn.ConvTranspose3d):
     """``nn.ConvTranspose3d`` on ``(B, C, D, H_r, W)`` sharded on H (dim -2): as :class:`HaloConvTranspose2d`
     (Pangu's patch recovery, 3-d U-Net decoders)."""

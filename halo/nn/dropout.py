@@ -70,7 +70,7 @@ def _check_tokens(module: _DomainRandom, x: torch.Tensor) -> None:
             f"dropout on it is refused rather than guessed")
 
 
-@converts(nn.Dropout, axes=2)
+@converts(nn.Dropout, axes=2, example=lambda kind: (kind(0.25), (2, 3, 23, 7)))
 class DomainDropout(_DomainRandom, nn.Dropout):
     """``nn.Dropout`` with masks keyed on global indices: ``DomainDropout(dropout, group=...)`` or
     ``DomainDropout(p, inplace, group=...)``."""
@@ -104,28 +104,28 @@ class _FeatureDropout(_DomainRandom):
                                   site=self._halo_site, mesh=self.halo_mesh)
 
 
-@converts(nn.Dropout1d, axes=2)
+@converts(nn.Dropout1d, axes=2, example=lambda kind: (kind(0.25), (2, 23, 7)))
 class DomainDropout1d(_FeatureDropout, nn.Dropout1d):
     """``nn.Dropout1d``: whole channels, the same on every domain rank."""
 
     _base, _batched_dims = nn.Dropout1d, 3
 
 
-@converts(nn.Dropout2d, axes=2)
+@converts(nn.Dropout2d, axes=2, example=lambda kind: (kind(0.25), (2, 3, 23, 7)))
 class DomainDropout2d(_FeatureDropout, nn.Dropout2d):
     """``nn.Dropout2d``: whole channels, the same on every domain rank."""
 
     _base, _batched_dims = nn.Dropout2d, 4
 
 
-@converts(nn.Dropout3d, axes=2)
+@converts(nn.Dropout3d, axes=2, example=lambda kind: (kind(0.25), (2, 3, 3, 23, 7)))
 class DomainDropout3d(_FeatureDropout, nn.Dropout3d):
     """``nn.Dropout3d``: whole channels, the same on every domain rank."""
 
     _base, _batched_dims = nn.Dropout3d, 5
 
 
-@converts(nn.AlphaDropout, axes=2)
+@converts(nn.AlphaDropout, axes=2, example=lambda kind: (kind(0.2), (2, 3, 23, 7)))
 class DomainAlphaDropout(_DomainRandom, nn.AlphaDropout):
     """``nn.AlphaDropout`` with masks keyed on global indices."""
 
@@ -142,7 +142,7 @@ class DomainAlphaDropout(_DomainRandom, nn.AlphaDropout):
                                 mesh=self.halo_mesh)
 
 
-@converts(nn.FeatureAlphaDropout, axes=2)
+@converts(nn.FeatureAlphaDropout, axes=2, example=lambda kind: (kind(0.2), (2, 3, 23, 7)))
 class DomainFeatureAlphaDropout(_DomainRandom, nn.FeatureAlphaDropout):
     """``nn.FeatureAlphaDropout``: whole channels, the same on every domain rank."""
 

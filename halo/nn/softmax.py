@@ -44,7 +44,7 @@ def _check(module: nn.Module, x: torch.Tensor) -> None:
         f"cannot do on its own. Normalise over channels, or gather the field first (halo.gather)")
 
 
-@converts(nn.Softmax, takes=())
+@converts(nn.Softmax, takes=(), example=lambda kind: (kind(dim=1), (2, 3, 23, 7)))  # over H: refused
 class DomainSoftmax(HaloLayer, nn.Softmax):
     """``nn.Softmax`` on an H-shard (module docstring): the same numbers, or an error naming the module."""
 
@@ -58,7 +58,7 @@ class DomainSoftmax(HaloLayer, nn.Softmax):
         return super().forward(cast_as_torch("softmax", x))  # float32 under CUDA autocast: the same values
 
 
-@converts(nn.LogSoftmax, takes=())
+@converts(nn.LogSoftmax, takes=(), example=lambda kind: (kind(dim=1), (2, 3, 23, 7)))
 class DomainLogSoftmax(HaloLayer, nn.LogSoftmax):
     """``nn.LogSoftmax`` on an H-shard (module docstring): the same numbers, or an error naming the module."""
 
