@@ -47,6 +47,11 @@ What it handles (the models users have):
   the scale of their module's inputs and outputs (a running mean that is 0 in exact arithmetic is rounding).
 - **Layers halo folds together**: a halo layer marked ``_halo_check = "children"`` (timm's ``SelectAdaptivePool2d``,
   whose flatten halo folds into its global pool) is compared by its own output only, not by its submodules'.
+- **Layers halo computes in a layout of its own**: inside one of halo's own layers (a class of ``halo``, below the
+  model itself: CREDIT FuXi's ``HaloSwinV2Block``, whose attention holds a rank's windows of every sample as one
+  block, or its ``HaloCubeEmbedding``, whose LayerNorm sees a field, not token rows), an output that differs from
+  the reference's is left out (``report.inside``) when that layer's own output matches: the layer's output is what
+  it computes, and a difference it makes shows there (and then everything inside it is reported too).
 
 Every rank gets the same report: comparisons use gathered tensors, and each error is the maximum over the ranks.
 ``halo check MODULE:FACTORY --shape B,C,H,W`` runs it from the command line (:mod:`halo.tools.check`;
