@@ -3,7 +3,7 @@ timm's per-channel scales other than ``LayerScale`` (``metaformer.Scale``, ``Sta
 ConvNeXt V2's ``GlobalResponseNorm`` (a norm over H x W: a domain reduction), diffusers' ``Downsample2D`` (its
 ``F.pad(x, (0, 1, 0, 1))`` of the global field) and ``Timesteps``, smp's channel ``LayerNorm`` subclasses; and one
 small real model per family they unblock (PoolFormer, InceptionNeXt, ConvNeXt V2, AutoencoderKL, UNet2DModel with no
-declaration, UPerNet).
+declaration and with Fourier time embeddings, UPerNet).
 
 Each runs converted on 2 and 3 gloo ranks with uneven rows, float64, train mode (dropout rates 0), and is compared with
 the unsharded model built from the same seed: every output, the input gradient and every parameter gradient (summed
@@ -121,12 +121,15 @@ def _vae() -> nn.Module:
                          latent_channels=2, norm_num_groups=4, mid_block_add_attention=False)
 
 
-def _unet() -> nn.Module:
-    from diffusers import UNet2DModel
+def _unet(embedding: str = "positional") -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from diffusers import UNet2DModel
 
-    return UNet2DModel(sample_size=None, in_channels=3, out_channels=3, block_out_channels=(8, 8),
-                       down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
-                       layers_per_block=1, norm_num_groups=4, add_attention=False)
+        return UNet2DModel(sample_size=None, in_channels=3, out_channels=3, block_out_channels=(8, 8),
+                           down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+                           layers_per_block=1, norm_num_groups=4, add_attention=False,
+                           time_embedding_type=embedding)
+    return build
 
 
 def _upernet() -> nn.Module:
@@ -157,7 +160,8 @@ CASES: dict[str, Case] = {
     "timm.convnext_v2": Case(_convnext_v2, 32, {2: 69, 3: 101}, local="timm.layers.grn.GlobalResponseNorm"),
     "diffusers.AutoencoderKL": Case(_vae, 12, {2: 37, 3: 38}, _sample,
                                     local="diffusers.models.downsampling.Downsample2D"),
-    "diffusers.UNet2DModel(Timesteps undeclared)": Case(_unet, 12, {2: 38, 3: 40}, _unet_call),
+    "diffusers.UNet2DModel(Timesteps undeclared)": Case(_unet(), 12, {2: 38, 3: 40}, _unet_call),
+    "diffusers.UNet2DModel(GaussianFourierProjection)": Case(_unet("fourier"), 12, {2: 38, 3: 40}, _unet_call),
     "smp.UPerNet": Case(_upernet, 16, {2: 37, 3: 40}),
 }
 
