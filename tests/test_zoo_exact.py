@@ -1,9 +1,10 @@
 """Layers halo used to refuse although their exact form is easy (issue 32 items 6 and 8), as the users' real classes:
 timm's per-channel scales other than ``LayerScale`` (``metaformer.Scale``, ``StarReLU``, InceptionNeXt's ``gamma``),
 ConvNeXt V2's ``GlobalResponseNorm`` (a norm over H x W: a domain reduction), diffusers' ``Downsample2D`` (its
-``F.pad(x, (0, 1, 0, 1))`` of the global field) and ``Timesteps``, smp's channel ``LayerNorm`` subclasses; and one
-small real model per family they unblock (PoolFormer, InceptionNeXt, ConvNeXt V2, AutoencoderKL, UNet2DModel with no
-declaration and with Fourier time embeddings, UPerNet).
+``F.pad(x, (0, 1, 0, 1))`` of the global field), ``VectorQuantizer`` (per pixel, its commit loss a domain mean) and
+``Timesteps``, smp's channel ``LayerNorm`` subclasses; and one small real model per family they unblock (PoolFormer,
+InceptionNeXt, ConvNeXt V2, AutoencoderKL, VQModel, UNet2DModel with no declaration and with Fourier time
+embeddings, UPerNet).
 
 Each runs converted on 2 and 3 gloo ranks with uneven rows, float64, train mode (dropout rates 0), and is compared with
 the unsharded model built from the same seed: every output, the input gradient and every parameter gradient (summed
@@ -79,9 +80,9 @@ def _grn() -> list[nn.Module]:
 def _downsample() -> list[nn.Module]:
     from diffusers.models.downsampling import Downsample2D
 
-    return [Downsample2D(8, use_conv=True, padding=0), nn.SiLU(), Downsample2D(8, use_conv=True, padding=0,
-                                                                              norm_type="ln_norm", eps=1e-5,
-                                                                              elementwise_affine=True)]
+    return [Downsample2D(8, use_conv=True, padding=0), nn.SiLU(),
+            Downsample2D(8, use_conv=True, padding=0, norm_type="ln_norm", eps=1e-5, elementwise_affine=True),
+            Downsample2D(8, use_conv=True, padding=0, norm_type="rms_norm", eps=1e-5, elementwise_affine=True)]
 
 
 def _smp_norms() -> list[nn.Module]:
@@ -145,6 +146,19 @@ def _sample(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).sample
 
 
+def _vq() -> nn.Module:
+    from diffusers import VQModel
+
+    return VQModel(in_channels=3, out_channels=3, block_out_channels=(8, 8), layers_per_block=1,
+                   down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                   latent_channels=2, norm_num_groups=4, num_vq_embeddings=16, mid_block_add_attention=False)
+
+
+def _sample_and_loss(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = model(x)
+    return out.sample, out.commit_loss  # the commit loss: a loss (replicated on every rank, counted once)
+
+
 def _unet_call(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x, torch.tensor([3, 11], dtype=torch.long)).sample
 
@@ -152,7 +166,7 @@ def _unet_call(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 CASES: dict[str, Case] = {
     "timm.metaformer.Scale+StarReLU": Case(_seq(_scales), 12, {2: 37, 3: 37}),
     "timm.GlobalResponseNorm(NCHW)": Case(_seq(_grn), 12, {2: 37, 3: 37}, local="timm.layers.grn.GlobalResponseNorm"),
-    "diffusers.Downsample2D": Case(_seq(_downsample), 12, {2: 37, 3: 38},
+    "diffusers.Downsample2D": Case(_seq(_downsample), 12, {2: 41, 3: 47},
                                    local="diffusers.models.downsampling.Downsample2D"),
     "smp.LayerNorm2d+MiT.LayerNorm": Case(_seq(_smp_norms), 12, {2: 37, 3: 37}),
     "timm.poolformer": Case(_poolformer, 16, {2: 37, 3: 40}),
@@ -160,6 +174,8 @@ CASES: dict[str, Case] = {
     "timm.convnext_v2": Case(_convnext_v2, 32, {2: 69, 3: 101}, local="timm.layers.grn.GlobalResponseNorm"),
     "diffusers.AutoencoderKL": Case(_vae, 12, {2: 37, 3: 38}, _sample,
                                     local="diffusers.models.downsampling.Downsample2D"),
+    "diffusers.VQModel": Case(_vq, 12, {2: 37, 3: 38}, _sample_and_loss,
+                              local="diffusers.models.autoencoders.vae.VectorQuantizer"),
     "diffusers.UNet2DModel(Timesteps undeclared)": Case(_unet(), 12, {2: 38, 3: 40}, _unet_call),
     "diffusers.UNet2DModel(GaussianFourierProjection)": Case(_unet("fourier"), 12, {2: 38, 3: 40}, _unet_call),
     "smp.UPerNet": Case(_upernet, 16, {2: 37, 3: 40}),
@@ -220,6 +236,7 @@ def _one(rank: int, world: int, name: str, local: bool) -> dict:
         offs = split_offsets(full.shape[-2], world)
         x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
         out = case.call(model, x)
+        out, extra = out if isinstance(out, tuple) else (out, None)
         if out.dim() >= 3:  # a field: this rank's rows
             whole = halo.gather(out.detach())
             mo = split_offsets(whole.shape[-2], world)
@@ -227,12 +244,15 @@ def _one(rank: int, world: int, name: str, local: bool) -> dict:
         else:  # whole on every rank (a classifier after a global pool): rank 0 backpropagates the weights
             whole = out.detach().clone()
             loss = (out * _weights(out.shape)).sum() * (1.0 if rank == 0 else 0.0)
+        if extra is not None:  # a loss the model returns (a domain mean): the same on every rank, counted once
+            loss = loss + extra
         loss.backward()
         grad = halo.gather(x.grad)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the parent asserts on it (and on every rank alike)
         return {"refused": f"{type(exc).__name__}: {exc}"}
     # (a Local wrapper's own slot "m" is not in the unsharded model's names)
-    return {"out": whole, "grad": grad, "params": {n.replace(".m.", "."): p.grad for n, p in model.named_parameters()}}
+    params = {n.replace(".m.", "."): p.grad for n, p in model.named_parameters()}
+    return {"out": whole, "extra": None if extra is None else extra.detach(), "grad": grad, "params": params}
 
 
 def _all(rank: int, world: int) -> dict:
@@ -265,8 +285,10 @@ def _reference(name: str, world: int) -> dict:
     model = _build(case)
     x = _input(case, world).requires_grad_(True)
     out = case.call(model, x)
-    (out * _weights(out.shape)).sum().backward()
-    return {"out": out.detach(), "grad": x.grad, "params": dict(model.named_parameters())}
+    out, extra = out if isinstance(out, tuple) else (out, None)
+    ((out * _weights(out.shape)).sum() + (extra if extra is not None else 0.0)).backward()
+    return {"out": out.detach(), "extra": None if extra is None else extra.detach(), "grad": x.grad,
+            "params": dict(model.named_parameters())}
 
 
 def _differences(results: list[dict], ref: dict) -> dict[str, float]:
@@ -288,6 +310,8 @@ def _differences(results: list[dict], ref: dict) -> dict[str, float]:
     for r, res in enumerate(results):
         check(f"output (rank {r})", res["out"], ref["out"], float(ref["out"].abs().max()))
         check(f"input grad (rank {r})", res["grad"], ref["grad"], float(ref["grad"].abs().max()))
+        if ref["extra"] is not None:
+            check(f"returned loss (rank {r})", res["extra"], ref["extra"], float(ref["extra"].abs().max()))
     pscale = max(float(p.grad.abs().max()) for p in ref["params"].values() if p.grad is not None)
     for n, p in ref["params"].items():
         grads = [res["params"][n] for res in results]
