@@ -6,12 +6,21 @@ and why each is exact on an H-shard:
 - **pointwise, kept as they are**: timm's activation classes (``timm.layers.activations*``: ``Swish``, ``GELU``,
   ``HardSigmoid``, ``PReLU``, ...) and its ``Linear`` (``nn.Linear`` with a forward of its own for torchscript);
   norms over channels only (``LayerNorm2d``, ``LayerNorm`` on channels-last,
-  ``RmsNorm``/``RmsNorm2d``, their ``Fp32`` forms: one grid point's channels, nothing across rows); per-channel layer
-  scale (``LayerScale``, ``LayerScale2d``: ``x * gamma``).
+  ``RmsNorm``/``RmsNorm2d``, their ``Fp32`` forms, and subclasses that keep their forward, such as metaformer's
+  ``LayerNorm2dNoBias``: one grid point's channels, nothing across rows); per-channel layer scale (``LayerScale``,
+  ``LayerScale2d``: ``x * gamma``).
+- **learned per-channel scales and biases, by what they hold** (:func:`_scaled`): a timm module whose own state is
+  per-channel or scalar Parameters only (``(C,)``, ``(C, 1, 1)``, ``(1,)``) and whose code reads no tensor shape —
+  ``metaformer.Scale``, ``StarReLU``, InceptionNeXt's ``MetaNeXtBlock`` (its ``gamma``), fastvit's and
+  swiftformer's ``LayerScale2d``, ... — is kept, its children converted; its own forward runs under the guard on the
+  first call, which refuses any op on a field it does not know to be pointwise in latitude.
 - **composites kept, their children converted**: ``LayerNormAct2d``/``LayerNormAct`` (a channel norm, then its
   ``drop`` and ``act`` children) and ``ConvNeXtBlock`` with its layer-scale ``gamma`` (its depthwise 7x7 conv
   becomes a ``HaloConv2d``; its own math — permutes, the channel MLP, ``x * gamma``, the residual — is pointwise).
-- **group norms** (``GroupNorm``, ``GroupNorm1``: ``F.group_norm`` as ``nn.GroupNorm``): halo's ``DomainGroupNorm``;
+- **ConvNeXt V2's ``GlobalResponseNorm``**: its ``x.norm`` over H x W is a sum of squares over the domain:
+  :class:`DomainGlobalResponseNorm` (an all-reduce of each rank's sums; NHWC and NCHW).
+- **group norms** (``GroupNorm``, ``GroupNorm1``, and ``GroupNorm1NoBias``: ``F.group_norm`` as ``nn.GroupNorm``):
+  halo's ``DomainGroupNorm``;
   ``GroupNormAct``/``GroupNorm1Act``: the same, then its ``drop`` and ``act`` children (converted).
 - **TF "same" padding** (``Conv2dSame``): the padding depends only on the global extent, so
   :class:`HaloConv2dSame` computes it from the global rows (agreed once per shape) and pads the global field
@@ -21,7 +30,8 @@ and why each is exact on an H-shard:
 - **global pools and what computes on their result** (whole and the same on every rank, halo's global pools):
   ``SelectAdaptivePool2d`` (avg, max, avgmax, catavgmax; timm's fast pools too) and squeeze-excitation
   (``SqueezeExcite`` of timm's EfficientNet/MobileNet blocks, ``SEModule``): their means become halo's global pool;
-  classifier heads (``ClassifierHead``, ``NormMlpClassifierHead``) keep their layers after the pool as torch's own
+  classifier heads (``ClassifierHead``, ``NormMlpClassifierHead``, InceptionNeXt's ``MlpClassifierHead``, MetaFormer's
+  ``nn.Sequential`` head that starts with its pool) keep their layers after the pool as torch's own
   on the whole tensor (a dropout there must be off: a draw of ``p > 0`` on a whole tensor is refused), and a model's
   ``flatten`` right after its global pool (MobileNetV3) flattens the whole result (it raises if given a field).
 
