@@ -732,3 +732,48 @@ def test_intermediates_are_left_out_only_inside_a_halo_layer_that_matches():
     checks = [bad, bad, good, bad, bad, bad, bad, bad]
     assert in_own_layout(names, checks, kinds) == {0, 1}
     assert in_own_layout(names[:2], checks[:2], kinds) == set()  # the layer's own output not compared: kept
+
+
+class Gain(nn.Module):
+    """A per-channel gain (pointwise in latitude)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.g = nn.Parameter(torch.linspace(0.5, 1.5, c).view(c, 1, 1))
+
+    def forward(self, x):
+        return x * self.g
+
+
+class Wrapped(nn.Module):
+    """A user's converter result that holds the layer under another name (``inner``): its parameter's name changes."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.inner = m
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _renamed(rank, world):
+    import halo
+
+    halo.initialize_domain_parallel(world, world)
+    full = torch.randn(2, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    model = lambda: nn.Sequential(nn.Conv2d(C, C, 3, padding=1), Gain(C), nn.Conv2d(C, C, 3, padding=1))  # noqa: E731
+    wrap = {"custom_converters": {Gain: lambda m, ctx: Wrapped(m)}}
+    report = halo.check_equivalence(model, full, convert_kwargs=wrap)
+    return report.ok, [(c.what, c.note) for c in report.checks if not c.ok]
+
+
+def test_a_parameter_the_converted_model_renamed_is_reported_not_skipped():
+    """Every parameter keeps its name in a converted model (invariant 6); one a converter renamed cannot be paired
+    with the reference's, and is reported (its gradient would otherwise go unchecked: a wrong gradient there
+    would pass)."""
+    results = run_on_ranks(_renamed, 2, timeout=200)
+    assert results[0] == results[1]
+    ok, bad = results[0]
+    assert not ok and bad == [("gradient of 1.g", "no parameter of that name in the converted model (its state_dict "
+                                                   "keys changed: a converter renamed it), so its gradient cannot be "
+                                                   "compared")], bad

@@ -17,6 +17,7 @@ One launch per world size runs every case (``run_on_ranks``); each case is its o
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -182,19 +183,20 @@ CASES: dict[str, Case] = {
 }
 
 
-class Local(nn.Module):
-    """The real module run on this rank's shard as it is (the guard told to trust it): the per-shard computation
-    an unconverted model would make."""
+def Local(m: nn.Module) -> nn.Module:  # noqa: N802 - stands for a class: the local form of m
+    """The real module run on this rank's shard as it is (the guard told to trust it): the per-shard computation an
+    unconverted model would make. A twin of ``m`` (same state and names) whose class runs ``m``'s forward trusted."""
+    from halo.guard import trusted
 
-    def __init__(self, m: nn.Module) -> None:
-        super().__init__()
-        self.m = m
+    kind = type(m)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from halo.guard import trusted
-
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with trusted():
-            return self.m(*args, **kwargs)
+            return kind.forward(self, *args, **kwargs)
+
+    twin = object.__new__(type(f"Local{kind.__name__}", (kind,), {"forward": forward}))
+    twin.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v for k, v in m.__dict__.items()})
+    return twin
 
 
 def _class(dotted: str) -> type:
@@ -250,8 +252,7 @@ def _one(rank: int, world: int, name: str, local: bool) -> dict:
         grad = halo.gather(x.grad)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the parent asserts on it (and on every rank alike)
         return {"refused": f"{type(exc).__name__}: {exc}"}
-    # (a Local wrapper's own slot "m" is not in the unsharded model's names)
-    params = {n.replace(".m.", "."): p.grad for n, p in model.named_parameters()}
+    params = {n: p.grad for n, p in model.named_parameters()}
     return {"out": whole, "extra": None if extra is None else extra.detach(), "grad": grad, "params": params}
 
 
@@ -268,7 +269,23 @@ def _all(rank: int, world: int) -> dict:
     for name, case in CASES.items():
         for local in (False, True) if case.local else (False,):
             out[name, local] = _one(rank, world, name, local)
+            out[name, local, "check"] = _check(world, name, local)
     return out
+
+
+def _check(world: int, name: str, local: bool) -> tuple[bool, str]:
+    """``halo.check_equivalence`` of the case (its verdict must be the truth found above): ``(ok, report)``."""
+    import halo
+
+    case = CASES[name]
+    custom = {_class(case.local): lambda m, ctx: Local(m)} if local else None
+    args = (torch.tensor([3, 11], dtype=torch.long),) if case.call is _unet_call else ()
+    try:
+        report = halo.check_equivalence(lambda: _build(case), _input(case, world), args=args,
+                                        convert_kwargs={"custom_converters": custom} if custom else None)
+    except Exception as exc:  # noqa: BLE001 - a refusal (the same on every rank): the parent asserts on it
+        return False, f"{type(exc).__name__}: {exc}"
+    return report.ok, str(report)
 
 
 _RUNS: dict[int, list[dict]] = {}
@@ -344,6 +361,21 @@ def test_the_local_form_differs(name, world):
         return
     bad = _differences(results, _reference(name, world))
     assert bad and max(bad.values()) > LOCAL_OFF, f"{name} at P={world}: the local form is not seen to differ: {bad}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_check_equivalence_agrees(name, world):
+    """``halo.check_equivalence`` says what the comparison above found (issue 32 item 7): OK for every exact case
+    (FuXi-like layouts inside halo's layers, a returned loss counted once), and a difference for every local form."""
+    for local in (False, True) if CASES[name].local else (False,):
+        verdicts = [r[name, local, "check"] for r in _RUNS[world]] if world in _RUNS else None
+        if verdicts is None:
+            _results(world, name, local)
+            verdicts = [r[name, local, "check"] for r in _RUNS[world]]
+        assert all(v == verdicts[0] for v in verdicts), f"{name} at P={world}: ranks disagree"
+        ok, text = verdicts[0]
+        assert ok is (not local), f"{name} at P={world} ({'local form' if local else 'exact'}): {text}"
 
 
 def test_the_per_channel_rule_reads_what_a_module_holds():

@@ -23,7 +23,9 @@ What it handles (the models users have):
   models, ``ModelOutput``-style dataclasses registered with ``torch.utils._pytree``); every tensor leaf is compared
   and every floating (or complex) leaf enters the loss with its own weights. A whole output leaf enters each
   rank's loss with ``1/P`` of its weights (each rank's consumers use their share of a whole result: the convention
-  of halo's global pool), so the summed gradients are the unsharded ones.
+  of halo's global pool), so the summed gradients are the unsharded ones; a loss the model returns, replicated and
+  counted once (``halo.parallel.domain_mean``: a VQ model's commit loss), enters every rank's loss in full, as a
+  training step adds it.
 - **Dtypes**: floating parameters, buffers and inputs run in ``dtype``, complex ones in the complex dtype of the
   same precision (complex128 for float64); integer and boolean tensors keep their dtype and are compared exactly.
 - **Devices**: everything runs on the sample's device; the copies of the model are moved there. The loss
@@ -82,6 +84,7 @@ from ._boundary import boundary_reference
 from ._record import (
     Call,
     cast,
+    counted_once,
     gather_or_none,
     layout,
     load_matching,
@@ -277,7 +280,7 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         if w is None or i >= len(par_leaves) or not differentiable(par_leaves[i]):
             continue
         g = par_leaves[i]
-        mine = local_weights(w, lay, index, ranks, mesh)
+        mine = local_weights(w, lay, index, ranks, mesh, once=lay[0] == "whole" and counted_once(g))
         if (mine is not None and g.requires_grad and shape_of(g) == shape_of(mine)
                 and g.is_complex() == mine.is_complex()):
             terms.append(weighted(g, mine))
@@ -321,6 +324,13 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         if cg is not None:
             bounded_all_reduce(g, cg, "check_equivalence (parameter gradients)")
         pending.append(Pending(f"gradient of {name}", g, q.grad, grad_floor(name, maxima), rtol))
+    if reference is None:  # the same model: every parameter keeps its name (invariant 6), so none may go unchecked
+        paired = {n for n, _, _ in params}
+        for name, q in ref.named_parameters():
+            if q.grad is not None and name not in paired:
+                pending.append(Pending(f"gradient of {name}", None, q.grad, 0.0, rtol,
+                                        "no parameter of that name in the converted model (its state_dict keys "
+                                        "changed: a converter renamed it), so its gradient cannot be compared"))
 
     # Buffers after the step (BatchNorm's running statistics: replicated state, checked, not assumed), within rtol of
     # the scale of what produced them: their module's first call's inputs and outputs (a running mean that is 0 in

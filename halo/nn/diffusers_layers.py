@@ -72,6 +72,11 @@ class DomainVectorQuantizer(nn.Module):
     pixels (flattened in ``(B, H_r, W)`` order as diffusers flattens them, or ``(B, H_r, W)`` with
     ``sane_index_shape``). The same children and state (its ``embedding``)."""
 
+    #: for ``halo.check_equivalence``: its indices are this rank's pixels flattened (every sample's), which do not
+    #: concatenate to the reference's flattening of the field; its quantized field and loss are compared where the
+    #: model uses them (the decoder's output, the model's commit loss)
+    _halo_check = "self"
+
     def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         if z.dim() != 4 or z.shape[1] != self.vq_embed_dim:
             raise ValueError(f"VectorQuantizer: expected a (B, {self.vq_embed_dim}, H, W) field, got {tuple(z.shape)}")
