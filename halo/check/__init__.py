@@ -49,6 +49,8 @@ What it handles (the models users have):
   the scale of their module's inputs and outputs (a running mean that is 0 in exact arithmetic is rounding).
 - **Layers halo folds together**: a halo layer marked ``_halo_check = "children"`` (timm's ``SelectAdaptivePool2d``,
   whose flatten halo folds into its global pool) is compared by its own output only, not by its submodules'.
+- **Every parameter**: a reference parameter with a gradient that the converted model does not have under its
+  name (a converter that wrapped a layer under another name: invariant 6 broken) is reported, not skipped.
 - **Layers halo computes in a layout of its own**: inside one of halo's own layers (a class of ``halo``, below the
   model itself: CREDIT FuXi's ``HaloSwinV2Block``, whose attention holds a rank's windows of every sample as one
   block, or its ``HaloCubeEmbedding``, whose LayerNorm sees a field, not token rows), an output that differs from
