@@ -656,3 +656,124 @@ def test_boundary_reference_is_the_demos_hand_written_pole_model(h, boundary):
     want = torch.nn.functional.conv2d(padded, same.a.weight, same.a.bias)
     assert torch.equal(got, want)
     assert not torch.equal(got, same.a(x))  # the model's own zero rows differ
+
+
+# -- halo layers that compute in their own layout (issue 32 item 7: CREDIT FuXi-48 at P=2) -------------------------
+
+FUXI_SAMPLE = (2, 3, 2, 48, 16)  # (B, C, T, H, W): FuXi's two frames of 3 channels, 48 rows (24 token rows)
+
+
+def _fuxi(broken: bool) -> nn.Module:
+    """CREDIT's FuXi (tests/_thirdparty.py); ``broken``: the LayerNorm inside its cube embedding (kept as torch's by
+    halo's ``HaloCubeEmbedding``, which runs it on a (B, C, T, H, W) field instead of FuXi's (B, tokens, C)) scaled
+    by the share of the tokens it sees: 1 unsharded, ~1/P on a shard (a local-factor bug inside a halo layer)."""
+    import _thirdparty as tp
+
+    tp.load()
+    model = tp.credit_fuxi(48)
+    if broken:
+        tokens = FUXI_SAMPLE[0] * 8 * (FUXI_SAMPLE[2] // 2) * (FUXI_SAMPLE[3] // 2) * (FUXI_SAMPLE[4] // 2)
+        model.cube_embedding.norm.register_forward_hook(lambda m, args, out: out * (out.numel() / tokens))
+    return model
+
+
+def _fuxi_checks(rank, world, variants):
+    import os
+
+    import halo
+
+    os.environ["TRITON_INTERPRET"] = "0"
+    halo.initialize_domain_parallel(world, world)
+    halo.set_timeout(60)
+    full = torch.randn(FUXI_SAMPLE, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for broken in variants:
+        report = halo.check_equivalence(lambda broken=broken: _fuxi(broken), full)
+        first = report.first_mismatch
+        out[broken] = (report.ok, first.what if first else None, list(report.inside), str(report))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fuxi_windows_and_cube_tokens_are_no_false_alarm(world):
+    """FuXi is exact (tests/test_zoo_real.py): check_equivalence says so at P=2 and P=3. Its Swin V2 attention works
+    on a rank's windows of every sample as one block, and its cube embedding's LayerNorm on a 5-d field instead of
+    FuXi's token rows; those intermediates are not the reference's tensors, and are left out only because the halo
+    layer that holds them (``HaloSwinV2Block``, ``HaloCubeEmbedding``) matches the reference at its output. With
+    the bug inside the cube embedding (P=2), the difference is reported where it arises, naming that LayerNorm."""
+    pytest.importorskip("credit")
+    variants = (False, True) if world == 2 else (False,)
+    results = run_on_ranks(_fuxi_checks, world, variants, timeout=400)
+    assert all(r == results[0] for r in results), "ranks disagree"
+    ok, first, inside, text = results[0][False]
+    assert ok, text
+    assert any("cube_embedding.norm" in w for w in inside) and any(".attn" in w for w in inside), inside
+    if world == 2:
+        ok, first, inside, text = results[0][True]
+        assert not ok and first == "output of cube_embedding.norm (LayerNorm)", text
+        assert "cube_embedding.norm" not in " ".join(inside), text
+        assert "output of cube_embedding (CubeEmbedding)" in text, text
+
+
+def test_intermediates_are_left_out_only_inside_a_halo_layer_that_matches():
+    """The rule alone: a failed output inside one of halo's own layers is left out when that layer (any halo
+    ancestor below the model itself) matches; kept when it differs, when the enclosing layer is not halo's (a user's
+    or timm's block), and for the model's own output."""
+    from halo.check import Mismatch, in_own_layout
+
+    class Own(nn.Module):  # stands for a halo layer: a class defined in halo
+        pass
+
+    Own.__module__ = "halo.nn.swinv2"
+    kinds = {"(model)": Own, "a": Own, "a.w": nn.Linear, "a.w.s": nn.Softmax, "b": nn.Sequential, "b.w": nn.Linear,
+             "c": Own, "c.w": nn.Linear}
+    good, bad = Mismatch("x", 0.0, 1.0, 1e-9), Mismatch("x", 1.0, 1.0, 1e-9)
+    names = ["a.w.s", "a.w", "a", "b.w", "b", "c.w", "c", "(model)"]
+    checks = [bad, bad, good, bad, bad, bad, bad, bad]
+    assert in_own_layout(names, checks, kinds) == {0, 1}
+    assert in_own_layout(names[:2], checks[:2], kinds) == set()  # the layer's own output not compared: kept
+
+
+class Gain(nn.Module):
+    """A per-channel gain (pointwise in latitude)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.g = nn.Parameter(torch.linspace(0.5, 1.5, c).view(c, 1, 1))
+
+    def forward(self, x):
+        return x * self.g
+
+
+class Wrapped(nn.Module):
+    """A user's converter result that holds the layer under another name (``inner``): its parameter's name changes."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.inner = m
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _renamed(rank, world):
+    import halo
+
+    halo.initialize_domain_parallel(world, world)
+    full = torch.randn(2, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    model = lambda: nn.Sequential(nn.Conv2d(C, C, 3, padding=1), Gain(C), nn.Conv2d(C, C, 3, padding=1))  # noqa: E731
+    wrap = {"custom_converters": {Gain: lambda m, ctx: Wrapped(m)}}
+    report = halo.check_equivalence(model, full, convert_kwargs=wrap)
+    return report.ok, [(c.what, c.note) for c in report.checks if not c.ok]
+
+
+def test_a_parameter_the_converted_model_renamed_is_reported_not_skipped():
+    """Every parameter keeps its name in a converted model (invariant 6); one a converter renamed cannot be paired
+    with the reference's, and is reported (its gradient would otherwise go unchecked: a wrong gradient there
+    would pass)."""
+    results = run_on_ranks(_renamed, 2, timeout=200)
+    assert results[0] == results[1]
+    ok, bad = results[0]
+    assert not ok and bad == [("gradient of 1.g", "no parameter of that name in the converted model (its state_dict "
+                                                   "keys changed: a converter renamed it), so its gradient cannot be "
+                                                   "compared")], bad

@@ -23,7 +23,9 @@ What it handles (the models users have):
   models, ``ModelOutput``-style dataclasses registered with ``torch.utils._pytree``); every tensor leaf is compared
   and every floating (or complex) leaf enters the loss with its own weights. A whole output leaf enters each
   rank's loss with ``1/P`` of its weights (each rank's consumers use their share of a whole result: the convention
-  of halo's global pool), so the summed gradients are the unsharded ones.
+  of halo's global pool), so the summed gradients are the unsharded ones; a loss the model returns, replicated and
+  counted once (``halo.parallel.domain_mean``: a VQ model's commit loss), enters every rank's loss in full, as a
+  training step adds it.
 - **Dtypes**: floating parameters, buffers and inputs run in ``dtype``, complex ones in the complex dtype of the
   same precision (complex128 for float64); integer and boolean tensors keep their dtype and are compared exactly.
 - **Devices**: everything runs on the sample's device; the copies of the model are moved there. The loss
@@ -47,6 +49,13 @@ What it handles (the models users have):
   the scale of their module's inputs and outputs (a running mean that is 0 in exact arithmetic is rounding).
 - **Layers halo folds together**: a halo layer marked ``_halo_check = "children"`` (timm's ``SelectAdaptivePool2d``,
   whose flatten halo folds into its global pool) is compared by its own output only, not by its submodules'.
+- **Every parameter**: a reference parameter with a gradient that the converted model does not have under its
+  name (a converter that wrapped a layer under another name: invariant 6 broken) is reported, not skipped.
+- **Layers halo computes in a layout of its own**: inside one of halo's own layers (a class of ``halo``, below the
+  model itself: CREDIT FuXi's ``HaloSwinV2Block``, whose attention holds a rank's windows of every sample as one
+  block, or its ``HaloCubeEmbedding``, whose LayerNorm sees a field, not token rows), an output that differs from
+  the reference's is left out (``report.inside``) when that layer's own output matches: the layer's output is what
+  it computes, and a difference it makes shows there (and then everything inside it is reported too).
 
 Every rank gets the same report: comparisons use gathered tensors, and each error is the maximum over the ranks.
 ``halo check MODULE:FACTORY --shape B,C,H,W`` runs it from the command line (:mod:`halo.tools.check`;
@@ -77,6 +86,7 @@ from ._boundary import boundary_reference
 from ._record import (
     Call,
     cast,
+    counted_once,
     gather_or_none,
     layout,
     load_matching,
@@ -272,7 +282,7 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         if w is None or i >= len(par_leaves) or not differentiable(par_leaves[i]):
             continue
         g = par_leaves[i]
-        mine = local_weights(w, lay, index, ranks, mesh)
+        mine = local_weights(w, lay, index, ranks, mesh, once=lay[0] == "whole" and counted_once(g))
         if (mine is not None and g.requires_grad and shape_of(g) == shape_of(mine)
                 and g.is_complex() == mine.is_complex()):
             terms.append(weighted(g, mine))
@@ -316,6 +326,13 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
         if cg is not None:
             bounded_all_reduce(g, cg, "check_equivalence (parameter gradients)")
         pending.append(Pending(f"gradient of {name}", g, q.grad, grad_floor(name, maxima), rtol))
+    if reference is None:  # the same model: every parameter keeps its name (invariant 6), so none may go unchecked
+        paired = {n for n, _, _ in params}
+        for name, q in ref.named_parameters():
+            if q.grad is not None and name not in paired:
+                pending.append(Pending(f"gradient of {name}", None, q.grad, 0.0, rtol,
+                                        "no parameter of that name in the converted model (its state_dict keys "
+                                        "changed: a converter renamed it), so its gradient cannot be compared"))
 
     # Buffers after the step (BatchNorm's running statistics: replicated state, checked, not assumed), within rtol of
     # the scale of what produced them: their module's first call's inputs and outputs (a running mean that is 0 in
@@ -332,8 +349,17 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
                                 lay[1] if lay[0] == "bad" else ""))
 
     agree_errors(pending, cg, device)
+    checks = [c.final() for c in pending]
+    # An intermediate of one of halo's own layers, in the layout that layer computes in (windows in the batch dim,
+    # a cube embedding's tokens as a field) is not the reference's intermediate: where that layer's own output
+    # matches, its differences are not the model's (the same decision on every rank: the errors are agreed).
+    drop = in_own_layout([pairs[first_call[k]][1].name for k in range(n_outputs)], checks[:n_outputs],
+                         {n: type(m) for n, m in par.named_modules()})
     report = EquivalenceReport(dtype=str(dtype).removeprefix("torch."), ranks=ranks, rtol=rtol,
-                               checks=[c.final() for c in pending])
+                               checks=[c for k, c in enumerate(checks) if k not in drop],
+                               inside=sorted({checks[k].what for k in drop}))
+    first_call = [j for k, j in enumerate(first_call) if k not in drop]
+    n_outputs -= len(drop)
     bad = next((k for k in range(n_outputs) if not report.checks[k].ok), None)
     if bad is not None:
         j = first_call[bad]
@@ -341,6 +367,30 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
     if raise_on_failure and not report.ok:
         raise AssertionError(str(report))
     return report
+
+
+def in_own_layout(names: list[str], checks: list[Mismatch], kinds: dict[str, type]) -> set[int]:
+    """The module-output comparisons (indices into ``names`` / ``checks``, one per compared output) that are
+    intermediates of a halo layer in its own layout: a failed one of a module inside one of halo's own layers (a
+    class of ``halo``, below the model itself: ``HaloSwinV2Block``, ``HaloCubeEmbedding``, ...) whose every
+    compared output matches. Such a layer computes its children in the layout it chooses (a rank's attention windows
+    of every sample as one block, a cube embedding's tokens as a field), which does not assemble into the
+    reference's tensor, and its own output is the truth of what it computes; a difference it makes shows at that
+    output, which stays compared (so do everything outside it, the gradients and the buffers)."""
+    ok: dict[str, bool] = {}
+    for name, check in zip(names, checks, strict=True):
+        ok[name] = ok.get(name, True) and check.ok
+
+    def owner_ok(name: str) -> bool:
+        while "." in name:
+            name = name.rpartition(".")[0]
+            kind = kinds.get(name)
+            if kind is not None and (kind.__module__ or "").split(".")[0] == "halo" and ok.get(name, False):
+                return True
+        return False
+
+    return {k for k, (name, check) in enumerate(zip(names, checks, strict=True))
+            if not check.ok and name != "(model)" and owner_ok(name)}
 
 
 def _backend_needs_cuda(group: Any) -> bool:

@@ -19,8 +19,8 @@ from torch import nn
 
 from ..shard import gather, gather_2d, shard_2d
 
-__all__ = ["Call", "assemble", "cast", "gather_or_none", "layout", "load_matching", "local_weights", "param_pairs",
-           "record", "shape_of", "weighted", "weights", "windowed"]
+__all__ = ["Call", "assemble", "cast", "counted_once", "gather_or_none", "layout", "load_matching", "local_weights",
+           "param_pairs", "record", "shape_of", "weighted", "weights", "windowed"]
 
 _COMPLEX = {torch.float64: torch.complex128, torch.float32: torch.complex64, torch.float16: torch.complex32,
             torch.bfloat16: torch.complex64}
@@ -162,10 +162,35 @@ def gather_or_none(t: Any, lay: tuple, group: Any, mesh: Any) -> torch.Tensor | 
         return None
 
 
-def local_weights(w: torch.Tensor, lay: tuple, index: int, ranks: int, mesh: Any) -> torch.Tensor | None:
-    """This rank's share of the loss weights ``w`` of a whole output leaf (``None``: not in the loss)."""
+def counted_once(t: Any) -> bool:
+    """Whether a whole output leaf is a loss the model returns, replicated and counted once (a commit loss by
+    :func:`halo.parallel.domain_mean`): the halo reductions nearest to it in its autograd graph all count once (their
+    backward averages the ranks' gradients). A training step adds such a loss on every rank alike; any other whole
+    leaf (a global pool's result, whose backward sums the ranks' gradients) is shared out, 1/P to each rank."""
+    if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+        return False
+    found: set[bool] = set()
+    seen: set[int] = set()
+    stack = [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        cls = getattr(node, "_forward_cls", None)
+        if cls is not None and (cls.__module__ or "").split(".")[0] == "halo":
+            found.add(cls.__name__ == "_ReplicatedSumFn")  # the nearest halo reduction on this path
+            continue
+        stack.extend(f for f, _ in node.next_functions)
+    return found == {True}
+
+
+def local_weights(w: torch.Tensor, lay: tuple, index: int, ranks: int, mesh: Any,
+                  once: bool = False) -> torch.Tensor | None:
+    """This rank's share of the loss weights ``w`` of a whole output leaf (``None``: not in the loss); ``once``: a
+    replicated loss (:func:`counted_once`), weighted in full on every rank."""
     if lay[0] == "whole":
-        return w / ranks
+        return w if once else w / ranks
     if lay[0] == "split":
         sizes = lay[2]
         return w.narrow(lay[1], sum(sizes[:index]), sizes[index])

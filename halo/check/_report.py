@@ -55,6 +55,8 @@ class EquivalenceReport:
     ranks: int = 1
     rtol: float = 0.0
     where: str = ""
+    #: module outputs not compared: intermediates of halo layers in their own layout, whose layers' outputs match
+    inside: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -70,7 +72,8 @@ class EquivalenceReport:
         bad = self.first_mismatch
         if bad is None:
             # (these words are matched by scripts and tests; buffers are among the comparisons counted above)
-            return f"{head}\nOK: every module's output, the input gradient and every parameter gradient match"
+            ok = f"{head}\nOK: every module's output, the input gradient and every parameter gradient match"
+            return ok + self._inside()
         worst = [c for c in self.checks if not c.ok]
         lines = [head, f"FIRST DIFFERENCE: {bad}"]
         if self.where:
@@ -78,7 +81,14 @@ class EquivalenceReport:
         lines += [f"  then: {c}" for c in worst[1:6]]
         if len(worst) > 6:
             lines.append(f"  ... and {len(worst) - 6} more")
-        return "\n".join(lines)
+        return "\n".join(lines) + self._inside()
+
+    def _inside(self) -> str:
+        if not self.inside:
+            return ""
+        shown = ", ".join(self.inside[:3]) + (f" and {len(self.inside) - 3} more" if len(self.inside) > 3 else "")
+        return (f"\n(not compared: {len(self.inside)} intermediates of halo layers in their own layout, whose "
+                f"layers' outputs match: {shown})")
 
 
 def differentiable(t: Any) -> bool:

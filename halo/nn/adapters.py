@@ -1,12 +1,12 @@
 """Third-party layers halo converts, recognised by name: the converter's table for classes it cannot import.
 
 The registry (``halo.nn.registry``) maps torch's own classes, which halo imports, to their halo forms. timm,
-torchvision, NATTEN, segmentation_models_pytorch and NCAR CREDIT are optional: halo never imports them, so their
-layers are recognised here by class name, defining module and the attributes the halo form reads (a look-alike
+torchvision, NATTEN, segmentation_models_pytorch, diffusers and NCAR CREDIT are optional: halo never imports them, so
+their layers are recognised here by class name, defining module and the attributes the halo form reads (a look-alike
 without them is not taken for the real one and goes through the converter's usual refusals). :func:`adapter`
 returns the converter ``fn(module, ctx)`` (``ctx`` a :class:`halo.nn.target.ConvertContext`) or ``None``. The larger
 families keep their recognisers beside their layers (``swinv2_adapter``, ``swin_adapter``, ``timm_adapter``,
-``smp_adapter``); this module asks each in turn.
+``smp_adapter``, ``diffusers_adapter``); this module asks each in turn.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from . import dropout, norm
 from .attention_layers import attention_adapter  # timm's and diffusers' Attention: ring attention
 from .base import HaloLayer
 from .credit_padding import CROSSFORMER_MODULES
+from .diffusers_layers import diffusers_adapter  # diffusers' Downsample2D (a pad of the global field), Timesteps
 from .longrange import DomainCrossFormerAttention
 from .neighborhood import DomainNeighborhoodAttention2D
 from .smp_layers import smp_adapter  # smp's U-Net decoder: resizes to global level sizes
@@ -38,7 +39,8 @@ Converter = Callable[[nn.Module, ConvertContext], nn.Module]
 
 
 def adapter(module: nn.Module) -> Converter | None:
-    """The converter of a third-party layer recognised by name (timm, torchvision, NATTEN, CREDIT, smp), else None."""
+    """The converter of a third-party layer recognised by name (timm, torchvision, NATTEN, CREDIT, smp, diffusers),
+    else None."""
     kind = type(module)
     if kind.__name__ == "BatchNormAct2d" and isinstance(module, nn.BatchNorm2d) \
             and {"drop", "act"} <= set(module._modules):  # timm.layers.BatchNormAct2d: batch norm, drop, act
@@ -64,6 +66,7 @@ def adapter(module: nn.Module) -> Converter | None:
     if made is not None:
         return made
     return (swinv2_adapter(module) or swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
+            or diffusers_adapter(module)
             or attention_adapter(module))  # attention over all tokens (halo.nn.attention_layers): ring attention
 
 

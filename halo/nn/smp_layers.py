@@ -1,4 +1,5 @@
-"""segmentation_models_pytorch's U-Net decoder on H-shards (recognised by name and attributes; smp is not imported).
+"""segmentation_models_pytorch's U-Net decoder and channel LayerNorms on H-shards (recognised by name and attributes;
+smp is not imported).
 
 smp's ``UnetDecoder.forward`` reads the *local* spatial shapes of the encoder's features and hands them to each
 ``UnetDecoderBlock``, whose ``forward`` resizes with ``F.interpolate(size=(height, width))`` before concatenating
@@ -12,6 +13,11 @@ means are global ones, which halo knows, so the two classes are computed exactly
   is the balanced split of that size and lines up row for row with the skip. A block called with a shard's size and
   no skip (outside a converted decoder) is refused: the global size is unknown there.
 
+smp's ``nn.LayerNorm`` subclasses over channels (UPerNet's ``LayerNorm2d``: permute, ``F.layer_norm``, permute
+back; MiT's ``LayerNorm``: flatten H x W into tokens, ``F.layer_norm``, back) have a forward of their own, which the
+converter refuses for a subclass of a layer it converts; both normalise each grid point's channels, nothing across
+rows, so :class:`ChannelLayerNorm` computes that per pixel (their state, their output strides).
+
 The blocks' children (``Conv2dReLU``, scSE attention) are converted as usual. NCAR CREDIT's U-Net
 (``credit.models.unet``) is smp's ``Unet``. Latitude rows only: on a latitude x longitude mesh both are refused.
 """
@@ -22,15 +28,19 @@ import copy
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..dist.mesh import GroupRef
 from ..plan.plans import shard_sizes
 from .upsample import halo_interpolate
 
-__all__ = ["HaloUnetDecoder", "HaloUnetDecoderBlock", "smp_adapter"]
+__all__ = ["ChannelLayerNorm", "HaloUnetDecoder", "HaloUnetDecoderBlock", "smp_adapter"]
 
 _SMP_UNET = "segmentation_models_pytorch.decoders.unet.decoder"
+#: smp's LayerNorm subclasses over channels: defining module -> class name
+_SMP_LAYER_NORMS = {"segmentation_models_pytorch.decoders.upernet.decoder": "LayerNorm2d",
+                    "segmentation_models_pytorch.encoders.mix_transformer": "LayerNorm"}
 
 
 class GlobalExtent(int):
@@ -107,8 +117,46 @@ def _refuse_mesh(ctx: Any, what: str) -> None:
                          f"convert it with a latitude-only group (manager or group=)")
 
 
+class ChannelLayerNorm(nn.LayerNorm):
+    """smp's ``nn.LayerNorm`` subclasses over channels (UPerNet's ``LayerNorm2d``, MiT's ``LayerNorm``) on an H-shard:
+    ``F.layer_norm`` over the channels of each grid point of a ``(B, C, H, W)`` field (computed channels-last, as
+    both do, so the output has their channels-last strides), which nothing of another row enters; MiT's on another
+    input (``(B, N, C)`` tokens), over the last dim as its own. The same Parameters (``state_dict`` unchanged)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 4:
+            y = F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps)
+            return y.permute(0, 3, 1, 2)
+        if self._halo_channels_first:  # UPerNet's LayerNorm2d permutes a 4-d field only
+            raise ValueError(f"{self._halo_kind}: expected a (B, C, H, W) field, got {tuple(x.shape)}")
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def _channel_layer_norm(module: nn.Module) -> bool:
+    """One of smp's ``nn.LayerNorm`` subclasses with a forward of its own that normalises over channels only."""
+    kind = type(module)
+    return (kind.__module__ in _SMP_LAYER_NORMS and kind.__name__ == _SMP_LAYER_NORMS[kind.__module__]
+            and isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1 and not module._modules
+            and set(_own(module)) <= {"weight", "bias"})
+
+
+def _own(m: nn.Module) -> list[str]:
+    return [n for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None]
+
+
+def _norm_twin(m: nn.Module, ctx: Any) -> nn.Module:
+    t = object.__new__(ChannelLayerNorm)
+    for key, value in m.__dict__.items():
+        t.__dict__[key] = copy.copy(value) if isinstance(value, dict) else value
+    t.__dict__["_halo_channels_first"] = type(m).__name__ == "LayerNorm2d"
+    t.__dict__["_halo_kind"] = f"{type(m).__module__}.{type(m).__name__}"
+    return t
+
+
 def smp_adapter(module: nn.Module) -> Any:
     """The converter of an smp layer halo knows (module docstring), or ``None``."""
+    if _channel_layer_norm(module):
+        return _norm_twin
     if _is(module, "UnetDecoder", {"center", "blocks"}):
         def convert(m: nn.Module, ctx: Any) -> nn.Module:
             _refuse_mesh(ctx, "UnetDecoder")

@@ -6,12 +6,21 @@ and why each is exact on an H-shard:
 - **pointwise, kept as they are**: timm's activation classes (``timm.layers.activations*``: ``Swish``, ``GELU``,
   ``HardSigmoid``, ``PReLU``, ...) and its ``Linear`` (``nn.Linear`` with a forward of its own for torchscript);
   norms over channels only (``LayerNorm2d``, ``LayerNorm`` on channels-last,
-  ``RmsNorm``/``RmsNorm2d``, their ``Fp32`` forms: one grid point's channels, nothing across rows); per-channel layer
-  scale (``LayerScale``, ``LayerScale2d``: ``x * gamma``).
+  ``RmsNorm``/``RmsNorm2d``, their ``Fp32`` forms, and subclasses that keep their forward, such as metaformer's
+  ``LayerNorm2dNoBias``: one grid point's channels, nothing across rows); per-channel layer scale (``LayerScale``,
+  ``LayerScale2d``: ``x * gamma``).
+- **learned per-channel scales and biases, by what they hold** (:func:`_scaled`): a timm module whose own state is
+  per-channel or scalar Parameters only (``(C,)``, ``(C, 1, 1)``, ``(1,)``) and whose code reads no tensor shape —
+  ``metaformer.Scale``, ``StarReLU``, InceptionNeXt's ``MetaNeXtBlock`` (its ``gamma``), fastvit's and
+  swiftformer's ``LayerScale2d``, ... — is kept, its children converted; its own forward runs under the guard on the
+  first call, which refuses any op on a field it does not know to be pointwise in latitude.
 - **composites kept, their children converted**: ``LayerNormAct2d``/``LayerNormAct`` (a channel norm, then its
   ``drop`` and ``act`` children) and ``ConvNeXtBlock`` with its layer-scale ``gamma`` (its depthwise 7x7 conv
   becomes a ``HaloConv2d``; its own math — permutes, the channel MLP, ``x * gamma``, the residual — is pointwise).
-- **group norms** (``GroupNorm``, ``GroupNorm1``: ``F.group_norm`` as ``nn.GroupNorm``): halo's ``DomainGroupNorm``;
+- **ConvNeXt V2's ``GlobalResponseNorm``**: its ``x.norm`` over H x W is a sum of squares over the domain:
+  :class:`DomainGlobalResponseNorm` (an all-reduce of each rank's sums; NHWC and NCHW).
+- **group norms** (``GroupNorm``, ``GroupNorm1``, and ``GroupNorm1NoBias``: ``F.group_norm`` as ``nn.GroupNorm``):
+  halo's ``DomainGroupNorm``;
   ``GroupNormAct``/``GroupNorm1Act``: the same, then its ``drop`` and ``act`` children (converted).
 - **TF "same" padding** (``Conv2dSame``): the padding depends only on the global extent, so
   :class:`HaloConv2dSame` computes it from the global rows (agreed once per shape) and pads the global field
@@ -21,7 +30,8 @@ and why each is exact on an H-shard:
 - **global pools and what computes on their result** (whole and the same on every rank, halo's global pools):
   ``SelectAdaptivePool2d`` (avg, max, avgmax, catavgmax; timm's fast pools too) and squeeze-excitation
   (``SqueezeExcite`` of timm's EfficientNet/MobileNet blocks, ``SEModule``): their means become halo's global pool;
-  classifier heads (``ClassifierHead``, ``NormMlpClassifierHead``) keep their layers after the pool as torch's own
+  classifier heads (``ClassifierHead``, ``NormMlpClassifierHead``, InceptionNeXt's ``MlpClassifierHead``, MetaFormer's
+  ``nn.Sequential`` head that starts with its pool) keep their layers after the pool as torch's own
   on the whole tensor (a dropout there must be off: a draw of ``p > 0`` on a whole tensor is refused), and a model's
   ``flatten`` right after its global pool (MobileNetV3) flattens the whole result (it raises if given a field).
 
@@ -33,20 +43,24 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..plan.plans import Site, mark_whole, whole_source
+from ..parallel.reduce import accumulation_dtype, all_reduce
+from ..plan.plans import Site, mark_whole, resolve, whole_source
 from .base import AxisPlan, HaloLayer
 from .conv import HaloConv2d
 from .norm import DomainGroupNorm
 from .pad import halo_pad
 from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d
 
-__all__ = ["DomainBlurPool2d", "DomainFlatten", "DomainGroupNormAct", "DomainSelectAdaptivePool2d",
+__all__ = ["DomainBlurPool2d", "DomainFlatten", "DomainGlobalResponseNorm", "DomainGroupNormAct",
+           "DomainSelectAdaptivePool2d",
            "DomainSqueezeExcite", "HaloConv2dSame", "WholeDropout", "timm_adapter"]
 
 _ORIGINAL = "_halo_original"  # as halo.nn.convert: the module a replacement stands for (the walk skips it)
@@ -109,6 +123,42 @@ def _layer_scale(m: nn.Module) -> bool:
     gamma = m._parameters.get("gamma")
     return (set(_own_state(m)) == {"gamma"} and not m._modules and gamma is not None
             and all(s == 1 for s in gamma.shape[1:]))
+
+
+_SHAPE_READ = re.compile(r"(?<!self)\.shape\b|\.size\(|\bsize\(|\blen\(")
+
+
+def _reads_shape(kind: type) -> bool:
+    """Whether the code of a timm class (and of its timm bases) reads a tensor's shape (``x.shape``, ``x.size()``,
+    ``len(x)``; not the module's own ``self.shape``) or cannot be read: what it builds from a shard's extent (a
+    grid, a size) is made of plain ints no guard sees."""
+    for cls in kind.__mro__:
+        if not _timm(cls):
+            continue
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            return True
+        if any(_SHAPE_READ.search(line.split("#")[0]) for line in source.splitlines()):
+            return True
+    return False
+
+
+def _per_channel(t: torch.Tensor) -> bool:
+    """A vector over one dim, the first (``(C,)``, ``(C, 1, 1)``), or a scalar: it cannot hold anything per row."""
+    return t.dim() >= 1 and all(s == 1 for s in t.shape[1:])
+
+
+def _scaled(m: nn.Module) -> bool:
+    """A timm module whose own state is per-channel (or scalar) Parameters only and whose code reads no shape: a
+    learned scale or bias, by what it holds, not by its name (``LayerScale``, ``metaformer.Scale``, ``StarReLU``,
+    fastvit's and swiftformer's ``LayerScale2d``, the ``gamma`` of InceptionNeXt's ``MetaNeXtBlock``, RDNet's and
+    EdgeNeXt's blocks, ...). Kept (its children converted): its forward runs under the guard on the first call,
+    which refuses any op on a field it does not know to be pointwise in latitude, so a scale that is used
+    otherwise (a conv weight, a reduction) is refused there, naming the line."""
+    own = _own_state(m)
+    return (bool(own) and not m._buffers and all(_per_channel(m._parameters[n]) for n in own)
+            and not _reads_shape(type(m)))
 
 
 # -- TF "same" padding ----------------------------------------------------------------------------------------------
@@ -203,6 +253,60 @@ class DomainGroupNormAct(DomainGroupNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.drop(super().forward(x)))
+
+
+# -- GlobalResponseNorm (ConvNeXt V2) ------------------------------------------------------------------------------
+
+def _extents(cg: Any, extents: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Every rank's rows (the agreement checks that the other dims are alike before the all-reduce)."""
+    return tuple(extents[0])
+
+
+def _norm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of torch's ``x.norm()``: float32 for a half input under CUDA autocast (``norm`` is on its float32
+    list), else ``x``'s (CPU autocast keeps bf16)."""
+    half = x.dtype in (torch.float16, torch.bfloat16)
+    return torch.float32 if half and x.device.type == "cuda" and torch.is_autocast_enabled("cuda") else x.dtype
+
+
+class DomainGlobalResponseNorm(HaloLayer, nn.Module):
+    """timm's ``GlobalResponseNorm`` (ConvNeXt V2's GRN) on an H-shard, exactly.
+
+    timm's ``x.norm(p=2, dim=(H, W))`` per sample and channel is the square root of a sum of squares over the whole
+    domain: each rank sums the squares of its rows (in fp32 or wider), the sums are all-reduced over the domain group
+    (the plain adjoint: every rank uses the result on its own rows, so each rank's gradient of it flows back to
+    every rank), and the square root's gradient is 0 where the norm is 0 (as torch's norm). The rest of timm's
+    forward — the mean over channels, ``x + bias + weight * x * x_n`` — is pointwise. Both of timm's layouts: NHWC
+    (``channels_last=True``, spatial dims (1, 2): H is dim 1) and NCHW (spatial dims (2, 3)). State: timm's
+    ``weight`` and ``bias`` (the same Parameters: the checkpoint is unchanged).
+    """
+
+    def __init__(self, grn: nn.Module, *, group: Any | None = None) -> None:
+        super().__init__()
+        self.eps = grn.eps
+        self.spatial_dim, self.channel_dim, self.wb_shape = tuple(grn.spatial_dim), grn.channel_dim, grn.wb_shape
+        if self.spatial_dim not in ((1, 2), (2, 3)):
+            raise ValueError(f"DomainGlobalResponseNorm: spatial dims {self.spatial_dim}, expected timm's (1, 2) "
+                             f"(NHWC) or (2, 3) (NCHW)")
+        self._parameters["weight"] = grn.weight
+        self._parameters["bias"] = grn.bias
+        self.halo_init(group)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.numel()}, eps={self.eps}, {'NHWC' if self.spatial_dim == (1, 2) else 'NCHW'}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4:
+            raise ValueError(f"DomainGlobalResponseNorm: expected a 4-d input (timm's GRN), got {tuple(x.shape)}")
+        h = self.spatial_dim[0]
+        resolve(x, self.group, "DomainGlobalResponseNorm", _extents, site=self._halo_site, spec=(h - x.dim(),))
+        squares = x.to(accumulation_dtype(x.dtype)).square().sum(dim=self.spatial_dim, keepdim=True)
+        squares = all_reduce(squares, "sum", self.domain_group)  # every rank's rows: the sum over the domain
+        positive = squares > 0
+        x_g = (torch.where(positive, squares, 1.0).sqrt() * positive).to(_norm_dtype(x))
+        x_n = x_g / (x_g.mean(dim=self.channel_dim, keepdim=True) + self.eps)
+        out = x + torch.addcmul(self.bias.view(self.wb_shape), self.weight.view(self.wb_shape), x * x_n)
+        return self.finish(out, x)
 
 
 # -- BlurPool2d -----------------------------------------------------------------------------------------------------
@@ -418,6 +522,10 @@ def timm_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | N
     name = kind.__name__
     if type(module) is nn.Flatten and module.__dict__.pop("_halo_after_global_pool", False):
         return lambda m, ctx: DomainFlatten(m, domain_size=_size(ctx))
+    if type(module) is nn.Sequential and next(iter(module._modules), None) == "global_pool" \
+            and _timm(type(module.global_pool)) and type(module.global_pool).__name__ == "SelectAdaptivePool2d" \
+            and _select_pool(module.global_pool):
+        return _head  # MetaFormer's head: an nn.Sequential of the pool, a norm, flatten, dropout and fc
     if not _timm(kind):
         return None
     _tag_flatten(module)
@@ -426,8 +534,11 @@ def timm_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | N
         return _keep
     if name == "Linear" and kind.__module__ == "timm.layers.linear" and isinstance(module, nn.Linear):
         return _keep  # nn.Linear with a forward of its own for torchscript: F.linear over the last dim
-    if name in _CHANNEL_NORMS and _channel_norm(module):
-        return _keep
+    norm = _inherited_norm(kind)
+    if norm in _CHANNEL_NORMS and _channel_norm(module):
+        return _keep  # and its subclasses that only change __init__ (metaformer's LayerNorm2dNoBias)
+    if norm in ("GroupNorm", "GroupNorm1") and isinstance(module, nn.GroupNorm) and not module._modules:
+        return _group_norm  # F.group_norm, as nn.GroupNorm (metaformer's GroupNorm1NoBias too)
     if name in ("LayerScale", "LayerScale2d") and _layer_scale(module):
         return _keep
     if name in ("LayerNormAct2d", "LayerNormAct") and _channel_norm_act(module):
@@ -435,8 +546,6 @@ def timm_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | N
     if name == "ConvNeXtBlock" and _own_state(module) == ["gamma"] and module.gamma.dim() == 1 \
             and {"conv_dw", "norm", "mlp"} <= set(module._modules):
         return lambda m, ctx: _twin(m)  # its children converted (the 7x7 depthwise conv), its own math pointwise
-    if name in ("GroupNorm", "GroupNorm1") and isinstance(module, nn.GroupNorm) and not module._modules:
-        return _group_norm  # F.group_norm, as nn.GroupNorm
     if name in ("GroupNormAct", "GroupNorm1Act") and isinstance(module, nn.GroupNorm) \
             and set(module._modules) == {"drop", "act"}:
         return _group_norm
@@ -450,12 +559,27 @@ def timm_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | N
     if name in _POOL_MODES and name.startswith("Fast") and not module._modules and not _own_state(module) \
             and tuple(module.dim) in ((2, 3), (-2, -1)):
         return lambda m, ctx: _GlobalPool(_POOL_MODES[name], bool(m.flatten), ctx.group)
+    if name == "GlobalResponseNorm" and set(_own_state(module)) == {"weight", "bias"} and not module._modules \
+            and tuple(getattr(module, "spatial_dim", ())) in ((1, 2), (2, 3)):
+        return lambda m, ctx: DomainGlobalResponseNorm(m, group=ctx.group)
     if _squeeze_excite(module):
         return lambda m, ctx: DomainSqueezeExcite(m, group=ctx.group)
-    if name in ("ClassifierHead", "NormMlpClassifierHead") and not _own_state(module) \
+    if name in ("ClassifierHead", "NormMlpClassifierHead", "MlpClassifierHead") and not _own_state(module) \
             and type(module._modules.get("global_pool")).__name__ == "SelectAdaptivePool2d" \
             and _select_pool(module.global_pool):
         return _head
+    if _scaled(module):  # a learned per-channel scale or bias, by what it holds (after every named form above)
+        return _keep if not module._modules else (lambda m, ctx: _twin(m))
+    return None
+
+
+def _inherited_norm(kind: type) -> str | None:
+    """The name of the timm norm whose ``forward`` ``kind`` runs (itself, or a timm base it inherits the forward
+    from unchanged: a subclass that only sets ``bias = None`` computes the same), or ``None``."""
+    for base in kind.__mro__:
+        if _timm(base) and (base.__name__ in _CHANNEL_NORMS or base.__name__ in ("GroupNorm", "GroupNorm1")) \
+                and getattr(base, "forward", None) is getattr(kind, "forward", None):
+            return base.__name__
     return None
 
 
