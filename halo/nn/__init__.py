@@ -18,7 +18,6 @@ for _module in layer_modules():
 #: definition at the merge, and this table goes). Listed here by module, marked with the same decorator.
 _UNTIL_MARKED = {
     "norm": ("DomainBatchNormAct2d",),
-    "timm_layers": ("DomainBlurPool2d", "DomainSelectAdaptivePool2d", "DomainSqueezeExcite", "HaloConv2dSame"),
     "upsample": ("halo_interpolate",),
 }
 for _module, _names in _UNTIL_MARKED.items():

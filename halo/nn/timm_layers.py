@@ -58,6 +58,7 @@ from .conv import HaloConv2d
 from .norm import DomainGroupNorm
 from .pad import halo_pad
 from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d
+from .registry import public
 
 __all__ = ["DomainBlurPool2d", "DomainFlatten", "DomainGlobalResponseNorm", "DomainGroupNormAct",
            "DomainSelectAdaptivePool2d",
@@ -177,6 +178,7 @@ def _plain_conv(conv: nn.Conv2d) -> nn.Conv2d:
     return plain
 
 
+@public
 class HaloConv2dSame(HaloLayer, nn.Module):
     """timm's ``Conv2dSame`` (TF "same": ``pad_same`` of the input, then an unpadded conv) on an H-shard.
 
@@ -269,6 +271,7 @@ def _norm_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if half and x.device.type == "cuda" and torch.is_autocast_enabled("cuda") else x.dtype
 
 
+@public
 class DomainGlobalResponseNorm(HaloLayer, nn.Module):
     """timm's ``GlobalResponseNorm`` (ConvNeXt V2's GRN) on an H-shard, exactly.
 
@@ -311,6 +314,7 @@ class DomainGlobalResponseNorm(HaloLayer, nn.Module):
 
 # -- BlurPool2d -----------------------------------------------------------------------------------------------------
 
+@public
 class DomainBlurPool2d(HaloLayer, nn.Module):
     """timm's ``BlurPool2d`` (reflect padding, then a fixed depthwise binomial filter with a stride) on an H-shard:
     a ``HaloConv2d`` with reflect boundary whose weight is the filter (not a Parameter: no gradient, and the
@@ -377,6 +381,7 @@ class _GlobalPool(nn.Module):
         return y
 
 
+@public
 class DomainSelectAdaptivePool2d(nn.Module):
     """timm's ``SelectAdaptivePool2d`` (a global avg / max / avgmax / catavgmax pool, flattened or not) on an
     H-shard: the result is whole on every rank. No state (as timm's)."""
@@ -411,6 +416,7 @@ def _select_pool(m: nn.Module) -> bool:
     return size in (1, (1, 1))
 
 
+@public
 class DomainSqueezeExcite(nn.Module):
     """Squeeze-excitation of timm (``SqueezeExcite`` in EfficientNet/MobileNet blocks: ``conv_reduce``, ``act1``,
     ``conv_expand``, ``gate``; ``SEModule``: ``fc1``, ``bn``, ``act``, ``fc2``, ``gate``, optional max): the mean
