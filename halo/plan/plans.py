@@ -353,7 +353,8 @@ class Call:
     """Everything a call of :func:`resolve` brings but its tensor: what, with this rank's side of the call
     (:func:`local_key`), names its plan. ``make(comm_group, extents, *extra)`` makes the plan from the agreed
     extents (one per axis of ``axes``); ``coords``: every rank's position on the mesh axes; ``split``: refuse
-    extents that are not the balanced split (:func:`_check_agreed`)."""
+    extents that are not the balanced split (:func:`_check_agreed`). Compared by value; its hash is computed once
+    (a recalled plan costs one lookup: :func:`_call` hands out one object per distinct call, most of the time)."""
 
     group: Any
     op: str
@@ -363,6 +364,34 @@ class Call:
     coords: tuple[tuple[int, ...], ...] | None = None
     allow_empty: bool = False
     split: bool = False
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        try:
+            h = hash((self.group, self.op, self.make, self.extra, self.axes, self.coords, self.allow_empty,
+                      self.split))
+        except TypeError:  # (a malformed argument: refused by the agreement, never recorded)
+            h = -1
+        object.__setattr__(self, "_hash", h)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+@functools.lru_cache(maxsize=4096)
+def _interned(group: Any, op: str, make: Callable, extra: tuple, specs: tuple, coords: Any, allow_empty: bool,
+              split: bool) -> Call:
+    return Call(group, op, make, extra, _axes(specs), coords, allow_empty, split)
+
+
+def _call(group: Any, op: str, make: Callable, extra: tuple, specs: tuple, coords: Any, allow_empty: bool,
+          split: bool) -> Call:
+    """The :class:`Call` of these arguments: one object per distinct call while it is among the most recent (a
+    pure memo: an equal one made again is the same key, so dropping it never changes which record a call finds)."""
+    try:
+        return _interned(group, op, make, extra, specs, coords, allow_empty, split)
+    except TypeError:  # (an unhashable argument: a malformed halo, refused by the agreement)
+        return Call(group, op, make, extra, _axes(specs), coords, allow_empty, split)
 
 
 def local_key(x: torch.Tensor, grad: bool) -> tuple:
@@ -532,7 +561,7 @@ def _traced(epoch: int, site: int, local: tuple, group: Any, op: str, make: Call
             coords: tuple | None, allow_empty: bool, split: bool) -> Any:
     """:func:`_recorded` at trace time under ``torch.compile`` (plain arguments in, the plan a constant of the
     graph); what the record holds is kept with the context from now on (the graph names its exchangers by id)."""
-    call = Call(group, op, make, extra, _axes(spec), coords, allow_empty, split)  # (spec: one per axis)
+    call = _call(group, op, make, extra, spec, coords, allow_empty, split)  # (spec: one per axis)
     plan = _recorded(epoch, site, call, local)
     st = _state()
     key = (epoch, site, local, call)
@@ -580,9 +609,9 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     compiling = torch.compiler.is_compiling()
     if epoch is None and site is not None and st.validation != "always" and not compiling:
         site_key = site.id if site.owner is st.token else site_id(site, st)
-        return _standalone(site_key, Call(group, op, make, extra, _axes(specs), coords, allow_empty, split), local)
+        return _standalone(site_key, _call(group, op, make, extra, specs, coords, allow_empty, split), local)
     if epoch is None or st.validation == "always":
-        return _agreed(Call(group, op, make, extra, _axes(specs), coords, allow_empty, split), local)
+        return _agreed(_call(group, op, make, extra, specs, coords, allow_empty, split), local)
     if site is not None:
         site_key = site.id if site.owner is st.token else site_id(site, st)
     elif st.epoch is not None and not replicated:
@@ -595,7 +624,11 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
         site_key = 0
     if compiling:  # (plain arguments into the constant-result function; the call's objects are made inside it)
         return _traced(epoch, site_key, local, group, op, make, extra, specs, coords, allow_empty, split)
-    return _recorded(epoch, site_key, Call(group, op, make, extra, _axes(specs), coords, allow_empty, split), local)
+    try:  # (_call, inlined: the hot path of a recalled plan)
+        call = _interned(group, op, make, extra, specs, coords, allow_empty, split)
+    except TypeError:
+        call = Call(group, op, make, extra, _axes(specs), coords, allow_empty, split)
+    return _recorded(epoch, site_key, call, local)
 
 
 def _learns_h_or_w(s: Any) -> bool:
