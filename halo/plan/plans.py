@@ -55,7 +55,11 @@ grows with the shapes seen, and what outlives a reset (a module's guarded epochs
 graph guarding on the epoch) never matches a later context's epochs. The records (:data:`MAX_RECORDS` per group,
 its oldest first: dropped alike on each of its ranks, never by another group's churn), a converted model's guarded
 epochs (:data:`MAX_EPOCHS`, with its modules' sites: :mod:`halo.guard.reroute`) and the plans' device tensors
-(:data:`MAX_TENSORS`) are bounded (:func:`set_limits`).
+(:data:`MAX_TENSORS`) are bounded (:func:`set_limits`). What a plan names by number (an exchanger id) is held by its
+record (:func:`hold`) and goes with it: a recalled plan never names something this rank dropped on its own.
+
+A call is a :class:`Call` (frozen: its group, op, plan function and arguments, one :class:`AxisSpec` per sharded dim)
+and a record's key is ``(epoch, site, this rank's side of the call, the Call)``.
 """
 
 from __future__ import annotations
