@@ -158,3 +158,38 @@ def test_a_held_spec_is_kept_and_an_unheld_one_is_bounded(monkeypatch):
         for k in range(4, 8):
             hx.exchanger_id(cg, 2, (3, 3), ((-1, 4), (2, 7)), "zeros", f"op{k}")
         assert len(hx._state().by_id) <= 2 + 1, len(hx._state().by_id)  # noqa: SLF001 - the bound
+
+
+def test_a_compiled_graphs_exchangers_outlive_its_records(monkeypatch):
+    """A compiled graph bakes its exchanger ids in: they must resolve after the records it was traced from are
+    dropped and other shapes churned the live exchangers and the unheld specs (one process: the replicated path,
+    which plans and compiles as a sharded call does; circular boundary, so the rows come from the other end)."""
+    import halo
+    from halo import context
+    from halo.exchange import _registry as hx
+    from halo.plan import plans
+
+    def f(x):
+        return halo.halo_exchange(x, 1, boundary="circular") * 2
+
+    with context.use():
+        monkeypatch.setattr(hx, "SPECS_CAP", 1)
+        monkeypatch.setattr(hx, "LIVE_CAP", 1)
+        plans.set_limits(records=1)
+        torch._dynamo.reset()
+        g = torch.compile(f, backend="aot_eager", fullgraph=True)
+        x = torch.randn(1, 2, 7, 4, dtype=torch.float64, requires_grad=True)
+        want = torch.nn.functional.pad(x.detach(), (0, 0, 1, 1), mode="circular") * 2
+        assert torch.equal(f(x.detach()), want)  # eager first (the context's tables made): the trace recalls it
+        assert torch.equal(g(x), want)
+        for h in (5, 9, 11):  # eager calls at other shapes: their records, specs and exchangers evict the others
+            f(torch.randn(1, 2, h, 4, dtype=torch.float64))
+        assert len(plans.state().records) == 1 and len(hx._state().live) == 1  # noqa: SLF001 - the caps held
+        y = g(x)  # the same graph (no retrace), its ids still known
+        assert torch.equal(y, want)
+        y.sum().backward()  # the adjoint: every halo row's gradient back on its source row
+        grad = torch.full_like(x, 2.0)
+        grad[..., 0, :] += 2.0
+        grad[..., -1, :] += 2.0
+        assert torch.equal(x.grad, grad)
+        torch._dynamo.reset()
