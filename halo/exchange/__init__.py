@@ -5,8 +5,9 @@ Layers (primitive -> autograd.Function / custom op -> public function)::
     Exchanger                   one plan on one rank: start (pack + post isend/irecv), finish, adjoint. Made once
                                 per plan and cached; its message buffers and extended outputs are reused
                                 (halo.exchange.exchanger)
-    exchanger ids               plans by small int (bounded, never reused), and the pole step of a latitude
-                                axis with longitude sharded, a PoleExchanger behind the same id
+    exchanger ids               plans by small int (never reused; an id's spec lives as long as what holds it:
+                                the plan's record, its live exchanger, a compiled graph), and the pole step of
+                                a latitude axis with longitude sharded, a PoleExchanger behind the same id
                                 (halo.exchange._registry)
     _ExchangeFn                 eager autograd: forward = finish(start(x)), backward = Exchanger.adjoint
     halo::exchange (custom op)  the same under torch.compile: opaque to dynamo, extended shape from the plan
@@ -53,9 +54,11 @@ from ._ops import (
 from ._registry import (
     LIVE_CAP,
     SPECS_CAP,
+    ExchangeRef,
     ExchangeSpec,
     PoleExchanger,
     PoleSpec,
+    exchange_ref,
     exchange_spec,
     exchanger_id,
     get_exchanger,
@@ -65,6 +68,7 @@ from .exchanger import Exchanger, like_format, memory_format, post_messages
 
 __all__ = [
     "BufferPool",
+    "ExchangeRef",
     "ExchangeSpec",
     "LIVE_CAP",
     "backward_order_token",
@@ -84,6 +88,7 @@ __all__ = [
     "PoleSpec",
     "communicating",
     "exchange",
+    "exchange_ref",
     "exchange_spec",
     "exchanger_id",
     "get_timeout",

@@ -2,10 +2,17 @@
 
 A plan's spec (group, dim, every rank's extent and needs, boundary, op) gets an id once per context
 (:func:`exchanger_id`); the live :class:`~halo.exchange.Exchanger` of an id is made on first use and kept, least
-recently used dropped (:func:`get_exchanger`). Both tables are bounded; an evicted or unknown id raises
-``LookupError`` and is never reused. A latitude exchange across a pole with longitude sharded is a
+recently used dropped (:func:`get_exchanger`). A latitude exchange across a pole with longitude sharded is a
 :class:`PoleSpec`: the latitude exchange with the mirror boundary, then the rows across the pole rolled along W
 (:func:`pole_step`), run by a :class:`PoleExchanger` behind the same id space and interface.
+
+Who keeps a spec. An id and its spec are one :class:`ExchangeRef`, and the spec lives exactly as long as something
+holds that ref: the planner's record of the plan that made it (:func:`halo.plan.plans.hold`, so a recalled plan's
+ids always resolve, whatever else this rank planned since), its live exchanger, a compiled graph that baked its id
+in, or, for the rest (a call planned every time, a plan made by hand), a bounded LRU of the :data:`SPECS_CAP` most
+recently planned. Nothing evicts a spec apart from its holders, so no rank drops what its peers still use (issue 31
+item 4: the records of a shared model outlived their specs when a rank planned other shapes). An id no one holds any
+more is unknown (``LookupError``) and never reused.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -21,10 +29,11 @@ import torch
 from .. import context
 from ..dist.comm import CommGroup, comm_group, id_base
 from ..plan.partition import POLE_MODES, check_boundary, offsets, plan_exchange
+from ..plan.plans import hold
 from .exchanger import Exchanger
 
-__all__ = ["ExchangeSpec", "LIVE_CAP", "PoleExchanger", "PoleSpec", "SPECS_CAP", "exchange_spec", "exchanger_id",
-           "get_exchanger", "pole_step", "pooled_bytes"]
+__all__ = ["ExchangeRef", "ExchangeSpec", "LIVE_CAP", "PoleExchanger", "PoleSpec", "SPECS_CAP", "exchange_ref",
+           "exchange_spec", "exchanger_id", "get_exchanger", "pole_step", "pooled_bytes"]
 
 
 class ExchangeSpec(NamedTuple):
@@ -38,72 +47,97 @@ class ExchangeSpec(NamedTuple):
     op: str
 
 
-#: Exchange plans remembered per context (least recently planned dropped first; one whose exchanger is live is
-#: kept). Each is a few hundred bytes: the cap bounds a process that plans ever new shapes (a sweep of sizes).
+#: Exchange plans that nothing else holds, remembered per context (least recently planned dropped first). Each is a
+#: few hundred bytes: the cap bounds a process that plans ever new shapes (a sweep of sizes) outside any record.
 SPECS_CAP = 16384
 #: Exchangers (with their buffers) kept live per context, least recently used dropped (made again from the spec).
 LIVE_CAP = 256
 
 
+class ExchangeRef:
+    """An exchanger id with its spec (an :class:`ExchangeSpec` or a :class:`PoleSpec`, whose steps' refs it holds
+    in ``parts``): held by whatever holds the id (module docstring), known to the registry only weakly."""
+
+    __slots__ = ("id", "spec", "parts", "__weakref__")
+
+    def __init__(self, ex_id: int, spec: Any, parts: tuple = ()) -> None:
+        self.id, self.spec, self.parts = ex_id, spec, parts
+
+
 @dataclasses.dataclass
 class _ExchangeState:
-    """The exchangers' part of the context: specs by id (ids never reused within a context) and live exchangers."""
+    """The exchangers' part of the context: refs by id and by spec (weakly: their holders keep them), the unheld
+    ones' LRU and the live exchangers (each holds its ref). A compiled graph's ids are held by the planner
+    (:func:`halo.plan.plans.hold`: the records a trace recalled are kept with the context)."""
 
-    ids: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # spec -> id, LRU
-    specs: dict = dataclasses.field(default_factory=dict)  # id -> spec
+    by_id: weakref.WeakValueDictionary = dataclasses.field(default_factory=weakref.WeakValueDictionary)
+    by_spec: weakref.WeakValueDictionary = dataclasses.field(default_factory=weakref.WeakValueDictionary)
+    recent: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # id -> ref, LRU
     live: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # id -> Exchanger
     next_id: int = dataclasses.field(default_factory=id_base)
-    poles: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # PoleSpec -> id
-    pole_specs: dict = dataclasses.field(default_factory=dict)  # id -> PoleSpec
 
 
 def _state() -> _ExchangeState:
     return context.state("exchange", _ExchangeState)
 
 
-def exchanger_id(cg: CommGroup, dim: int, sizes: Sequence[int], needs: Sequence[tuple[int, int]], boundary: str,
-                 op: str = "halo_exchange") -> int:
-    """The id of this rank's exchanger for a plan (made and cached on first use). ``sizes``: every rank's extent
-    along ``dim``; ``needs[r]``: the virtual rows rank ``r`` needs. Both must be agreed (the same on every rank)."""
+def _ref(state: _ExchangeState, spec: Any, parts: tuple = ()) -> ExchangeRef:
+    """The ref of ``spec`` (made, with a new id, if nothing holds one), held by the record being planned and
+    touched in the LRU of recent plans."""
+    ref = state.by_spec.get(spec)
+    if ref is None:
+        ref = ExchangeRef(state.next_id, spec, parts)
+        state.next_id += 1
+        state.by_id[ref.id] = ref
+        state.by_spec[spec] = ref
+    recent = state.recent
+    recent[ref.id] = ref
+    recent.move_to_end(ref.id)
+    while len(recent) > SPECS_CAP:
+        recent.popitem(last=False)
+    hold(ref)
+    return ref
+
+
+def exchange_ref(cg: CommGroup, dim: int, sizes: Sequence[int], needs: Sequence[tuple[int, int]], boundary: str,
+                 op: str = "halo_exchange") -> ExchangeRef:
+    """:func:`exchanger_id` as the ref itself (its id resolves for as long as the caller holds it)."""
     spec = ExchangeSpec(cg.group, dim, tuple(int(s) for s in sizes), tuple((int(a), int(b)) for a, b in needs),
                         check_boundary(boundary), op)
     state = _state()
-    ex_id = state.ids.get(spec)
-    if ex_id is not None:
-        state.ids.move_to_end(spec)
-        return ex_id
-    try:
-        _plan(spec.sizes, spec.needs, spec.boundary)
-    except ValueError as exc:
-        raise ValueError(f"{op}: {exc}") from None
-    ex_id = state.ids[spec] = state.next_id
-    state.specs[ex_id] = spec
-    state.next_id += 1
-    _evict(state)
-    return ex_id
+    ref = state.by_spec.get(spec)
+    if ref is None:
+        try:
+            _plan(spec.sizes, spec.needs, spec.boundary)
+        except ValueError as exc:
+            raise ValueError(f"{op}: {exc}") from None
+    return _ref(state, spec)
 
 
-def _evict(state: _ExchangeState) -> None:
-    """Drop the least recently planned specs beyond :data:`SPECS_CAP` (a live exchanger's spec is kept)."""
-    for _ in range(len(state.ids) - SPECS_CAP):
-        spec, ex_id = next(iter(state.ids.items()))
-        state.ids.move_to_end(spec)
-        if ex_id not in state.live:
-            del state.ids[spec], state.specs[ex_id]
+def exchanger_id(cg: CommGroup, dim: int, sizes: Sequence[int], needs: Sequence[tuple[int, int]], boundary: str,
+                 op: str = "halo_exchange") -> int:
+    """The id of this rank's exchanger for a plan (made and cached on first use). ``sizes``: every rank's extent
+    along ``dim``; ``needs[r]``: the virtual rows rank ``r`` needs. Both must be agreed (the same on every rank).
+    Called in a plan function of :func:`halo.plan.plans.resolve`, the id is held by the plan's record."""
+    return exchange_ref(cg, dim, sizes, needs, boundary, op).id
 
 
 def exchange_spec(ex_id: int) -> ExchangeSpec:
     """The spec of exchanger ``ex_id`` (of its latitude step, for a :func:`pole_step`); a clear error for an id
     this context does not know (evicted past :data:`SPECS_CAP`, or made before ``halo.context.reset()`` or in
     another context): never another's spec."""
-    state = _state()
-    pole = state.pole_specs.get(ex_id)
-    spec = state.specs.get(ex_id if pole is None else pole.h)
-    if spec is None:
+    ref = _lookup(ex_id)
+    return ref.parts[0].spec if ref.parts else ref.spec
+
+
+def _lookup(ex_id: int) -> ExchangeRef:
+    ref = _state().by_id.get(ex_id)
+    if ref is None:
         raise LookupError(f"halo: exchanger id {ex_id} is unknown in this context (made before halo.context.reset(), "
-                          f"in another halo.context.use() block, or dropped past halo.exchange._registry.SPECS_CAP="
-                          f"{SPECS_CAP} plans): plan the exchange again")
-    return spec
+                          f"in another halo.context.use() block, or held by nothing any more: no record, live "
+                          f"exchanger or compiled graph, and past the {SPECS_CAP} most recent of "
+                          f"halo.exchange._registry.SPECS_CAP): plan the exchange again")
+    return ref
 
 
 @functools.lru_cache(maxsize=1024)
@@ -117,14 +151,15 @@ def get_exchanger(ex_id: int) -> Exchanger | PoleExchanger:
     live = state.live
     ex = live.get(ex_id)
     if ex is None:
-        pole = state.pole_specs.get(ex_id)
-        if pole is not None:
-            ex = PoleExchanger(pole, get_exchanger(pole.h), get_exchanger(pole.roll))
+        ref = _lookup(ex_id)
+        spec = ref.spec
+        if ref.parts:
+            ex = PoleExchanger(spec, get_exchanger(spec.h), get_exchanger(spec.roll))
         else:
-            spec = exchange_spec(ex_id)
             cg = comm_group(spec.group)
             ex = Exchanger(_plan(spec.sizes, spec.needs, spec.boundary).ranks[cg.index], cg, spec.dim,
                            spec.boundary, spec.op)
+        ex.ref = ref  # the live exchanger holds its spec
         live[ex_id] = ex
         if len(live) > LIVE_CAP:
             live.popitem(last=False)
@@ -170,7 +205,8 @@ def pole_step(ex_id: int, w_group: Any, w_sizes: Sequence[int], w_dim: int) -> i
     rolled by W/2 around the whole circle, which other ranks of the longitude group hold; so the latitude rows are
     exchanged with the mirror and the rows across the pole are then rolled along W by a circular exchange whose
     rows are shifted by W/2. The ranks of a longitude group share their latitude position: they roll the same rows
-    together. Pure in agreed values (raises alike on every rank); ids as :func:`exchanger_id` (never reused).
+    together. Pure in agreed values (raises alike on every rank); ids as :func:`exchanger_id` (never reused, held
+    as they are: the pole's ref holds its two steps').
     """
     spec = exchange_spec(ex_id)
     if spec.boundary not in POLE_MODES or len(w_sizes) < 2:
@@ -185,19 +221,9 @@ def pole_step(ex_id: int, w_group: Any, w_sizes: Sequence[int], w_dim: int) -> i
     roll = exchanger_id(cg_w, w_dim, w_sizes, tuple((offs[j] + half, offs[j + 1] + half) for j in range(len(w_sizes))),
                         "circular", spec.op)
     top, bottom = _pole_rows(spec.needs[cg_h.index], sum(spec.sizes))
-    pole = PoleSpec(h, roll, top, bottom, (spec.dim, w_dim))
     state = _state()
-    pole_id = state.poles.get(pole)
-    if pole_id is None:
-        pole_id = state.poles[pole] = state.next_id
-        state.pole_specs[pole_id] = pole
-        state.next_id += 1
-        while len(state.poles) > SPECS_CAP:  # bounded as the specs; an evicted id is unknown, never reused
-            dropped, old = state.poles.popitem(last=False)
-            del state.pole_specs[old]
-    else:
-        state.poles.move_to_end(pole)
-    return pole_id
+    pole = PoleSpec(h, roll, top, bottom, (spec.dim, w_dim))
+    return _ref(state, pole, (state.by_id[h], state.by_id[roll])).id  # (its steps held with it)
 
 
 class PoleExchanger:

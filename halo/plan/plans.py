@@ -55,12 +55,17 @@ grows with the shapes seen, and what outlives a reset (a module's guarded epochs
 graph guarding on the epoch) never matches a later context's epochs. The records (:data:`MAX_RECORDS` per group,
 its oldest first: dropped alike on each of its ranks, never by another group's churn), a converted model's guarded
 epochs (:data:`MAX_EPOCHS`, with its modules' sites: :mod:`halo.guard.reroute`) and the plans' device tensors
-(:data:`MAX_TENSORS`) are bounded (:func:`set_limits`).
+(:data:`MAX_TENSORS`) are bounded (:func:`set_limits`). What a plan names by number (an exchanger id) is held by its
+record (:func:`hold`) and goes with it: a recalled plan never names something this rank dropped on its own.
+
+A call is a :class:`Call` (frozen: its group, op, plan function and arguments, one :class:`AxisSpec` per sharded dim)
+and a record's key is ``(epoch, site, this rank's side of the call, the Call)``.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import os
@@ -81,6 +86,8 @@ from .agree import Meta, Spec, agree, needs_grad
 from .partition import POLE_MODES, split_problem
 
 __all__ = [
+    "AxisSpec",
+    "Call",
     "Site",
     "carry",
     "device_tensor",
@@ -89,6 +96,7 @@ __all__ = [
     "exit_root",
     "field_epoch",
     "guarded_epochs",
+    "hold",
     "mark_whole",
     "resolve",
     "set_limits",
@@ -128,7 +136,8 @@ class _State:
     on the epoch) must not take a later context's epoch for theirs. ``token`` does the same for :class:`Site` ids."""
 
     __slots__ = ("depth", "epoch", "guard", "calls", "validation", "mesh_group", "guard_on", "salt", "token",
-                 "sites", "provenance", "whole", "records", "kept", "tensors", "max_records", "max_epochs")
+                 "sites", "provenance", "whole", "records", "kept", "held", "holding", "compiled", "tensors",
+                 "max_records", "max_epochs")
 
     def __init__(self) -> None:
         self.epoch: int | None = None
@@ -145,6 +154,9 @@ class _State:
         self.whole = TensorMap()  # tensor whole and the same on every rank of a domain group (a global pool's output)
         self.records: dict = {}  # key -> plan (one lookup on the hot path)
         self.kept: dict[tuple[int, ...], collections.deque] = {}  # a group's ranks -> its records' keys, oldest first
+        self.held: dict = {}  # record key -> what its plan holds (:func:`hold`), dropped with the record
+        self.holding: list | None = None  # what the plan being made holds (during its ``make``)
+        self.compiled: dict = {}  # record key -> what it holds, for a compiled graph that baked its plan in (kept)
         self.tensors: collections.OrderedDict = collections.OrderedDict()
         self.max_records = MAX_RECORDS  # per group (:func:`set_limits`)
         self.max_epochs = MAX_EPOCHS  # per converted model
@@ -299,15 +311,101 @@ def field_epoch(group: CommGroup, dim: int, shape: tuple[int, ...]) -> int:
 
 # -- resolving a call ------------------------------------------------------------------------------------------
 
+_SIZES_ONLY = object()  # an axis of a call that only learns extents (no halo, no boundary)
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisSpec:
+    """What a call says of one sharded dim (``spec=`` of :func:`resolve`, one per axis): the tensor ``dim`` and,
+    for an exchange, its ``halo`` and ``boundary`` as passed (checked across ranks by the agreement). A positional
+    ``(dim,)`` or ``(dim, halo, boundary)`` is read as one (:meth:`of`)."""
+
+    dim: Any
+    halo: Any = None
+    boundary: Any = _SIZES_ONLY
+
+    @property
+    def sizes_only(self) -> bool:
+        return self.boundary is _SIZES_ONLY
+
+    @staticmethod
+    def of(spec: Any) -> AxisSpec:
+        if isinstance(spec, AxisSpec):
+            return spec
+        return AxisSpec(*spec)
+
+    def agreed(self) -> Spec:
+        """This axis as the agreement's row takes it (:class:`halo.plan.agree.Spec`)."""
+        return Spec.of(self.dim) if self.sizes_only else Spec.of(self.dim, self.halo, self.boundary)
+
+
+def _axes(specs: tuple) -> tuple[AxisSpec, ...]:
+    """Each axis of a call (a ``(dim,)`` / ``(dim, halo, boundary)`` or an :class:`AxisSpec`) as an AxisSpec."""
+    try:
+        return _axes_of(specs)
+    except TypeError:  # (an unhashable argument: a malformed halo, refused by the agreement, never recorded)
+        return _axes_of.__wrapped__(specs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _axes_of(specs: tuple) -> tuple[AxisSpec, ...]:
+    return tuple(AxisSpec.of(s) for s in specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """Everything a call of :func:`resolve` brings but its tensor: what, with this rank's side of the call
+    (:func:`local_key`), names its plan. ``make(comm_group, extents, *extra)`` makes the plan from the agreed
+    extents (one per axis of ``axes``); ``coords``: every rank's position on the mesh axes; ``split``: refuse
+    extents that are not the balanced split (:func:`_check_agreed`). Compared by value; its hash is computed once
+    (a recalled plan costs one lookup: :func:`_call` hands out one object per distinct call, most of the time)."""
+
+    group: Any
+    op: str
+    make: Callable
+    extra: tuple = ()
+    axes: tuple[AxisSpec, ...] = (AxisSpec(-2),)
+    coords: tuple[tuple[int, ...], ...] | None = None
+    allow_empty: bool = False
+    split: bool = False
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        try:
+            h = hash((self.group, self.op, self.make, self.extra, self.axes, self.coords, self.allow_empty,
+                      self.split))
+        except TypeError:  # (a malformed argument: refused by the agreement, never recorded)
+            h = -1
+        object.__setattr__(self, "_hash", h)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+@functools.lru_cache(maxsize=4096)
+def _interned(group: Any, op: str, make: Callable, extra: tuple, specs: tuple, coords: Any, allow_empty: bool,
+              split: bool) -> Call:
+    return Call(group, op, make, extra, _axes(specs), coords, allow_empty, split)
+
+
+def _call(group: Any, op: str, make: Callable, extra: tuple, specs: tuple, coords: Any, allow_empty: bool,
+          split: bool) -> Call:
+    """The :class:`Call` of these arguments: one object per distinct call while it is among the most recent (a
+    pure memo: an equal one made again is the same key, so dropping it never changes which record a call finds)."""
+    try:
+        return _interned(group, op, make, extra, specs, coords, allow_empty, split)
+    except TypeError:  # (an unhashable argument: a malformed halo, refused by the agreement)
+        return Call(group, op, make, extra, _axes(specs), coords, allow_empty, split)
+
+
 def local_key(x: torch.Tensor, grad: bool) -> tuple:
     """This rank's side of a call: shape, dtype, device type, whether it records a backward (-1: not checked)."""
     return tuple(int(s) for s in x.shape), x.dtype, x.device.type, needs_grad(x) if grad else -1
 
 
-def _meta(local: tuple, specs: tuple) -> Meta:
+def _meta(local: tuple, axes: tuple[AxisSpec, ...]) -> Meta:
     shape, dtype, device, grad = local
-    objs = tuple(Spec.of(s[0]) if len(s) == 1 else Spec.of(*s) for s in specs)
-    return Meta(len(shape), shape, str(dtype).removeprefix("torch."), device, grad, objs)
+    return Meta(len(shape), shape, str(dtype).removeprefix("torch."), device, grad, tuple(a.agreed() for a in axes))
 
 
 def _names_pole(extra: Any) -> bool:
@@ -319,7 +417,7 @@ def _names_pole(extra: Any) -> bool:
     return False
 
 
-def _check_agreed(op: str, local: tuple, specs: tuple, extents: tuple, split: bool, extra: tuple) -> None:
+def _check_agreed(call: Call, local: tuple, extents: tuple) -> None:
     """Checks of what every rank agreed on (so they fail identically on every rank, before any message):
 
     * ``split``: every sharded extent is the balanced split of its total, or one of whole blocks (invariant 1; a
@@ -328,16 +426,16 @@ def _check_agreed(op: str, local: tuple, specs: tuple, extents: tuple, split: bo
     * a pole boundary rolls the last dim (longitude) by half its extent: an odd extent is refused, as
       ``halo_exchange`` refuses it (a layer would roll by ``W // 2``, silently not across the pole).
     """
-    shape = local[0]
+    shape, op = local[0], call.op
     ndim = len(shape)
-    dims = [int(s[0]) % ndim if ndim else 0 for s in specs]
-    if split:
+    dims = [int(a.dim) % ndim if ndim else 0 for a in call.axes]
+    if call.split:
         for d, sizes in zip(dims, extents, strict=False):
             problem = split_problem(sizes)
             if problem is not None:
                 raise ValueError(f"{op}: along dim {d - ndim} (the sharded dim), {problem}")
     last = ndim - 1
-    pole = _names_pole(extra) or any(len(s) > 2 and s[2] in POLE_MODES for s in specs)
+    pole = _names_pole(call.extra) or any(not a.sizes_only and a.boundary in POLE_MODES for a in call.axes)
     if ndim and pole and not (dims == [last]):  # (exchanging the last dim itself: refused by the plan, named)
         width = sum(extents[dims.index(last)]) if last in dims else shape[-1]
         if width % 2:
@@ -346,25 +444,58 @@ def _check_agreed(op: str, local: tuple, specs: tuple, extents: tuple, split: bo
                              f"W (a global lat-lon grid has one), or another boundary")
 
 
-def _agree_and_make(group: Any, op: str, local: tuple, specs: tuple, coords: tuple | None, allow_empty: bool,
-                    make: Callable, extra: tuple, split: bool = False) -> tuple[Any, CommGroup]:
-    cg = comm_group(group)
-    extents = agree(_meta(local, specs), cg, op, coords=coords, allow_empty=allow_empty)
-    _check_agreed(op, local, specs, extents, split, extra)
-    return make(cg, extents, *extra), cg
+def hold(obj: Any) -> None:
+    """Keep ``obj`` for as long as the plan being made (by :func:`resolve`'s ``make``, now) is recorded: what a
+    plan refers to by a number (an exchanger id: :func:`halo.exchange.exchanger_id`) lives with the plan, so a plan
+    recalled on every rank never names something one rank dropped (issue 31 item 4). Outside a ``make``: nothing."""
+    holding = _state().holding
+    if holding is not None:
+        holding.append(obj)
+
+
+def _agree_and_make(call: Call, local: tuple) -> tuple[Any, CommGroup, tuple]:
+    """Agree on ``call`` and make its plan: the plan, the group, and what the plan holds (:func:`hold`)."""
+    cg = comm_group(call.group)
+    extents = agree(_meta(local, call.axes), cg, call.op, coords=call.coords, allow_empty=call.allow_empty)
+    _check_agreed(call, local, extents)
+    st = _state()
+    outer, st.holding = st.holding, []
+    try:
+        plan = call.make(cg, extents, *call.extra)
+        held = tuple(st.holding)
+    finally:
+        st.holding = outer
+    return plan, cg, held
 
 
 @torch._dynamo.disable
-def _agreed(*args: Any) -> Any:
+def _agreed(call: Call, local: tuple) -> Any:
     """A call without an epoch: agree now (outside any compiled graph: a graph break under ``torch.compile``)."""
-    return _agree_and_make(*args)[0]
+    return _agree_and_make(call, local)[0]
+
+
+def _keep(st: _State, key: tuple, ranks: tuple[int, ...], held: tuple) -> None:
+    """Count a new record ``key`` of the group of ``ranks`` (dropping its oldest past the cap) with what it holds."""
+    if held:
+        st.held[key] = held
+    else:
+        st.held.pop(key, None)
+    keys = st.kept.get(ranks)
+    if keys is None:
+        keys = st.kept[ranks] = collections.deque()
+    keys.append(key)
+    if len(keys) > st.max_records:  # this group's oldest first: the same sequence on each of its ranks
+        _drop_oldest(st, ranks)
 
 
 def _drop_oldest(st: _State, ranks: tuple[int, ...]) -> None:
-    """Drop the group's oldest records beyond the cap (only its own: the same ones on each of its ranks)."""
+    """Drop the group's oldest records beyond the cap (only its own: the same ones on each of its ranks), with what
+    they hold."""
     keys = st.kept[ranks]
     while len(keys) > st.max_records:
-        st.records.pop(keys.popleft(), None)
+        key = keys.popleft()
+        st.records.pop(key, None)
+        st.held.pop(key, None)
     if not keys:
         del st.kept[ranks]
 
@@ -373,8 +504,7 @@ _STANDALONE = -1  # the records of layers called on tensors halo did not make (n
 
 
 @torch._dynamo.disable
-def _standalone(site: int, group: Any, op: str, local: tuple, specs: tuple, coords: tuple | None,
-                allow_empty: bool, make: Callable, extra: tuple, split: bool = False) -> Any:
+def _standalone(site: int, call: Call, local: tuple) -> Any:
     """A layer called outside a converted model on a tensor halo did not make (a plain shard: no epoch). It agrees
     when this rank's side of the call (its local shape, dtype, grad flag, arguments) differs from the one of its
     site's last agreement, and otherwise reuses that agreement's plan: one agreement per shape, not per call.
@@ -389,14 +519,13 @@ def _standalone(site: int, group: Any, op: str, local: tuple, specs: tuple, coor
     messages: every rank raises :class:`halo.HaloCommError` within the timeout (invariant 4's bounded failure),
     never a silently different result, as for a converted model (module docstring). Records are dropped with the
     group's other records (:data:`MAX_RECORDS`, oldest first, alike on every rank)."""
-    key = (_STANDALONE, site, group, op, specs)
-    call = (local, coords, allow_empty, make, extra, split)
+    key = (_STANDALONE, site, call.group, call.op, call.axes)
     st = _state()
     entry = st.records.get(key)
-    if entry is not None and entry[0] == call:
+    if entry is not None and entry[0] == (local, call):
         return entry[1]
     try:
-        plan, cg = _agree_and_make(group, op, local, specs, coords, allow_empty, make, extra, split)
+        plan, cg, held = _agree_and_make(call, local)
     except HaloCommError as exc:
         if entry is None:
             raise
@@ -407,34 +536,41 @@ def _standalone(site: int, group: Any, op: str, local: tuple, specs: tuple, coor
             f"their shape. Shard the field with halo.shard, run the layer in a converted model, or "
             f"halo.set_validation('always')") from exc
     st = _state()
-    if key not in st.records:
-        keys = st.kept.get(cg.ranks)
-        if keys is None:
-            keys = st.kept[cg.ranks] = collections.deque()
-        keys.append(key)
-    st.records[key] = (call, plan)
-    if len(st.kept[cg.ranks]) > st.max_records:
-        _drop_oldest(st, cg.ranks)
+    new = key not in st.records
+    st.records[key] = ((local, call), plan)
+    if new:
+        _keep(st, key, cg.ranks, held)
+    elif held:
+        st.held[key] = held
+    else:
+        st.held.pop(key, None)
+    return plan
+
+
+def _recorded(epoch: int, site: int, call: Call, local: tuple) -> Any:
+    """A call with an epoch: the record, or (first time, on every rank alike) an agreement that makes it."""
+    key = (epoch, site, local, call)
+    records = _state().records
+    plan = records.get(key)
+    if plan is None:
+        plan, cg, held = _agree_and_make(call, local)
+        st = _state()
+        st.records[key] = plan
+        _keep(st, key, cg.ranks, held)
     return plan
 
 
 @torch._dynamo.assume_constant_result
-def _recorded(epoch: int, site: int, group: Any, op: str, local: tuple, specs: tuple, coords: tuple | None,
-              allow_empty: bool, make: Callable, extra: tuple, split: bool = False) -> Any:
-    """A call with an epoch: the record, or (first time, on every rank alike) an agreement that makes it."""
-    key = (epoch, site, group, op, local, specs, coords, allow_empty, make, extra, split)
-    records = _state().records
-    plan = records.get(key)
-    if plan is None:
-        plan, cg = _agree_and_make(group, op, local, specs, coords, allow_empty, make, extra, split)
-        st = _state()
-        st.records[key] = plan
-        keys = st.kept.get(cg.ranks)
-        if keys is None:
-            keys = st.kept[cg.ranks] = collections.deque()
-        keys.append(key)
-        if len(keys) > st.max_records:  # this group's oldest first: the same sequence on each of its ranks
-            _drop_oldest(st, cg.ranks)
+def _traced(epoch: int, site: int, local: tuple, group: Any, op: str, make: Callable, extra: tuple, spec: tuple,
+            coords: tuple | None, allow_empty: bool, split: bool) -> Any:
+    """:func:`_recorded` at trace time under ``torch.compile`` (plain arguments in, the plan a constant of the
+    graph); what the record holds is kept with the context from now on (the graph names its exchangers by id)."""
+    call = _call(group, op, make, extra, spec, coords, allow_empty, split)  # (spec: one per axis)
+    plan = _recorded(epoch, site, call, local)
+    st = _state()
+    key = (epoch, site, local, call)
+    if key in st.held:
+        st.compiled[key] = st.held[key]
     return plan
 
 
@@ -460,7 +596,7 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     their own dim and keep it. A call with a pole boundary (in ``spec`` or in ``extra``)
     refuses an odd number of longitudes (the last dim) on every rank.
     """
-    specs = spec if isinstance(spec[0], tuple) else (spec,)
+    specs = (spec,) if isinstance(spec, AxisSpec) or not isinstance(spec[0], (tuple, AxisSpec)) else spec
     st = _state()
     if st.mesh_group is not None and len(specs) == 1 and not replicated \
             and (group is None or group is st.mesh_group):
@@ -471,14 +607,15 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     if group is None and unsharded_default():
         replicated = True  # one process (no torch.distributed, or halo.dist.comm.unsharded()): local shapes are global
     if split is None:  # a layer's call on a channels-first field's H (and W): invariant 1 (docstring)
-        split = site is not None and all(len(s) == 1 and s[0] in (-2, -1) for s in specs)
+        split = site is not None and all(_learns_h_or_w(s) for s in specs)
     split = bool(split and not replicated)
     epoch = _REPLICATED if replicated else _epoch_of(x if source is None else source, st)
-    if epoch is None and site is not None and st.validation != "always" and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if epoch is None and site is not None and st.validation != "always" and not compiling:
         site_key = site.id if site.owner is st.token else site_id(site, st)
-        return _standalone(site_key, group, op, local, specs, coords, allow_empty, make, extra, split)
+        return _standalone(site_key, _call(group, op, make, extra, specs, coords, allow_empty, split), local)
     if epoch is None or st.validation == "always":
-        return _agreed(group, op, local, specs, coords, allow_empty, make, extra, split)
+        return _agreed(_call(group, op, make, extra, specs, coords, allow_empty, split), local)
     if site is not None:
         site_key = site.id if site.owner is st.token else site_id(site, st)
     elif st.epoch is not None and not replicated:
@@ -489,7 +626,19 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
         site_key = -st.calls
     else:
         site_key = 0
-    return _recorded(epoch, site_key, group, op, local, specs, coords, allow_empty, make, extra, split)
+    if compiling:  # (plain arguments into the constant-result function; the call's objects are made inside it)
+        return _traced(epoch, site_key, local, group, op, make, extra, specs, coords, allow_empty, split)
+    try:  # (_call, inlined: the hot path of a recalled plan)
+        call = _interned(group, op, make, extra, specs, coords, allow_empty, split)
+    except TypeError:
+        call = Call(group, op, make, extra, _axes(specs), coords, allow_empty, split)
+    return _recorded(epoch, site_key, call, local)
+
+
+def _learns_h_or_w(s: Any) -> bool:
+    if isinstance(s, AxisSpec):
+        return s.sizes_only and s.dim in (-2, -1)
+    return len(s) == 1 and s[0] in (-2, -1)
 
 
 def _first(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
