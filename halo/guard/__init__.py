@@ -107,10 +107,12 @@ import torch
 from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode
 
+from .. import context
+from ..context import place, trusted
 from ..dist.comm import CommGroup, all_gather_object, gather_words
-from ..plan.plans import TensorMap, state, use_guard, whole_source
+from ..plan.plans import TensorMap, whole_source
 from . import reroute
-from ._follow import SPECIAL, SPECIAL_FOLLOW, Follower, place
+from ._follow import SPECIAL, SPECIAL_FOLLOW, Follower
 from ._ops import (
     INTERPOLATES,
     LAYOUT,
@@ -148,23 +150,6 @@ __all__ = ["PASS", "RULES", "SPECIAL", "SpatialGuard", "place", "trusted"]
 
 T = torch.Tensor
 _AGREE = 0x47554152  # "GUAR"
-
-
-class trusted:  # noqa: N801 - a context manager, named like one
-    """``with halo.guard.trusted():`` the guard does not check the ops in this block (code you know is right on a
-    shard: the guard assumes dim -2 of a 3-d or larger tensor is H unless it followed the tensor there)."""
-
-    def __enter__(self) -> trusted:
-        reroute.state().trusted += 1
-        guard = state().guard
-        self._start = _sequence_nr() if guard is not None and not guard.off else None
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        reroute.state().trusted -= 1
-        guard = state().guard
-        if self._start is not None and guard is not None:  # autograd nodes made in here are trusted too
-            guard.trusted_nodes.append((self._start, _sequence_nr()))
 
 
 def _sequence_nr() -> int | None:
@@ -224,8 +209,11 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         self.hops: list[str] = []  # higher-order ops run on fields inside torch's own compiled code (refused)
         self.trusted_nodes: list[tuple[int, int]] = []  # autograd sequence numbers made in trusted blocks
         self.first_node: int | None = None  # the guarded call's first autograd node
+        self._outer: Any = None
 
     def __enter__(self) -> SpatialGuard:
+        w = context.watch()  # where the layers' place() and trusted() find the guard (halo.context)
+        self._outer, w.guard = w.guard, self
         if not self.off:
             self.first_node = _sequence_nr()
         if not self.off:  # a halo layer must not take a whole mean computed here for a shard
@@ -241,6 +229,25 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 self._hook.remove()
                 self._hook = None
             self.recorder.close()
+            context.watch().guard, self._outer = self._outer, None
+
+    # -- what the layers tell it (halo.context.place / trusted) -------------------------------------------------------
+
+    def place(self, t: Any, dim: int, rows: int | None = None) -> None:
+        """:func:`halo.context.place`: ``t`` holds the sharded rows at ``dim`` (``rows`` of them)."""
+        if not isinstance(t, torch.Tensor) or torch.compiler.is_compiling():
+            return
+        d = dim % t.dim()
+        self.dims[t] = (d, int(t.shape[d]) if rows is None else int(rows))
+
+    def trust_begin(self) -> int | None:
+        """A :class:`halo.context.trusted` block starts: where its autograd nodes begin (``None``: not watched)."""
+        return None if self.off else _sequence_nr()
+
+    def trust_end(self, start: int | None) -> None:
+        """A trusted block ends: the autograd nodes made in it are trusted too (:meth:`_refuse_functions`)."""
+        if start is not None:
+            self.trusted_nodes.append((start, _sequence_nr()))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -251,7 +258,7 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                     isinstance(a, torch.Tensor) and a.dim() >= 3 for a in (*args, *kwargs.values())):
                 self.hops.append(func._name)  # (a side effect dynamo replays; refused at the next eager op)
             return func(*args, **kwargs)
-        trusted = reroute.state().trusted
+        trusted = context.watch().trusted
         if self.hops:
             self._refuse_hops(func, sys._getframe(1))
         if not trusted:
@@ -544,6 +551,3 @@ def _custom_function(node: Any) -> str | None:
             f"cannot see (it may mix the sharded rows H); compute it with torch ops or a module halo converts, or, "
             f"if its forward and backward act on each row of H on their own, call it in "
             f"`with halo.guard.trusted():`")
-
-
-use_guard(SpatialGuard)  # the planner enters it at a converted model's first call of each epoch

@@ -3,7 +3,7 @@ view, indexing, reductions over other dims, stack) and the checks of ops whose o
 einsum, attention). :class:`Follower` is the part of the guard that reads and writes ``self.dims`` (tensor -> its H
 dim and rows, where that is not dim -2) and ``self.w_sharded``; :data:`SPECIAL` / :data:`SPECIAL_FOLLOW` map the
 ops checked by its methods; it also tells which arguments of an op are fields (:meth:`Follower._rows_of_fields`).
-:func:`place` is how a layer tells it where its output holds H."""
+:func:`halo.context.place` is how a layer tells it where its output holds H."""
 
 from __future__ import annotations
 
@@ -14,26 +14,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..plan.plans import TensorMap, state
+from ..plan.plans import TensorMap
 from ._rules import dims_arg, field_of, get_arg, h_dim, merge_dims
 
-__all__ = ["SPECIAL", "SPECIAL_FOLLOW", "Follower", "place"]
+__all__ = ["SPECIAL", "SPECIAL_FOLLOW", "Follower"]
 
 T = torch.Tensor
 _MT = T.mT.__get__  # x.mT: transpose of the last two dims
-
-
-def place(t: Any, dim: int, rows: int | None = None) -> None:
-    """Tell the guard of a converted model's first call where ``t``, a halo layer's output, holds the sharded rows:
-    at ``dim`` (``rows`` of them; more when later dims are merged into it, as tokens). For layers whose output is
-    not ``(..., H, W)`` with H at -2: channels-last blocks (Swin, NATTEN), tokens, W-shards (``rows_to_columns``).
-    Without it the guard would take dim -2 for H and pass a reduction over the real H (silently wrong). A no-op when
-    no guard is watching (re-exported by :mod:`halo.guard`, where layers import it)."""
-    guard = state().guard
-    if guard is None or not isinstance(t, torch.Tensor) or torch.compiler.is_compiling():
-        return
-    d = dim % t.dim()
-    guard.dims[t] = (d, int(t.shape[d]) if rows is None else int(rows))
 
 
 class Follower:

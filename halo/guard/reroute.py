@@ -40,7 +40,6 @@ Under ``torch.compile`` such a module's forward runs eagerly (``torch.compiler.d
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
@@ -53,6 +52,8 @@ from torch.overrides import TorchFunctionMode
 from .. import context
 from ..autocast import cast_as_torch
 from ..dist.comm import CommGroup, all_gather_object, group_by_id, group_id
+from ..nn.norm import domain_var_mean  # the exact functionals: the layers sit below the guard
+from ..nn.upsample import SUPPORTED_MODES, halo_interpolate
 from ..plan.partition import split_sizes
 from ..plan.plans import Site, guarded_epochs, mark_whole, shard_sizes
 from ..plan.plans import state as plans_state
@@ -74,17 +75,10 @@ _TORCH_API = tuple(os.path.join(_TORCH_DIR, *p) for p in (("overrides.py",), ("f
 _MODULE_PY = os.path.join(_TORCH_DIR, "nn", "modules", "module.py")
 
 
-@dataclasses.dataclass
-class _RerouteState:
-    """The reroute's cross-call state (the :mod:`halo.context` slot ``"reroute"``): ``trusted``, the depth of
-    ``halo.guard.trusted()`` blocks being run (> 0: the guard checks nothing there, and no call there is a site)."""
-
-    trusted: int = 0
-
-
-def state() -> _RerouteState:
-    """The reroute's state in the context in use (the guard's ``trusted()`` blocks write it)."""
-    return context.state("reroute", _RerouteState)
+def state() -> context.Watch:
+    """The trusted depth and the guard watching, in the context in use (:func:`halo.context.watch`): the reroute
+    computes no site inside ``halo.guard.trusted()``."""
+    return context.watch()
 
 
 #: The source of the mark a mean over H computed here leaves on its (whole) result.
@@ -142,27 +136,7 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> A
 
 # -- the exact computations (what a site does on every call) ----------------------------------------------------------
 
-#: what :mod:`halo.nn` provides at import (:func:`provide`): the core never imports the layers. Code, not state: a
-#: registration made once at import, kept by :func:`halo.context.reset` (a reset must not unplug the layers).
-_PROVIDED: dict[str, Any] = {}
-
-
-def provide(**impls: Any) -> None:
-    """Called by :mod:`halo.nn` at import: ``var_mean`` (``halo.nn.norm.domain_var_mean``), ``interpolate``
-    (``halo.nn.upsample.halo_interpolate``) and ``interpolate_modes`` (the modes it resizes exactly). A model is
-    converted by :mod:`halo.nn`, so they are there whenever a guard or a reroute runs."""
-    _PROVIDED.update(impls)
-
-
-def _provided(name: str) -> Any:
-    impl = _PROVIDED.get(name)
-    if impl is None:
-        raise RuntimeError(f"halo.guard.reroute: {name} is provided by halo.nn at import; import halo.nn first")
-    return impl
-
-
 def _var_mean(x: torch.Tensor, dims: tuple[int, ...], sizes: tuple[int, ...], gid: int, op: str):
-    domain_var_mean = _provided("var_mean")
     return domain_var_mean(x, dims, group_by_id(gid).group, sizes=sizes, op=op)[:2]
 
 
@@ -306,7 +280,6 @@ class Resize(NamedTuple):
     gid: int
 
     def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        halo_interpolate = _provided("interpolate")
         x, size, scale, mode, align, recompute, antialias = _interp_args(args, kwargs)
         if self.rows:
             size, scale = (self.rows, _last_size(x, size)), None
@@ -427,7 +400,6 @@ def interpolate_change(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[str,
 
 
 def plan_interpolate(args: tuple, kwargs: dict, x: torch.Tensor, whole: bool) -> str | None:
-    SUPPORTED_MODES = _provided("interpolate_modes")  # noqa: N806 - the module constant it is
     _, size, scale, mode, align, recompute, antialias = _interp_args(args, kwargs)
     if x.dim() != 4:
         return f"a {x.dim()}-d input (halo resizes (B, C, H, W) fields)"

@@ -59,7 +59,6 @@ from ..dist.comm import CommGroup, comm_group, group_by_id, group_id
 from ..dist.mesh import GroupRef, get_domain_parallel_manager
 from ..dist.transport import all_reduce as bounded_all_reduce
 from ..exchange import backward_order_token, order_after, order_communication, order_token
-from ..guard import reroute
 from ..parallel.reduce import accumulation_dtype, all_reduce
 from ..plan.plans import device_tensor, shard_sizes
 from .base import AxisPlan, HaloLayer, adopt
@@ -623,4 +622,3 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
         return _affine(y, weight, bias).to(x.dtype)
 
 
-reroute.provide(var_mean=domain_var_mean)  # functional norms in users' forward code (halo.guard.reroute)
