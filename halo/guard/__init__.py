@@ -112,33 +112,18 @@ from ..context import place, trusted
 from ..dist.comm import CommGroup, all_gather_object, gather_words
 from ..plan.plans import TensorMap, whole_source
 from . import reroute
-from ._follow import SPECIAL, SPECIAL_FOLLOW, Follower
-from ._ops import (
-    INTERPOLATES,
-    LAYOUT,
-    MATMUL,
-    MEANS,
-    MERGES,
-    PASS,
-    SIZE_READS,
-    STACK,
-    Marks,
-    flows_message,
-    in_hook,
-    op_name,
-    refusal_message,
-    torch_module_call,
-    where,
-)
-from ._rules import (
-    RULES,
+from ._follow import Follower
+from ._ops import Marks, flows_message, in_hook, op_name, refusal_message, torch_module_call, where
+from ._policy import (
+    POLICY,
+    H,
+    Policy,
+    W,
     broadcasts,
     get_arg,
-    getitem_rule,
     h_dim,
     interpolate_rule,
     linear_rule,
-    on_w,
     row_masks,
     split_differently,
     torch_raised,
@@ -146,9 +131,10 @@ from ._rules import (
 )
 from .reroute import user_frame
 
-__all__ = ["PASS", "RULES", "SPECIAL", "SpatialGuard", "place", "trusted"]
+__all__ = ["POLICY", "SpatialGuard", "place", "trusted"]
 
 T = torch.Tensor
+_LAYOUT_ONLY = Policy("follow", after="layout")  # a layout op in a trusted() block: followed, nothing else checked
 _AGREE = 0x47554152  # "GUAR"
 
 
@@ -274,85 +260,110 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             hooked = self._check_taint(func, args, kwargs)
             if hooked is not None:
                 return hooked[0]
-        if func in STACK:
+        entry = POLICY.get(func)
+        if entry is not None and entry.after == "stack":
             return self._stack(func, args, kwargs)
         site = None
-        if func in reroute.EXACT and not trusted:  # counted wherever called (the sites' ordinals)
+        if entry is not None and entry.kind == "exact" and not trusted:  # counted wherever called (sites' ordinals)
             at = user_frame()
             if at is not None and not in_hook(at):
                 site = self.recorder.count(at)
-        elif func in SIZE_READS and args:
+        elif entry is not None and entry.sizes and args:
             self._note_size(args[0])
-        rule = None if trusted else RULES.get(func)
-        layout = func in LAYOUT or func in MERGES
-        matmul = func in MATMUL and not trusted
-        tracked = self._tracked(args) if self.dims._items else None
-        special = func in SPECIAL and not trusted
-        unclassified = rule is None and not layout and not matmul and not special and not trusted \
-            and func not in PASS
-        if rule is None and not layout and not matmul and not special and not unclassified:
-            if not trusted and len(args) + len(kwargs) > 1:
-                rows = self._rows_of_fields(args, kwargs)
-                if rows is not None:  # a pointwise op on two fields or more: are they split alike?
-                    frame = user_frame()
-                    if frame is not None:
-                        problem = split_differently(rows)
-                        note = self._verdict(func, problem, frame, rows=rows)
-                        if note is not None:
-                            if not in_hook(frame):
-                                raise ValueError(refusal_message(note))
-                            out = func(*args, **kwargs)  # monitoring: marked, refused once it flows on
-                            self._taint(func, args, out, refusal_message(note))
-                            return out
-            if tracked is None:
-                return func(*args, **kwargs)
+        if trusted and (entry is None or entry.after != "layout"):  # nothing checked (layout ops still followed)
+            tracked = self._tracked(args) if self.dims._items else None
             out = func(*args, **kwargs)
-            self._carry(tracked, out)
+            if tracked is not None:
+                self._carry(tracked, out)
             return out
+        if trusted:
+            entry = _LAYOUT_ONLY
+        if entry is None or entry.kind == "pass":
+            return self._pointwise(func, args, kwargs, entry)
+        return self._checked(func, args, kwargs, entry, site)
+
+    def _pointwise(self, func, args, kwargs, entry):
+        """An op passed by its name (``entry``), or an unclassified one (``None``: refused on a field, naming it)."""
+        tracked = self._tracked(args) if self.dims._items else None
+        if entry is None:
+            if self._any_field(args, kwargs) and user_frame(3) is not None:
+                frame = user_frame(3)
+                problem = ("is not an op halo has classified (pointwise in H, a layout op it follows, or one it "
+                           "computes exactly), and it is given a field sharded along H: it may read rows of other "
+                           "ranks, so halo refuses it until it is classified (halo.guard); compute it with a module "
+                           "halo converts, gather first (halo.gather), or, if it acts on each row of H on its own, "
+                           "run it in `with halo.guard.trusted():`")
+                return self._judged(func, args, kwargs, problem, frame, checked=False)
+        elif len(args) + len(kwargs) > 1:
+            rows = self._rows_of_fields(args, kwargs)
+            if rows is not None:  # a pointwise op on two fields or more: are they split alike?
+                frame = user_frame(3)
+                if frame is not None:
+                    note = self._verdict(func, split_differently(rows), frame, rows=rows)
+                    if note is not None:
+                        if not in_hook(frame):
+                            raise ValueError(refusal_message(note))
+                        out = func(*args, **kwargs)  # monitoring: marked, refused once it flows on
+                        self._taint(func, args, out, refusal_message(note))
+                        return out
+        out = func(*args, **kwargs)
+        if tracked is not None:
+            self._carry(tracked, out)
+        return out
+
+    def _judged(self, func, args, kwargs, problem, frame, checked=True):
+        """Agree on ``problem`` across ranks; raise it, or (in a forward hook) run the op and mark its result."""
+        note = self._verdict(func, problem, frame, checked=checked)
+        if note is None:
+            return func(*args, **kwargs)
+        if not in_hook(frame):
+            raise ValueError(refusal_message(note))
+        out = func(*args, **kwargs)  # monitoring code in a hook: refused only once its result flows into the model
+        self._taint(func, args, out, refusal_message(note))
+        return out
+
+    def _checked(self, func, args, kwargs, entry, site):
+        """The dispatcher of the one table (:data:`halo.guard._policy.POLICY`) for an op with a rule or a check."""
+        tracked = self._tracked(args) if self.dims._items else None
         x = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(x, str):  # einsum(equation, *operands)
             x = next((t for t in args[1:] if isinstance(t, torch.Tensor)), x)
         if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):  # cat
             x = next((t for t in x if h_dim(t, self.dims) is not None), x[0])
         h = h_dim(x, self.dims)
+        rule = entry.rule
         if rule is interpolate_rule and h is None and isinstance(x, torch.Tensor) and x.dim() >= 3 \
                 and x.shape[-2] > 1 and whole_source(x) is not None:
             rule, h = whole_interpolate_rule, x.dim() - 2  # a small map whole on every rank (PSP), resized
-        if unclassified:
-            watch = self._any_field(args, kwargs)
-        else:
-            watch = h is not None or matmul or special
-        frame = user_frame() if watch else None
-        if frame is None and rule is linear_rule and self.w_sharded and watch and torch_module_call():
+        watch = h is not None or entry.check is not None
+        frame = user_frame(3) if watch else None
+        if frame is None and rule is linear_rule and self.w_sharded and watch and torch_module_call(3):
             # a kept nn.Linear on a latitude x longitude mesh (custom_converters={nn.Linear: None}): on a field's
             # last dim, W, it mixes the sharded columns; checked although torch's own module makes the call
-            frame = sys._getframe(1)
+            frame = sys._getframe(2)
         if frame is None:  # not a field, or torch's / halo's own code: run it (and follow H through it)
             out = func(*args, **kwargs)
-            if layout and h is not None:
+            if entry.after == "layout" and h is not None:
                 self._follow(func, args, kwargs, x, h, out)
             elif tracked is not None:
                 self._carry(tracked, out)
             return out
-        if unclassified:
-            problem = ("is not an op halo has classified (pointwise in H, a layout op it follows, or one it computes "
-                       "exactly), and it is given a field sharded along H: it may read rows of other ranks, so halo "
-                       "refuses it until it is classified (halo.guard); compute it with a module halo converts, "
-                       "gather first (halo.gather), or, if it acts on each row of H on its own, run it in "
-                       "`with halo.guard.trusted():`")
-        elif special:
-            problem = SPECIAL[func](self, args, kwargs)
+        if entry.check is not None:
+            problem = getattr(self, entry.check)(args, kwargs)
+        elif rule is not None and h is not None:
+            problem = rule(args, kwargs, x, h, H)
         else:
-            problem = rule(args, kwargs, x, h) if rule is not None else self._matmul(args) if matmul else None
+            problem = None
         if site is not None and site[0] is not None and not self.w_sharded and isinstance(x, torch.Tensor):
-            exact = self._exact(func, args, kwargs, x, h, problem, frame, site)
+            exact = self._exact(entry, func, args, kwargs, x, h, problem, frame, site)
             if isinstance(exact, str):
                 problem = exact
             elif exact is not None:
                 return exact[0]
         if problem is None and rule is not None and self.w_sharded and isinstance(x, torch.Tensor) and x.dim() >= 3 \
                 and self.dims.get(x) is None:
-            problem = on_w(rule, args, kwargs, x)
+            found = rule(args, kwargs, x, x.dim() - 1, W)  # the same rule, on W (the last dim)
+            problem = None if found is None else W.prefix + found
         out, ran, failed = None, problem is None, None
         if ran:
             try:
@@ -360,17 +371,17 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             except Exception as exc:  # noqa: BLE001 - torch refuses this rank's shard: agreed on first (invariant 4)
                 failed, ran, problem = exc, False, torch_raised(exc)
         if ran:
-            if layout:
+            if entry.after == "layout":
                 problem = self._follow(func, args, kwargs, x, h, out)
-            elif func in SPECIAL_FOLLOW:
-                SPECIAL_FOLLOW[func](self, args, kwargs, out)
-            elif rule is getitem_rule and func is T.__getitem__:
+            elif entry.after in ("einsum", "sdpa"):
+                getattr(self, f"_{entry.after}_follow")(args, kwargs, out)
+            elif entry.after == "index" and func is T.__getitem__:
                 problem = self._follow_index(x, h, args[1] if len(args) > 1 else None, out)
-            elif getattr(rule, "along", None) is not None and h is not None:
+            elif entry.after == "reduce" and h is not None:
                 self._follow_reduce(rule.along, args, kwargs, x, h, out)
             elif tracked is not None:
                 self._carry(tracked, out)
-        note = self._verdict(func, problem, frame, checked=not unclassified)
+        note = self._verdict(func, problem, frame)
         if note is not None:  # some rank refuses it (all ranks alike from here)
             if not in_hook(frame) or failed is not None:
                 raise ValueError(refusal_message(note)) from failed
@@ -387,17 +398,17 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 and self.dims.get(t) is None and whole_source(t) is None and user_frame(3) is not None:
             self.sized.note(t)
 
-    def _exact(self, func, args, kwargs, x, h, problem, frame, site) -> tuple[Any] | str | None:
+    def _exact(self, entry, func, args, kwargs, x, h, problem, frame, site) -> tuple[Any] | str | None:
         """An op halo can compute exactly where the rule finds it acts on H: ``(out,)`` computed (and recorded at its
         site for later calls), a refusal (why not here), or ``None``: go on as the rule says."""
         module, key, ordinal = site
         whole = False
-        if func in MEANS:
+        if entry.how == "mean":
             dims = reroute.mean_dims(args, kwargs, x) if problem is not None else None
             if dims is None:
                 return None
             why = None if h in dims[0] else "it does not reduce over H"
-        elif func in INTERPOLATES:
+        elif entry.how == "interpolate":
             whole = whole_source(x) is not None
             sized = get_arg(args, kwargs, 1, "size") is not None  # (a size from a shard: gathered on every rank)
             if h != x.dim() - 2 or problem is None and not sized and (
@@ -415,9 +426,9 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             raise ValueError(refusal_message(note))
         gid = self.recorder.gid
         try:  # (collectives: every rank gets here, and an agreement that fails raises the same on every rank)
-            if func in MEANS:
+            if entry.how == "mean":
                 action = reroute.finish_mean(x, h, *dims, self.cg, gid)
-            elif func in INTERPOLATES:
+            elif entry.how == "interpolate":
                 action = reroute.finish_interpolate(args, kwargs, x, whole, self.sized, self.cg, gid, op_name(func))
             else:
                 action = reroute.finish_norm(func, x, self.cg, gid)

@@ -7,17 +7,15 @@ ops checked by its methods; it also tells which arguments of an op are fields (:
 
 from __future__ import annotations
 
-import re
 import string
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..plan.plans import TensorMap
-from ._rules import dims_arg, field_of, get_arg, h_dim, merge_dims
+from ._policy import Axis, H, W, dims_arg, field_of, get_arg, h_dim, merge_dims
 
-__all__ = ["SPECIAL", "SPECIAL_FOLLOW", "Follower"]
+__all__ = ["Follower"]
 
 T = torch.Tensor
 _MT = T.mT.__get__  # x.mT: transpose of the last two dims
@@ -80,7 +78,7 @@ class Follower:
                     return True
         return False
 
-    def _matmul(self, args) -> str | None:
+    def _matmul(self, args, kwargs=None) -> str | None:
         a, b = (args + (None, None))[:2]
         ha, hb = h_dim(a, self.dims), h_dim(b, self.dims)
         if (ha is not None and ha == a.dim() - 1) or (hb is not None and b.dim() >= 2 and hb == b.dim() - 1):
@@ -198,8 +196,8 @@ class Follower:
         self._record(out, new, field_of(x, self.dims)[1])
         return None
 
-    def _einsum_dims(self, args) -> tuple[str | None, int | None, int]:
-        """``torch.einsum``: (a problem, the output dim of H, rows)."""
+    def _einsum_dims(self, args, a: Axis = H) -> tuple[str | None, int | None, int]:
+        """``torch.einsum``: (a problem on axis ``a``, the output dim of H, rows)."""
         equation = str(args[0]).replace(" ", "")
         ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
         lhs, arrow, rhs = equation.partition("->")
@@ -226,12 +224,12 @@ class Follower:
         if not marks:
             return None, None, 0
         if len(marks) > 1:
-            return ("makes the sharded H of two fields two dims of its result (attention over all tokens, or an "
-                    "outer product of rows): each rank would see only its own rows; gather first"), None, 0
+            return (f"makes the sharded {a.name} of two fields two dims of its result (attention over all tokens, or "
+                    f"an outer product of {a.unit}): each rank would see only its own {a.unit}; gather first"), None, 0
         (c,) = marks
         if c not in out:
-            return ("contracts H (the sharded dim): each rank would sum only over its own rows; use halo.parallel "
-                    "(domain_sum) on the partial result, or gather first"), None, 0
+            return (f"contracts {a.name} (the sharded dim): each rank would sum only over its own {a.unit}; use "
+                    f"halo.parallel (domain_sum) on the partial result, or gather first"), None, 0
         return None, out.index(c), rows
 
     def _einsum(self, args, kwargs) -> str | None:
@@ -247,12 +245,11 @@ class Follower:
                 elif isinstance(t, torch.Tensor):
                     self.dims[t] = (-1, 0)  # tracked elsewhere (tokens): its W is not the last dim
             try:
-                problem = self._einsum_dims(args)[0] if watched else None
+                problem = self._einsum_dims(args, W)[0] if watched else None
             finally:
                 self.dims = saved
             if problem is not None:
-                problem = "acts on W, which a latitude x longitude mesh shards too: " + re.sub(
-                    r"\bH\b", "W", problem).replace("rows", "columns")
+                problem = W.prefix + problem
         return problem
 
     def _einsum_follow(self, args, kwargs, out) -> None:
@@ -279,7 +276,3 @@ class Follower:
     def _baddbmm(self, args, kwargs) -> str | None:
         return self._matmul((get_arg(args, kwargs, 1, "batch1"), get_arg(args, kwargs, 2, "batch2")))
 
-
-SPECIAL = {torch.einsum: Follower._einsum, F.scaled_dot_product_attention: Follower._sdpa,
-            torch.baddbmm: Follower._baddbmm, T.baddbmm: Follower._baddbmm}
-SPECIAL_FOLLOW = {torch.einsum: Follower._einsum_follow, F.scaled_dot_product_attention: Follower._sdpa_follow}

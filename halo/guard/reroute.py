@@ -1,7 +1,8 @@
 """Functional ops that a converted model's ``forward`` calls on a field, computed exactly instead of refused.
 
 The guard of a model's first call (:mod:`halo.guard`) refuses what would act on the sharded dim H of a field. A few
-such ops halo can compute exactly and cheaply, so there the guard computes them instead, and remembers where:
+such ops halo can compute exactly and cheaply (kind ``"exact"`` in the one table, :data:`halo.guard._policy.POLICY`),
+so there the guard computes them instead, and remembers where:
 
 =====================================================  ===========================================================
 op on a field sharded along H                           computed as
@@ -57,8 +58,9 @@ from ..nn.upsample import SUPPORTED_MODES, halo_interpolate
 from ..plan.partition import split_sizes
 from ..plan.plans import Site, guarded_epochs, mark_whole, shard_sizes
 from ..plan.plans import state as plans_state
+from ._policy import POLICY
 
-__all__ = ["EXACT", "WHOLE_MEAN", "Recorder", "calling_module", "install", "site_key", "state",
+__all__ = ["WHOLE_MEAN", "Recorder", "calling_module", "install", "site_key", "state",
            "uninstall", "user_frame"]
 
 T = torch.Tensor
@@ -83,11 +85,6 @@ def state() -> context.Watch:
 
 #: The source of the mark a mean over H computed here leaves on its (whole) result.
 WHOLE_MEAN = "a mean over H computed over the domain (halo.guard.reroute)"
-
-#: The functions computed exactly at recorded sites (and counted, for the sites' ordinals, wherever called).
-EXACT = frozenset((F.group_norm, F.instance_norm, F.batch_norm, F.layer_norm, torch.mean, T.mean, F.interpolate,
-                   F.upsample))
-
 
 # -- where a call comes from ---------------------------------------------------------------------------------------
 
@@ -313,7 +310,8 @@ class Recorder:
         self._ordinals: dict[tuple, list] = {}  # (id(module), site) -> [the invocation's frame, calls so far]
 
     def count(self, frame: Any) -> tuple[torch.nn.Module | None, tuple, int]:
-        """Count a call of an :data:`EXACT` function at ``frame``: ``(module, site, ordinal)``."""
+        """Count a call of a function computed exactly (kind ``"exact"`` in :data:`halo.guard._policy.POLICY`) at
+        ``frame``: ``(module, site, ordinal)``."""
         module, entry = calling_module(frame)
         key = site_key(frame)
         if module is None:
@@ -509,7 +507,8 @@ class _Reroute(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in EXACT or state().trusted:
+        entry = POLICY.get(func)
+        if entry is None or entry.kind != "exact" or state().trusted:
             return func(*args, **kwargs)
         frame = user_frame()
         if frame is None:
