@@ -168,6 +168,29 @@ def _conv(args, kwargs, x, h, a):
                    "a convolution")
 
 
+def _conv1d(args, kwargs, x, h, a):
+    """``F.conv1d`` of ``(B, C, L)``: over tokens (the axis merged with the dims after it by ``flatten(2)``, at the
+    last dim) a kernel of 1 (stride 1, padding 0, dilation 1) acts on each token alone: it passes; a wider window
+    reads the tokens of the next rows, on the neighbour's shard. The axis at dim 1 is contracted with the channels."""
+    weight = get_arg(args, kwargs, 1, "weight")
+
+    def one(v: Any, default: Any) -> Any:
+        v = default if v is None else v
+        return v if isinstance(v, (int, str)) else list(v)[0]
+
+    if h != x.dim() - 1:
+        return (f"a 1-d convolution whose channels hold {a.name} (the sharded dim): it contracts them, so each rank "
+                f"would sum only over its own {a.unit}; gather first ({a.gather})")
+    k, s = int(weight.shape[-1]), one(get_arg(args, kwargs, 3, "stride"), 1)
+    p, d = one(get_arg(args, kwargs, 4, "padding"), 0), one(get_arg(args, kwargs, 5, "dilation"), 1)
+    if k == 1 and s == 1 and d == 1 and p in (0, "valid", "same"):
+        return None
+    return (f"a 1-d convolution with kernel {k}, stride {s}, padding {p}, dilation {d} over flattened tokens "
+            f"({a.name} merged with the dims after it): a window over flattened tokens runs from the end of one of "
+            f"{a.name}'s {a.unit} into the next, and at a shard's edges into a neighbour's; use a kernel of 1 "
+            f"(pointwise over tokens), or a 2-d convolution on the (B, C, H, W) field (nn.Conv2d, converted)")
+
+
 def _conv_t(args, kwargs, x, h, a):
     weight = get_arg(args, kwargs, 1, "weight")
     k = int(weight.shape[a.index])
@@ -574,6 +597,7 @@ _add([F.scaled_dot_product_attention], Policy("follow", check="_sdpa", after="sd
 _refuse([F.pad, torch.ops.aten.constant_pad_nd], _pad)
 _refuse([F.upsample_bilinear, F.upsample_nearest], interpolate_rule)
 _refuse([F.conv2d, torch.conv2d, F.conv3d, torch.conv3d], _conv)
+_refuse([F.conv1d, torch.conv1d], _conv1d)
 _refuse([F.conv_transpose2d, torch.conv_transpose2d], _conv_t)
 _refuse([F.max_pool2d, F.avg_pool2d, torch.max_pool2d, getattr(torch, "avg_pool2d", None), F.lp_pool2d,
            getattr(F, "max_pool2d_with_indices", None)], _pool)

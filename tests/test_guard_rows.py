@@ -1,0 +1,83 @@
+"""New rows of the guard's one table (issue 32 item 6): ``F.conv1d`` over a field's tokens (H merged with W by
+``flatten(2)``) with kernel 1, stride 1, padding 0, dilation 1 is pointwise over tokens and passes, exact against
+the unsharded model forward and backward; a wider kernel over tokens is refused on every rank, saying what it is
+(a window over flattened tokens). 3 ranks, 7 rows (3 + 2 + 2), float64."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from halo.testing import run_on_ranks
+
+B, C, OUT, H, W = 2, 3, 4, 7, 5
+
+
+class Tokens(nn.Module):
+    """A field flattened to tokens, a 1-d conv over them, and the tokens back to (B, C, H, W)."""
+
+    def __init__(self, k: int = 1, **conv: object) -> None:
+        super().__init__()
+        self.conv = conv
+        self.weight = nn.Parameter(torch.randn(OUT, C, k, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.randn(OUT, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        t = F.conv1d(x.flatten(2), self.weight, self.bias, **self.conv)
+        return t.view(b, OUT, h, w) * 2.0
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(B, C, H, W, generator=g, dtype=torch.float64),
+            torch.randn(B, OUT, H, W, generator=g, dtype=torch.float64))
+
+
+def _run(rank: int, world: int, k: int, conv: dict) -> tuple:
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(Tokens(k, **conv), manager, custom_converters={Tokens: INSIDE})
+    full, wts = _inputs()
+    x = torch.tensor_split(full, world, dim=-2)[rank].clone().requires_grad_(True)
+    try:
+        y = model(x)
+    except ValueError as exc:
+        return ("refused", str(exc))
+    (y * torch.tensor_split(wts, world, dim=-2)[rank]).sum().backward()
+    grads = [halo.parallel.all_reduce(p.grad.clone()) for p in model.parameters()]
+    return ("ran", halo.gather(y.detach()), halo.gather(x.grad), grads)
+
+
+def test_a_pointwise_conv1d_over_tokens_passes_exactly():
+    results = run_on_ranks(_run, 3, 1, {}, timeout=180)
+    torch.manual_seed(0)
+    model = Tokens(1)
+    full, wts = _inputs()
+    x = full.clone().requires_grad_(True)
+    y = model(x)
+    (y * wts).sum().backward()
+    for r in results:
+        assert r[0] == "ran", r
+        _, got, grad, grads = r
+        assert torch.allclose(got, y.detach(), rtol=0, atol=1e-12), (got - y).abs().max()  # no cross-rank sum
+        assert torch.allclose(grad, x.grad, rtol=0, atol=1e-12), (grad - x.grad).abs().max()
+        for p, g in zip(model.parameters(), grads, strict=True):  # summed over ranks: rounding only
+            assert torch.allclose(g, p.grad, rtol=1e-12, atol=1e-12), (g - p.grad).abs().max()
+
+
+def test_a_window_over_flattened_tokens_is_refused_on_every_rank_saying_so():
+    for k, conv in ((3, {"padding": 1}), (1, {"stride": 2})):
+        results = run_on_ranks(_run, 3, k, conv, timeout=180)
+        assert all(r[0] == "refused" for r in results), (k, conv, [r[0] for r in results])
+        texts = {r[1] for r in results}
+        assert len(texts) == 1, texts  # the same error on every rank
+        (text,) = texts
+        assert "conv1d at test_guard_rows.py:" in text, text
+        assert f"a 1-d convolution with kernel {k}" in text and "a window over flattened tokens" in text, text
+        assert "latitude" not in text, text
