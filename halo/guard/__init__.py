@@ -4,53 +4,9 @@ The converter replaces modules; code in a ``forward`` (``F.pad(x1, [.., diffY //
 from the *local* shapes, ``F.interpolate``, slicing or a mean over H) runs on the shard as written, and is silently
 wrong. While a converted model learns its plans (its first call for each input shape: ``halo.plan.plans``), a
 ``TorchFunctionMode`` watches every torch function called from user code (calls from torch's or halo's own code
-are not checked) and refuses, on every rank, the ops that would act on the sharded dim H of a field:
-
-=====================================================  ===========================================================
-op (function or tensor method)                         refused when
-=====================================================  ===========================================================
-``F.pad``                                              it pads H (any mode): the amounts are local
-``F.interpolate`` / ``upsample*``                      it resizes H in a form halo cannot compute (below): a size
-                                                       from a shard that is no field's rows, antialias, a mode
-                                                       ``halo_interpolate`` lacks, not ``(B, C, H, W)``
-``F.conv2d``, ``conv_transpose2d``, pools, ``unfold``  its window, stride or padding along H is not 1 / 1 / 0
-``adaptive_*_pool2d``, ``pixel_(un)shuffle``,          they change or mix H
-``grid_sample``
-``torch.roll``, ``flip``                               along H
-``cat``, ``split``, ``chunk``, ``narrow``, indexing,   along H (a slice of H that is not the whole of it); a
-                                                       ``cat`` of fields split differently (rows differ)
-``index_select``, ``select``, ``unbind``, ...
-reductions (``sum``, ``max``, ``std``, ``softmax``,    over H, or over everything (``mean``: computed, below)
-``cumsum``, ``sort``, ...)
-``view`` / ``reshape`` / ``flatten``                   H is merged with an earlier dim (with later ones, as
-                                                       ``flatten(2)`` makes tokens, it is tracked)
-``matmul`` / ``@`` / ``bmm``                           H is contracted or becomes a second token dim (attention)
-``F.layer_norm`` / ``rms_norm``                        ``normalized_shape`` covers H, with a weight or bias
-                                                       (``rms_norm``: always)
-``F.group_norm``, ``instance_norm``, ``batch_norm``    their statistics include H and their input does not hold H
-                                                       at dim -2 (batch norm in eval: per channel, passes)
-``F.normalize``, ``glu``, ``cosine_similarity``,       along H
-``diff``, ``cummax``, ``logcumsumexp``, ...
-``einsum``                                             H is contracted, or two fields' H become two dims
-``torch.fft.*``                                        H is among the transformed dims
-``F.scaled_dot_product_attention``, ``baddbmm``        H is a token dim (attention over all tokens)
-``F.linear``                                           H is the last dim (contracted)
-``F.dropout`` and friends, ``rand_like``, ...          they draw (training, p > 0): each shard would draw its own
-``repeat``, ``tile``, ``repeat_interleave``            they repeat H
-a pointwise op on two fields or more                   their shards hold different numbers of rows (split
-                                                       differently), or one has 1 row on some ranks and more on
-                                                       others (its 1-row shard broadcasts over a field's rows; a
-                                                       tensor of 1 row on every rank broadcasts, as a bias)
-``torch.ops.<ns>.<op>`` (extension, custom ops)        given a field from user code (unclassified, as below)
-``torch.nn.attention.flex_attention``, higher-order    given a field from user code: torch compiles their body into
-ops (``torch._higher_order_ops``)                      one op the guard cannot see (a HOP that torch's own compiled
-                                                       code runs on a field: at the next eager op or the call's end)
-a custom ``torch.autograd.Function``                   applied to a field (an output of 3 dims or more) with a graph:
-                                                       its backward is code halo cannot check (found after the call,
-                                                       walking the call's autograd graph; halo's and torch's own
-                                                       Functions and ``trusted()`` blocks pass)
-*anything else*                                        always (default deny: an op halo has not classified)
-=====================================================  ===========================================================
+are not checked) and refuses, on every rank, the ops that would act on the sharded dim H of a field, as the one
+table of :mod:`halo.guard._policy` says (its docstring lists each op and when it is refused; ``POLICY`` is the
+table itself).
 
 An op that torch itself refuses on one rank's shard (the others' pass) is agreed on like a refusal: every rank
 raises at that op, none is left waiting in the next layer's exchange.
@@ -65,11 +21,11 @@ compute exactly the recorded sites (a small ``TorchFunctionMode`` over those mod
 exact after the first call, at no agreement.
 
 **Default deny.** An op given a field passes only when halo knows what it does to H: it acts on each point (the
-explicit, grouped allowlist ``PASS``: elementwise math, activations, comparisons, casts, metadata such as
-``.shape`` / ``.size()`` / ``.dtype``, in-place pointwise ops, ``torch.where``), halo follows H through it (the
-layout ops), or a rule above reads its arguments and finds that it leaves H alone. Every other torch function
-called on a field from user code is refused, naming it; an op torch adds tomorrow is refused until it is classified
-here. The guard is off where nothing is sharded (one domain rank).
+table's ``"pass"`` entries, an explicit, grouped allowlist: elementwise math, activations, comparisons, casts,
+metadata such as ``.shape`` / ``.size()`` / ``.dtype``, in-place pointwise ops, ``torch.where``), halo follows H
+through it (the layout ops), or a rule of the table reads its arguments and finds that it leaves H alone. Every
+other torch function called on a field from user code is refused, naming it; an op torch adds tomorrow is refused
+until it is classified in the table. The guard is off where nothing is sharded (one domain rank).
 
 **Hooks.** Code in a module's forward hook or pre-hook (monitoring: ``(o != 0).float().mean()``) is not refused
 where it stands: what an op the guard would refuse computes there is marked, and refused (naming that op and line)

@@ -1,8 +1,63 @@
-"""The guard's rules (:mod:`halo.guard`): for each torch function that may act on the sharded dim H of a field, a
-function ``rule(args, kwargs, x, h) -> str | None`` that reads the call's arguments and says what is wrong with it
-on a shard (``None``: it leaves H alone), registered in :data:`RULES`; and the helpers that find a field's H.
+"""The guard's one op policy (:mod:`halo.guard`): :data:`POLICY`, torch function (or tensor method) -> a
+:class:`Policy`: its kind (``pass``, ``follow``, ``exact``, ``refuse``), its rule (a pure function of the call and
+the :class:`Axis`, written once and applied to H and, on a latitude x longitude mesh, to W alike), the guard's check
+for ops whose operands' axes decide, how the guard follows the axis to the result, and for ``exact`` the layer
+tier's functional that computes it. An op not in the table, given a field from user code, is refused (default
+deny). The dispatcher that applies it is :meth:`halo.guard.SpatialGuard._checked`. A rule never communicates: the
+guard agrees on its verdict across ranks. What is refused, and when:
 
-A rule is a pure function of the call (it never communicates): the guard agrees on its verdict across ranks.
+=====================================================  ===========================================================
+op (function or tensor method)                         refused when
+=====================================================  ===========================================================
+``F.pad``                                              it pads H (any mode): the amounts are local
+``F.interpolate`` / ``upsample*``                      it resizes H in a form halo cannot compute (below): a size
+                                                       from a shard that is no field's rows, antialias, a mode
+                                                       ``halo_interpolate`` lacks, not ``(B, C, H, W)``
+``F.conv2d``, ``conv_transpose2d``, pools, ``unfold``  its window, stride or padding along H is not 1 / 1 / 0
+``F.conv1d``                                           over a field's tokens (``flatten(2)``): its kernel, stride,
+                                                       padding or dilation is not 1 / 1 / 0 / 1 (a window over
+                                                       flattened tokens); H in its channels (contracted)
+``adaptive_*_pool2d``, ``pixel_(un)shuffle``,          they change or mix H
+``grid_sample``
+``torch.roll``, ``flip``                               along H
+``cat``, ``split``, ``chunk``, ``narrow``, indexing,   along H (a slice of H that is not the whole of it); a
+                                                       ``cat`` of fields split differently (rows differ)
+``index_select``, ``select``, ``unbind``, ...
+reductions (``sum``, ``max``, ``std``, ``softmax``,    over H, or over everything (``mean``: computed, below)
+``cumsum``, ``sort``, ...)
+``view`` / ``reshape`` / ``flatten``                   H is merged with an earlier dim (with later ones, as
+                                                       ``flatten(2)`` makes tokens, it is tracked)
+``matmul`` / ``@`` / ``bmm``                           H is contracted or becomes a second token dim (attention)
+``F.layer_norm`` / ``rms_norm``                        ``normalized_shape`` covers H, with a weight or bias
+                                                       (``rms_norm``: always)
+``F.group_norm``, ``instance_norm``, ``batch_norm``    their statistics include H and their input does not hold H
+                                                       at dim -2 (batch norm in eval: per channel, passes)
+``F.normalize``, ``glu``, ``cosine_similarity``,       along H
+``diff``, ``cummax``, ``logcumsumexp``, ...
+``einsum``                                             H is contracted, or two fields' H become two dims
+``torch.fft.*``                                        H is among the transformed dims
+``F.scaled_dot_product_attention``, ``baddbmm``        H is a token dim (attention over all tokens)
+``F.linear``                                           H is the last dim (contracted)
+``F.dropout`` and friends, ``rand_like``, ...          they draw (training, p > 0): each shard would draw its own
+``repeat``, ``tile``, ``repeat_interleave``            they repeat H
+a pointwise op on two fields or more                   their shards hold different numbers of rows (split
+                                                       differently), or one has 1 row on some ranks and more on
+                                                       others (its 1-row shard broadcasts over a field's rows; a
+                                                       tensor of 1 row on every rank broadcasts, as a bias)
+``torch.ops.<ns>.<op>`` (extension, custom ops)        given a field from user code (unclassified, as below)
+``torch.nn.attention.flex_attention``, higher-order    given a field from user code: torch compiles their body into
+ops (``torch._higher_order_ops``)                      one op the guard cannot see (a HOP that torch's own compiled
+                                                       code runs on a field: at the next eager op or the call's end)
+a custom ``torch.autograd.Function``                   applied to a field (an output of 3 dims or more) with a graph:
+                                                       its backward is code halo cannot check (found after the call,
+                                                       walking the call's autograd graph; halo's and torch's own
+                                                       Functions and ``trusted()`` blocks pass)
+*anything else*                                        always (default deny: an op halo has not classified)
+=====================================================  ===========================================================
+
+``F.group_norm``, ``instance_norm``, ``batch_norm`` and ``layer_norm`` (no weight), ``mean`` and ``F.interpolate``
+are ``exact``: where their rule finds they act on H of a latitude-split field, the guard computes them over the
+whole domain instead (:mod:`halo.guard.reroute`).
 """
 
 from __future__ import annotations
