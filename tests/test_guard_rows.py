@@ -81,3 +81,74 @@ def test_a_window_over_flattened_tokens_is_refused_on_every_rank_saying_so():
         assert "conv1d at test_guard_rows.py:" in text, text
         assert f"a 1-d convolution with kernel {k}" in text and "a window over flattened tokens" in text, text
         assert "latitude" not in text, text
+
+
+# -- F.scaled_dot_product_attention: a field's tokens attending to a context whole on every rank ----------------------
+
+E, S = 6, 4
+
+
+class Cross(nn.Module):
+    """The field's tokens query a learned context (a parameter: whole on every rank, as Perceiver's latents);
+    ``self_attention``: the tokens attend to themselves instead (over all tokens of the field: refused)."""
+
+    def __init__(self, self_attention: bool = False, **sdpa: object) -> None:
+        super().__init__()
+        self.self_attention, self.sdpa = self_attention, sdpa
+        self.wq = nn.Parameter(torch.randn(E, C, dtype=torch.float64) / 2)
+        self.context = nn.Parameter(torch.randn(S, E, dtype=torch.float64))
+        self.wv = nn.Parameter(torch.randn(E, E, dtype=torch.float64) / 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        q = F.linear(x.flatten(2).transpose(1, 2), self.wq)  # (B, tokens, E): H in the tokens
+        k, v = (q, q) if self.self_attention else (self.context, F.linear(self.context, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, **self.sdpa)
+        return out.transpose(1, 2).reshape(b, E, h, w) + x.sum(1, keepdim=True)
+
+
+def _run_cross(rank: int, world: int, self_attention: bool, sdpa: dict) -> tuple:
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(Cross(self_attention, **sdpa), manager, custom_converters={Cross: INSIDE})
+    full, _ = _inputs()
+    wts = torch.randn(B, E, H, W, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    x = torch.tensor_split(full, world, dim=-2)[rank].clone().requires_grad_(True)
+    try:
+        y = model(x)
+    except ValueError as exc:
+        return ("refused", str(exc))
+    (y * torch.tensor_split(wts, world, dim=-2)[rank]).sum().backward()
+    grads = [halo.parallel.all_reduce(p.grad.clone()) for p in model.parameters()]
+    return ("ran", halo.gather(y.detach()), halo.gather(x.grad), grads)
+
+
+def test_cross_attention_of_a_fields_tokens_to_a_whole_context_passes_exactly():
+    results = run_on_ranks(_run_cross, 3, False, {}, timeout=180)
+    torch.manual_seed(0)
+    model = Cross()
+    full, _ = _inputs()
+    wts = torch.randn(B, E, H, W, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    x = full.clone().requires_grad_(True)
+    y = model(x)
+    (y * wts).sum().backward()
+    for r in results:
+        assert r[0] == "ran", r
+        _, got, grad, grads = r
+        assert torch.allclose(got, y.detach(), rtol=0, atol=1e-12), (got - y).abs().max()  # each query row alone
+        assert torch.allclose(grad, x.grad, rtol=0, atol=1e-12), (grad - x.grad).abs().max()
+        for p, g in zip(model.parameters(), grads, strict=True):  # the context's gradient: summed over ranks
+            assert torch.allclose(g, p.grad, rtol=1e-10, atol=1e-12), (g - p.grad).abs().max()
+
+
+def test_self_attention_over_a_fields_tokens_and_a_causal_context_stay_refused():
+    for self_attention, sdpa, words in ((True, {}, "attends over tokens that hold H"),
+                                        (False, {"is_causal": True}, "attends causally")):
+        results = run_on_ranks(_run_cross, 3, self_attention, sdpa, timeout=180)
+        assert all(r[0] == "refused" for r in results), [r[0] for r in results]
+        texts = {r[1] for r in results}
+        assert len(texts) == 1 and words in next(iter(texts)), texts

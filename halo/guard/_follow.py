@@ -258,6 +258,22 @@ class Follower:
             self._record(out, new, rows)
 
     def _sdpa(self, args, kwargs) -> str | None:
+        q, k, v = (get_arg(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
+        fq = field_of(q, self.dims)
+        if fq is not None and fq[0] == q.dim() - 2 and field_of(k, self.dims) is None \
+                and field_of(v, self.dims) is None:
+            # cross-attention to a context whole on every rank (a parameter, a tensor of 2 dims, a global pool's
+            # result): each query row attends to all of it on its own, so the rows of H stay where they are
+            if get_arg(args, kwargs, 5, "is_causal", False):
+                return ("attends causally from tokens that hold H (the sharded dim) to a context: the causal mask "
+                        "numbers the query tokens per rank; pass an explicit attn_mask, or gather first")
+            if get_arg(args, kwargs, 4, "dropout_p", 0.0):
+                return ("drops attention weights at random (dropout_p > 0) on each shard: each rank would draw its "
+                        "own numbers, unlike the unsharded model's one draw; use dropout_p=0.0 under halo")
+            mask = get_arg(args, kwargs, 3, "attn_mask")
+            fm = field_of(mask, self.dims)
+            if fm is None or fm[0] == mask.dim() - 2:
+                return None
         for i, name in enumerate(("query", "key", "value")):
             t = get_arg(args, kwargs, i, name)
             f = field_of(t, self.dims)
