@@ -32,7 +32,8 @@ def test_every_entry_has_a_kind_and_what_its_kind_needs():
     for f, p in POLICY.items():
         assert isinstance(p, Policy) and p.kind in kinds, f
         if p.kind == "exact":
-            assert p.rule is not None and p.how in ("norm", "mean", "interpolate") and callable(p.exact), f
+            assert p.rule is not None and callable(p.exact), f
+            assert p.how in ("norm", "mean", "vector_norm", "interpolate"), f
         if p.kind == "refuse":
             assert p.rule is not None or p.check is not None, f
         if p.kind == "pass":

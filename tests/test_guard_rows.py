@@ -152,3 +152,65 @@ def test_self_attention_over_a_fields_tokens_and_a_causal_context_stay_refused()
         assert all(r[0] == "refused" for r in results), [r[0] for r in results]
         texts = {r[1] for r in results}
         assert len(texts) == 1 and words in next(iter(texts)), texts
+
+
+# -- vector norms over dims that include H: computed exactly over the domain -------------------------------------------
+
+NORMS = {
+    "vector_norm_2": lambda x: torch.linalg.vector_norm(x, 2, dim=(2, 3), keepdim=True),
+    "vector_norm_1": lambda x: torch.linalg.vector_norm(x, 1, dim=(-2, -1), keepdim=True),
+    "vector_norm_inf": lambda x: torch.linalg.vector_norm(x, float("inf"), dim=(1, 2, 3), keepdim=True),
+    "tensor_norm_3": lambda x: x.norm(3, dim=(2, 3), keepdim=True),
+    "torch_norm_fro": lambda x: torch.norm(x, dim=(2, 3)).view(B, C, 1, 1),
+    "all_dims": lambda x: torch.linalg.vector_norm(x),
+    "linalg_norm_h": lambda x: torch.linalg.norm(x, dim=2, keepdim=True),
+}
+
+
+class Norms(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, C, dtype=torch.float64).view(1, C, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (1 + NORMS[self.name](x * self.scale))
+
+
+def _run_norms(rank: int, world: int) -> dict:
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.nn.convert import INSIDE
+
+    manager = halo.initialize_domain_parallel(world, world)
+    full, _ = _inputs()
+    wts = torch.tensor_split(torch.randn(B, C, H, W, generator=torch.Generator().manual_seed(7),
+                                         dtype=torch.float64), world, dim=-2)[rank]
+    out = {}
+    for name in NORMS:
+        model = convert_to_domain_parallel(Norms(name), manager, custom_converters={Norms: INSIDE})
+        runs = []
+        for _ in range(2):  # the guarded first call, then a call computed at the recorded site
+            x = torch.tensor_split(full, world, dim=-2)[rank].clone().requires_grad_(True)
+            y = model(x)
+            model.zero_grad()
+            (y * wts).sum().backward()
+            runs.append((halo.gather(y.detach()), halo.gather(x.grad), halo.parallel.all_reduce(model.scale.grad)))
+        out[name] = runs
+    return out
+
+
+def test_vector_norms_over_h_are_computed_over_the_domain_exactly():
+    results = run_on_ranks(_run_norms, 3, timeout=240)
+    full, _ = _inputs()
+    wts = torch.randn(B, C, H, W, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    for name in NORMS:
+        model = Norms(name)
+        x = full.clone().requires_grad_(True)
+        y = model(x)
+        (y * wts).sum().backward()
+        for r in results:
+            for got, grad, scale_grad in r[name]:  # sums over ranks in another order: rounding only
+                assert torch.allclose(got, y.detach(), rtol=1e-12, atol=1e-12), (name, (got - y).abs().max())
+                assert torch.allclose(grad, x.grad, rtol=1e-10, atol=1e-12), (name, (grad - x.grad).abs().max())
+                assert torch.allclose(scale_grad, model.scale.grad, rtol=1e-10, atol=1e-12), name

@@ -364,6 +364,11 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             if dims is None:
                 return None
             why = None if h in dims[0] else "it does not reduce over H"
+        elif entry.how == "vector_norm":
+            if problem is None:
+                return None
+            form = reroute.norm_form(func, args, kwargs, x)
+            why = form if isinstance(form, str) else None if h in form[1] else "it does not reduce over H"
         elif entry.how == "interpolate":
             whole = whole_source(x) is not None
             sized = get_arg(args, kwargs, 1, "size") is not None  # (a size from a shard: gathered on every rank)
@@ -382,7 +387,9 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             raise ValueError(refusal_message(note))
         gid = self.recorder.gid
         try:  # (collectives: every rank gets here, and an agreement that fails raises the same on every rank)
-            if entry.how == "mean":
+            if entry.how == "vector_norm":
+                action = reroute.VectorNorm(*form, gid)
+            elif entry.how == "mean":
                 action = reroute.finish_mean(x, h, *dims, self.cg, gid)
             elif entry.how == "interpolate":
                 action = reroute.finish_interpolate(args, kwargs, x, whole, self.sized, self.cg, gid, op_name(func))

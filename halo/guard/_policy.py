@@ -55,7 +55,8 @@ a custom ``torch.autograd.Function``                   applied to a field (an ou
 *anything else*                                        always (default deny: an op halo has not classified)
 =====================================================  ===========================================================
 
-``F.group_norm``, ``instance_norm``, ``batch_norm`` and ``layer_norm`` (no weight), ``mean`` and ``F.interpolate``
+``F.group_norm``, ``instance_norm``, ``batch_norm`` and ``layer_norm`` (no weight), ``mean``, the vector norms
+(``torch.norm``, ``Tensor.norm``, ``torch.linalg.vector_norm``, ``linalg.norm`` of vectors) and ``F.interpolate``
 are ``exact``: where their rule finds they act on H of a latitude-split field, the guard computes them over the
 whole domain instead (:mod:`halo.guard.reroute`).
 """
@@ -69,7 +70,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..nn.norm import domain_var_mean  # the exact functionals, imported from the layer tier (below the guard)
+# the exact functionals, imported from the layer tier (below the guard)
+from ..nn.norm import domain_var_mean, domain_vector_norm
 from ..nn.upsample import halo_interpolate
 from ..parallel.reduce import all_reduce
 from ..plan.plans import TensorMap, whole_source
@@ -682,7 +684,8 @@ _refuse([torch.sum, T.sum, torch.mean, T.mean, torch.nansum, T.nansum, torch.nan
            torch.var, T.var, torch.std_mean, torch.var_mean, torch.logsumexp, T.logsumexp, torch.argmax, T.argmax,
            torch.argmin, T.argmin, torch.median, T.median, torch.all, T.all, torch.any, T.any, torch.count_nonzero,
            T.count_nonzero, torch.cumsum, T.cumsum, torch.cumprod, T.cumprod], _reduce())
-_refuse([torch.norm, T.norm, torch.linalg.vector_norm], _reduce(2, "dim"))  # (input, p / ord, dim)
+_add([torch.norm, T.norm, torch.linalg.vector_norm, torch.linalg.norm],  # (input, p / ord, dim)
+     Policy("exact", _reduce(2, "dim"), after="reduce", how="vector_norm", exact=domain_vector_norm))
 _refuse([torch.sort, T.sort, torch.argsort, T.argsort], _reduce(1, "dim", -1))
 _refuse([torch.topk, T.topk, torch.kthvalue, T.kthvalue], _reduce(2, "dim", -1))  # (input, k, dim=-1)
 _refuse([F.softmax, F.log_softmax, T.softmax, T.log_softmax, torch.softmax, torch.log_softmax], _softmax)

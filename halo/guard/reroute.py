@@ -53,14 +53,14 @@ from torch.overrides import TorchFunctionMode
 from .. import context
 from ..autocast import cast_as_torch
 from ..dist.comm import CommGroup, all_gather_object, group_by_id, group_id
-from ..nn.norm import domain_var_mean  # the exact functionals: the layers sit below the guard
+from ..nn.norm import domain_var_mean, domain_vector_norm  # the exact functionals: the layers sit below the guard
 from ..nn.upsample import SUPPORTED_MODES, halo_interpolate
 from ..plan.partition import split_sizes
 from ..plan.plans import Site, guarded_epochs, mark_whole, shard_sizes
 from ..plan.plans import state as plans_state
 from ._policy import POLICY
 
-__all__ = ["WHOLE_MEAN", "Recorder", "calling_module", "install", "site_key", "state",
+__all__ = ["WHOLE_MEAN", "WHOLE_NORM", "Recorder", "calling_module", "install", "site_key", "state",
            "uninstall", "user_frame"]
 
 T = torch.Tensor
@@ -85,6 +85,8 @@ def state() -> context.Watch:
 
 #: The source of the mark a mean over H computed here leaves on its (whole) result.
 WHOLE_MEAN = "a mean over H computed over the domain (halo.guard.reroute)"
+#: ... and a vector norm over H.
+WHOLE_NORM = "a vector norm over H computed over the domain (halo.guard.reroute)"
 
 # -- where a call comes from ---------------------------------------------------------------------------------------
 
@@ -256,6 +258,48 @@ class Mean(NamedTuple):
         if not torch.compiler.is_compiling():
             mark_whole(out, WHOLE_MEAN)
         return out
+
+
+class VectorNorm(NamedTuple):
+    """``torch.norm`` / ``Tensor.norm`` / ``torch.linalg.vector_norm`` (``linalg.norm``'s vector cases) over dims
+    that include H: :func:`halo.nn.norm.domain_vector_norm`, whole on every rank (marked so)."""
+
+    ord: float
+    dims: tuple[int, ...]
+    keepdim: bool
+    gid: int
+
+    def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        out = domain_vector_norm(args[0], self.ord, self.dims, self.keepdim, group=group_by_id(self.gid).group,
+                                 dtype=kwargs.get("dtype"))
+        if not torch.compiler.is_compiling():
+            mark_whole(out, WHOLE_NORM)
+        return out
+
+
+def norm_form(func: Any, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[float, tuple[int, ...], bool] | str:
+    """``(ord, dims, keepdim)`` of a vector norm call, or why halo does not compute this form exactly."""
+    if kwargs.get("out") is not None:
+        return "out="
+    linalg = func is torch.linalg.norm
+    default = None if linalg else 2 if func is torch.linalg.vector_norm else "fro"
+    ord_ = _arg(args, kwargs, 1, "ord" if func in (torch.linalg.vector_norm, torch.linalg.norm) else "p", default)
+    d = _arg(args, kwargs, 2, "dim")
+    if isinstance(d, torch.Tensor):
+        return "a dim given as a tensor"
+    dims = tuple(range(x.dim())) if d is None or d == () or d == [] else tuple(
+        sorted({e % x.dim() for e in (d if isinstance(d, (list, tuple)) else (d,))}))
+    if linalg and isinstance(d, (list, tuple)) and len(d) == 2 and ord_ not in (None, "fro"):
+        return f"a matrix norm (ord={ord_!r} over two dims)"
+    if linalg and d is None and ord_ is not None and x.dim() > 1:
+        return f"a matrix or flattened norm with ord={ord_!r} and no dim"
+    if ord_ in (None, "fro"):
+        ord_ = 2
+    if isinstance(ord_, bool) or not isinstance(ord_, (int, float)):
+        return f"ord/p={ord_!r}"
+    if x.dim() < 3 or x.dim() - 2 not in dims:
+        return "its input does not hold H at dim -2"
+    return float(ord_), dims, bool(_arg(args, kwargs, 3, "keepdim", False))
 
 
 def _interp_args(args: tuple, kwargs: dict) -> tuple:
@@ -618,7 +662,7 @@ def refuse_whole_mean(module: torch.nn.Module, args: tuple, names: dict[int, str
         return
     from ..plan.plans import whole_source
 
-    if isinstance(args[0], torch.Tensor) and whole_source(args[0]) == WHOLE_MEAN:
+    if isinstance(args[0], torch.Tensor) and whole_source(args[0]) in (WHOLE_MEAN, WHOLE_NORM):
         raise ValueError(
             f"{names.get(id(module), '(a module)')} ({type(module).__name__}) is given the result of a mean over H "
             f"(computed over the whole domain, whole and the same on every rank), but it is a halo layer that takes "
