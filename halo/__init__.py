@@ -10,7 +10,6 @@ from . import _moved  # noqa: F401  (old module paths, one release: halo._moved.
 # halo.io and halo.checkpoint as attributes (not in __all__: a star import must not shadow the stdlib's io)
 from . import checkpoint as checkpoint
 from . import context as context  # halo.context.reset() / use(): the one state object
-from . import guard as guard  # registers the guard with the planner (halo.plan.plans.use_guard)
 from . import io as io
 from .check import check_equivalence
 from .dist import (
@@ -31,6 +30,16 @@ from .random import manual_seed
 from .shard import gather, gather_2d, local_rows, scatter, scatter_2d, shard, shard_2d
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``halo.guard`` on first use (``halo.guard.trusted()`` after a plain ``import halo``): the guard imports the
+    layers whose exact functionals it computes, and ``import halo`` loads no layer."""
+    if name == "guard":
+        import importlib
+
+        return importlib.import_module("halo.guard")
+    raise AttributeError(f"module 'halo' has no attribute {name!r}")
 
 __all__ = [
     "DomainMesh",

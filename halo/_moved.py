@@ -30,7 +30,7 @@ MOVED: dict[str, str] = {
     "halo.groups": "halo.dist.groups",
     "halo.guard_follow": "halo.guard._follow",
     "halo.guard_ops": "halo.guard._ops",
-    "halo.guard_rules": "halo.guard._rules",
+    "halo.guard_rules": "halo.guard._policy",
     "halo.io_grid": "halo.io._grid",
     "halo.io_steps": "halo.io._steps",
     "halo.io_watch": "halo.io._watch",

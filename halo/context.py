@@ -25,10 +25,11 @@ as destroying a process group then); between steps it is safe: plans are learned
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["HaloContext", "current", "reset", "state", "use"]
+__all__ = ["HaloContext", "Watch", "current", "place", "reset", "state", "trusted", "use", "watch"]
 
 T = TypeVar("T")
 
@@ -106,3 +107,51 @@ def use(ctx: HaloContext | None = None) -> Iterator[HaloContext]:
         yield ctx
     finally:
         _CURRENT.ctx = before
+
+
+# -- what the layers tell the guard (below both: the layers never import the guard) ------------------------------------
+
+@dataclasses.dataclass
+class Watch:
+    """What code tells the guard of a converted model's first call (:mod:`halo.guard`) without importing it: the
+    depth of :class:`trusted` blocks being run (> 0: the guard checks nothing there, and the reroute computes no
+    site there), and the guard watching now (``None`` outside a guarded first call: the guard sets it on entering
+    and clears it on leaving). The slot is ``"reroute"``, its name since the reroute held it."""
+
+    trusted: int = 0
+    guard: Any = None
+
+
+def watch() -> Watch:
+    """The :class:`Watch` of the context in use."""
+    return state("reroute", Watch)
+
+
+class trusted:  # noqa: N801 - a context manager, named like one
+    """``with halo.guard.trusted():`` the guard does not check the ops in this block (code you know is right on a
+    shard: the guard assumes dim -2 of a 3-d or larger tensor is H unless it followed the tensor there), and autograd
+    nodes made in it are trusted too. Defined here, below the layers, so that a layer marks its own code trusted
+    without importing the guard; :mod:`halo.guard` re-exports it."""
+
+    def __enter__(self) -> trusted:
+        w = self._watch = watch()  # (the context entered in: exit undoes it there)
+        w.trusted += 1
+        self._guard = w.guard
+        self._start = self._guard.trust_begin() if self._guard is not None else None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._watch.trusted -= 1
+        if self._guard is not None:
+            self._guard.trust_end(self._start)
+
+
+def place(t: Any, dim: int, rows: int | None = None) -> None:
+    """Tell the guard of a converted model's first call where ``t``, a halo layer's output, holds the sharded rows:
+    at ``dim`` (``rows`` of them; more when later dims are merged into it, as tokens). For layers whose output is
+    not ``(..., H, W)`` with H at -2: channels-last blocks (Swin, NATTEN), tokens, W-shards (``rows_to_columns``).
+    Without it the guard would take dim -2 for H and pass a reduction over the real H (silently wrong). A no-op when
+    no guard is watching (re-exported by :mod:`halo.guard`)."""
+    guard = watch().guard
+    if guard is not None:
+        guard.place(t, dim, rows)

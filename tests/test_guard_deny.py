@@ -212,15 +212,16 @@ def test_a_pointwise_op_on_fields_split_differently_is_refused_on_every_rank():
 
 
 def test_the_issue_ops_are_classified_not_just_unknown():
-    import halo.guard as g
+    from halo.guard._policy import POLICY
 
     for f in (F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm, F.normalize, torch.fft.rfft2,
               torch.fft.irfft2, torch.diff, torch.cummax, torch.logcumsumexp, F.dropout, F.linear):
-        assert f in g.RULES, f
+        assert POLICY[f].rule is not None and POLICY[f].kind in ("refuse", "exact"), f
     for f in (torch.einsum, F.scaled_dot_product_attention, torch.baddbmm):
-        assert f in g.SPECIAL, f
-    assert not g.PASS & set(g.RULES)  # an op with a rule is never passed by its name alone
-    assert torch.trapezoid not in g.PASS and torch.trapezoid not in g.RULES  # unclassified: refused
+        assert POLICY[f].check is not None, f
+    # an op with a rule is never passed by its name alone (one table: one entry per op)
+    assert not [f for f, p in POLICY.items() if p.kind == "pass" and (p.rule or p.check)]
+    assert torch.trapezoid not in POLICY  # unclassified: refused
 
 
 def _allowed(rank, world):

@@ -16,8 +16,15 @@ a literal name. The rules:
 (e) no private name (``_x``) imported from another module or read off one (``plans._STATE``); a private module
     (``_x.py``) is imported only inside its own package;
 (f) ``halo.kernels`` imports nothing of halo outside itself (the kernels are the bottom of the house);
-(g) the core's packages are ordered (:data:`TIERS`: dist, plan, exchange, parallel, io, guard): a module of one
-    never imports a later one, and ``halo.context`` imports no other halo module.
+(g) the core's packages are ordered (:data:`TIERS`: dist, plan, exchange, parallel, io): a module of one never
+    imports a later one, and ``halo.context`` imports no other halo module;
+(h) the guard sits between the layers and the converter (issue 31 item 2): core < nn layers < ``halo.guard`` <
+    the converter (:data:`CONVERTER`: the modules that start the guard) < the API tier. The guard imports the
+    layers' exact functionals by name; a layer never imports the guard or the converter (it marks trusted code and
+    places a tensor's H through :mod:`halo.context`); the core never imports the guard;
+(i) no module slot is filled from another module at import (late binding: ``use_guard(SpatialGuard)`` at the end
+    of the guard, ``reroute.provide(...)`` at the end of a layer): the tier that needs a thing imports it. A
+    registry filled by decorators of its own package is code, not late binding.
 
 What breaks a rule today is listed in :data:`EXPECTED_VIOLATIONS`, each with its reason (issue 22). A test fails when
 a violation appears that is not listed, and when a listed one is gone: then remove it from the list, so that the
@@ -60,11 +67,20 @@ API = {
 #: the core's packages, lowest first (docs/architecture.md): a module of one never imports a later one (rule g).
 #: ``halo.context`` sits below them all; the other top-level core modules (shard, random, autocast, checkpoint, ...)
 #: use them and are used by nn and the API tier
-TIERS = ("dist", "plan", "exchange", "parallel", "io", "guard")
+TIERS = ("dist", "plan", "exchange", "parallel", "io")
 
-_CYCLE, _TOOLS, _CORE_NN, _COMPAT, _PRIVATE, _KERNELS, _API, _TIER = (
+#: the nn modules above the guard (rule h): they start its watch (the root's config hands the planner the guard's
+#: class) or reach it through the converter; every other ``halo.nn`` module is a layer, below the guard
+CONVERTER = {
+    "nn": "the package's face imports the converter (convert_to_domain_parallel) beside the layers",
+    "nn.convert": "revert_domain_parallel uninstalls the guard's reroutes (halo.guard.reroute.uninstall)",
+    "nn.root": "RootConfig.guard: the guard the planner enters at a converted model's first call",
+}
+
+_CYCLE, _TOOLS, _CORE_NN, _COMPAT, _PRIVATE, _KERNELS, _API, _TIER, _SLOT = (
     "cycle", "imports the tools", "core imports nn", "imports compat", "private name", "kernels import halo",
-    "imports the api tier", "imports a higher tier")
+    "imports the api tier", "imports a higher tier", "fills a slot of another module at import")
+_GUARD_TIER = "breaks nn layers < guard < converter"
 
 #: today's violations, each with why it is there; the list may only shrink (see the module docstring). Empty since
 #: issue 22: comm <-> mesh went with the one state object; compat/credit -> nn -> nn/convert -> compat/credit and
@@ -182,13 +198,15 @@ def _private(name: str) -> bool:
 
 
 def tier(module: str, root: str = "halo") -> str:
-    """Which part of the house ``module`` (of the package ``root``) is in: tools, alias, api, nn, compat, kernels,
-    core."""
+    """Which part of the house ``module`` (of the package ``root``) is in: tools, alias, api, converter, guard, nn
+    (the layers), compat, kernels, core."""
     if module in ALIASES:
         return "alias"
     if module == root or module in {f"{root}.{name}" for name in API} or module.startswith(f"{root}.check."):
         return "api"
-    for sub in ("tools", "nn", "compat", "kernels"):
+    if module in {f"{root}.{name}" for name in CONVERTER}:
+        return "converter"
+    for sub in ("tools", "guard", "nn", "compat", "kernels"):
         prefix = f"{root}.{sub}"
         if module == prefix or module.startswith(prefix + "."):
             return sub
@@ -216,11 +234,13 @@ def violations(edges: list[Import], reads: list[Import], mods: dict[str, Path],
         what = f"{e.where()}: {e.importer} imports {e.target}" + (f".{e.name}" if e.name else "")
         if (dst in ("tools", "alias") and src not in ("tools", "alias")) or (src == "alias" and dst != "tools"):
             add((_TOOLS, e.importer, e.target), what)
-        if src == "core" and dst == "nn":
+        if src == "core" and dst in ("nn", "converter"):
             add((_CORE_NN, e.importer, e.target), what)
-        if src in ("core", "api", "nn", "kernels") and dst == "compat":
+        if (src, dst) in (("core", "guard"), ("nn", "guard"), ("nn", "converter"), ("guard", "converter")):
+            add((_GUARD_TIER, e.importer, e.target), what)
+        if src in ("core", "api", "nn", "guard", "converter", "kernels") and dst == "compat":
             add((_COMPAT, e.importer, e.target), what)
-        if src in ("core", "nn", "kernels") and dst == "api":
+        if src in ("core", "nn", "guard", "converter", "kernels") and dst == "api":
             add((_API, e.importer, e.target), what)
         if src == "kernels" and dst != "kernels":
             add((_KERNELS, e.importer, e.target), what)
@@ -315,6 +335,124 @@ def scan(packages: dict[str, Path], root: str = "halo"
     return mods, edges, violations([e for e in edges if e.target], reads, mods, root)
 
 
+# -- rule (i): no module slot filled from another module at import ---------------------------------------------------
+
+_MUTATORS = {"append", "appendleft", "extend", "update", "add", "insert", "setdefault", "pop", "popitem", "clear",
+             "remove", "discard", "__setitem__"}
+_CONTAINERS = {"dict", "list", "set", "OrderedDict", "defaultdict", "deque", "WeakKeyDictionary",
+               "WeakValueDictionary", "WeakSet"}
+
+
+def _mutable_globals(tree: ast.Module) -> set[str]:
+    """A module's top-level names bound to a mutable container (``_X: list = [None]``, ``_X = {}``, ``dict()``)."""
+    out: set[str] = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) and node.value is not None else []
+        value = getattr(node, "value", None)
+        call = value.func if isinstance(value, ast.Call) else None
+        name = getattr(call, "id", getattr(call, "attr", None))
+        if isinstance(value, ast.List | ast.Dict | ast.Set | ast.ListComp | ast.DictComp | ast.SetComp) or \
+                name in _CONTAINERS:
+            out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _fills(fn: ast.AST, slots: set[str]) -> set[str]:
+    """The module globals that function ``fn`` changes: a container mutated, an item stored, a ``global`` rebound."""
+    declared = {n for node in ast.walk(fn) if isinstance(node, ast.Global) for n in node.names}
+    out: set[str] = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in slots:
+            out.add(node.func.value.id)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store | ast.Del) \
+                and isinstance(node.value, ast.Name) and node.value.id in slots:
+            out.add(node.value.id)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in declared:
+            out.add(node.id)
+    return out
+
+
+def _import_time(tree: ast.Module) -> list[tuple[ast.AST, bool]]:
+    """Every node that runs when the module is imported, with whether it is a decorator: module-level statements
+    and class bodies, not function bodies (they run when called)."""
+    out: list[tuple[ast.AST, bool]] = []
+    work: list[tuple[ast.AST, bool]] = [(n, False) for n in tree.body]
+    while work:
+        node, deco = work.pop()
+        out.append((node, deco))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            work += [(d, True) for d in node.decorator_list]
+            if isinstance(node, ast.ClassDef):
+                work += [(n, False) for n in node.body]
+            continue
+        if isinstance(node, ast.Lambda):
+            continue
+        work += [(c, deco) for c in ast.iter_child_nodes(node)]
+    return out
+
+
+def _package_of(module: str, mods: dict[str, Path]) -> str:
+    return module if mods[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def slot_fills(mods: dict[str, Path]) -> dict[tuple[str, ...], list[str]]:
+    """Rule (i): module slots filled from another module at import (``use_guard(SpatialGuard)`` at the end of the
+    guard, ``reroute.provide(...)`` at the end of a layer, ``other._X.append(...)``, ``other.X = ...``): key
+    ``(kind, importer, slot's module.function or slot)`` -> where. A decorator of the slot's own package filling its
+    registry (``@converts``) is code, not late binding: allowed."""
+    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in mods.items()}
+    slots = {m: _mutable_globals(t) for m, t in trees.items()}
+    fillers: dict[str, set[str]] = {}
+    for m, t in trees.items():
+        globals_ = slots[m] | {n for node in t.body if isinstance(node, ast.Assign) for n in
+                               (x.id for x in node.targets if isinstance(x, ast.Name))}
+        fillers[m] = {f.name for f in t.body if isinstance(f, ast.FunctionDef) and _fills(f, globals_)}
+    found: dict[tuple[str, ...], list[str]] = {}
+    for n, tree in trees.items():
+        modules: dict[str, str] = {}
+        names: dict[str, tuple[str, str]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _from_base(n, node, mods)
+                for a in node.names:
+                    if f"{base}.{a.name}" in mods:
+                        modules[a.asname or a.name] = f"{base}.{a.name}"
+                    elif base in mods:
+                        names[a.asname or a.name] = (base, a.name)
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in mods:
+                        modules[a.asname] = a.name
+        for node, deco in _import_time(tree):
+            hit = None
+            if isinstance(node, ast.Call) or deco and isinstance(node, ast.Name | ast.Attribute):
+                f = node.func if isinstance(node, ast.Call) else node  # (a decorator is called too: ``@register``)
+                if isinstance(f, ast.Name) and f.id in names and names[f.id][1] in fillers.get(names[f.id][0], ()):
+                    hit = names[f.id]
+                elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in modules \
+                        and f.attr in fillers[modules[f.value.id]]:
+                    hit = modules[f.value.id], f.attr
+                elif isinstance(f, ast.Attribute) and f.attr in _MUTATORS and isinstance(f.value, ast.Attribute) \
+                        and isinstance(f.value.value, ast.Name) and f.value.value.id in modules:
+                    hit = modules[f.value.value.id], f.value.attr
+            elif isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
+                for t in getattr(node, "targets", None) or [getattr(node, "target", None)]:
+                    t = t.value if isinstance(t, ast.Subscript) else t
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in modules:
+                        hit = modules[t.value.id], t.attr
+            if hit is None or hit[0] == n:
+                continue
+            if deco and _package_of(n, mods) == _package_of(hit[0], mods):
+                continue  # a registry filled by decorators in its own package
+            path = mods[n]
+            found.setdefault((_SLOT, n, f"{hit[0]}.{hit[1]}"), []).append(
+                f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{node.lineno}: {n} fills "
+                f"{hit[0]}.{hit[1]} at import")
+    return found
+
+
 MODS, EDGES, FOUND = scan(PACKAGES)
 
 
@@ -378,8 +516,27 @@ def test_the_core_packages_are_ordered():
     assert {f"halo.{t}" for t in TIERS} <= set(MODS), TIERS
 
 
+def test_the_guard_sits_between_the_layers_and_the_converter():
+    """Rule (h): no layer imports the guard (``from ..guard import place`` was one), nor the core; the guard imports
+    the layers it reroutes to (not the converter); the converter modules are real and import the guard."""
+    _check_rule(_GUARD_TIER)
+    assert {f"halo.{name}" for name in CONVERTER} <= set(MODS), sorted(CONVERTER)
+    up = {(e.importer, e.target) for e in EDGES if e.target}
+    assert ("halo.guard.reroute", "halo.nn.norm") in up and ("halo.guard.reroute", "halo.nn.upsample") in up
+    assert ("halo.nn.root", "halo.guard") in up
+    layers = sorted(m for m in MODS if tier(m) == "nn")
+    assert "halo.nn.norm" in layers and "halo.nn.spectral_layers" in layers and "halo.nn.convert" not in layers
+
+
+def test_no_module_slot_is_filled_from_another_module():
+    """Rule (i): 0 late bindings (issue 31 item 2 counted 4 before: plans.use_guard, reroute.provide twice,
+    comm.register_default_group)."""
+    found = slot_fills(MODS)
+    assert not found, "\n".join(f"{k[1:]}: {v}" for k, v in sorted(found.items()))
+
+
 def test_every_violation_is_one_of_the_rules_and_says_why():
-    kinds = {_CYCLE, _TOOLS, _CORE_NN, _COMPAT, _PRIVATE, _KERNELS, _API, _TIER}
+    kinds = {_CYCLE, _TOOLS, _CORE_NN, _COMPAT, _PRIVATE, _KERNELS, _API, _TIER, _GUARD_TIER}
     assert {k[0] for k in FOUND} <= kinds, sorted(FOUND)
     for key, reason in EXPECTED_VIOLATIONS.items():
         assert key[0] in kinds and len(reason) > 20, (key, reason)
@@ -478,3 +635,36 @@ def test_the_scanner_finds_each_kind_of_violation(fake):
     assert not any(k[1] == "fake.check" for k in found)  # the API tier importing nn: fine
     assert (_TIER, "fake.dist.low", "fake.plan.high") in found  # a lower tier importing a higher one
     assert len(found) == 9, sorted(found)
+
+
+SLOTS_FAKE = {
+    "__init__.py": "",
+    "low.py": ("_SLOT: list = [None]\n_TABLE = {}\nFLAG = None\n\n"
+               "def provide(x):\n    _SLOT[0] = x\n\n"
+               "def register(f):\n    _TABLE[f.__name__] = f\n    return f\n\n"
+               "def use(x):\n    global FLAG\n    FLAG = x\n\n"
+               "def pure(x):\n    return [x]\n"),
+    "high.py": ("from . import low\nfrom .low import use, pure\n\nlow.provide(1)\nuse(2)\npure(3)\n"
+                "low._TABLE.update(a=1)\nlow.FLAG = 4\n\n"
+                "def later():\n    low.provide(5)\n"),
+    "deco.py": "from .low import register\n\n@register\ndef f():\n    pass\n",
+    "sub/__init__.py": "",
+    "sub/deco.py": "from ..low import register\n\n@register\ndef g():\n    pass\n",
+    "sub/reg.py": "_R = {}\n\ndef converts(c):\n    _R[c] = c\n    return c\n",
+    "sub/layer.py": "from .reg import converts\n\n@converts\nclass L:\n    pass\n",
+}
+
+
+def test_the_slot_rule_finds_late_binding(tmp_path):
+    """Rule (i) on a package written for it: calls at import of a function that fills its own module's slot, a
+    ``global`` rebound, a slot mutated or a module attribute set from outside, a decorator of another package; not
+    a call at run time (in a function), a pure function, or a decorator filling its own package's registry."""
+    root = tmp_path / "fake"
+    for rel, text in SLOTS_FAKE.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    found = slot_fills(discover({"fake": root}))
+    assert set(found) == {(_SLOT, "fake.high", "fake.low.provide"), (_SLOT, "fake.high", "fake.low.use"),
+                          (_SLOT, "fake.high", "fake.low._TABLE"), (_SLOT, "fake.high", "fake.low.FLAG"),
+                          (_SLOT, "fake.sub.deco", "fake.low.register")}, sorted(found)
+    assert found[(_SLOT, "fake.high", "fake.low.provide")] == ["high.py:4: fake.high fills fake.low.provide at import"]

@@ -20,8 +20,9 @@ with an NCCL-only backend before a reset gets its host group again only by being
 ``"cpu:gloo,cuda:nccl"`` group needs none). Group ids are never reused within a context; an id of another context
 (or one whose group is gone) fails loudly.
 
-The default group (no ``group=``) is the default manager's domain group: :mod:`halo.dist.mesh`, one tier up, registers
-how to find it (:func:`register_default_group`); this module never imports the mesh.
+The default group (no ``group=``) is the default manager's domain group: :func:`halo.initialize_domain_parallel`
+(:mod:`halo.dist.mesh`, one tier up) sets it here when it makes the manager (:func:`set_default_group`, data of the
+context like the timeout), and forgets it with the manager; this module never imports the mesh.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ __all__ = [
     "first_ops",
     "keep_alive",
     "new_group",
-    "register_default_group",
+    "set_default_group",
     "set_timeout",
     "unsharded",
     "unsharded_default",
@@ -98,6 +99,7 @@ class _CommState:
     by_id: dict = dataclasses.field(default_factory=dict)  # id -> weakref to its CommGroup
     next_id: int = dataclasses.field(default_factory=id_base)
     unsharded: int = 0  # > 0 inside ``unsharded()``: the default group is this process alone
+    default_group: Any = None  # the default manager's domain group (set_default_group), None: no manager
 
 
 def _state() -> _CommState:
@@ -268,20 +270,19 @@ def group_by_id(gid: int) -> CommGroup:
     return cg
 
 
-def register_default_group(resolve: Callable[[Any], Any]) -> None:
-    """Say how ``group=None`` resolves (``resolve(None)``: the default group, or a clear error): called once, by
-    :mod:`halo.dist.mesh` at import (the default manager lives there, one tier up). Not state: fixed at import."""
-    _RESOLVE[:] = [resolve]
-
-
-_RESOLVE: list[Callable[[Any], Any]] = []  # filled at import by halo.dist.mesh (register_default_group)
+def set_default_group(group: Any | None) -> None:
+    """Make ``group`` the default group of the context in use (what ``group=None`` means), or forget it (``None``):
+    called by :func:`halo.initialize_domain_parallel` and :func:`halo.destroy_domain_parallel` with the manager's
+    domain group."""
+    _state().default_group = group
 
 
 def _resolve_group(group: Any | None) -> Any:
     if group is not None:
         return group
-    if _RESOLVE:
-        return _RESOLVE[0](None)
+    default = _state().default_group
+    if default is not None:
+        return default
     raise RuntimeError("no process group given and no domain-parallel manager initialised: pass group=..., or call "
                        "halo.initialize_domain_parallel(world_size, domain_parallel_size) on every rank first")
 

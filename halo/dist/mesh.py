@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import context
-from .comm import create_host_groups, first_ops, register_default_group
+from .comm import create_host_groups, first_ops, set_default_group
 
 __all__ = [
     "DomainAxis",
@@ -431,6 +431,7 @@ def initialize_domain_parallel(world_size: int, domain_parallel_size: int,
     """Create a :class:`DomainParallelManager` and make it the default used when no group is passed (in the
     current :mod:`halo.context`)."""
     manager = _state().manager = DomainParallelManager(world_size, domain_parallel_size, shard_dim)
+    set_default_group(manager.domain_group)  # what group=None means in halo.dist.comm, one tier down
     logger.info("DomainParallelManager: rank=%d, domain_rank=%d/%d, dp_rank=%d/%d, shard_dim=%d", manager.mesh.rank,
                 manager.domain_rank, domain_parallel_size, manager.dp_rank, manager.dp_world_size, shard_dim)
     return manager
@@ -444,6 +445,7 @@ def get_domain_parallel_manager() -> DomainParallelManager | None:
 def destroy_domain_parallel() -> None:
     """Forget the default manager (its process groups stay valid for anyone holding them)."""
     _state().manager = None
+    set_default_group(None)
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -457,9 +459,6 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
             "halo.initialize_domain_parallel(world_size, domain_parallel_size) on every rank first"
         )
     return manager.domain_group
-
-
-register_default_group(resolve_group)  # comm, one tier down, resolves group=None through this (never imports mesh)
 
 
 @functools.lru_cache(maxsize=64)

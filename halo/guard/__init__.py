@@ -4,53 +4,9 @@ The converter replaces modules; code in a ``forward`` (``F.pad(x1, [.., diffY //
 from the *local* shapes, ``F.interpolate``, slicing or a mean over H) runs on the shard as written, and is silently
 wrong. While a converted model learns its plans (its first call for each input shape: ``halo.plan.plans``), a
 ``TorchFunctionMode`` watches every torch function called from user code (calls from torch's or halo's own code
-are not checked) and refuses, on every rank, the ops that would act on the sharded dim H of a field:
-
-=====================================================  ===========================================================
-op (function or tensor method)                         refused when
-=====================================================  ===========================================================
-``F.pad``                                              it pads H (any mode): the amounts are local
-``F.interpolate`` / ``upsample*``                      it resizes H in a form halo cannot compute (below): a size
-                                                       from a shard that is no field's rows, antialias, a mode
-                                                       ``halo_interpolate`` lacks, not ``(B, C, H, W)``
-``F.conv2d``, ``conv_transpose2d``, pools, ``unfold``  its window, stride or padding along H is not 1 / 1 / 0
-``adaptive_*_pool2d``, ``pixel_(un)shuffle``,          they change or mix H
-``grid_sample``
-``torch.roll``, ``flip``                               along H
-``cat``, ``split``, ``chunk``, ``narrow``, indexing,   along H (a slice of H that is not the whole of it); a
-                                                       ``cat`` of fields split differently (rows differ)
-``index_select``, ``select``, ``unbind``, ...
-reductions (``sum``, ``max``, ``std``, ``softmax``,    over H, or over everything (``mean``: computed, below)
-``cumsum``, ``sort``, ...)
-``view`` / ``reshape`` / ``flatten``                   H is merged with an earlier dim (with later ones, as
-                                                       ``flatten(2)`` makes tokens, it is tracked)
-``matmul`` / ``@`` / ``bmm``                           H is contracted or becomes a second token dim (attention)
-``F.layer_norm`` / ``rms_norm``                        ``normalized_shape`` covers H, with a weight or bias
-                                                       (``rms_norm``: always)
-``F.group_norm``, ``instance_norm``, ``batch_norm``    their statistics include H and their input does not hold H
-                                                       at dim -2 (batch norm in eval: per channel, passes)
-``F.normalize``, ``glu``, ``cosine_similarity``,       along H
-``diff``, ``cummax``, ``logcumsumexp``, ...
-``einsum``                                             H is contracted, or two fields' H become two dims
-``torch.fft.*``                                        H is among the transformed dims
-``F.scaled_dot_product_attention``, ``baddbmm``        H is a token dim (attention over all tokens)
-``F.linear``                                           H is the last dim (contracted)
-``F.dropout`` and friends, ``rand_like``, ...          they draw (training, p > 0): each shard would draw its own
-``repeat``, ``tile``, ``repeat_interleave``            they repeat H
-a pointwise op on two fields or more                   their shards hold different numbers of rows (split
-                                                       differently), or one has 1 row on some ranks and more on
-                                                       others (its 1-row shard broadcasts over a field's rows; a
-                                                       tensor of 1 row on every rank broadcasts, as a bias)
-``torch.ops.<ns>.<op>`` (extension, custom ops)        given a field from user code (unclassified, as below)
-``torch.nn.attention.flex_attention``, higher-order    given a field from user code: torch compiles their body into
-ops (``torch._higher_order_ops``)                      one op the guard cannot see (a HOP that torch's own compiled
-                                                       code runs on a field: at the next eager op or the call's end)
-a custom ``torch.autograd.Function``                   applied to a field (an output of 3 dims or more) with a graph:
-                                                       its backward is code halo cannot check (found after the call,
-                                                       walking the call's autograd graph; halo's and torch's own
-                                                       Functions and ``trusted()`` blocks pass)
-*anything else*                                        always (default deny: an op halo has not classified)
-=====================================================  ===========================================================
+are not checked) and refuses, on every rank, the ops that would act on the sharded dim H of a field, as the one
+table of :mod:`halo.guard._policy` says (its docstring lists each op and when it is refused; ``POLICY`` is the
+table itself).
 
 An op that torch itself refuses on one rank's shard (the others' pass) is agreed on like a refusal: every rank
 raises at that op, none is left waiting in the next layer's exchange.
@@ -65,11 +21,11 @@ compute exactly the recorded sites (a small ``TorchFunctionMode`` over those mod
 exact after the first call, at no agreement.
 
 **Default deny.** An op given a field passes only when halo knows what it does to H: it acts on each point (the
-explicit, grouped allowlist ``PASS``: elementwise math, activations, comparisons, casts, metadata such as
-``.shape`` / ``.size()`` / ``.dtype``, in-place pointwise ops, ``torch.where``), halo follows H through it (the
-layout ops), or a rule above reads its arguments and finds that it leaves H alone. Every other torch function
-called on a field from user code is refused, naming it; an op torch adds tomorrow is refused until it is classified
-here. The guard is off where nothing is sharded (one domain rank).
+table's ``"pass"`` entries, an explicit, grouped allowlist: elementwise math, activations, comparisons, casts,
+metadata such as ``.shape`` / ``.size()`` / ``.dtype``, in-place pointwise ops, ``torch.where``), halo follows H
+through it (the layout ops), or a rule of the table reads its arguments and finds that it leaves H alone. Every
+other torch function called on a field from user code is refused, naming it; an op torch adds tomorrow is refused
+until it is classified in the table. The guard is off where nothing is sharded (one domain rank).
 
 **Hooks.** Code in a module's forward hook or pre-hook (monitoring: ``(o != 0).float().mean()``) is not refused
 where it stands: what an op the guard would refuse computes there is marked, and refused (naming that op and line)
@@ -107,36 +63,23 @@ import torch
 from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode
 
+from .. import context
+from ..context import place, trusted
 from ..dist.comm import CommGroup, all_gather_object, gather_words
-from ..plan.plans import TensorMap, state, use_guard, whole_source
+from ..plan.plans import TensorMap, whole_source
 from . import reroute
-from ._follow import SPECIAL, SPECIAL_FOLLOW, Follower, place
-from ._ops import (
-    INTERPOLATES,
-    LAYOUT,
-    MATMUL,
-    MEANS,
-    MERGES,
-    PASS,
-    SIZE_READS,
-    STACK,
-    Marks,
-    flows_message,
-    in_hook,
-    op_name,
-    refusal_message,
-    torch_module_call,
-    where,
-)
-from ._rules import (
-    RULES,
+from ._follow import Follower
+from ._ops import Marks, flows_message, in_hook, op_name, refusal_message, torch_module_call, where
+from ._policy import (
+    POLICY,
+    H,
+    Policy,
+    W,
     broadcasts,
     get_arg,
-    getitem_rule,
     h_dim,
     interpolate_rule,
     linear_rule,
-    on_w,
     row_masks,
     split_differently,
     torch_raised,
@@ -144,27 +87,11 @@ from ._rules import (
 )
 from .reroute import user_frame
 
-__all__ = ["PASS", "RULES", "SPECIAL", "SpatialGuard", "place", "trusted"]
+__all__ = ["POLICY", "SpatialGuard", "place", "trusted"]
 
 T = torch.Tensor
+_LAYOUT_ONLY = Policy("follow", after="layout")  # a layout op in a trusted() block: followed, nothing else checked
 _AGREE = 0x47554152  # "GUAR"
-
-
-class trusted:  # noqa: N801 - a context manager, named like one
-    """``with halo.guard.trusted():`` the guard does not check the ops in this block (code you know is right on a
-    shard: the guard assumes dim -2 of a 3-d or larger tensor is H unless it followed the tensor there)."""
-
-    def __enter__(self) -> trusted:
-        reroute.state().trusted += 1
-        guard = state().guard
-        self._start = _sequence_nr() if guard is not None and not guard.off else None
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        reroute.state().trusted -= 1
-        guard = state().guard
-        if self._start is not None and guard is not None:  # autograd nodes made in here are trusted too
-            guard.trusted_nodes.append((self._start, _sequence_nr()))
 
 
 def _sequence_nr() -> int | None:
@@ -224,8 +151,11 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         self.hops: list[str] = []  # higher-order ops run on fields inside torch's own compiled code (refused)
         self.trusted_nodes: list[tuple[int, int]] = []  # autograd sequence numbers made in trusted blocks
         self.first_node: int | None = None  # the guarded call's first autograd node
+        self._outer: Any = None
 
     def __enter__(self) -> SpatialGuard:
+        w = context.watch()  # where the layers' place() and trusted() find the guard (halo.context)
+        self._outer, w.guard = w.guard, self
         if not self.off:
             self.first_node = _sequence_nr()
         if not self.off:  # a halo layer must not take a whole mean computed here for a shard
@@ -241,6 +171,25 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 self._hook.remove()
                 self._hook = None
             self.recorder.close()
+            context.watch().guard, self._outer = self._outer, None
+
+    # -- what the layers tell it (halo.context.place / trusted) -------------------------------------------------------
+
+    def place(self, t: Any, dim: int, rows: int | None = None) -> None:
+        """:func:`halo.context.place`: ``t`` holds the sharded rows at ``dim`` (``rows`` of them)."""
+        if not isinstance(t, torch.Tensor) or torch.compiler.is_compiling():
+            return
+        d = dim % t.dim()
+        self.dims[t] = (d, int(t.shape[d]) if rows is None else int(rows))
+
+    def trust_begin(self) -> int | None:
+        """A :class:`halo.context.trusted` block starts: where its autograd nodes begin (``None``: not watched)."""
+        return None if self.off else _sequence_nr()
+
+    def trust_end(self, start: int | None) -> None:
+        """A trusted block ends: the autograd nodes made in it are trusted too (:meth:`_refuse_functions`)."""
+        if start is not None:
+            self.trusted_nodes.append((start, _sequence_nr()))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -251,7 +200,7 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                     isinstance(a, torch.Tensor) and a.dim() >= 3 for a in (*args, *kwargs.values())):
                 self.hops.append(func._name)  # (a side effect dynamo replays; refused at the next eager op)
             return func(*args, **kwargs)
-        trusted = reroute.state().trusted
+        trusted = context.watch().trusted
         if self.hops:
             self._refuse_hops(func, sys._getframe(1))
         if not trusted:
@@ -267,85 +216,110 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             hooked = self._check_taint(func, args, kwargs)
             if hooked is not None:
                 return hooked[0]
-        if func in STACK:
+        entry = POLICY.get(func)
+        if entry is not None and entry.after == "stack":
             return self._stack(func, args, kwargs)
         site = None
-        if func in reroute.EXACT and not trusted:  # counted wherever called (the sites' ordinals)
+        if entry is not None and entry.kind == "exact" and not trusted:  # counted wherever called (sites' ordinals)
             at = user_frame()
             if at is not None and not in_hook(at):
                 site = self.recorder.count(at)
-        elif func in SIZE_READS and args:
+        elif entry is not None and entry.sizes and args:
             self._note_size(args[0])
-        rule = None if trusted else RULES.get(func)
-        layout = func in LAYOUT or func in MERGES
-        matmul = func in MATMUL and not trusted
-        tracked = self._tracked(args) if self.dims._items else None
-        special = func in SPECIAL and not trusted
-        unclassified = rule is None and not layout and not matmul and not special and not trusted \
-            and func not in PASS
-        if rule is None and not layout and not matmul and not special and not unclassified:
-            if not trusted and len(args) + len(kwargs) > 1:
-                rows = self._rows_of_fields(args, kwargs)
-                if rows is not None:  # a pointwise op on two fields or more: are they split alike?
-                    frame = user_frame()
-                    if frame is not None:
-                        problem = split_differently(rows)
-                        note = self._verdict(func, problem, frame, rows=rows)
-                        if note is not None:
-                            if not in_hook(frame):
-                                raise ValueError(refusal_message(note))
-                            out = func(*args, **kwargs)  # monitoring: marked, refused once it flows on
-                            self._taint(func, args, out, refusal_message(note))
-                            return out
-            if tracked is None:
-                return func(*args, **kwargs)
+        if trusted and (entry is None or entry.after != "layout"):  # nothing checked (layout ops still followed)
+            tracked = self._tracked(args) if self.dims._items else None
             out = func(*args, **kwargs)
-            self._carry(tracked, out)
+            if tracked is not None:
+                self._carry(tracked, out)
             return out
+        if trusted:
+            entry = _LAYOUT_ONLY
+        if entry is None or entry.kind == "pass":
+            return self._pointwise(func, args, kwargs, entry)
+        return self._checked(func, args, kwargs, entry, site)
+
+    def _pointwise(self, func, args, kwargs, entry):
+        """An op passed by its name (``entry``), or an unclassified one (``None``: refused on a field, naming it)."""
+        tracked = self._tracked(args) if self.dims._items else None
+        if entry is None:
+            if self._any_field(args, kwargs) and user_frame(3) is not None:
+                frame = user_frame(3)
+                problem = ("is not an op halo has classified (pointwise in H, a layout op it follows, or one it "
+                           "computes exactly), and it is given a field sharded along H: it may read rows of other "
+                           "ranks, so halo refuses it until it is classified (halo.guard); compute it with a module "
+                           "halo converts, gather first (halo.gather), or, if it acts on each row of H on its own, "
+                           "run it in `with halo.guard.trusted():`")
+                return self._judged(func, args, kwargs, problem, frame, checked=False)
+        elif len(args) + len(kwargs) > 1:
+            rows = self._rows_of_fields(args, kwargs)
+            if rows is not None:  # a pointwise op on two fields or more: are they split alike?
+                frame = user_frame(3)
+                if frame is not None:
+                    note = self._verdict(func, split_differently(rows), frame, rows=rows)
+                    if note is not None:
+                        if not in_hook(frame):
+                            raise ValueError(refusal_message(note))
+                        out = func(*args, **kwargs)  # monitoring: marked, refused once it flows on
+                        self._taint(func, args, out, refusal_message(note))
+                        return out
+        out = func(*args, **kwargs)
+        if tracked is not None:
+            self._carry(tracked, out)
+        return out
+
+    def _judged(self, func, args, kwargs, problem, frame, checked=True):
+        """Agree on ``problem`` across ranks; raise it, or (in a forward hook) run the op and mark its result."""
+        note = self._verdict(func, problem, frame, checked=checked)
+        if note is None:
+            return func(*args, **kwargs)
+        if not in_hook(frame):
+            raise ValueError(refusal_message(note))
+        out = func(*args, **kwargs)  # monitoring code in a hook: refused only once its result flows into the model
+        self._taint(func, args, out, refusal_message(note))
+        return out
+
+    def _checked(self, func, args, kwargs, entry, site):
+        """The dispatcher of the one table (:data:`halo.guard._policy.POLICY`) for an op with a rule or a check."""
+        tracked = self._tracked(args) if self.dims._items else None
         x = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(x, str):  # einsum(equation, *operands)
             x = next((t for t in args[1:] if isinstance(t, torch.Tensor)), x)
         if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):  # cat
             x = next((t for t in x if h_dim(t, self.dims) is not None), x[0])
         h = h_dim(x, self.dims)
+        rule = entry.rule
         if rule is interpolate_rule and h is None and isinstance(x, torch.Tensor) and x.dim() >= 3 \
                 and x.shape[-2] > 1 and whole_source(x) is not None:
             rule, h = whole_interpolate_rule, x.dim() - 2  # a small map whole on every rank (PSP), resized
-        if unclassified:
-            watch = self._any_field(args, kwargs)
-        else:
-            watch = h is not None or matmul or special
-        frame = user_frame() if watch else None
-        if frame is None and rule is linear_rule and self.w_sharded and watch and torch_module_call():
+        watch = h is not None or entry.check is not None
+        frame = user_frame(3) if watch else None
+        if frame is None and rule is linear_rule and self.w_sharded and watch and torch_module_call(3):
             # a kept nn.Linear on a latitude x longitude mesh (custom_converters={nn.Linear: None}): on a field's
             # last dim, W, it mixes the sharded columns; checked although torch's own module makes the call
-            frame = sys._getframe(1)
+            frame = sys._getframe(2)
         if frame is None:  # not a field, or torch's / halo's own code: run it (and follow H through it)
             out = func(*args, **kwargs)
-            if layout and h is not None:
+            if entry.after == "layout" and h is not None:
                 self._follow(func, args, kwargs, x, h, out)
             elif tracked is not None:
                 self._carry(tracked, out)
             return out
-        if unclassified:
-            problem = ("is not an op halo has classified (pointwise in H, a layout op it follows, or one it computes "
-                       "exactly), and it is given a field sharded along H: it may read rows of other ranks, so halo "
-                       "refuses it until it is classified (halo.guard); compute it with a module halo converts, "
-                       "gather first (halo.gather), or, if it acts on each row of H on its own, run it in "
-                       "`with halo.guard.trusted():`")
-        elif special:
-            problem = SPECIAL[func](self, args, kwargs)
+        if entry.check is not None:
+            problem = getattr(self, entry.check)(args, kwargs)
+        elif rule is not None and h is not None:
+            problem = rule(args, kwargs, x, h, H)
         else:
-            problem = rule(args, kwargs, x, h) if rule is not None else self._matmul(args) if matmul else None
+            problem = None
         if site is not None and site[0] is not None and not self.w_sharded and isinstance(x, torch.Tensor):
-            exact = self._exact(func, args, kwargs, x, h, problem, frame, site)
+            exact = self._exact(entry, func, args, kwargs, x, h, problem, frame, site)
             if isinstance(exact, str):
                 problem = exact
             elif exact is not None:
                 return exact[0]
         if problem is None and rule is not None and self.w_sharded and isinstance(x, torch.Tensor) and x.dim() >= 3 \
                 and self.dims.get(x) is None:
-            problem = on_w(rule, args, kwargs, x)
+            found = rule(args, kwargs, x, x.dim() - 1, W)  # the same rule, on W (the last dim)
+            problem = None if found is None else W.prefix + found
         out, ran, failed = None, problem is None, None
         if ran:
             try:
@@ -353,17 +327,17 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             except Exception as exc:  # noqa: BLE001 - torch refuses this rank's shard: agreed on first (invariant 4)
                 failed, ran, problem = exc, False, torch_raised(exc)
         if ran:
-            if layout:
+            if entry.after == "layout":
                 problem = self._follow(func, args, kwargs, x, h, out)
-            elif func in SPECIAL_FOLLOW:
-                SPECIAL_FOLLOW[func](self, args, kwargs, out)
-            elif rule is getitem_rule and func is T.__getitem__:
+            elif entry.after in ("einsum", "sdpa"):
+                getattr(self, f"_{entry.after}_follow")(args, kwargs, out)
+            elif entry.after == "index" and func is T.__getitem__:
                 problem = self._follow_index(x, h, args[1] if len(args) > 1 else None, out)
-            elif getattr(rule, "along", None) is not None and h is not None:
+            elif entry.after == "reduce" and h is not None:
                 self._follow_reduce(rule.along, args, kwargs, x, h, out)
             elif tracked is not None:
                 self._carry(tracked, out)
-        note = self._verdict(func, problem, frame, checked=not unclassified)
+        note = self._verdict(func, problem, frame)
         if note is not None:  # some rank refuses it (all ranks alike from here)
             if not in_hook(frame) or failed is not None:
                 raise ValueError(refusal_message(note)) from failed
@@ -380,17 +354,22 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 and self.dims.get(t) is None and whole_source(t) is None and user_frame(3) is not None:
             self.sized.note(t)
 
-    def _exact(self, func, args, kwargs, x, h, problem, frame, site) -> tuple[Any] | str | None:
+    def _exact(self, entry, func, args, kwargs, x, h, problem, frame, site) -> tuple[Any] | str | None:
         """An op halo can compute exactly where the rule finds it acts on H: ``(out,)`` computed (and recorded at its
         site for later calls), a refusal (why not here), or ``None``: go on as the rule says."""
         module, key, ordinal = site
         whole = False
-        if func in MEANS:
+        if entry.how == "mean":
             dims = reroute.mean_dims(args, kwargs, x) if problem is not None else None
             if dims is None:
                 return None
             why = None if h in dims[0] else "it does not reduce over H"
-        elif func in INTERPOLATES:
+        elif entry.how == "vector_norm":
+            if problem is None:
+                return None
+            form = reroute.norm_form(func, args, kwargs, x)
+            why = form if isinstance(form, str) else None if h in form[1] else "it does not reduce over H"
+        elif entry.how == "interpolate":
             whole = whole_source(x) is not None
             sized = get_arg(args, kwargs, 1, "size") is not None  # (a size from a shard: gathered on every rank)
             if h != x.dim() - 2 or problem is None and not sized and (
@@ -408,9 +387,11 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             raise ValueError(refusal_message(note))
         gid = self.recorder.gid
         try:  # (collectives: every rank gets here, and an agreement that fails raises the same on every rank)
-            if func in MEANS:
+            if entry.how == "vector_norm":
+                action = reroute.VectorNorm(*form, gid)
+            elif entry.how == "mean":
                 action = reroute.finish_mean(x, h, *dims, self.cg, gid)
-            elif func in INTERPOLATES:
+            elif entry.how == "interpolate":
                 action = reroute.finish_interpolate(args, kwargs, x, whole, self.sized, self.cg, gid, op_name(func))
             else:
                 action = reroute.finish_norm(func, x, self.cg, gid)
@@ -544,6 +525,3 @@ def _custom_function(node: Any) -> str | None:
             f"cannot see (it may mix the sharded rows H); compute it with torch ops or a module halo converts, or, "
             f"if its forward and backward act on each row of H on their own, call it in "
             f"`with halo.guard.trusted():`")
-
-
-use_guard(SpatialGuard)  # the planner enters it at a converted model's first call of each epoch

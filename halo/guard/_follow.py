@@ -3,37 +3,22 @@ view, indexing, reductions over other dims, stack) and the checks of ops whose o
 einsum, attention). :class:`Follower` is the part of the guard that reads and writes ``self.dims`` (tensor -> its H
 dim and rows, where that is not dim -2) and ``self.w_sharded``; :data:`SPECIAL` / :data:`SPECIAL_FOLLOW` map the
 ops checked by its methods; it also tells which arguments of an op are fields (:meth:`Follower._rows_of_fields`).
-:func:`place` is how a layer tells it where its output holds H."""
+:func:`halo.context.place` is how a layer tells it where its output holds H."""
 
 from __future__ import annotations
 
-import re
 import string
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from ..plan.plans import TensorMap, state
-from ._rules import dims_arg, field_of, get_arg, h_dim, merge_dims
+from ..plan.plans import TensorMap
+from ._policy import Axis, H, W, dims_arg, field_of, get_arg, h_dim, merge_dims
 
-__all__ = ["SPECIAL", "SPECIAL_FOLLOW", "Follower", "place"]
+__all__ = ["Follower"]
 
 T = torch.Tensor
 _MT = T.mT.__get__  # x.mT: transpose of the last two dims
-
-
-def place(t: Any, dim: int, rows: int | None = None) -> None:
-    """Tell the guard of a converted model's first call where ``t``, a halo layer's output, holds the sharded rows:
-    at ``dim`` (``rows`` of them; more when later dims are merged into it, as tokens). For layers whose output is
-    not ``(..., H, W)`` with H at -2: channels-last blocks (Swin, NATTEN), tokens, W-shards (``rows_to_columns``).
-    Without it the guard would take dim -2 for H and pass a reduction over the real H (silently wrong). A no-op when
-    no guard is watching (re-exported by :mod:`halo.guard`, where layers import it)."""
-    guard = state().guard
-    if guard is None or not isinstance(t, torch.Tensor) or torch.compiler.is_compiling():
-        return
-    d = dim % t.dim()
-    guard.dims[t] = (d, int(t.shape[d]) if rows is None else int(rows))
 
 
 class Follower:
@@ -93,7 +78,7 @@ class Follower:
                     return True
         return False
 
-    def _matmul(self, args) -> str | None:
+    def _matmul(self, args, kwargs=None) -> str | None:
         a, b = (args + (None, None))[:2]
         ha, hb = h_dim(a, self.dims), h_dim(b, self.dims)
         if (ha is not None and ha == a.dim() - 1) or (hb is not None and b.dim() >= 2 and hb == b.dim() - 1):
@@ -211,8 +196,8 @@ class Follower:
         self._record(out, new, field_of(x, self.dims)[1])
         return None
 
-    def _einsum_dims(self, args) -> tuple[str | None, int | None, int]:
-        """``torch.einsum``: (a problem, the output dim of H, rows)."""
+    def _einsum_dims(self, args, a: Axis = H) -> tuple[str | None, int | None, int]:
+        """``torch.einsum``: (a problem on axis ``a``, the output dim of H, rows)."""
         equation = str(args[0]).replace(" ", "")
         ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
         lhs, arrow, rhs = equation.partition("->")
@@ -239,12 +224,12 @@ class Follower:
         if not marks:
             return None, None, 0
         if len(marks) > 1:
-            return ("makes the sharded H of two fields two dims of its result (attention over all tokens, or an "
-                    "outer product of rows): each rank would see only its own rows; gather first"), None, 0
+            return (f"makes the sharded {a.name} of two fields two dims of its result (attention over all tokens, or "
+                    f"an outer product of {a.unit}): each rank would see only its own {a.unit}; gather first"), None, 0
         (c,) = marks
         if c not in out:
-            return ("contracts H (the sharded dim): each rank would sum only over its own rows; use halo.parallel "
-                    "(domain_sum) on the partial result, or gather first"), None, 0
+            return (f"contracts {a.name} (the sharded dim): each rank would sum only over its own {a.unit}; use "
+                    f"halo.parallel (domain_sum) on the partial result, or gather first"), None, 0
         return None, out.index(c), rows
 
     def _einsum(self, args, kwargs) -> str | None:
@@ -260,12 +245,11 @@ class Follower:
                 elif isinstance(t, torch.Tensor):
                     self.dims[t] = (-1, 0)  # tracked elsewhere (tokens): its W is not the last dim
             try:
-                problem = self._einsum_dims(args)[0] if watched else None
+                problem = self._einsum_dims(args, W)[0] if watched else None
             finally:
                 self.dims = saved
             if problem is not None:
-                problem = "acts on W, which a latitude x longitude mesh shards too: " + re.sub(
-                    r"\bH\b", "W", problem).replace("rows", "columns")
+                problem = W.prefix + problem
         return problem
 
     def _einsum_follow(self, args, kwargs, out) -> None:
@@ -274,6 +258,22 @@ class Follower:
             self._record(out, new, rows)
 
     def _sdpa(self, args, kwargs) -> str | None:
+        q, k, v = (get_arg(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
+        fq = field_of(q, self.dims)
+        if fq is not None and fq[0] == q.dim() - 2 and field_of(k, self.dims) is None \
+                and field_of(v, self.dims) is None:
+            # cross-attention to a context whole on every rank (a parameter, a tensor of 2 dims, a global pool's
+            # result): each query row attends to all of it on its own, so the rows of H stay where they are
+            if get_arg(args, kwargs, 5, "is_causal", False):
+                return ("attends causally from tokens that hold H (the sharded dim) to a context: the causal mask "
+                        "numbers the query tokens per rank; pass an explicit attn_mask, or gather first")
+            if get_arg(args, kwargs, 4, "dropout_p", 0.0):
+                return ("drops attention weights at random (dropout_p > 0) on each shard: each rank would draw its "
+                        "own numbers, unlike the unsharded model's one draw; use dropout_p=0.0 under halo")
+            mask = get_arg(args, kwargs, 3, "attn_mask")
+            fm = field_of(mask, self.dims)
+            if fm is None or fm[0] == mask.dim() - 2:
+                return None
         for i, name in enumerate(("query", "key", "value")):
             t = get_arg(args, kwargs, i, name)
             f = field_of(t, self.dims)
@@ -292,7 +292,3 @@ class Follower:
     def _baddbmm(self, args, kwargs) -> str | None:
         return self._matmul((get_arg(args, kwargs, 1, "batch1"), get_arg(args, kwargs, 2, "batch2")))
 
-
-SPECIAL = {torch.einsum: Follower._einsum, F.scaled_dot_product_attention: Follower._sdpa,
-            torch.baddbmm: Follower._baddbmm, T.baddbmm: Follower._baddbmm}
-SPECIAL_FOLLOW = {torch.einsum: Follower._einsum_follow, F.scaled_dot_product_attention: Follower._sdpa_follow}

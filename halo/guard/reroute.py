@@ -1,7 +1,8 @@
 """Functional ops that a converted model's ``forward`` calls on a field, computed exactly instead of refused.
 
 The guard of a model's first call (:mod:`halo.guard`) refuses what would act on the sharded dim H of a field. A few
-such ops halo can compute exactly and cheaply, so there the guard computes them instead, and remembers where:
+such ops halo can compute exactly and cheaply (kind ``"exact"`` in the one table, :data:`halo.guard._policy.POLICY`),
+so there the guard computes them instead, and remembers where:
 
 =====================================================  ===========================================================
 op on a field sharded along H                           computed as
@@ -40,7 +41,6 @@ Under ``torch.compile`` such a module's forward runs eagerly (``torch.compiler.d
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
@@ -53,11 +53,14 @@ from torch.overrides import TorchFunctionMode
 from .. import context
 from ..autocast import cast_as_torch
 from ..dist.comm import CommGroup, all_gather_object, group_by_id, group_id
+from ..nn.norm import domain_var_mean, domain_vector_norm  # the exact functionals: the layers sit below the guard
+from ..nn.upsample import SUPPORTED_MODES, halo_interpolate
 from ..plan.partition import split_sizes
 from ..plan.plans import Site, guarded_epochs, mark_whole, shard_sizes
 from ..plan.plans import state as plans_state
+from ._policy import POLICY
 
-__all__ = ["EXACT", "WHOLE_MEAN", "Recorder", "calling_module", "install", "site_key", "state",
+__all__ = ["WHOLE_MEAN", "WHOLE_NORM", "Recorder", "calling_module", "install", "site_key", "state",
            "uninstall", "user_frame"]
 
 T = torch.Tensor
@@ -74,26 +77,16 @@ _TORCH_API = tuple(os.path.join(_TORCH_DIR, *p) for p in (("overrides.py",), ("f
 _MODULE_PY = os.path.join(_TORCH_DIR, "nn", "modules", "module.py")
 
 
-@dataclasses.dataclass
-class _RerouteState:
-    """The reroute's cross-call state (the :mod:`halo.context` slot ``"reroute"``): ``trusted``, the depth of
-    ``halo.guard.trusted()`` blocks being run (> 0: the guard checks nothing there, and no call there is a site)."""
-
-    trusted: int = 0
-
-
-def state() -> _RerouteState:
-    """The reroute's state in the context in use (the guard's ``trusted()`` blocks write it)."""
-    return context.state("reroute", _RerouteState)
+def state() -> context.Watch:
+    """The trusted depth and the guard watching, in the context in use (:func:`halo.context.watch`): the reroute
+    computes no site inside ``halo.guard.trusted()``."""
+    return context.watch()
 
 
 #: The source of the mark a mean over H computed here leaves on its (whole) result.
 WHOLE_MEAN = "a mean over H computed over the domain (halo.guard.reroute)"
-
-#: The functions computed exactly at recorded sites (and counted, for the sites' ordinals, wherever called).
-EXACT = frozenset((F.group_norm, F.instance_norm, F.batch_norm, F.layer_norm, torch.mean, T.mean, F.interpolate,
-                   F.upsample))
-
+#: ... and a vector norm over H.
+WHOLE_NORM = "a vector norm over H computed over the domain (halo.guard.reroute)"
 
 # -- where a call comes from ---------------------------------------------------------------------------------------
 
@@ -142,27 +135,7 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> A
 
 # -- the exact computations (what a site does on every call) ----------------------------------------------------------
 
-#: what :mod:`halo.nn` provides at import (:func:`provide`): the core never imports the layers. Code, not state: a
-#: registration made once at import, kept by :func:`halo.context.reset` (a reset must not unplug the layers).
-_PROVIDED: dict[str, Any] = {}
-
-
-def provide(**impls: Any) -> None:
-    """Called by :mod:`halo.nn` at import: ``var_mean`` (``halo.nn.norm.domain_var_mean``), ``interpolate``
-    (``halo.nn.upsample.halo_interpolate``) and ``interpolate_modes`` (the modes it resizes exactly). A model is
-    converted by :mod:`halo.nn`, so they are there whenever a guard or a reroute runs."""
-    _PROVIDED.update(impls)
-
-
-def _provided(name: str) -> Any:
-    impl = _PROVIDED.get(name)
-    if impl is None:
-        raise RuntimeError(f"halo.guard.reroute: {name} is provided by halo.nn at import; import halo.nn first")
-    return impl
-
-
 def _var_mean(x: torch.Tensor, dims: tuple[int, ...], sizes: tuple[int, ...], gid: int, op: str):
-    domain_var_mean = _provided("var_mean")
     return domain_var_mean(x, dims, group_by_id(gid).group, sizes=sizes, op=op)[:2]
 
 
@@ -287,6 +260,48 @@ class Mean(NamedTuple):
         return out
 
 
+class VectorNorm(NamedTuple):
+    """``torch.norm`` / ``Tensor.norm`` / ``torch.linalg.vector_norm`` (``linalg.norm``'s vector cases) over dims
+    that include H: :func:`halo.nn.norm.domain_vector_norm`, whole on every rank (marked so)."""
+
+    ord: float
+    dims: tuple[int, ...]
+    keepdim: bool
+    gid: int
+
+    def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        out = domain_vector_norm(args[0], self.ord, self.dims, self.keepdim, group=group_by_id(self.gid).group,
+                                 dtype=kwargs.get("dtype"))
+        if not torch.compiler.is_compiling():
+            mark_whole(out, WHOLE_NORM)
+        return out
+
+
+def norm_form(func: Any, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[float, tuple[int, ...], bool] | str:
+    """``(ord, dims, keepdim)`` of a vector norm call, or why halo does not compute this form exactly."""
+    if kwargs.get("out") is not None:
+        return "out="
+    linalg = func is torch.linalg.norm
+    default = None if linalg else 2 if func is torch.linalg.vector_norm else "fro"
+    ord_ = _arg(args, kwargs, 1, "ord" if func in (torch.linalg.vector_norm, torch.linalg.norm) else "p", default)
+    d = _arg(args, kwargs, 2, "dim")
+    if isinstance(d, torch.Tensor):
+        return "a dim given as a tensor"
+    dims = tuple(range(x.dim())) if d is None or d == () or d == [] else tuple(
+        sorted({e % x.dim() for e in (d if isinstance(d, (list, tuple)) else (d,))}))
+    if linalg and isinstance(d, (list, tuple)) and len(d) == 2 and ord_ not in (None, "fro"):
+        return f"a matrix norm (ord={ord_!r} over two dims)"
+    if linalg and d is None and ord_ is not None and x.dim() > 1:
+        return f"a matrix or flattened norm with ord={ord_!r} and no dim"
+    if ord_ in (None, "fro"):
+        ord_ = 2
+    if isinstance(ord_, bool) or not isinstance(ord_, (int, float)):
+        return f"ord/p={ord_!r}"
+    if x.dim() < 3 or x.dim() - 2 not in dims:
+        return "its input does not hold H at dim -2"
+    return float(ord_), dims, bool(_arg(args, kwargs, 3, "keepdim", False))
+
+
 def _interp_args(args: tuple, kwargs: dict) -> tuple:
     return (args[0], _arg(args, kwargs, 1, "size"), _arg(args, kwargs, 2, "scale_factor"),
             _arg(args, kwargs, 3, "mode", "nearest"), _arg(args, kwargs, 4, "align_corners"),
@@ -306,7 +321,6 @@ class Resize(NamedTuple):
     gid: int
 
     def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        halo_interpolate = _provided("interpolate")
         x, size, scale, mode, align, recompute, antialias = _interp_args(args, kwargs)
         if self.rows:
             size, scale = (self.rows, _last_size(x, size)), None
@@ -340,7 +354,8 @@ class Recorder:
         self._ordinals: dict[tuple, list] = {}  # (id(module), site) -> [the invocation's frame, calls so far]
 
     def count(self, frame: Any) -> tuple[torch.nn.Module | None, tuple, int]:
-        """Count a call of an :data:`EXACT` function at ``frame``: ``(module, site, ordinal)``."""
+        """Count a call of a function computed exactly (kind ``"exact"`` in :data:`halo.guard._policy.POLICY`) at
+        ``frame``: ``(module, site, ordinal)``."""
         module, entry = calling_module(frame)
         key = site_key(frame)
         if module is None:
@@ -427,7 +442,6 @@ def interpolate_change(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[str,
 
 
 def plan_interpolate(args: tuple, kwargs: dict, x: torch.Tensor, whole: bool) -> str | None:
-    SUPPORTED_MODES = _provided("interpolate_modes")  # noqa: N806 - the module constant it is
     _, size, scale, mode, align, recompute, antialias = _interp_args(args, kwargs)
     if x.dim() != 4:
         return f"a {x.dim()}-d input (halo resizes (B, C, H, W) fields)"
@@ -537,7 +551,8 @@ class _Reroute(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in EXACT or state().trusted:
+        entry = POLICY.get(func)
+        if entry is None or entry.kind != "exact" or state().trusted:
             return func(*args, **kwargs)
         frame = user_frame()
         if frame is None:
@@ -647,7 +662,7 @@ def refuse_whole_mean(module: torch.nn.Module, args: tuple, names: dict[int, str
         return
     from ..plan.plans import whole_source
 
-    if isinstance(args[0], torch.Tensor) and whole_source(args[0]) == WHOLE_MEAN:
+    if isinstance(args[0], torch.Tensor) and whole_source(args[0]) in (WHOLE_MEAN, WHOLE_NORM):
         raise ValueError(
             f"{names.get(id(module), '(a module)')} ({type(module).__name__}) is given the result of a mean over H "
             f"(computed over the whole domain, whole and the same on every rank), but it is a halo layer that takes "

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist.mesh import DomainMesh, DomainParallelManager
-from ..guard.reroute import uninstall
 from ..parallel.marks import watch_model
 from ..plan.replicated import check_replicated
 from .adapters import adapter
@@ -397,6 +396,8 @@ def revert_domain_parallel(model: nn.Module) -> nn.Module:
     unswap_models(model)  # CREDIT's Swin and FuXi models: their class back
     for handle in model.__dict__.pop("_halo_whole_hooks", []):
         handle.remove()
+    from ..guard.reroute import uninstall  # (at call time: the guard imports the layers, whose face imports this)
+
     uninstall(model)  # functional ops computed exactly at their sites: the class's forward back
     done: set[int] = set()
     for parent in list(model.modules()):

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..context import place
 from ..dist.comm import CommGroup, comm_group
 from ..dist.transport import post_rows, wait
-from ..guard import place
 from ..plan.partition import offsets, split_sizes
 from ..plan.plans import carry, device_tensor, resolve
 from .base import HaloLayer, adopt

@@ -44,9 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..context import place
 from ..dist.comm import CommGroup
 from ..exchange import exchange, exchanger_id
-from ..guard import place
 from ..plan.partition import offsets
 from ..plan.plans import Site, carry, device_tensor, resolve
 from .base import HaloLayer, adopt

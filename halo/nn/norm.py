@@ -59,14 +59,13 @@ from ..dist.comm import CommGroup, comm_group, group_by_id, group_id
 from ..dist.mesh import GroupRef, get_domain_parallel_manager
 from ..dist.transport import all_reduce as bounded_all_reduce
 from ..exchange import backward_order_token, order_after, order_communication, order_token
-from ..guard import reroute
 from ..parallel.reduce import accumulation_dtype, all_reduce
 from ..plan.plans import device_tensor, shard_sizes
 from .base import AxisPlan, HaloLayer, adopt
 from .registry import converts
 
 __all__ = ["DomainBatchNorm2d", "DomainBatchNormAct2d", "DomainGroupNorm", "DomainInstanceNorm2d", "DomainLayerNorm",
-           "domain_var_mean"]
+           "domain_var_mean", "domain_vector_norm"]
 
 
 # -- statistics ------------------------------------------------------------------------------------------------
@@ -87,6 +86,41 @@ def _combine(mean: torch.Tensor, var: torch.Tensor, counts: tuple[int, ...], inf
     mean_all = (n * means).sum(0) / total
     m2 = stats[:, 1].sum(0) + (n * (means - mean_all).square()).sum(0)
     return mean_all, m2 / total, total
+
+
+def domain_vector_norm(x: torch.Tensor, ord: float = 2, dim: Any = None, keepdim: bool = False, *,
+                       group: Any | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.linalg.vector_norm(x, ord, dim, keepdim)`` of a field over dims that include its sharded dim -2 (or
+    over all dims), across the whole domain: the same value on every rank, differentiable with exact gradients.
+
+    A finite ``ord`` p: ``(all_reduce(sum |x|**p)) ** (1/p)`` (p = 2: the root of the all-reduced sum of squares;
+    p = 1: the all-reduced sum of magnitudes); ``inf`` / ``-inf``: the all-reduced max / min of ``|x|``, its gradient
+    shared among the entries that attain it on every rank (as torch's); 0: the all-reduced count of non-zeros.
+    Partial sums accumulate in fp32 or wider. The all-reduce has the plain adjoint (each rank's use of the norm on
+    its own rows sends its gradient to every rank's entries).
+    """
+    nd = x.dim()
+    dims = tuple(range(nd)) if dim is None else tuple(sorted({d % nd for d in (dim if isinstance(dim, (list, tuple))
+                                                                              else (dim,))}))
+    if nd - 2 not in dims:
+        raise ValueError(f"domain_vector_norm: dims {dims} must include the sharded dim {nd - 2}")
+    acc = accumulation_dtype(dtype or x.dtype)
+    a = x.to(acc).abs()
+    p = float(ord)
+    if p == 0:
+        out = all_reduce((a != 0).to(acc).sum(dims, keepdim=keepdim), group=group)
+    elif math.isinf(p):
+        local = a.amax(dims, keepdim=True) if p > 0 else a.amin(dims, keepdim=True)
+        m = all_reduce(local.detach(), op="max" if p > 0 else "min", group=group)
+        hit = (a == m).to(acc)  # the entries that attain it, on every rank: they share its gradient
+        count = all_reduce(hit.sum(dims, keepdim=True), group=group)
+        out = all_reduce((a * hit).sum(dims, keepdim=True), group=group) / count
+        if not keepdim:
+            out = out.squeeze(dims) if dims else out
+    else:
+        total = all_reduce(a.pow(p).sum(dims, keepdim=keepdim), group=group)
+        out = total.sqrt() if p == 2 else total.pow(1 / p)
+    return out.to(dtype or x.dtype)
 
 
 def domain_var_mean(x: torch.Tensor, dims: tuple[int, ...], group: Any | None = None, *,
@@ -623,4 +657,3 @@ class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
         return _affine(y, weight, bias).to(x.dtype)
 
 
-reroute.provide(var_mean=domain_var_mean)  # functional norms in users' forward code (halo.guard.reroute)

@@ -109,6 +109,16 @@ class RootConfig:
     def group(self) -> Any:
         return self.group_ref.group
 
+    @property
+    def guard(self) -> type:
+        """The guard the planner enters at this model's first call of each epoch (``halo.plan.plans.enter_root``):
+        handed to the planner with the config, so the planner never imports the guard and nothing registers it. A
+        call-time import: the guard imports the layers (its exact functionals), whose package face imports this
+        module, so at this module's import the guard may be half made (when it is imported first)."""
+        from ..guard import SpatialGuard
+
+        return SpatialGuard
+
 
 def make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_sharded: bool = False,
                mesh_shape: tuple[int, int] | None = None) -> None:

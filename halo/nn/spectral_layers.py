@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..context import place, trusted
 from ..dist.comm import CommGroup
-from ..guard import place, trusted
 from ..plan.partition import split_offsets
 from ..plan.plans import carry, resolve
 from .base import HaloLayer, adopt

@@ -57,9 +57,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..context import place
 from ..dist.comm import CommGroup
 from ..dist.mesh import GroupRef
-from ..guard import place
 from ..plan.partition import offsets, split_sizes
 from ..plan.plans import Site, carry, resolve, shard_sizes
 from .base import HaloLayer

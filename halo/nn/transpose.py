@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from ..context import place
 from ..dist.comm import CommGroup, comm_group
 from ..dist.transport import post, wait
-from ..guard import place
 from ..plan.partition import offsets, split_sizes
 from ..plan.plans import carry, resolve
 

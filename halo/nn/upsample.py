@@ -61,7 +61,6 @@ from ..autocast import cast_as_torch
 from ..dist.comm import CommGroup
 from ..dist.mesh import DomainMesh
 from ..exchange import exchanger_id
-from ..guard import reroute
 from ..plan.geometry import adaptive_plan, adaptive_starts_ends, check_output_rows
 from ..plan.partition import split_offsets
 from ..plan.plans import Site, device_tensor
@@ -503,4 +502,3 @@ class HaloUpsample(HaloLayer, nn.Upsample):
                        False, self.group, self.halo_mesh, self._halo_site, "halo_interpolate")
 
 
-reroute.provide(interpolate=halo_interpolate, interpolate_modes=SUPPORTED_MODES)  # F.interpolate in users' forward

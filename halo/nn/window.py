@@ -49,9 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..context import place
 from ..dist.comm import CommGroup
 from ..exchange import exchange, exchanger_id
-from ..guard import place
 from ..plan.partition import offsets, split_offsets, split_sizes
 from ..plan.plans import carry, resolve
 from .base import HaloLayer, adopt

@@ -166,16 +166,6 @@ class _State:
 _state: Callable[[], _State] = functools.partial(context.state, "plans", _State)
 
 
-#: the guard's class, registered by :mod:`halo.guard` at import (:func:`use_guard`): the planner never imports it.
-#: Code, not state: filled once at import, kept by :func:`halo.context.reset`.
-_GUARD_FACTORY: list[Any] = [None]
-
-
-def use_guard(factory: Any) -> None:
-    """Called by :mod:`halo.guard` at import: the class whose instance watches a converted model's first call."""
-    _GUARD_FACTORY[0] = factory
-
-
 def state() -> _State:
     """The planner's state (the running model's epoch, the active guard): read by the guard and the reroute."""
     return _state()
@@ -786,9 +776,7 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     elif first and st.guard_on and not _called_by_dynamo():
         # The first call of this epoch: watch the ops its forward calls itself (``halo.guard``). Not for a compiled
         # model (the graph would be traced under the guard and recompiled without it): check it eagerly first.
-        factory = _GUARD_FACTORY[0]
-        if factory is None:  # never silently unguarded
-            raise RuntimeError("halo: the guard (halo.guard) is not imported; `import halo` imports it")
+        factory = config.guard  # the root's config gives the guard (halo.nn.root, above it): nothing injected
         names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
         st.guard = factory(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
         st.guard.__enter__()
