@@ -6,7 +6,7 @@ let the next step reuse a plan learned under another agreement: silently wrong r
 (every layer kind whose plan depends on every rank's extents, float64, uneven rows, 2 and 3 ranks) for a step,
 resets, runs the same step again and checks both against the unsharded model, forward and backward, that the step
 after the reset learned again (agreements), and that the step after that is back to the steady count. The first
-call after the reset runs the guard again, from the class the guard registered with the planner at import (code,
+call after the reset runs the guard again, from the guard the root's config hands the planner (code,
 not state: a reset keeps it; were it lost, that call would raise).
 """
 

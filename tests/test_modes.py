@@ -296,30 +296,19 @@ def test_mode(mode: str, world: int) -> None:
 # Each torch class the registry converts (halo.nn.registry.entries()) is a case: its ``example=`` of @converts (a
 # small instance and the shape of a field it takes), converted inside an nn.Sequential, against the same module
 # unsharded, in the eager modes below, on 3 ranks (odd row counts: 23 rows are 8 + 8 + 7). A layer registered
-# with an example is in the matrix with no edit here. The modules whose @converts have no example= yet take theirs
-# from _EXAMPLES (issue 31 item 5: each moves into its @converts at the merge, and the table goes); a class with
-# neither fails test_every_registered_layer_has_a_case. Dropouts are compared with halo's own layer run on the whole
+# with an example is in the matrix with no edit here; a class without one fails test_every_registered_layer_has_a_case
+# (but for _ELSEWHERE, below). Dropouts are compared with halo's own layer run on the whole
 # field in one process (WholeField: their draws are keyed on global indices, WholeFieldDropout's argument).
 
 LAYER_MODES = ["fp64", "bf16", "channels_last", "ckpt", "inference_mode"]
 LAYER_WORLD = 3
-
-#: the examples of layers whose module does not declare one yet (see above)
-_EXAMPLES: dict[str, Callable] = {
-    "GroupNorm": lambda kind: (kind(2, 4), (2, 4, 23, 7)),
-    "BatchNorm2d": lambda kind: (kind(3), (2, 3, 23, 7)),
-    "InstanceNorm2d": lambda kind: (kind(3, affine=True), (2, 3, 23, 7)),
-    "LayerNorm": lambda kind: (kind((23, 7)), (2, 3, 23, 7)),
-    "Upsample": lambda kind: (kind(scale_factor=2, mode="bilinear"), (2, 3, 23, 7)),
-}
-
 
 def _layer_cases() -> dict[str, tuple[type, Callable | None]]:
     """Case name -> (torch class, its example or None), for every class in the registry."""
     import halo.nn  # noqa: F401 - fills the registry
     from halo.nn.registry import entries
 
-    return {kind.__name__: (kind, entry.example or _EXAMPLES.get(kind.__name__)) for kind, entry in entries().items()}
+    return {kind.__name__: (kind, entry.example) for kind, entry in entries().items()}
 
 
 #: what a halo layer is made on to run on this process alone (with halo.dist.comm.unsharded)
@@ -429,7 +418,6 @@ def test_every_registered_layer_has_a_case() -> None:
     missing = sorted(n for n, (_, example) in _layer_cases().items() if example is None and n not in _ELSEWHERE)
     assert not missing, (f"registered layers without a modes-matrix case: {missing}; give their @converts an "
                          f"example=lambda kind: (kind(...), shape) (halo.nn.registry)")
-    assert set(_EXAMPLES) <= set(_layer_cases()), set(_EXAMPLES) - set(_layer_cases())
 
 
 _FORMAT = "the output is channels-last where torch's {} gives a contiguous one (values and gradients equal)"

@@ -9,22 +9,10 @@ its module and its test, with no edit here.
 
 import importlib
 
-from .registry import exports, layer_modules, public
+from .registry import exports, layer_modules
 
 for _module in layer_modules():
     importlib.import_module(f"{__name__}.{_module}")
-
-#: Public names of modules that do not mark them with ``@public`` yet (issue 31 item 5: each is marked beside its
-#: definition at the merge, and this table goes). Listed here by module, marked with the same decorator.
-_UNTIL_MARKED = {
-    "norm": ("DomainBatchNormAct2d",),
-    "upsample": ("halo_interpolate",),
-}
-for _module, _names in _UNTIL_MARKED.items():
-    for _name in _names:
-        _obj = getattr(importlib.import_module(f"{__name__}.{_module}"), _name)
-        if _obj not in exports().values():
-            public(_obj)
 
 globals().update(exports())
 __all__ = sorted(exports())  # noqa: PLE0605 - the registry's names (module docstring)

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..guard import place
+from ..context import place
 from ..plan.plans import Site, carry, resolve
 from .base import HaloLayer, adopt
 from .dropout import DomainDropout

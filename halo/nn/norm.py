@@ -62,7 +62,7 @@ from ..exchange import backward_order_token, order_after, order_communication, o
 from ..parallel.reduce import accumulation_dtype, all_reduce
 from ..plan.plans import device_tensor, shard_sizes
 from .base import AxisPlan, HaloLayer, adopt
-from .registry import converts
+from .registry import converts, public
 
 __all__ = ["DomainBatchNorm2d", "DomainBatchNormAct2d", "DomainGroupNorm", "DomainInstanceNorm2d", "DomainLayerNorm",
            "domain_var_mean", "domain_vector_norm"]
@@ -480,7 +480,7 @@ def _check_4d(x: torch.Tensor, name: str) -> None:
 
 # -- the layers ------------------------------------------------------------------------------------------------
 
-@converts(nn.GroupNorm, axes=2)
+@converts(nn.GroupNorm, axes=2, functional=(F.group_norm,), example=lambda kind: (kind(2, 4), (2, 4, 23, 7)))
 class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
     """``nn.GroupNorm`` over the whole domain: ``DomainGroupNorm(gn, group=...)`` or built like ``nn.GroupNorm``.
 
@@ -504,7 +504,8 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
         return _group_norm(x, self.num_groups, self.weight, self.bias, self.eps, plan)[0]
 
 
-@converts(nn.BatchNorm2d, axes=2, takes=("group", "dp_group", "mesh"))
+@converts(nn.BatchNorm2d, axes=2, takes=("group", "dp_group", "mesh"), functional=(F.batch_norm,),
+          example=lambda kind: (kind(3), (2, 3, 23, 7)))
 class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
     """``nn.BatchNorm2d`` with training statistics over the batch and the whole domain, and by default over
     the data-parallel group too (``SyncBatchNorm``), so that dp x domain training equals unsharded training on
@@ -569,6 +570,7 @@ class DomainBatchNorm2d(_DomainNorm, nn.BatchNorm2d):
         return _affine(y, self.weight, self.bias, (1, -1, 1, 1)).to(x.dtype)
 
 
+@public
 class DomainBatchNormAct2d(DomainBatchNorm2d):
     """timm's ``BatchNormAct2d`` (a ``BatchNorm2d`` subclass whose forward is the batch norm, then its ``drop`` and
     ``act`` children: every timm EfficientNet/RegNet/ResNeSt encoder) with the domain batch norm: the same
@@ -578,7 +580,8 @@ class DomainBatchNormAct2d(DomainBatchNorm2d):
         return self.act(self.drop(super().forward(x)))
 
 
-@converts(nn.InstanceNorm2d, axes=2)
+@converts(nn.InstanceNorm2d, axes=2, functional=(F.instance_norm,),
+          example=lambda kind: (kind(3, affine=True), (2, 3, 23, 7)))
 class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
     """``nn.InstanceNorm2d`` with statistics per (sample, channel) over the whole domain; ``affine`` and/or
     ``track_running_stats`` as torch (running statistics: the batch mean of the per-instance mean and unbiased
@@ -615,7 +618,8 @@ class DomainInstanceNorm2d(_DomainNorm, nn.InstanceNorm2d):
         return y
 
 
-@converts(nn.LayerNorm, keep=lambda m, ctx: len(m.normalized_shape) == 1)  # over W alone: pointwise in H
+@converts(nn.LayerNorm, keep=lambda m, ctx: len(m.normalized_shape) == 1, functional=(F.layer_norm,),
+          example=lambda kind: (kind((23, 7)), (2, 3, 23, 7)))  # over W alone: pointwise in H
 class DomainLayerNorm(_DomainNorm, nn.LayerNorm):
     """``nn.LayerNorm`` whose ``normalized_shape`` covers H and W, e.g. ``(C, H, W)`` of the *global* field.
 

@@ -52,9 +52,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..context import place
 from ..dist.comm import CommGroup, comm_group
 from ..dist.transport import all_gather, post, reduce_scatter, wait
-from ..guard import place
 from ..plan.partition import offsets
 from ..plan.plans import Site, carry, resolve, state
 from .registry import public

@@ -65,7 +65,7 @@ from ..plan.geometry import adaptive_plan, adaptive_starts_ends, check_output_ro
 from ..plan.partition import split_offsets
 from ..plan.plans import Site, device_tensor
 from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
-from .registry import converts
+from .registry import converts, public
 
 __all__ = ["HaloUpsample", "halo_interpolate", "interpolate_2d", "kernel_scales", "row_taps"]
 
@@ -460,6 +460,7 @@ def _resize(x: torch.Tensor, size: Any, scale_factor: Any, mode: str, align_corn
     return finish(out, x)  # channels_last in, channels_last out (as F.interpolate); carrying x's epoch
 
 
+@public
 def halo_interpolate(x: torch.Tensor, size=None, scale_factor=None, mode: str = "nearest",
                      align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
                      antialias: bool = False, *, group: Any | None = None, site: Site | None = None) -> torch.Tensor:
@@ -484,7 +485,9 @@ def interpolate_2d(x: torch.Tensor, mesh: Any, size=None, scale_factor=None, mod
                    "interpolate_2d")
 
 
-@converts(nn.Upsample, axes=2, mesh_ok=lambda m: m.mode in ("nearest", "nearest-exact", "bilinear", "bicubic", "area"))
+@converts(nn.Upsample, axes=2, functional=(F.interpolate,),
+          example=lambda kind: (kind(scale_factor=2, mode="bilinear"), (2, 3, 23, 7)),
+          mesh_ok=lambda m: m.mode in ("nearest", "nearest-exact", "bilinear", "bicubic", "area"))
 class HaloUpsample(HaloLayer, nn.Upsample):
     """``nn.Upsample`` on an H-sharded field (same arguments and ``repr``; no state): see :func:`halo_interpolate`.
 
