@@ -58,7 +58,6 @@ DENIED = {
     "rfft2": (lambda m, x: torch.fft.irfft2(torch.fft.rfft2(x), s=x.shape[-2:]), "rfft2", "transforms along H"),
     "irfft2": (lambda m, x: torch.fft.irfft2(torch.fft.rfft(x, dim=-1), s=x.shape[-2:]), "irfft2",
                "transforms along H"),
-    "sdpa": (_sdpa, "scaled_dot_product_attention", "attends over tokens"),
     "baddbmm": (_baddbmm, "baddbmm", "multiplies over H"),
     "diff_h": (lambda m, x: x + torch.diff(x, dim=2).mean(), "diff", "along H"),
     "cummax_h": (lambda m, x: torch.cummax(x, dim=2).values, "cummax", "reduces over H"),
@@ -114,6 +113,8 @@ ALLOWED = {
     "group_norm": lambda m, x: F.group_norm(x, 2),
     "instance_norm": lambda m, x: F.instance_norm(x),
     "batch_norm": lambda m, x: F.batch_norm(x, None, None, training=True),
+    # self-attention over all of a field's tokens: ring attention (halo.nn.ring.ring_sdpa, by halo.guard._policy)
+    "sdpa": _sdpa,
     "metadata": _metadata,
     "inplace_and_setitem": _inplace,
     "dunders": lambda m, x: (1 - x) / 2 + x ** 2 - (-x) * 3 + abs(x) % 5 + (x > 0) * x,

@@ -47,7 +47,7 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "timm.efficientnet": ("exact",),
     "timm.tf_efficientnet": ("exact",),
     "timm.mobilenetv3": ("exact",),
-    "timm.fastvit": ("exact", "scaled_dot_product_attention"),  # fastvit.Attention on (B, C, H, W): not converted
+    "timm.fastvit": ("exact",),  # fastvit.Attention on (B, C, H, W): its F.scaled_dot_product_attention by ring_sdpa
     "timm.regnet": ("exact",),
     # its Swin V2 blocks are halo.nn.swinv2's; its classifier head pools channels-last (NHWC) features with
     # FastAdaptiveAvgPool, which halo.nn.timm_layers does not convert (NCHW pools only): refused, naming it

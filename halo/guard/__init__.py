@@ -369,6 +369,10 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 return None
             form = reroute.norm_form(func, args, kwargs, x)
             why = form if isinstance(form, str) else None if h in form[1] else "it does not reduce over H"
+        elif entry.how == "attention":
+            if problem is None:
+                return None  # cross-attention to a whole context, or not over a field's tokens
+            why = reroute.attention_form(args, kwargs, self.dims)
         elif entry.how == "interpolate":
             whole = whole_source(x) is not None
             sized = get_arg(args, kwargs, 1, "size") is not None  # (a size from a shard: gathered on every rank)
@@ -389,6 +393,8 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         try:  # (collectives: every rank gets here, and an agreement that fails raises the same on every rank)
             if entry.how == "vector_norm":
                 action = reroute.VectorNorm(*form, gid)
+            elif entry.how == "attention":
+                action = reroute.Attention(gid)
             elif entry.how == "mean":
                 action = reroute.finish_mean(x, h, *dims, self.cg, gid)
             elif entry.how == "interpolate":
@@ -403,6 +409,8 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             return (func(*args, **kwargs),)
         out = action(args, kwargs)
         self.recorder.record(module, key, ordinal, action)
+        if entry.after == "sdpa":  # this rank's rows of the attention's output: a field's tokens, as the query's
+            self._sdpa_follow(args, kwargs, out)
         return (out,)
 
     # -- hooks ---------------------------------------------------------------------------------------------------

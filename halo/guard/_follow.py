@@ -280,7 +280,7 @@ class Follower:
             if f is not None and f[0] >= t.dim() - 2:
                 return ("attends over tokens that hold H (the sharded dim): each rank would attend over its own "
                         "rows' tokens only; attention over all tokens needs a halo attention layer (window or "
-                        "neighbourhood attention: halo.nn) or a gather first")
+                        "neighbourhood attention, or ring attention: halo.nn.ring.ring_sdpa) or a gather first")
         return None
 
     def _sdpa_follow(self, args, kwargs, out) -> None:

@@ -36,7 +36,9 @@ reductions (``sum``, ``max``, ``std``, ``softmax``,    over H, or over everythin
 ``diff``, ``cummax``, ``logcumsumexp``, ...
 ``einsum``                                             H is contracted, or two fields' H become two dims
 ``torch.fft.*``                                        H is among the transformed dims
-``F.scaled_dot_product_attention``, ``baddbmm``        H is a token dim (attention over all tokens)
+``baddbmm``                                           H is a token dim (attention over all tokens)
+``F.scaled_dot_product_attention``                    H is a token dim and halo cannot compute it by ring
+                                                       attention (dropout, grouped-query, a mesh; below)
 ``F.linear``                                           H is the last dim (contracted)
 ``F.dropout`` and friends, ``rand_like``, ...          they draw (training, p > 0): each shard would draw its own
 ``repeat``, ``tile``, ``repeat_interleave``            they repeat H
@@ -56,8 +58,9 @@ a custom ``torch.autograd.Function``                   applied to a field (an ou
 =====================================================  ===========================================================
 
 ``F.group_norm``, ``instance_norm``, ``batch_norm`` and ``layer_norm`` (no weight), ``mean``, the vector norms
-(``torch.norm``, ``Tensor.norm``, ``torch.linalg.vector_norm``, ``linalg.norm`` of vectors) and ``F.interpolate``
-are ``exact``: where their rule finds they act on H of a latitude-split field, the guard computes them over the
+(``torch.norm``, ``Tensor.norm``, ``torch.linalg.vector_norm``, ``linalg.norm`` of vectors), ``F.interpolate`` and
+``F.scaled_dot_product_attention`` whose query, key and value hold fields' tokens (by
+:func:`halo.nn.ring.ring_sdpa`: masks with the global key dim, ``is_causal`` in global positions) are ``exact``: where their rule finds they act on H of a latitude-split field, the guard computes them over the
 whole domain instead (:mod:`halo.guard.reroute`).
 """
 
@@ -72,6 +75,7 @@ import torch.nn.functional as F
 
 # the exact functionals, imported from the layer tier (below the guard)
 from ..nn.norm import domain_var_mean, domain_vector_norm
+from ..nn.ring import ring_sdpa
 from ..nn.upsample import halo_interpolate
 from ..parallel.reduce import all_reduce
 from ..plan.plans import TensorMap, whole_source
@@ -650,7 +654,8 @@ _add([torch.stack], Policy("follow", after="stack"))
 _add([torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__, torch.bmm, T.bmm], Policy("refuse", check="_matmul"))
 _add([torch.baddbmm, T.baddbmm], Policy("refuse", check="_baddbmm"))
 _add([torch.einsum], Policy("follow", check="_einsum", after="einsum"))
-_add([F.scaled_dot_product_attention], Policy("follow", check="_sdpa", after="sdpa"))
+_add([F.scaled_dot_product_attention],  # over a field's tokens: ring attention (halo.nn.ring.ring_sdpa)
+     Policy("exact", check="_sdpa", after="sdpa", how="attention", exact=ring_sdpa))
 _refuse([F.pad, torch.ops.aten.constant_pad_nd], _pad)
 _refuse([F.upsample_bilinear, F.upsample_nearest], interpolate_rule)
 _refuse([F.conv2d, torch.conv2d, F.conv3d, torch.conv3d], _conv)

@@ -54,6 +54,7 @@ from .. import context
 from ..autocast import cast_as_torch
 from ..dist.comm import CommGroup, all_gather_object, group_by_id, group_id
 from ..nn.norm import domain_var_mean, domain_vector_norm  # the exact functionals: the layers sit below the guard
+from ..nn.ring import ring_sdpa
 from ..nn.upsample import SUPPORTED_MODES, halo_interpolate
 from ..plan.partition import split_sizes
 from ..plan.plans import Site, guarded_epochs, mark_whole, shard_sizes
@@ -275,6 +276,38 @@ class VectorNorm(NamedTuple):
         if not torch.compiler.is_compiling():
             mark_whole(out, WHOLE_NORM)
         return out
+
+
+class Attention(NamedTuple):
+    """``F.scaled_dot_product_attention`` whose query, key and value are fields' tokens (self-attention over all
+    tokens, or attention to another field's tokens): :func:`halo.nn.ring.ring_sdpa` over the domain group, each
+    rank's output rows as SDPA gives them on the whole field."""
+
+    gid: int
+
+    def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        q, k, v, mask, p, causal = (_arg(args, kwargs, i, n, None if i < 4 else (0.0 if i == 4 else False))
+                                    for i, n in enumerate(names))
+        return ring_sdpa(q, k, v, mask, p, causal, kwargs.get("scale"), group=group_by_id(self.gid).group)
+
+
+def attention_form(args: tuple, kwargs: dict, dims: Any) -> str | None:
+    """Why halo does not compute this ``scaled_dot_product_attention`` by ring attention (``None``: it does): the
+    query, key and value must each hold a field's tokens at dim -2 (their rank order is the global token order),
+    no dropout, no grouped-query form."""
+    from ._policy import field_of
+
+    if _arg(args, kwargs, 4, "dropout_p", 0.0):
+        return "dropout_p > 0: each rank would draw its own weights"
+    if kwargs.get("enable_gqa"):
+        return "enable_gqa=True"
+    for i, name in enumerate(("query", "key", "value")):
+        t = _arg(args, kwargs, i, name, None)
+        f = field_of(t, dims)
+        if f is None or f[0] != t.dim() - 2:
+            return f"its {name} does not hold a field's tokens at dim -2"
+    return None
 
 
 def norm_form(func: Any, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[float, tuple[int, ...], bool] | str:
