@@ -60,8 +60,9 @@ a custom ``torch.autograd.Function``                   applied to a field (an ou
 ``F.group_norm``, ``instance_norm``, ``batch_norm`` and ``layer_norm`` (no weight), ``mean``, the vector norms
 (``torch.norm``, ``Tensor.norm``, ``torch.linalg.vector_norm``, ``linalg.norm`` of vectors), ``F.interpolate`` and
 ``F.scaled_dot_product_attention`` whose query, key and value hold fields' tokens (by
-:func:`halo.nn.ring.ring_sdpa`: masks with the global key dim, ``is_causal`` in global positions) are ``exact``: where their rule finds they act on H of a latitude-split field, the guard computes them over the
-whole domain instead (:mod:`halo.guard.reroute`).
+:func:`halo.nn.ring.ring_sdpa`: masks with the global key dim, ``is_causal`` in global positions) are ``exact``:
+where their rule finds they act on H of a latitude-split field, the guard computes them over the whole domain
+instead (:mod:`halo.guard.reroute`).
 """
 
 from __future__ import annotations
