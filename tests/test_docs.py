@@ -59,7 +59,7 @@ def test_halo_nn_exports_exactly_the_registry():
 
     assert sorted(halo.nn.__all__) == sorted(exports()), set(halo.nn.__all__) ^ set(exports())
     assert all(getattr(halo.nn, name) is obj for name, obj in exports().items())
-    assert {e.halo_class.__name__ for e in entries().values()} <= set(exports())  # @converts exports its class
+    assert {e.halo_class.__name__ for e in entries(ours=True).values()} <= set(exports())  # @converts exports it
     # every non-private module of halo/nn is imported by the package (a new layer module needs no edit there)
     found = sorted(m.name for m in pkgutil.iter_modules(halo.nn.__path__) if not m.name.startswith("_"))
     assert list(layer_modules()) == found
@@ -126,11 +126,11 @@ def test_the_docs_lists_of_layers_are_generated_from_the_registry():
     for marker in (hook.MARKER, hook.EXPORTS, hook.MODULES):
         assert marker in page, marker
     table = hook.registry_table()
-    assert table.count("\n") == 1 + len(entries())  # header, rule, one row per torch class
-    for kind, entry in entries().items():
+    assert table.count("\n") == 1 + len(entries(ours=True))  # header, rule, one row per torch class
+    for kind, entry in entries(ours=True).items():
         assert f"`nn.{kind.__name__}` | `{entry.halo_class.__name__}` |" in table, kind
     listed = hook.exports_table()
-    converted = {e.halo_class.__name__ for e in entries().values()}
+    converted = {e.halo_class.__name__ for e in entries(ours=True).values()}
     assert all(f"`halo.nn.{n}`" in listed for n in exports() if n not in converted)
     modules = hook.modules_table()
     assert all(f"`halo/nn/{n}.py`" in modules for n in layer_modules())

@@ -308,7 +308,7 @@ def _layer_cases() -> dict[str, tuple[type, Callable | None]]:
     import halo.nn  # noqa: F401 - fills the registry
     from halo.nn.registry import entries
 
-    return {kind.__name__: (kind, entry.example) for kind, entry in entries().items()}
+    return {kind.__name__: (kind, entry.example) for kind, entry in entries(ours=True).items()}  # (not a test's)
 
 
 #: what a halo layer is made on to run on this process alone (with halo.dist.comm.unsharded)

@@ -50,7 +50,7 @@ def registry_table() -> str:
 
     rows = ["| torch class | halo layer | latitude x longitude mesh | exact form of | what it is |",
             "|---|---|---|---|---|"]
-    for kind, entry in sorted(entries().items(), key=lambda kv: (kv[1].halo_class.__name__, kv[0].__name__)):
+    for kind, entry in sorted(entries(ours=True).items(), key=lambda kv: (kv[1].halo_class.__name__, kv[0].__name__)):
         mesh = "yes" if entry.axes >= 2 else "rows only"
         twins = ", ".join(sorted({f"`{_function_name(f)}`" for f in entry.functional})) or "—"
         rows.append(f"| `{_torch_name(kind)}` | `{entry.halo_class.__name__}` | {mesh} | {twins} "
@@ -63,7 +63,7 @@ def exports_table() -> str:
     import halo.nn  # noqa: F401 - fills the registry
     from halo.nn.registry import entries, exports
 
-    converted = {e.halo_class.__name__ for e in entries().values()}
+    converted = {e.halo_class.__name__ for e in entries(ours=True).values()}
     rows = ["| name | kind | module | what it is |", "|---|---|---|---|"]
     for name, obj in sorted(exports().items(), key=lambda kv: (not inspect.isclass(kv[1]), kv[0].lower())):
         if name in converted:

@@ -152,17 +152,23 @@ def converts(*torch_classes: type, axes: int = 1, make: Maker | None = None,
                 raise ValueError(f"converts: {kind.__name__} is converted by {known.halo_class.__name__} already, "
                                  f"not also by {cls.__name__}")
             _TABLE[kind] = Entry(kind, cls, fn, axes, mesh_ok, keep, functional, example)
-        _export(cls, cls.__name__)
+        if _ours(cls):  # a user's own registration converts, but is not one of halo.nn's names
+            _export(cls, cls.__name__)
         return cls
 
     return register
 
 
-def entries() -> dict[type, Entry]:
+def _ours(obj: Any) -> bool:
+    return getattr(obj, "__module__", "").startswith("halo.")
+
+
+def entries(ours: bool = False) -> dict[type, Entry]:
     """Every registered torch class -> its entry (a copy), in registration order. Complete once ``halo.nn`` is
     imported, which importing this module implies (the package imports every module :func:`layer_modules` names;
-    the registry imports none: they import it)."""
-    return dict(_TABLE)
+    the registry imports none: they import it). ``ours``: halo's own registrations only (not a user's
+    ``@converts`` of a layer of their own)."""
+    return {k: e for k, e in _TABLE.items() if not ours or _ours(e.halo_class)}
 
 
 def exports() -> dict[str, Any]:
