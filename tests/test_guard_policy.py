@@ -32,8 +32,8 @@ def test_every_entry_has_a_kind_and_what_its_kind_needs():
     for f, p in POLICY.items():
         assert isinstance(p, Policy) and p.kind in kinds, f
         if p.kind == "exact":
-            assert p.rule is not None and callable(p.exact), f
-            assert p.how in ("norm", "mean", "vector_norm", "interpolate"), f
+            assert (p.rule is not None or p.check is not None) and callable(p.exact), f
+            assert p.how in ("norm", "mean", "vector_norm", "interpolate", "attention"), f
         if p.kind == "refuse":
             assert p.rule is not None or p.check is not None, f
         if p.kind == "pass":
@@ -68,3 +68,22 @@ def test_default_deny_an_unlisted_op_has_no_entry():
     assert torch.trapezoid not in POLICY and torch.cdist not in POLICY
     assert POLICY[torch.add].kind == "pass" and POLICY[torch.Tensor.permute].kind == "follow"
     assert POLICY[F.group_norm].kind == "exact" and POLICY[torch.fft.rfft2].kind == "refuse"
+
+
+def test_a_layers_functional_twin_is_hinted_from_the_registry():
+    """Every torch function a halo layer declares itself the exact form of (``@converts(functional=...)``) is
+    classified by the one table (never default-denied as unknown), and a refusal of it whose rule names no way out
+    gets the registry's (the torch module to use, the halo layer it becomes): a new layer needs no guard edit."""
+    import halo.nn  # noqa: F401 - fills the registry
+    from halo.guard import POLICY, with_twin_hint
+    from halo.nn.registry import functional_twins
+
+    twins = functional_twins()
+    assert twins, "no functional twins registered"
+    for func, cls in twins.items():
+        assert func in POLICY, f"{getattr(func, '__name__', func)} (the twin of {cls.__name__}) is not in POLICY"
+        hinted = with_twin_hint(func, "acts on H")
+        assert f"halo.nn.{cls.__name__}" in hinted and hinted.startswith("acts on H; use nn."), hinted
+        already = "acts on H; use nn.X (converted to halo.nn.Y)"
+        assert with_twin_hint(func, already) == already  # a rule's own way out is kept, not doubled
+    assert with_twin_hint(torch.roll, "rolls H") == "rolls H"  # no twin: unchanged

@@ -66,6 +66,7 @@ from torch.overrides import TorchFunctionMode
 from .. import context
 from ..context import place, trusted
 from ..dist.comm import CommGroup, all_gather_object, gather_words
+from ..nn.registry import twin_hint
 from ..plan.plans import TensorMap, whole_source
 from . import reroute
 from ._follow import Follower
@@ -87,7 +88,7 @@ from ._policy import (
 )
 from .reroute import user_frame
 
-__all__ = ["POLICY", "SpatialGuard", "place", "trusted"]
+__all__ = ["POLICY", "SpatialGuard", "place", "trusted", "with_twin_hint"]
 
 T = torch.Tensor
 _LAYOUT_ONLY = Policy("follow", after="layout")  # a layout op in a trusted() block: followed, nothing else checked
@@ -131,6 +132,14 @@ def _blind(frame: Any) -> tuple[str, Any] | None:
         return None
     return what, f
 
+
+
+def with_twin_hint(func: Any, problem: str) -> str:
+    """``problem`` with the registry's way out for ``func`` (:func:`halo.nn.registry.twin_hint`: the torch modules a
+    halo layer declared itself the exact form of, ``@converts(functional=...)``) where the rule's own words name
+    none: a new layer's functional twin is hinted with no edit of the guard."""
+    hint = twin_hint(func)
+    return problem if hint is None or "(converted" in problem else f"{problem}; {hint}"
 
 class SpatialGuard(Follower, Marks, TorchFunctionMode):
     """The guard of one converted model's first call (module docstring). ``names``: id(module) -> path."""
@@ -320,6 +329,8 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 and self.dims.get(x) is None:
             found = rule(args, kwargs, x, x.dim() - 1, W)  # the same rule, on W (the last dim)
             problem = None if found is None else W.prefix + found
+        if problem is not None:
+            problem = with_twin_hint(func, problem)
         out, ran, failed = None, problem is None, None
         if ran:
             try:

@@ -256,9 +256,9 @@ def _conv1d(args, kwargs, x, h, a):
 def _conv_t(args, kwargs, x, h, a):
     weight = get_arg(args, kwargs, 1, "weight")
     k = int(weight.shape[a.index])
-    return (f"a transposed convolution (kernel {k} along {a.name}) on a shard; use nn.ConvTranspose2d in the model "
-            f"(converted to halo.nn.HaloConvTranspose2d)") if k != 1 or get_arg(args, kwargs, 3, "stride", 1) not in (
-        1, (1, 1), [1, 1]) else None
+    unit = get_arg(args, kwargs, 3, "stride", 1) in (1, (1, 1), [1, 1], (1, 1, 1), [1, 1, 1])
+    # (the way out, the module to use, is the registry's: halo.guard.with_twin_hint)
+    return f"a transposed convolution (kernel {k} along {a.name}) on a shard" if k != 1 or not unit else None
 
 
 def _pool(args, kwargs, x, h, a):
@@ -661,16 +661,14 @@ _refuse([F.pad, torch.ops.aten.constant_pad_nd], _pad)
 _refuse([F.upsample_bilinear, F.upsample_nearest], interpolate_rule)
 _refuse([F.conv2d, torch.conv2d, F.conv3d, torch.conv3d], _conv)
 _refuse([F.conv1d, torch.conv1d], _conv1d)
-_refuse([F.conv_transpose2d, torch.conv_transpose2d], _conv_t)
+_refuse([F.conv_transpose2d, torch.conv_transpose2d, F.conv_transpose3d, torch.conv_transpose3d], _conv_t)
 _refuse([F.max_pool2d, F.avg_pool2d, torch.max_pool2d, getattr(torch, "avg_pool2d", None), F.lp_pool2d,
            getattr(F, "max_pool2d_with_indices", None)], _pool)
 # 3-d pools of (B, C, D, H, W) fields: the window along H (the middle of a (D, H, W) triple) decides, as in 2-d
 _refuse([F.max_pool3d, F.avg_pool3d, torch.max_pool3d, getattr(F, "max_pool3d_with_indices", None)], _pool)
 _refuse([F.adaptive_avg_pool2d, F.adaptive_max_pool2d, torch.adaptive_avg_pool1d], _adaptive)
 _refuse([F.pixel_shuffle, torch.pixel_shuffle, F.pixel_unshuffle, torch.pixel_unshuffle],
-          _always("rearranges {a.unit} across {a.name} (pixel shuffle) on a shard; use nn.PixelShuffle / "
-                  "nn.PixelUnshuffle in "
-                  "the model (converted exactly)"))
+          _always("rearranges {a.unit} across {a.name} (pixel shuffle) on a shard"))  # (the way out: the registry)
 _refuse([F.unfold, F.fold], _always("unfolds windows that cross the shard's edge {a.unit}; gather first"))
 _refuse([F.grid_sample], _always("samples the field at arbitrary {a.unit} on a shard; gather first"))
 _refuse([torch.roll, T.roll], _roll)
