@@ -1,7 +1,7 @@
 """``torch.compile(model, fullgraph=True)`` of a converted model: default torch settings, gloo ranks, float64.
 
 The model has a strided conv, a transposed conv, GroupNorm, max pooling and bilinear upsampling, with the pole
-boundary; it is compiled whole (no graph break is allowed) with ``aot_eager`` and ``inductor`` on 2 and 3 ranks
+boundary; it is compiled whole (no graph break is allowed) with ``aot_eager`` on 2 and 3 ranks and ``inductor`` on 3
 and called three times: forward and backward must equal the eager converted model's (which the rest of the suite
 holds to the unsharded model) to rounding, and the graph must not be recompiled after the first call. The halo
 exchange and the fused GroupNorm are custom ops (``halo::exchange``, ``halo::group_norm``) whose fake kernels give
@@ -82,8 +82,10 @@ def _results(world, backend):
     return _RUNS[world, backend]
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("world", [2, 3])
+# Inductor at 3 ranks only: its C++ compile is the file's cost (~30-50 s a launch on 2 cores), and 3 ranks hold both
+# an edge rank (one neighbour and the pole) and an interior one (two neighbours), the two graphs a 2-rank run traces
+# one of; aot_eager traces both world sizes.
+@pytest.mark.parametrize(("world", "backend"), [(2, "aot_eager"), (3, "aot_eager"), (3, "inductor")])
 def test_compiled_converted_model_equals_eager(world, backend):
     results = _results(world, backend)
     for rank, (steps, graphs) in enumerate(results):

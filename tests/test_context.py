@@ -105,7 +105,7 @@ def test_reset_between_steps_relearns_and_computes_the_same(world, grid):
         assert torch.equal(out1, out2) and torch.equal(dx1, dx2), rank
         assert all(torch.equal(a, b) for a, b in zip(grads1, grads2, strict=True)), rank
         steady = counts[-1]
-        assert steady == ((0, 0) if grid else (1, 1)), (rank, counts)  # the entry's agreement, none with a grid
+        assert steady == (0, 0), (rank, counts)  # steady: no agreement (a learned grid agrees every 8th call)
         assert relearn[0] > steady[0], (rank, relearn, steady)  # the reset dropped the plans: learned again
         assert after == counts, (rank, after, counts)  # then the same counts as after the first step
 

@@ -251,7 +251,8 @@ def test_WholeFieldDropout_draws_the_masks_of_halo_dropout_in_one_process() -> N
 _RESULTS: dict[int, list[dict]] = {}
 
 
-# Inductor on contiguous inputs is tests/test_compile.py's, at 2 and 3 ranks: SteadyNet holds every layer kind of
+# Inductor on contiguous inputs is tests/test_compile.py's, at 3 ranks (an edge and an interior rank): SteadyNet
+# holds every layer kind of
 # TinyNet (3x3 conv, GroupNorm, stride-2 conv, transposed conv) and more (max pool, bilinear upsampling, the pole
 # boundary), compiled fullgraph with inductor and compared forward, input gradient and per-rank parameter gradients
 # (1e-12) with the eager converted model, which the fp64 cells here hold to the unsharded model. Here it would add a

@@ -197,6 +197,7 @@ def _not_in_step(rank, world, case):
     x = halo.shard(_field())
     domain_mean(model(x) ** 2).backward()
     if case == "eval":
+        halo.set_timeout(3)
         if rank == 1:
             model.eval()
         return _error(lambda: model(x))
@@ -216,15 +217,39 @@ def _not_in_step(rank, world, case):
 
 
 def test_eval_on_one_rank_is_named():
+    """Rank 1 alone goes to eval(): its peer's call is steady (no agreement), so both raise HaloCommError within
+    the timeout, and rank 1 says why. (Both ranks in another mode at once agree on it: one agreed call.)"""
     errors = run_on_ranks(_not_in_step, 2, "eval", timeout=60)
+    assert all(e is not None and e.startswith("HaloCommError") for e in errors), errors
+    assert "Likely cause: on this rank the model went to eval() mode since the model's last agreed call" in errors[1]
+
+
+def _eval_mismatch_at_an_agreed_call(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(_net())
+    if rank == 1:
+        model.eval()
+    return _error(lambda: model(halo.shard(_field())))
+
+
+def test_eval_on_one_rank_at_an_agreed_call_is_one_error_everywhere():
+    errors = run_on_ranks(_eval_mismatch_at_an_agreed_call, 2, timeout=60)
     assert len(set(errors)) == 1 and errors[0] is not None, errors
     assert "eval() mode on group ranks [1]" in errors[0] and "train() mode on group ranks [0]" in errors[0], errors
 
 
 def test_backward_skipped_on_one_rank_is_named_at_the_next_step():
+    """Rank 1 ran the backward of a model that sends nothing (a 1x1 conv, local loss), rank 0 skipped it: rank 0's
+    next call agrees (its backward did not run: not a steady call) and names the cause; rank 1's is steady and
+    computes its own rows (exact: nothing it does needs rank 0)."""
     errors = run_on_ranks(_not_in_step, 2, "skip_local", timeout=60)
-    assert len(set(errors)) == 1 and errors[0] is not None, errors
-    assert "run backward through this model's outputs different numbers of times ([1, 2]" in errors[0], errors
+    assert errors[0] is not None and errors[0].startswith("HaloCommError"), errors
+    assert "did not run backward() through the output of its previous forward" in errors[0], errors
+    assert errors[1] is None, errors
 
 
 def test_skipped_backward_names_the_cause_on_the_rank_that_skipped():

@@ -4,10 +4,10 @@ The model has every layer kind whose plan depends on every rank's extents (3x3 c
 GroupNorm, a stride-2 conv, a transposed conv, max pooling, bilinear upsampling); one step is forward,
 ``domain_mean`` loss, backward, ``sync_domain_gradients`` and an SGD step. Steps 3 and 4 are counted with
 :class:`halo.testing.HostWorkCounter` on 2 and 3 gloo ranks (float64, uneven shards): no read of a tensor's value
-into Python, no tensor built from Python data, one agreement (the converted model's entry, on host data) or none
-with a declared grid, and the same collectives in both steps. The agreements of the first step and the safety
-of what is learned (a global extent that changes while some ranks' local shapes do not; a rank whose shapes
-change) are tested against the unsharded model too.
+into Python, no tensor built from Python data, no agreement (a declared grid; or a learned one, whose steady calls
+agree only every 8th: tests/test_sync_free.py), and the same collectives in both steps. The agreements of the
+first step and the safety of what is learned (a global extent that changes while some ranks' local shapes do
+not; a rank whose shapes change) are tested against the unsharded model too.
 """
 
 import pytest
@@ -73,8 +73,8 @@ def test_steady_step_makes_no_host_work(world, grid):
         summary, where = counts[3]
         assert summary.get("read", 0) == 0, (rank, where.get("read"))
         assert summary.get("from_data", 0) == 0, (rank, where.get("from_data"))
-        assert summary.get("agreement", 0) == (0 if grid else 1), (rank, summary, where.get("agreement"))
-        assert summary.get("c10d.all_gather", 0) == (0 if grid else 1), (rank, summary)
+        assert summary.get("agreement", 0) == 0, (rank, summary, where.get("agreement"))  # (steady: none agrees)
+        assert summary.get("c10d.all_gather", 0) == 0, (rank, summary)
         assert summary.get("c10d.all_gather_object", 0) == 0, summary
         # The math's messages: at most 6 exchanges forward and 6 backward (one that needs no rows of another rank,
         # here the 2x2 pooling when shards split at even rows, posts nothing), GroupNorm's all-reduce forward and

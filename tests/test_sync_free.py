@@ -1,5 +1,6 @@
 """No hidden host syncs (issue 33, item 2): over 18 training steps, the every-8th replicated-state check included,
-a converted model with ``grid=`` reads nothing back to the host and runs no host collective; a standalone layer
+a converted model with ``grid=`` reads nothing back to the host and runs no host collective (without ``grid=``: one
+host all-gather every 8th call, and at a call whose inputs changed); a standalone layer
 agrees once per shape, not once per call; and what the checks exist for is still caught.
 
 All on 2 gloo ranks, float64, odd sizes (45 rows: 23 + 22), every step compared with the unsharded model run in the
@@ -31,7 +32,7 @@ def _field(h=H, seed=1):
 
 # -- a converted model's steady steps ---------------------------------------------------------------------------
 
-def _train(rank, world):
+def _train(rank, world, grid=(H, W)):
     import halo
     from halo.nn import convert_to_domain_parallel
     from halo.parallel.reduce import domain_mean, sync_domain_gradients
@@ -41,7 +42,7 @@ def _train(rank, world):
     manager = halo.initialize_domain_parallel(world, world)
     assert check_every() == 8
     torch.manual_seed(0)
-    model = convert_to_domain_parallel(SteadyNet().double(), manager, boundary=None, grid=(H, W))
+    model = convert_to_domain_parallel(SteadyNet().double(), manager, boundary=None, grid=grid)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = _local(_field(), world, rank).clone()
     counts, outputs = [], []
@@ -84,6 +85,96 @@ def test_converted_model_with_grid_makes_no_host_work_for_18_steps():
             # step one more: the checksum's all-reduce (on the device group; started, not waited for)
             want = 5 + (step % 8 == 0)
             assert summary.get("c10d.all_reduce", 0) == want, (rank, step, summary)
+
+
+def test_converted_model_without_grid_agrees_only_every_8th_call_for_18_steps():
+    """No ``grid=``: the first call learns the grid; later calls whose inputs look as at the last agreed one reuse
+    its epoch with no host collective, and every 8th call agrees again (forwards 8 and 16: one host all-gather each,
+    beside the replicated check's device all-reduce); exact against the unsharded model at every step."""
+    world = 2
+    results = run_on_ranks(_train, world, None, timeout=300)
+    ref = _reference(STEPS)
+    for rank, (counts, outputs) in enumerate(results):
+        for step, out in enumerate(outputs):
+            want = _local(ref[step], world, rank)
+            assert torch.allclose(out, want, rtol=1e-12, atol=1e-12), (rank, step, (out - want).abs().max())
+        for step in range(2, STEPS):
+            summary, where = counts[step]
+            due = step % 8 == 0
+            assert summary.get("read", 0) == 0, (rank, step, where.get("read"))
+            assert summary.get("from_data", 0) == 0, (rank, step, where.get("from_data"))
+            assert summary.get("agreement", 0) == int(due), (rank, step, where.get("agreement"))
+            assert summary.get("c10d.all_gather", 0) == int(due), (rank, step, summary)
+            for host in ("all_gather_object", "broadcast", "barrier", "gather"):
+                assert summary.get(f"c10d.{host}", 0) == 0, (rank, step, host, summary)
+            assert summary.get("c10d.all_reduce", 0) == 5 + due, (rank, step, summary)
+
+
+def _model_inputs_change(rank, world, heights, one_rank_only):
+    """A converted model without ``grid=``, trained at the heights given (two steps each); ``one_rank_only``: at the
+    last height rank 1 alone is given 3 more columns. What every rank computed or raised."""
+    import halo
+    from halo.nn import convert_to_domain_parallel
+    from halo.parallel.reduce import domain_mean
+
+    manager = halo.initialize_domain_parallel(world, world)
+    halo.set_timeout(4)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(nn.Sequential(nn.Conv2d(C, 4, 3, padding=1), nn.Conv2d(4, 2, 3, stride=2,
+                                                                                              padding=1)).double(),
+                                       manager)
+    out = []
+    for i, h in enumerate(heights):
+        full = _field(h, seed=i)
+        if one_rank_only and i == len(heights) - 1 and rank == 1:
+            full = torch.cat([full, full[..., :3]], dim=-1)
+        x = _local(full, world, rank).clone().requires_grad_()
+        try:
+            for _ in range(2):
+                x.grad = None
+                y = model(x)
+                domain_mean(y.square()).backward()
+        except Exception as exc:  # noqa: BLE001 - the test reports what every rank raised
+            out.append((type(exc).__name__, str(exc)))
+            break
+        out.append((y.detach(), x.grad))
+    return out
+
+
+def _conv_reference(h, seed):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(C, 4, 3, padding=1), nn.Conv2d(4, 2, 3, stride=2, padding=1)).double()
+    full = _field(h, seed=seed).requires_grad_()
+    y = net(full)
+    y.square().mean().backward()
+    return y.detach(), full.grad
+
+
+def test_converted_model_learns_a_grid_every_rank_sees_change():
+    """45 -> 41 -> 37 rows over 2 ranks (23 + 22, 21 + 20, 19 + 18: every rank's shard changes): the changed calls
+    agree on every rank and learn the new grid; forward and input gradient exact at every height."""
+    heights = [45, 41, 37, 45]
+    results = run_on_ranks(_model_inputs_change, 2, heights, False, timeout=120)
+    for rank, res in enumerate(results):
+        assert len(res) == len(heights), (rank, res)
+        for i, (y, gx) in enumerate(res):
+            want_y, want_gx = _conv_reference(heights[i], i)
+            offs_in, offs_out = split_offsets(heights[i], 2), split_offsets(want_y.shape[-2], 2)
+            assert torch.allclose(y, want_y[..., offs_out[rank]:offs_out[rank + 1], :], rtol=1e-12, atol=1e-12)
+            assert torch.allclose(gx, want_gx[..., offs_in[rank]:offs_in[rank + 1], :], rtol=1e-12, atol=1e-12)
+
+
+def test_converted_model_input_changed_on_one_rank_raises_on_every_rank():
+    """Rank 1 alone is given a wider field: its peer's call looks steady and skips the agreement; both raise
+    HaloCommError within the timeout (never a result computed with the old plans), each naming its peer, and the
+    changed rank says what changed and what to do."""
+    results = run_on_ranks(_model_inputs_change, 2, [45, 45], True, timeout=120)
+    last = [res[-1] for res in results]
+    assert all(isinstance(r[0], str) and r[0] == "HaloCommError" for r in last), last
+    assert "global rank 1" in last[0][1] and "global ranks [0]" in last[1][1], last
+    assert "Likely cause: on this rank its field's local extents (dims -2, -1) went from (22, 16) to (22, 19)" \
+        in last[1][1], last[1]
+    assert "set_grid(model, None)" in last[1][1], last[1]
 
 
 # -- a diverged parameter is still caught -----------------------------------------------------------------------

@@ -19,6 +19,17 @@ the first call's agreement      every rank's extents, gathered with the entry's 
                                 every rank when a later call's agreed extents add up to another grid.
 ==============================  ====================================================================================
 
+Steady calls. Once the ranks have agreed, a call whose inputs look to this rank exactly as at the last agreed call
+(the same digest of every input's shape, dtype, device and grad flag and of every plain argument, the same train /
+eval mode, its previous backward run, its field this rank's share of the known grid) reuses that agreement's epoch
+with no collective (:func:`steady_epoch`); every :func:`halo.plan.replicated.check_every`-th such call agrees again
+(the samples compared, the ranks' call counts checked). A call that changed on every rank (a new grid, new dtypes,
+``eval()``) agrees at once. A change on some ranks only (a rank given a wrong shape; a grid whose shares change on
+some ranks only: 45 -> 44 rows is 23 + 22 -> 22 + 22) is not seen by the peers, which skip: every rank raises
+:class:`halo.HaloCommError` within :func:`halo.set_timeout` (the changed one naming what changed), never a result
+computed with the old plans. Declare ``grid=``, pass ``halo.shard`` outputs (their spec names the grid), or call
+``halo.nn.root.set_grid`` on every rank when the grid changes.
+
 A whole field on every rank is told from a legitimately ``P`` times taller grid by: a grid already known (declared,
 a spec, an earlier call) whose every sharded extent each rank holds in full; else, where the inputs are on the host
 (a CPU tensor, on a call that learns: never on the steady path), a fingerprint of each rank's input: the same
@@ -35,6 +46,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import replace as dataclass_replace
 from typing import Any
 
 import numpy as np
@@ -45,13 +57,15 @@ from ..dist.comm import CommGroup
 from ..dist.transport import all_gather_object
 from .partition import split_problem, split_sizes
 
-__all__ = ["ENTRY_WORDS", "KEY_ATTR", "EntryView", "FieldSpec", "KnownGrid", "fingerprint", "forget_grid", "judge",
-           "key_digest", "known_grid", "set_spec", "spec_of", "view"]
+__all__ = ["ENTRY_WORDS", "KEY_ATTR", "EntryView", "FieldSpec", "KnownGrid", "Steady", "agreed", "changed",
+           "fingerprint", "forget_grid", "judge", "key_digest", "known_grid", "set_spec", "since_agreed", "spec_of",
+           "steady_epoch", "view"]
 
 _SPEC_ATTR = "_halo_field"  # a shard's spec rides on the tensor (PhysicsNeMo keeps its ShardTensor spec likewise)
 KEY_ATTR = "halo_sample_key"
 _GRID = "_halo_grid"  # the converted model's known grid, in its __dict__
 _CALLS = "_halo_entry_calls"  # a declared-grid model's calls that carried a sample to compare, in its __dict__
+_STEADY = "_halo_steady"  # the last agreed call as this rank saw it (:class:`Steady`), in the model's __dict__
 _SAMPLE = 4  # elements per dim of a fingerprint's strided subsample (at most 4**ndim values read)
 
 
@@ -120,6 +134,72 @@ class KnownGrid:
 def forget_grid(module: torch.nn.Module) -> None:
     """Drop what ``module`` learned of its grid (``halo.nn.set_grid``: the next call learns it again)."""
     module.__dict__.pop(_GRID, None)
+    module.__dict__.pop(_STEADY, None)
+
+
+@dataclass(frozen=True)
+class Steady:
+    """The last agreed call of a converted model as this rank saw it: what a steady call must match to reuse its
+    epoch without agreeing (``token``: the :mod:`halo.context` it was agreed in; ``calls``: calls since then)."""
+
+    token: object
+    digest: bytes
+    training: bool
+    epoch: int
+    calls: int
+    shape: tuple[int, ...] | None  # the field's local extents (dims -2, -1), for the error that names a change
+
+
+def steady_epoch(module: torch.nn.Module, seen: EntryView, token: object) -> int | None:
+    """The epoch of the last agreed call if this call may reuse it without agreeing (module docstring, "Steady
+    calls"), else ``None``: agree. Every rank decides alike when the ranks make the same calls with inputs that
+    change alike; :func:`since_agreed` names the calls counted, which the agreement compares."""
+    from .replicated import check_every
+
+    last = module.__dict__.get(_STEADY)
+    if last is None or not seen.settled or last.token is not token or last.digest != seen.digest \
+            or last.training != module.training:
+        return None
+    pending = module.__dict__.get("_halo_backward_pending")
+    if pending is not None and pending[0]:  # its previous forward's backward did not run here (planner's hint)
+        return None
+    every = check_every()
+    if every and (last.calls + 1) % every == 0:  # the every-n-th: agree (samples compared, counts checked)
+        return None
+    module.__dict__[_STEADY] = dataclass_replace(last, calls=last.calls + 1)
+    return last.epoch
+
+
+def since_agreed(module: torch.nn.Module, token: object) -> int:
+    """Calls since the last agreed one, this one included (0: none agreed in this context): the same on every rank
+    that made the same calls; ranks that do not match entered this agreement at different calls."""
+    last = module.__dict__.get(_STEADY)
+    return 0 if last is None or last.token is not token else last.calls + 1
+
+
+def agreed(module: torch.nn.Module, seen: EntryView, token: object, epoch: int) -> None:
+    """Remember this agreed call (:func:`steady_epoch` matches later calls against it)."""
+    module.__dict__[_STEADY] = Steady(token, seen.digest, module.training, epoch, 0, seen.hw)
+
+
+def changed(module: torch.nn.Module, seen: EntryView, token: object) -> str | None:
+    """What changed on this rank since the last agreed call (for an agreement that timed out), or ``None``."""
+    last = module.__dict__.get(_STEADY)
+    if last is None or last.token is not token:
+        return None
+    if last.training != module.training:
+        what = f"the model went to {'train' if module.training else 'eval'}() mode"
+    elif last.shape != seen.hw:
+        what = f"its field's local extents (dims -2, -1) went from {last.shape} to {seen.hw}"
+    elif last.digest != seen.digest:
+        what = "its inputs changed (a shape, dtype, device, requires_grad or a plain argument)"
+    else:
+        return None
+    return (f"on this rank {what} since the model's last agreed call, {last.calls + 1} calls ago; peers whose "
+            f"inputs did not change skip the entry's agreement (steady calls run no host collective), so a change "
+            f"on some ranks only is not seen by the others: give every rank its share of the same inputs; for a new "
+            f"grid, call halo.nn.root.set_grid(model, None) on every rank first, pass halo.shard outputs, or "
+            f"declare grid=")
 
 
 def _sample_check_due(module: torch.nn.Module) -> bool:
@@ -159,6 +239,8 @@ class EntryView:
     words: list[int]
     report: dict
     local_only: bool  # the check was local (declared grid, no sample to compare): nothing to gather
+    settled: bool = False  # a learned (or spec) grid, and the field is this rank's share of it, with no problem
+    hw: tuple[int, ...] | None = None  # the primary field's local extents (dims -2, -1)
 
 
 def _parts(config: Any, size: int) -> tuple[int, ...]:
@@ -304,7 +386,9 @@ def view(args: Any, kwargs: Any, module: torch.nn.Module, config: Any, cg: CommG
              key_digest(key_list[0] if key_list else None), *spec_grid, spec_fp]
     report = {"problem": problem, "rest": rest,
               "key": key_list[0] if key_list else f"field fingerprint {spec_fp:#x}" if spec_fp else None}
-    return EntryView(digest, words, report, False)
+    settled = (known is not None and known.source != "declared" and problem is None and hw == share
+               and (spec_grid == (0, 0) or spec_grid == known.grid))
+    return EntryView(digest, words, report, False, settled, hw)
 
 
 # -- the verdict: a pure function of every rank's words (the same error, or none, on every rank) ------------------

@@ -9,9 +9,10 @@ agreement. An epoch is the name of such an agreement, identical in meaning on ev
 ==========================================  ==================================================================
 what starts an epoch                        what every rank agrees on, and its cost
 ==========================================  ==================================================================
-a converted model's forward (its root)      every rank's input shapes: one small all-gather of host data per
-                                            call (a digest of each rank's inputs and its share of the grid:
-                                            :mod:`halo.plan.entry`), none with a declared grid
+a converted model's forward (its root)      every rank's input shapes: one small all-gather of host data (a
+                                            digest of each rank's inputs and its share of the grid:
+                                            :mod:`halo.plan.entry`) at the first call, every 8th and a call
+                                            whose inputs changed on this rank; none with a declared grid
 ``shard`` / ``scatter`` of a whole field    the field's global shape, which every rank already holds (each call
                                             still agrees on its arguments and sample: one host all-gather)
 ==========================================  ==================================================================
@@ -694,6 +695,13 @@ def _check_entry(table: np.ndarray, cg: CommGroup, op: str) -> None:
                          f"{[cg.ranks[r] for r in evals]}) and in train() mode on group ranks {trains}: layers that "
                          f"act differently in training (batch norm statistics, dropout) would compute different "
                          f"things or wait for each other; call model.train() / model.eval() on every rank alike")
+    since = table[:, 5]
+    if (since != since[0]).any():
+        raise ValueError(f"{op}: the ranks of the domain group entered this agreement at different calls of the model "
+                         f"({[int(c) for c in since]} calls since the last agreed one on group ranks 0..{cg.size - 1}):"
+                         f" some ranks' inputs changed (a shape, dtype, train/eval mode) while others' did not, and "
+                         f"those skipped the agreement on their steady calls; give every rank its share of the same "
+                         f"inputs at every call (for a new grid: halo.nn.root.set_grid(model, None) on every rank)")
     if (counts != counts[0]).any():
         raise ValueError(f"{op}: the ranks of the domain group have run backward through this model's outputs "
                          f"different numbers of times ({[int(c) for c in counts]} on group ranks 0..{cg.size - 1}): "
@@ -746,21 +754,25 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     forwards = module.__dict__.get("_halo_forwards", 0)
     if cg.size > 1:
         module.__dict__["_halo_forwards"] = forwards + 1
+    steady = None if seen.local_only else entry.steady_epoch(module, seen, st.token)
     if seen.local_only:  # a declared grid (checked locally) with no sample to compare, or one rank
         epoch = _intern(("grid", config.grid, tuple(int(w) for w in words)))
+    elif steady is not None:  # inputs as at the last agreed call (halo.plan.entry, "Steady calls"): no collective
+        epoch = steady
     else:
         row = [_ENTRY, int(words[0]), int(words[1]), int(module.training), module.__dict__.get("_halo_backwards", 0),
-               *seen.words]
+               entry.since_agreed(module, st.token), *seen.words]
         try:
             table = gather_words(row, cg, op)  # host data only
         except HaloCommError as exc:
-            hint = _backward_skipped(module)
+            hint = _backward_skipped(module) or entry.changed(module, seen, st.token)
             if hint:
                 raise HaloCommError(f"{exc}. Likely cause: {hint}") from exc
             raise
         _check_entry(table, cg, op)
-        entry.judge(table[:, 5:], seen, module, config, cg, op)  # the same error on every rank, or the grid learned
+        entry.judge(table[:, 6:], seen, module, config, cg, op)  # the same error on every rank, or the grid learned
         epoch = _intern(("entry", cg.ranks, tuple(table[:, :3].ravel().tolist())))
+        entry.agreed(module, seen, st.token, epoch)
     if module.__dict__.get("_halo_data_parallel") != "fsdp-all":  # (fsdp-all: shards differ within a domain group)
         from .replicated import periodic_check
 
