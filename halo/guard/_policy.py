@@ -601,7 +601,10 @@ def _funcs(names: str, *spaces: Any, inplace: bool = False) -> set:
         for space in spaces:
             for n in (name, name + "_") if inplace else (name,):
                 f = getattr(space, n, None)
-                if f is not None:
+                # (not a dtype, a submodule or a method of the namespace module itself: torch.bool, torch.cpu,
+                # torch.__repr__ are no torch functions, and would be table entries no call ever reaches)
+                if f is not None and callable(f) and not isinstance(f, type(torch)) \
+                        and getattr(f, "__self__", None) is not space:
                     found.add(f)
     return found
 
