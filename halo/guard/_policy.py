@@ -295,9 +295,11 @@ def _flip(args, kwargs, x, h, a):
 
 
 def _along(position: int, name: str, default: Any = 0, what: str = "splits or concatenates"):
+    """An op along the dim at ``position`` (or keyword ``name``); ``None`` (``take_along_dim`` without a dim): of
+    the flattened field, H included."""
     def rule(args, kwargs, x, h, a):
         d = get_arg(args, kwargs, position, name, default)
-        if isinstance(d, int) and d % x.dim() == h:
+        if d is None or isinstance(d, int) and d % x.dim() == h:
             return (f"{what.format(a=a)} along {a.name} (the sharded dim) on a shard; do it along another dim, or "
                     "gather first")
         return None
@@ -683,8 +685,9 @@ _refuse([torch.split, T.split, torch.chunk, T.chunk, torch.tensor_split, T.tenso
           _along(2, "dim", 0, "splits"))
 _refuse([torch.unbind, T.unbind], _along(1, "dim", 0, "unbinds"))
 _refuse([torch.narrow, T.narrow, torch.select, T.select, torch.index_select, T.index_select,
-           torch.gather, T.gather, torch.take_along_dim, T.take_along_dim],
+           torch.gather, T.gather],
           _along(1, "dim", None, "selects {a.unit}"))
+_refuse([torch.take_along_dim, T.take_along_dim], _along(2, "dim", None, "selects {a.unit}"))  # (input, indices, dim)
 _add([T.__getitem__], Policy("follow", getitem_rule, after="index"))
 _refuse([torch.sum, T.sum, torch.mean, T.mean, torch.nansum, T.nansum, torch.nanmean, T.nanmean, torch.prod,
            T.prod, torch.amax, T.amax, torch.amin, T.amin, torch.max, T.max, torch.min, T.min, torch.std, T.std,
