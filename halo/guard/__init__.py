@@ -33,7 +33,8 @@ as soon as it flows into the model's computation: an op of the model outside the
 model tensor with it in place, or it is the model's output.
 
 H is dim -2 of a field of 3 or more dims, followed through ``permute``/``transpose``/``movedim``, ``(un)squeeze``
-and ``view``/``flatten`` (channels-last blocks, tokens). Tensors that are whole on every rank (after a global
+and ``view``/``flatten`` (channels-last blocks, tokens); on a latitude x longitude mesh W (dim -1) is followed
+alike and checked by the same rules (:mod:`halo.guard._follow`). Tensors that are whole on every rank (after a global
 pool) are not fields. A refusal raises ``ValueError`` on every rank at the same op, naming the op, the module
 whose forward called it, the line of user code and the way out (a halo layer or module that does it exactly). Every
 checked op is agreed on by the ranks (one small host all-gather), only during those first calls: afterwards the

@@ -1,9 +1,14 @@
 """How the guard follows H (:mod:`halo.guard`): where a field's sharded rows go through layout ops (permute,
 view, indexing, reductions over other dims, stack) and the checks of ops whose operands' H decides (matmul,
 einsum, attention). :class:`Follower` is the part of the guard that reads and writes ``self.dims`` (tensor -> its H
-dim and rows, where that is not dim -2) and ``self.w_sharded``; :data:`SPECIAL` / :data:`SPECIAL_FOLLOW` map the
-ops checked by its methods; it also tells which arguments of an op are fields (:meth:`Follower._rows_of_fields`).
-:func:`halo.context.place` is how a layer tells it where its output holds H."""
+dim and rows, where that is not dim -2) and ``self.w_sharded``; the table's ``check`` and ``after`` name its
+methods; it also tells which arguments of an op are fields (:meth:`Follower._rows_of_fields`).
+:func:`halo.context.place` is how a layer tells it where its output holds H.
+
+On a latitude x longitude mesh W is followed by the same code (:meth:`Follower._on_w`: ``self.wdims`` for
+``self.dims``, the axis :data:`W`): W is dim -1 of a field whose H was not moved, and wherever a followed op put it
+(for view / reshape / flatten: the fastest part of its dim, as in ``flatten(2)``'s tokens); a field whose H a layer
+placed, or an op moved, and whose W was not followed has no W the guard checks."""
 
 from __future__ import annotations
 
