@@ -33,7 +33,8 @@ as soon as it flows into the model's computation: an op of the model outside the
 model tensor with it in place, or it is the model's output.
 
 H is dim -2 of a field of 3 or more dims, followed through ``permute``/``transpose``/``movedim``, ``(un)squeeze``
-and ``view``/``flatten`` (channels-last blocks, tokens). Tensors that are whole on every rank (after a global
+and ``view``/``flatten`` (channels-last blocks, tokens); on a latitude x longitude mesh W (dim -1) is followed
+alike and checked by the same rules (:mod:`halo.guard._follow`). Tensors that are whole on every rank (after a global
 pool) are not fields. A refusal raises ``ValueError`` on every rank at the same op, naming the op, the module
 whose forward called it, the line of user code and the way out (a halo layer or module that does it exactly). Every
 checked op is agreed on by the ranks (one small host all-gather), only during those first calls: afterwards the
@@ -151,6 +152,7 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         self.cg = cg
         self.epoch = epoch
         self.dims = TensorMap()  # tensor -> (its H dim, rows) where that is not (dim -2, all of it); (-1, 0): none
+        self.wdims = TensorMap()  # (a mesh) tensor -> (its W dim, columns), wherever a followed op put W
         self.tainted = TensorMap()  # tensor -> the refusal of the op in a forward hook that computed it
         self.checked = 0
         self.off = cg.size == 1  # nothing is sharded: every op computes what the unsharded model does
@@ -236,10 +238,8 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         elif entry is not None and entry.sizes and args:
             self._note_size(args[0])
         if trusted and (entry is None or entry.after != "layout"):  # nothing checked (layout ops still followed)
-            tracked = self._tracked(args) if self.dims._items else None
             out = func(*args, **kwargs)
-            if tracked is not None:
-                self._carry(tracked, out)
+            self._carry_all(args, out)
             return out
         if trusted:
             entry = _LAYOUT_ONLY
@@ -247,9 +247,19 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             return self._pointwise(func, args, kwargs, entry)
         return self._checked(func, args, kwargs, entry, site)
 
+    def _carry_all(self, args, out) -> None:
+        """An op that keeps the shape along the axes (pointwise): its result holds H (and W) where its tracked
+        argument does."""
+        tracked = self._tracked(args) if self.dims._items else None
+        if tracked is not None:
+            self._carry(tracked, out)
+        if self.w_sharded and self.wdims._items:
+            tracked = self._on_w(lambda: self._tracked(args))
+            if tracked is not None:
+                self._on_w(lambda: self._carry(tracked, out))
+
     def _pointwise(self, func, args, kwargs, entry):
         """An op passed by its name (``entry``), or an unclassified one (``None``: refused on a field, naming it)."""
-        tracked = self._tracked(args) if self.dims._items else None
         if entry is None:
             if self._any_field(args, kwargs) and user_frame(3) is not None:
                 frame = user_frame(3)
@@ -272,8 +282,7 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                         self._taint(func, args, out, refusal_message(note))
                         return out
         out = func(*args, **kwargs)
-        if tracked is not None:
-            self._carry(tracked, out)
+        self._carry_all(args, out)
         return out
 
     def _judged(self, func, args, kwargs, problem, frame, checked=True):
@@ -312,9 +321,14 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 self._follow(func, args, kwargs, x, h, out)
             elif tracked is not None:
                 self._carry(tracked, out)
+            self._w_after(entry, func, args, kwargs, x, out)
             return out
         if entry.check is not None:
-            problem = getattr(self, entry.check)(args, kwargs)
+            operands = (args[1], args[0], *args[2:]) if func is T.__rmatmul__ and len(args) > 1 else args  # (m @ x)
+            problem = getattr(self, entry.check)(operands, kwargs)
+            if problem is None and self.w_sharded:  # the same check on W (a latitude x longitude mesh)
+                found = self._on_w(lambda: getattr(self, entry.check)(operands, kwargs))
+                problem = None if found is None else W.prefix + found
         elif rule is not None and h is not None:
             problem = rule(args, kwargs, x, h, H)
         else:
@@ -325,9 +339,9 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 problem = exact
             elif exact is not None:
                 return exact[0]
-        if problem is None and rule is not None and self.w_sharded and isinstance(x, torch.Tensor) and x.dim() >= 3 \
-                and self.dims.get(x) is None:
-            found = rule(args, kwargs, x, x.dim() - 1, W)  # the same rule, on W (the last dim)
+        w = self._on_w(lambda: self._field(x)) if self.w_sharded and rule is not None else None
+        if problem is None and w is not None:
+            found = rule(args, kwargs, x, w[0], W)  # the same rule, on W (the last dim, or where it was followed)
             problem = None if found is None else W.prefix + found
         if problem is not None:
             problem = with_twin_hint(func, problem)
@@ -348,6 +362,9 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 self._follow_reduce(rule.along, args, kwargs, x, h, out)
             elif tracked is not None:
                 self._carry(tracked, out)
+            if problem is None:
+                found = self._w_after(entry, func, args, kwargs, x, out)
+                problem = None if found is None else W.prefix + found
         note = self._verdict(func, problem, frame)
         if note is not None:  # some rank refuses it (all ranks alike from here)
             if not in_hook(frame) or failed is not None:
@@ -356,6 +373,29 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 out = func(*args, **kwargs)
             self._taint(func, args, out, refusal_message(note))
         return out
+
+    def _w_after(self, entry, func, args, kwargs, x, out) -> str | None:
+        """On a latitude x longitude mesh: follow W through an op that ran, as H is followed (its problem: a layout
+        op W cannot be followed through)."""
+        if not self.w_sharded:
+            return None
+
+        def follow():
+            f = self._field(x)
+            if entry.after == "layout":
+                return None if f is None else self._follow(func, args, kwargs, x, f[0], out)
+            if entry.after in ("einsum", "sdpa"):
+                getattr(self, f"_{entry.after}_follow")(args, kwargs, out)
+            elif entry.after == "index" and func is T.__getitem__:
+                return None if f is None else self._follow_index(x, f[0], args[1] if len(args) > 1 else None, out)
+            elif entry.after == "reduce" and f is not None:
+                self._follow_reduce(entry.rule.along, args, kwargs, x, f[0], out)
+            else:
+                tracked = self._tracked(args) if self.dims._items else None
+                if tracked is not None:
+                    self._carry(tracked, out)
+            return None
+        return self._on_w(follow)
 
     # -- computed exactly (halo.guard.reroute) -------------------------------------------------------------------------
 

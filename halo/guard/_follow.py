@@ -1,9 +1,14 @@
 """How the guard follows H (:mod:`halo.guard`): where a field's sharded rows go through layout ops (permute,
 view, indexing, reductions over other dims, stack) and the checks of ops whose operands' H decides (matmul,
 einsum, attention). :class:`Follower` is the part of the guard that reads and writes ``self.dims`` (tensor -> its H
-dim and rows, where that is not dim -2) and ``self.w_sharded``; :data:`SPECIAL` / :data:`SPECIAL_FOLLOW` map the
-ops checked by its methods; it also tells which arguments of an op are fields (:meth:`Follower._rows_of_fields`).
-:func:`halo.context.place` is how a layer tells it where its output holds H."""
+dim and rows, where that is not dim -2) and ``self.w_sharded``; the table's ``check`` and ``after`` name its
+methods; it also tells which arguments of an op are fields (:meth:`Follower._rows_of_fields`).
+:func:`halo.context.place` is how a layer tells it where its output holds H.
+
+On a latitude x longitude mesh W is followed by the same code (:meth:`Follower._on_w`: ``self.wdims`` for
+``self.dims``, the axis :data:`W`): W is dim -1 of a field whose H was not moved, and wherever a followed op put it
+(for view / reshape / flatten: the fastest part of its dim, as in ``flatten(2)``'s tokens); a field whose H a layer
+placed, or an op moved, and whose W was not followed has no W the guard checks."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Any
 import torch
 
 from ..plan.plans import TensorMap
-from ._policy import Axis, H, W, dims_arg, field_of, get_arg, h_dim, merge_dims
+from ._policy import Axis, H, W, dims_arg, field_of, get_arg, h_dim, merge_dims, merge_fastest
 
 __all__ = ["Follower"]
 
@@ -26,19 +31,40 @@ class Follower:
 
     dims: TensorMap
     w_sharded: bool
+    wdims: TensorMap  # W's map, on a latitude x longitude mesh (as dims is H's): swapped in by _on_w
+    axis: Axis = H  # the axis self.dims follows now
+    _h_dims: TensorMap | None = None  # while W is followed: H's map (a field whose H moved has no W unless tracked)
+
+    def _on_w(self, fn):
+        """``fn()`` with W followed instead of H (a latitude x longitude mesh): the same code, W's map and axis."""
+        saved = self.dims, self.axis, self._h_dims
+        self._h_dims, self.dims, self.axis = self.dims, self.wdims, W
+        try:
+            return fn()
+        finally:
+            self.dims, self.axis, self._h_dims = saved
+
+    def _field(self, t: Any) -> tuple[int, int] | None:
+        """:func:`field_of` for the axis followed now."""
+        return field_of(t, self.dims, self.axis, self._h_dims)
 
     def _stack(self, func, args, kwargs):
-        """``torch.stack``: the new dim shifts H when it comes before it; follow H to its place."""
+        """``torch.stack``: the new dim shifts H (and W) when it comes before it; follow them to their place."""
         out = func(*args, **kwargs)
+        self._stack_follow(args, kwargs, out)
+        if self.w_sharded:
+            self._on_w(lambda: self._stack_follow(args, kwargs, out))
+        return out
+
+    def _stack_follow(self, args, kwargs, out) -> None:
         tensors = get_arg(args, kwargs, 0, "tensors", ())
-        first = next((t for t in tensors if field_of(t, self.dims) is not None), None)
+        first = next((t for t in tensors if self._field(t) is not None), None)
         if first is not None and isinstance(out, torch.Tensor):
-            h, rows = field_of(first, self.dims)
+            h, rows = self._field(first)
             d = get_arg(args, kwargs, 1, "dim", 0) % out.dim()
             new = h + (d <= h)
-            if new != out.dim() - 2:
+            if self.axis is W or new != out.dim() - 2:
                 self.dims[out] = (new, rows)
-        return out
 
     def _tracked(self, args) -> tuple[torch.Tensor, tuple[int, int]] | None:
         """The first argument whose H is tracked away from dim -2, with that dim."""
@@ -80,8 +106,19 @@ class Follower:
 
     def _matmul(self, args, kwargs=None) -> str | None:
         a, b = (args + (None, None))[:2]
+        if self.axis is W:  # a contracts its last dim with b's dim -2; b's last dim becomes the result's
+            fa, fb = self._field(a), self._field(b)
+            tracked = self.dims.get(b) is not None  # (an untracked b of 3 dims may be a weight expanded in forward)
+            if (fa is not None and fa[0] == a.dim() - 1) or (fb is not None and b.dim() >= 2 and (
+                    fb[0] == b.dim() - 2 or tracked and fa is not None and fa[0] == a.dim() - 2
+                    and fb[0] == b.dim() - 1)):
+                return ("multiplies over W (the sharded dim) or makes it a second token dim (attention over all "
+                        "tokens): each rank would see only its own columns; gather first (halo.gather_2d)")
+            return None
         ha, hb = h_dim(a, self.dims), h_dim(b, self.dims)
-        if (ha is not None and ha == a.dim() - 1) or (hb is not None and b.dim() >= 2 and hb == b.dim() - 1):
+        # (b's H as its last dim stays the result's last dim: a second token dim only where a is a field too)
+        if (ha is not None and ha == a.dim() - 1) or (hb is not None and b.dim() >= 2 and hb == b.dim() - 1
+                                                      and ha is not None):
             return ("multiplies over H (the sharded dim) or makes it a second token dim (attention over all "
                     "tokens): each rank would see only its own rows; gather first")
         return None
@@ -91,7 +128,7 @@ class Follower:
         if not isinstance(out, torch.Tensor):
             return None
         nd = x.dim()
-        rows = field_of(x, self.dims)[1]
+        rows = self._field(x)[1]
         new = None
         if func in (torch.permute, T.permute):
             order = args[1:] if len(args) > 1 and isinstance(args[1], int) else get_arg(args, kwargs, 1, "dims")
@@ -118,13 +155,10 @@ class Follower:
                        and (dim is None or d in (dims_arg(dim, nd) or ()))]
             new = None if h in removed else h - sum(d < h for d in removed)
         else:  # view / reshape / flatten
-            new, problem = merge_dims(x, h, rows, out)
+            new, problem = (merge_dims if self.axis is H else merge_fastest)(x, h, rows, out)
             if problem is not None:
                 return problem
-        if new is None:
-            self.dims[out] = (-1, 0)
-        elif new != out.dim() - 2 or out.dim() < 3 or int(out.shape[new]) != rows:
-            self.dims[out] = (new, rows)
+        self._record(out, new, rows)
         return None
 
     def _record(self, out: Any, new: int | None, rows: int) -> None:
@@ -133,15 +167,15 @@ class Follower:
             return
         if new is None:
             self.dims[out] = (-1, 0)
-        elif new != out.dim() - 2 or out.dim() < 3 or int(out.shape[new]) != rows:
-            self.dims[out] = (new, rows)
+        elif self.axis is W or new != out.dim() - 2 or out.dim() < 3 or int(out.shape[new]) != rows:
+            self.dims[out] = (new, rows)  # (W: always, as a field whose H moved has no W of its own)
 
     def _follow_reduce(self, along, args, kwargs, x, h, out) -> None:
         """A reduction over other dims than H: H moves down by the dims removed before it (``keepdim=False``)."""
         position, name, default = along
         d = get_arg(args, kwargs, position, name, default)
         dims = dims_arg(d, x.dim()) if not isinstance(d, torch.Tensor) else ()
-        rows = field_of(x, self.dims)[1]
+        rows = self._field(x)[1]
         for o in out if isinstance(out, (list, tuple)) else (out,):
             if not isinstance(o, torch.Tensor):
                 continue
@@ -193,7 +227,7 @@ class Follower:
         if advanced > 1:
             return ("indexes with several index tensors or lists (advanced indexing), which moves dims in ways halo "
                     "does not follow; index one dim at a time")
-        self._record(out, new, field_of(x, self.dims)[1])
+        self._record(out, new, self._field(x)[1])
         return None
 
     def _einsum_dims(self, args, a: Axis = H) -> tuple[str | None, int | None, int]:
@@ -217,7 +251,7 @@ class Follower:
         marks = {}
         rows = 0
         for term, t in zip(full, ops, strict=True):
-            f = field_of(t, self.dims)
+            f = self._field(t)
             if f is not None and f[0] < len(term):
                 marks[term[f[0]]] = True
                 rows = f[1]
@@ -233,24 +267,7 @@ class Follower:
         return None, out.index(c), rows
 
     def _einsum(self, args, kwargs) -> str | None:
-        problem = self._einsum_dims(args)[0]
-        if problem is None and self.w_sharded:  # on a latitude x longitude mesh: W (a field's last dim) too
-            ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-            saved = self.dims
-            self.dims = TensorMap()
-            watched = False
-            for t in ops:
-                if isinstance(t, torch.Tensor) and t.dim() >= 3 and saved.get(t) is None and field_of(t, saved):
-                    self.dims[t], watched = (t.dim() - 1, int(t.shape[-1])), True
-                elif isinstance(t, torch.Tensor):
-                    self.dims[t] = (-1, 0)  # tracked elsewhere (tokens): its W is not the last dim
-            try:
-                problem = self._einsum_dims(args, W)[0] if watched else None
-            finally:
-                self.dims = saved
-            if problem is not None:
-                problem = W.prefix + problem
-        return problem
+        return self._einsum_dims(args, self.axis)[0]  # (W, on a mesh: the guard checks it again on W's map)
 
     def _einsum_follow(self, args, kwargs, out) -> None:
         _, new, rows = self._einsum_dims(args)
@@ -259,6 +276,13 @@ class Follower:
 
     def _sdpa(self, args, kwargs) -> str | None:
         q, k, v = (get_arg(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
+        if self.axis is W:  # the query's and key's last dims are contracted; the key's and value's -2 attended
+            fq, fk, fv = self._field(q), self._field(k), self._field(v)
+            if (fq is not None and fq[0] == q.dim() - 1) or (fk is not None and fk[0] >= k.dim() - 2) \
+                    or (fv is not None and fv[0] == v.dim() - 2):
+                return ("attends over tokens that hold W (the sharded dim), or contracts W as the features: each "
+                        "rank would see only its own columns; gather first (halo.gather_2d)")
+            return None
         fq = field_of(q, self.dims)
         if fq is not None and fq[0] == q.dim() - 2 and field_of(k, self.dims) is None \
                 and field_of(v, self.dims) is None:
@@ -285,7 +309,7 @@ class Follower:
 
     def _sdpa_follow(self, args, kwargs, out) -> None:
         q = get_arg(args, kwargs, 0, "query")
-        f = field_of(q, self.dims)
+        f = self._field(q)
         if f is not None and isinstance(out, torch.Tensor) and out.dim() == q.dim():
             self._record(out, f[0], f[1])
 

@@ -82,8 +82,8 @@ from ..parallel.reduce import all_reduce
 from ..plan.plans import TensorMap, whole_source
 
 __all__ = ["H", "POLICY", "W", "Axis", "Policy", "broadcasts", "dims_arg", "field_of", "get_arg", "getitem_rule",
-           "h_dim", "interpolate_rule", "linear_rule", "merge_dims", "policy", "row_masks", "split_differently",
-           "torch_raised", "whole_interpolate_rule"]
+           "h_dim", "interpolate_rule", "linear_rule", "merge_dims", "merge_fastest", "policy", "row_masks",
+           "split_differently", "torch_raised", "whole_interpolate_rule"]
 
 
 # -- the axis a rule is written for --------------------------------------------------------------------------------
@@ -104,17 +104,19 @@ class Axis:
 H = Axis("H", -2, "rows", "halo.gather", "")
 W = Axis("W", -1, "columns", "halo.gather_2d", "acts on W, which a latitude x longitude mesh shards too: ")
 
-def field_of(t: Any, dims: TensorMap) -> tuple[int, int] | None:
-    """``(dim, rows)``: where ``t`` holds the sharded rows and how many (``dim`` may hold more: rows x the dims
-    merged after them, as tokens), or ``None``: not a field, or whole on every rank."""
+def field_of(t: Any, dims: TensorMap, a: Axis = H, h_dims: TensorMap | None = None) -> tuple[int, int] | None:
+    """``(dim, rows)``: where ``t`` holds the sharded rows of axis ``a`` and how many (``dim`` may hold more: rows x
+    the dims merged after them, as tokens), or ``None``: not a field, or whole on every rank. ``dims`` follows
+    ``a``; an untracked field holds it at ``a.index`` (H: dim -2, W: dim -1). ``h_dims`` (W only): H's map; a
+    tensor whose H was tracked (a layer placed it, or an op moved it) and whose W was not has no known W."""
     if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
         return None
     tracked = dims.get(t)
     if tracked is not None:
         return None if tracked[0] < 0 else tracked
-    if whole_source(t) is not None or t.dim() < 3:
+    if whole_source(t) is not None or t.dim() < 3 or h_dims is not None and h_dims.get(t) is not None:
         return None
-    return t.dim() - 2, int(t.shape[-2])
+    return t.dim() + a.index, int(t.shape[a.index])
 
 
 def h_dim(t: Any, dims: TensorMap) -> int | None:
@@ -266,6 +268,17 @@ def _pool(args, kwargs, x, h, a):
                    lambda g, k: get_arg(g, k, 2, "stride"), lambda g, k: get_arg(g, k, 3, "padding", 0), "a pool")
 
 
+def _lp_pool(args, kwargs, x, h, a):
+    """``F.lp_pool2d(input, norm_type, kernel_size, stride)``: its window is its third argument (no padding)."""
+    return _window(args, kwargs, x, h, a, lambda g, k: _entry(get_arg(g, k, 2, "kernel_size"), a),
+                   lambda g, k: get_arg(g, k, 3, "stride"), lambda g, k: 0, "a pool")
+
+
+def _adaptive1d(args, kwargs, x, h, a):
+    """``adaptive_avg_pool1d`` of ``(B, C, L)``: it pools the last dim only (the axis elsewhere is left alone)."""
+    return _adaptive(args, kwargs, x, h, a) if h == x.dim() - 1 else None
+
+
 def _adaptive(args, kwargs, x, h, a):
     size = get_arg(args, kwargs, 1, "output_size")
     rows = _entry(size, a)
@@ -295,9 +308,11 @@ def _flip(args, kwargs, x, h, a):
 
 
 def _along(position: int, name: str, default: Any = 0, what: str = "splits or concatenates"):
+    """An op along the dim at ``position`` (or keyword ``name``); ``None`` (``take_along_dim`` without a dim): of
+    the flattened field, H included."""
     def rule(args, kwargs, x, h, a):
         d = get_arg(args, kwargs, position, name, default)
-        if isinstance(d, int) and d % x.dim() == h:
+        if d is None or isinstance(d, int) and d % x.dim() == h:
             return (f"{what.format(a=a)} along {a.name} (the sharded dim) on a shard; do it along another dim, or "
                     "gather first")
         return None
@@ -541,6 +556,30 @@ def merge_dims(x: torch.Tensor, h: int, rows: int, out: torch.Tensor) -> tuple[i
     return None, "reshapes H (the sharded dim) in a way halo cannot follow; keep H as a dim of its own"
 
 
+def merge_fastest(x: torch.Tensor, w: int, cols: int, out: torch.Tensor) -> tuple[int | None, str | None]:
+    """view / reshape / flatten, followed for W (the fastest part of the dim that holds it: alone, or merged after
+    the dims before it, as ``flatten(2)`` makes tokens): the output dim that ends with its columns, or why not."""
+    shape_in, shape_out = [int(s) for s in x.shape], [int(s) for s in out.shape]
+    after = 1
+    for s in shape_in[w + 1:]:
+        after *= s
+    acc = 1
+    for j in range(len(shape_out) - 1, -1, -1):
+        s = shape_out[j]
+        if acc == after:
+            if s == 1 and cols != 1:  # a size-1 dim after W's block
+                continue
+            if s % cols == 0:
+                return j, None
+            return None, ("splits the sharded columns of W across dims: each rank's columns would be re-cut; keep W "
+                          "whole")
+        if acc > after:
+            break
+        acc *= s
+    return None, ("merges W (a sharded dim on a latitude x longitude mesh) with a later dim: the merged dim mixes "
+                  "every rank's columns; keep W the last of the dims it is merged with")
+
+
 # -- the one table ---------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -601,7 +640,10 @@ def _funcs(names: str, *spaces: Any, inplace: bool = False) -> set:
         for space in spaces:
             for n in (name, name + "_") if inplace else (name,):
                 f = getattr(space, n, None)
-                if f is not None:
+                # (not a dtype, a submodule or a method of the namespace module itself: torch.bool, torch.cpu,
+                # torch.__repr__ are no torch functions, and would be table entries no call ever reaches)
+                if f is not None and callable(f) and not isinstance(f, type(torch)) \
+                        and getattr(f, "__self__", None) is not space:
                     found.add(f)
     return found
 
@@ -662,11 +704,13 @@ _refuse([F.upsample_bilinear, F.upsample_nearest], interpolate_rule)
 _refuse([F.conv2d, torch.conv2d, F.conv3d, torch.conv3d], _conv)
 _refuse([F.conv1d, torch.conv1d], _conv1d)
 _refuse([F.conv_transpose2d, torch.conv_transpose2d, F.conv_transpose3d, torch.conv_transpose3d], _conv_t)
-_refuse([F.max_pool2d, F.avg_pool2d, torch.max_pool2d, getattr(torch, "avg_pool2d", None), F.lp_pool2d,
+_refuse([F.max_pool2d, F.avg_pool2d, torch.max_pool2d, getattr(torch, "avg_pool2d", None),
            getattr(F, "max_pool2d_with_indices", None)], _pool)
+_refuse([F.lp_pool2d], _lp_pool)
 # 3-d pools of (B, C, D, H, W) fields: the window along H (the middle of a (D, H, W) triple) decides, as in 2-d
 _refuse([F.max_pool3d, F.avg_pool3d, torch.max_pool3d, getattr(F, "max_pool3d_with_indices", None)], _pool)
-_refuse([F.adaptive_avg_pool2d, F.adaptive_max_pool2d, torch.adaptive_avg_pool1d], _adaptive)
+_refuse([F.adaptive_avg_pool2d, F.adaptive_max_pool2d], _adaptive)
+_refuse([torch.adaptive_avg_pool1d], _adaptive1d)
 _refuse([F.pixel_shuffle, torch.pixel_shuffle, F.pixel_unshuffle, torch.pixel_unshuffle],
           _always("rearranges {a.unit} across {a.name} (pixel shuffle) on a shard"))  # (the way out: the registry)
 _refuse([F.unfold, F.fold], _always("unfolds windows that cross the shard's edge {a.unit}; gather first"))
@@ -680,8 +724,9 @@ _refuse([torch.split, T.split, torch.chunk, T.chunk, torch.tensor_split, T.tenso
           _along(2, "dim", 0, "splits"))
 _refuse([torch.unbind, T.unbind], _along(1, "dim", 0, "unbinds"))
 _refuse([torch.narrow, T.narrow, torch.select, T.select, torch.index_select, T.index_select,
-           torch.gather, T.gather, torch.take_along_dim, T.take_along_dim],
+           torch.gather, T.gather],
           _along(1, "dim", None, "selects {a.unit}"))
+_refuse([torch.take_along_dim, T.take_along_dim], _along(2, "dim", None, "selects {a.unit}"))  # (input, indices, dim)
 _add([T.__getitem__], Policy("follow", getitem_rule, after="index"))
 _refuse([torch.sum, T.sum, torch.mean, T.mean, torch.nansum, T.nansum, torch.nanmean, T.nanmean, torch.prod,
            T.prod, torch.amax, T.amax, torch.amin, T.amin, torch.max, T.max, torch.min, T.min, torch.std, T.std,
