@@ -1,6 +1,7 @@
 """Spatial-reduction attention as users run it (issue 32 item 4): timm's ``PyramidVisionTransformerV2`` (its
 ``pvt_v2.Attention`` with ``sr_ratio`` > 1, fused and explicit softmax, and the ``linear=True`` variant's 7 x 7 pool)
-and segmentation_models_pytorch's MiT encoder (``mix_transformer.Attention``, explicit softmax) and ``Segformer``,
+and segmentation_models_pytorch's MiT encoder (``mix_transformer.Attention``, explicit softmax) and ``Segformer``
+(whose decoder resizes to a quarter of the input's global rows: ``halo.nn.smp_layers.HaloSegformerDecoder``),
 converted with ``halo.nn.convert_to_domain_parallel`` (the attention becomes ``halo.nn.DomainSRAttention``: queries
 from the rank's tokens, keys from the halo strided conv's share of the global reduced grid, the ring).
 
@@ -68,14 +69,15 @@ def _features(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 #: name -> (build, rows per world size, call). Token maps: PVT 53 rows -> 14 (sr 4: 3 reduced rows, 2 dropped),
-#: 7 (sr 2: 3, 1 dropped); 49 -> 13, 7; MiT 85 -> 22 (5), 11 (5); 69 -> 18 (4), 9 (4). Segformer's decoder sizes
-#: its output from the input's local rows // 4, so its rows divide by 4 on every rank (odd H: refused by the guard)
+#: 7 (sr 2: 3, 1 dropped); 49 -> 13, 7; MiT 85 -> 22 (5), 11 (5); 69 -> 18 (4), 9 (4); mit_b0 (sr 8, 4, 2) 99 ->
+#: 25 (3), 13 (3), 7 (3); 77 -> 20 (2), 10 (2), 5 (2). Segformer's decoder resizes to a quarter of the input's rows
+#: (19 of 77: its output has 76), the global quarter on shards (halo.nn.smp_layers.HaloSegformerDecoder)
 CASES: dict[str, tuple[Callable[[], nn.Module], dict[int, int], Callable | None]] = {
     "timm.pvt_v2": (_pvt(), {2: 49, 3: 53}, None),
     "timm.pvt_v2(fused_attn off)": (_pvt(fused=False), {2: 49, 3: 53}, None),
     "timm.pvt_v2(linear)": (_pvt(linear=True), {2: 41, 3: 37}, None),
     "smp.MixVisionTransformerEncoder": (_mit, {2: 69, 3: 85}, _features),
-    "smp.Segformer(mit_b0)": (_segformer, {2: 96, 3: 96}, None),
+    "smp.Segformer(mit_b0)": (_segformer, {2: 77, 3: 99}, None),
 }
 WIDTH = 32
 #: timm's classifier head: forward_head's mean over (H, W), then ``head_drop`` (an nn.Dropout, converted): refused
