@@ -169,7 +169,28 @@ def _all(rank: int, world: int) -> dict:
     if world == 3:  # PVT at 37 rows: stage 0's 10-row token map has 2 reduced rows (sr 4) for 3 ranks
         out["refused"] = _one(rank, world, "timm.pvt_v2(fused_attn off)", False, rows=37)
     out["head"] = _one(rank, world, "timm.pvt_v2(classifier)", False)
+    for name in CHECKED:
+        for local in (False, True):
+            out[name, local, "check"] = _check(world, name, local)
     return out
+
+
+#: the cases ``halo.check_equivalence`` is run on too (its verdict must be the truth found above)
+CHECKED = ("timm.pvt_v2(fused_attn off)", "timm.pvt_v2(linear)")
+
+
+def _check(world: int, name: str, local: bool) -> tuple[bool, str]:
+    from timm.models.pvt_v2 import Attention
+
+    import halo
+
+    custom = {Attention: _local_sr} if local else None
+    try:
+        report = halo.check_equivalence(lambda: _build(name), _input(name, world),
+                                        convert_kwargs={"custom_converters": custom} if custom else None)
+    except Exception as exc:  # noqa: BLE001 - a refusal (the same on every rank): the parent asserts on it
+        return False, f"{type(exc).__name__}: {exc}"
+    return report.ok, str(report)
 
 
 _RUNS: dict[int, list[dict]] = {}
@@ -232,6 +253,18 @@ def test_per_shard_attention_differs(name, world):
     assert all(r["kinds"] == ["LocalSRAttention"] for r in results), results[0]["kinds"]
     bad = _differences(results, _reference(name, world))
     assert bad and max(bad.values()) > LOCAL_OFF, f"{name} at P={world}: the per-shard form is not seen to differ"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", CHECKED)
+def test_check_equivalence_agrees(name, world):
+    """``halo.check_equivalence`` says what the comparison above found: OK for the ring, a difference for the
+    per-shard attention."""
+    for local in (False, True):
+        verdicts = [r[name, local, "check"] for r in _results(world)]
+        assert all(v == verdicts[0] for v in verdicts), f"{name} at P={world}: ranks disagree"
+        ok, text = verdicts[0]
+        assert ok is (not local), f"{name} at P={world} ({'per-shard' if local else 'ring'}): {text}"
 
 
 def test_too_few_reduced_rows_is_refused_on_every_rank():
