@@ -286,11 +286,14 @@ def test_the_classifier_head_is_refused_on_every_rank(world):
     assert "head_drop (DomainDropout) is given the result of a mean over H" in refused[0], refused[0]
 
 
-def test_the_layer_keeps_the_checkpoint_and_refuses_attention_dropout():
+def test_the_layer_keeps_the_checkpoint_and_refuses_attention_dropout_and_a_mesh():
+    from types import SimpleNamespace
+
     tp.load()
     from timm.models.pvt_v2 import Attention
 
     from halo.nn import DomainSRAttention, HaloConv2d
+    from halo.nn.sr_attention import sr_attention_adapter
 
     torch.manual_seed(0)
     attn = Attention(8, num_heads=2, sr_ratio=2, attn_drop=0.1)
@@ -304,3 +307,6 @@ def test_the_layer_keeps_the_checkpoint_and_refuses_attention_dropout():
     torch.testing.assert_close(layer(x, (4, 6)), attn.eval()(x, [4, 6]))
     with pytest.raises(ValueError, match=r"expected this rank's tokens \(B, H_r \* W, C\) with H_r \* W = 4 \* 5"):
         layer(x, (4, 5))
+    mesh = SimpleNamespace(mesh=SimpleNamespace(domain_shape=(2, 2)), group=None)  # a latitude x longitude mesh
+    with pytest.raises(ValueError, match="spatial-reduction attention on latitude rows only"):
+        sr_attention_adapter(attn)(attn, mesh)
