@@ -6,7 +6,7 @@ their layers are recognised here by class name, defining module and the attribut
 without them is not taken for the real one and goes through the converter's usual refusals). :func:`adapter`
 returns the converter ``fn(module, ctx)`` (``ctx`` a :class:`halo.nn.target.ConvertContext`) or ``None``. The larger
 families keep their recognisers beside their layers (``swinv2_adapter``, ``swin_adapter``, ``timm_adapter``,
-``smp_adapter``, ``diffusers_adapter``); this module asks each in turn.
+``smp_adapter``, ``diffusers_adapter``, ``sr_attention_adapter``); this module asks each in turn.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .longrange import DomainCrossFormerAttention
 from .neighborhood import DomainNeighborhoodAttention2D
 from .smp_layers import smp_adapter  # smp's U-Net decoder: resizes to global level sizes
 from .spectral_layers import spectral_adapter  # torch-harmonics SHTs and SFNO's SpectralConvS2; neuralop SpectralConv
+from .sr_attention import sr_attention_adapter  # PVT-v2's and SegFormer's spatial-reduction attention
 from .swinv2 import swinv2_adapter  # timm's SwinTransformerV2Block; CREDIT's Swin (V2 Cr) and FuXi
 from .target import ConvertContext
 from .timm_layers import timm_adapter  # timm's channel norms, activations, layer scale, Conv2dSame, heads, ...
@@ -66,7 +67,7 @@ def adapter(module: nn.Module) -> Converter | None:
     if made is not None:
         return made
     return (swinv2_adapter(module) or swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
-            or diffusers_adapter(module)
+            or diffusers_adapter(module) or sr_attention_adapter(module)
             or attention_adapter(module))  # attention over all tokens (halo.nn.attention_layers): ring attention
 
 

@@ -13,6 +13,11 @@ means are global ones, which halo knows, so the two classes are computed exactly
   is the balanced split of that size and lines up row for row with the skip. A block called with a shard's size and
   no skip (outside a converted decoder) is refused: the global size is unknown there.
 
+smp's ``SegformerDecoder`` resizes every stage to ``[dim // 4 for dim in features[0].shape[2:]]``: a quarter of the
+*input's* rows, on a shard the rank's own (their sum is not the field's quarter unless every rank's rows divide by 4;
+the guard refuses the resize where they do not). :class:`HaloSegformerDecoder` (the same children and state) resizes
+with :func:`halo.nn.halo_interpolate` to a quarter of the input's global rows, so odd heights are exact as well.
+
 smp's ``nn.LayerNorm`` subclasses over channels (UPerNet's ``LayerNorm2d``: permute, ``F.layer_norm``, permute
 back; MiT's ``LayerNorm``: flatten H x W into tokens, ``F.layer_norm``, back) have a forward of their own, which the
 converter refuses for a subclass of a layer it converts; both normalise each grid point's channels, nothing across
@@ -35,9 +40,10 @@ from ..dist.mesh import GroupRef
 from ..plan.plans import shard_sizes
 from .upsample import halo_interpolate
 
-__all__ = ["ChannelLayerNorm", "HaloUnetDecoder", "HaloUnetDecoderBlock", "smp_adapter"]
+__all__ = ["ChannelLayerNorm", "HaloSegformerDecoder", "HaloUnetDecoder", "HaloUnetDecoderBlock", "smp_adapter"]
 
 _SMP_UNET = "segmentation_models_pytorch.decoders.unet.decoder"
+_SMP_SEGFORMER = "segmentation_models_pytorch.decoders.segformer.decoder"
 #: smp's LayerNorm subclasses over channels: defining module -> class name
 _SMP_LAYER_NORMS = {"segmentation_models_pytorch.decoders.upernet.decoder": "LayerNorm2d",
                     "segmentation_models_pytorch.encoders.mix_transformer": "LayerNorm"}
@@ -105,9 +111,26 @@ class HaloUnetDecoderBlock(nn.Module):
         return self.attention2(feature_map)
 
 
-def _is(module: nn.Module, name: str, children: set[str], attrs: tuple[str, ...] = ()) -> bool:
+class HaloSegformerDecoder(nn.Module):
+    """smp's ``SegformerDecoder`` on H-shards: every stage resized to a quarter of the input's *global* size
+    (module docstring), then its own fuse stage."""
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        op = "smp SegformerDecoder"
+        group = self._halo_group.group
+        rows, cols = _global_hw(features[0], group, op)
+        target = (rows // 4, cols // 4)
+        features = features[2:] if features[1].size(1) == 0 else features[1:]
+        features = features[::-1]  # from the head of the encoder
+        resized = [halo_interpolate(mlp(features[i]), size=target, mode="bilinear", align_corners=False, group=group)
+                   for i, mlp in enumerate(self.mlp_stage)]
+        return self.fuse_stage(torch.cat(resized, dim=1))
+
+
+def _is(module: nn.Module, name: str, children: set[str], attrs: tuple[str, ...] = (), home: str = _SMP_UNET
+        ) -> bool:
     kind = type(module)
-    return (kind.__name__ == name and kind.__module__ == _SMP_UNET and children <= set(module._modules)
+    return (kind.__name__ == name and kind.__module__ == home and children <= set(module._modules)
             and all(hasattr(module, a) for a in attrs))
 
 
@@ -167,4 +190,9 @@ def smp_adapter(module: nn.Module) -> Any:
             _refuse_mesh(ctx, "UnetDecoderBlock")
             return _twin_as(HaloUnetDecoderBlock, m, ctx.group)
         return convert_block
+    if _is(module, "SegformerDecoder", {"mlp_stage", "fuse_stage"}, home=_SMP_SEGFORMER):
+        def convert_segformer(m: nn.Module, ctx: Any) -> nn.Module:
+            _refuse_mesh(ctx, "SegformerDecoder")
+            return _twin_as(HaloSegformerDecoder, m, ctx.group)
+        return convert_segformer
     return None
