@@ -11,6 +11,12 @@ from the same seed: every output, the input gradient and every parameter gradien
 1e-9 of the largest value of the quantity (sums in another order: ~1e-15). The same models with the ring replaced by
 SDPA on each rank's own reduced keys (``LOCAL``) must differ: the comparison sees what the ring does. A reduced grid
 with fewer rows than ranks is refused on every rank alike, naming the attention. One launch per world size.
+
+PVT-v2 with its classifier head (5 classes): ``forward_head``'s mean over H and W is the guard's domain mean, whole
+on every rank, and its ``head_drop`` (halo's ``DomainDropout``) draws that whole tensor's one-process mask alike on
+every rank; at head drop rates 0 and 0.5 the logits, gradients and parameter gradients are the unsharded model's (its
+dropout drawing as halo's does in one process: tests/_modes.py's ``WholeFieldDropout``), and ranks seeded differently
+are refused alike.
 """
 
 from __future__ import annotations
@@ -329,7 +335,8 @@ def test_a_head_dropout_with_a_seed_per_rank_is_refused_on_every_rank():
     tensor, would differ; every rank raises alike, naming the fix."""
     refused = [r["head", "seed per rank"].get("refused") for r in _results(3)]
     assert refused[0] is not None and len(set(refused)) == 1, refused
-    assert "torch random generators (cpu) are in different states" in refused[0], refused[0]
+    assert "halo.random.dropout: the domain ranks' torch random generators (cpu) are in different states" \
+        in refused[0], refused[0]
     assert "halo.random.manual_seed" in refused[0], refused[0]
 
 
