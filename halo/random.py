@@ -156,10 +156,11 @@ def _generator_digest(device: str) -> tuple[int, int]:
 
 
 def _random_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: str, op: str,
-                 shape: tuple[int, ...] = ()) -> RandomPlan:
+                 shape: tuple[int, ...] = (), whole: bool = False) -> RandomPlan:
     """Made once per plan on every rank alike: compares the ranks' generator states over the whole domain group,
     then places this rank along every axis: ``extents`` holds its line's extents per axis (one axis: latitude rows;
-    two: the H line and the W line of a latitude x longitude mesh of ``shape``, ranks row-major)."""
+    two: the H line and the W line of a latitude x longitude mesh of ``shape``, ranks row-major). ``whole``: the
+    tensor is whole on every rank; every rank is placed at 0 of its own extent (the one-process draws)."""
     if cg.size > 1:
         table = gather_words([_AGREE_RNG, *_generator_digest(device)], cg, op)
         differ = [r for r in range(cg.size) if (table[r] != table[0]).any()]
@@ -170,6 +171,12 @@ def _random_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: st
                 f"and a domain group must draw the same key to give every shard of a sample the same dropout and "
                 f"drop-path. Seed every rank alike with halo.random.manual_seed(seed) (data-parallel replicas still "
                 f"draw differently), and draw from torch's generator in the same order on every domain rank")
+    if whole:  # the same tensor on every rank: its one-process index space, whatever the rank
+        if len(set(extents[0])) != 1:
+            raise ValueError(f"{op}: a tensor whole and the same on every rank (the result of a global mean or pool) "
+                             f"has the same shape on every rank, but its extents along the drawn dim are "
+                             f"{list(extents[0])} (group ranks in order)")
+        return RandomPlan(extents[0][0], 0, _stream(cg))
     coords = np.unravel_index(cg.index, shape or (cg.size,))
     starts = [sum(sizes[:int(c)]) for sizes, c in zip(extents, coords, strict=True)]
     if len(extents) == 2:  # a latitude x longitude mesh: the global W and this rank's first column
@@ -177,7 +184,12 @@ def _random_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], device: st
     return RandomPlan(sum(extents[0]), starts[0], _stream(cg))
 
 
-def _plan(x: torch.Tensor, dim: int, group: Any, op: str, site: Site | None, mesh: Any | None = None) -> RandomPlan:
+def _plan(x: torch.Tensor, dim: int, group: Any, op: str, site: Site | None, mesh: Any | None = None,
+          whole: bool = False) -> RandomPlan:
+    if whole:  # the same tensor on every rank of the domain group (of the mesh's, on a mesh): nothing is split
+        return resolve(x, mesh.domain_group if mesh is not None else group, op, _random_plan,
+                       (str(x.device), op, (), True), site=site, spec=(dim,), grad=False, allow_empty=True,
+                       replicated=True)
     if mesh is None:  # latitude rows: one axis, the sharded dim ``dim``
         return resolve(x, group, op, _random_plan, (str(x.device), op), site=site, spec=(dim,), grad=False,
                        allow_empty=True)
@@ -315,20 +327,23 @@ def _finish(out: torch.Tensor, x: torch.Tensor, inplace: bool) -> torch.Tensor:
 # -- the public ops -------------------------------------------------------------------------------------------------
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, dim: int = -2,
-            group: Any | None = None, site: Site | None = None, mesh: Any | None = None) -> torch.Tensor:
+            group: Any | None = None, site: Site | None = None, mesh: Any | None = None,
+            whole: bool = False) -> torch.Tensor:
     """``F.dropout`` on a shard of a field split along ``dim`` over ``group``, with draws keyed on global indices:
     every element of the whole field is kept or dropped the same way on any number of ranks (module docstring).
 
     ``x``: this rank's rows; the other dims whole and equal on every rank. Returns ``x * mask / (1 - p)``; its
     backward draws the mask again (nothing stored but a one-element key). ``group``: the domain group (default the
     initialised manager's; none: one process, the whole field). ``mesh``: a latitude x longitude ``DomainMesh``
-    (``x`` a block; its mask is stored for the backward)."""
+    (``x`` a block; its mask is stored for the backward). ``whole``: ``x`` is whole and the same on every rank of
+    the group (the result of a global mean or pool), not a shard: every rank draws the mask of the whole ``x`` in one
+    process, so the ranks' copies stay the same and equal to the unsharded model's."""
     op = "halo.random.dropout"
     p = _check_p(p, op)
     if not training or p == 0.0:
         return x
-    d = _field_dim(x, dim, op)
-    plan = _plan(x, d, group, op, site, mesh)
+    d = dim % x.dim() if whole and x.dim() else _field_dim(x, dim, op)
+    plan = _plan(x, d, group, op, site, mesh, whole)
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
     if plan.width:
         keep = _field_bits(x, d, plan, draw_key(x.device), TAG_DROP) >= keep_threshold(p)

@@ -8,7 +8,8 @@ whole result, so BatchNorm's statistics and running buffers are the unsharded on
 2 and 3 gloo ranks and unsharded in the same test: float64, 21 rows (uneven shards), train mode, forward,
 backward, parameter gradients (summed over ranks) and BatchNorm buffers; tolerance 1e-12 (sums in another order).
 A halo layer given a global pool's result outside such a Sequential would take the copies for shards: it raises on
-every rank, naming itself and the pool.
+every rank, naming itself and the pool. halo's dropout is the exception: it draws the whole result's one-process mask
+on every rank.
 """
 
 import pytest
@@ -249,6 +250,69 @@ def test_whole_result_into_a_splitting_layer_raises_on_every_rank():
     text = str(info.value)
     assert "norm (DomainBatchNorm2d) is given the result of a global pool" in text, text
     assert "nn.Sequential" in text, text
+
+
+class DroppedGate(nn.Module):
+    """A dropout on a field, then a gate whose global pool's result goes through a dropout (in a forward halo cannot
+    see): halo's dropout draws the pool's result whole, the same mask on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(C, C, 3, padding=1)
+        self.drop = nn.Dropout(0.5)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.pool_drop = nn.Dropout(0.5)
+        self.conv = nn.Conv2d(C, C, 1)
+
+    def forward(self, x):
+        a = self.drop(self.stem(x))
+        return a * torch.sigmoid(self.conv(self.pool_drop(self.pool(a))))
+
+
+def _dropped(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    manager = halo.initialize_domain_parallel(world, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(DroppedGate().double(), manager)
+    types = {n: type(m).__name__ for n, m in model.named_modules()}
+    full, wts = _inputs()
+    offs = split_offsets(H, world)
+    x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+    torch.manual_seed(5)
+    out = model(x)
+    (out * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
+    return {"types": types, "out": halo.gather(out.detach()), "grad": halo.gather(x.grad),
+            "params": {n: p.grad for n, p in model.named_parameters()}}
+
+
+def test_a_dropout_of_a_global_pools_result_draws_the_unsharded_mask():
+    """The reference: the unsharded model with halo's one-process draws (tests/_modes.py's ``WholeFieldDropout``),
+    the same key order; at 3 ranks the output, the input gradient and the parameter gradients are its own."""
+    from _modes import WholeFieldDropout
+
+    results = run_on_ranks(_dropped, 3, timeout=60)
+    full, wts = _inputs()
+    outs = {}
+    for p in (0.5, 0.0):
+        torch.manual_seed(0)
+        ref = DroppedGate().double()
+        ref.drop, ref.pool_drop = WholeFieldDropout(p), WholeFieldDropout(p)
+        x = full.clone().requires_grad_(True)
+        torch.manual_seed(5)
+        outs[p] = out = ref(x)
+        if p:
+            (out * wts).sum().backward()
+            grad, params = x.grad, {n: q.grad for n, q in ref.named_parameters()}
+    assert not torch.allclose(outs[0.5], outs[0.0]), "the dropouts change nothing: the test could not fail"
+    for r in results:
+        assert r["types"]["pool_drop"] == "DomainDropout", r["types"]
+        assert torch.allclose(r["out"], outs[0.5], rtol=0, atol=1e-12), (r["out"] - outs[0.5]).abs().max()
+        assert torch.allclose(r["grad"], grad, rtol=0, atol=1e-12), (r["grad"] - grad).abs().max()
+    for n, want in params.items():
+        got = sum(r["params"][n] for r in results)
+        assert torch.allclose(got, want, rtol=0, atol=1e-11), (n, (got - want).abs().max())
 
 
 class PSPBlock(nn.Module):

@@ -11,6 +11,12 @@ from the same seed: every output, the input gradient and every parameter gradien
 1e-9 of the largest value of the quantity (sums in another order: ~1e-15). The same models with the ring replaced by
 SDPA on each rank's own reduced keys (``LOCAL``) must differ: the comparison sees what the ring does. A reduced grid
 with fewer rows than ranks is refused on every rank alike, naming the attention. One launch per world size.
+
+PVT-v2 with its classifier head (5 classes): ``forward_head``'s mean over H and W is the guard's domain mean, whole
+on every rank, and its ``head_drop`` (halo's ``DomainDropout``) draws that whole tensor's one-process mask alike on
+every rank; at head drop rates 0 and 0.5 the logits, gradients and parameter gradients are the unsharded model's (its
+dropout drawing as halo's does in one process: tests/_modes.py's ``WholeFieldDropout``), and ranks seeded differently
+are refused alike.
 """
 
 from __future__ import annotations
@@ -80,14 +86,18 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[int, int], Callable | None]
     "smp.Segformer(mit_b0)": (_segformer, {2: 77, 3: 99}, None),
 }
 WIDTH = 32
-#: timm's classifier head: forward_head's mean over (H, W), then ``head_drop`` (an nn.Dropout, converted): refused
-CASES_REFUSED = {"timm.pvt_v2(classifier)": (_pvt(classes=3), {2: 49, 3: 53}, None)}
+#: timm's classifier head: forward_head's mean over (H, W) (the guard's domain mean: whole on every rank), then
+#: ``head_drop`` (an nn.Dropout, converted: halo's, which draws a whole tensor's mask alike on every rank) and ``head``
+HEAD = "timm.pvt_v2(classifier)"
+HEADS = {HEAD: (_pvt(classes=5), {2: 49, 3: 53}, None)}
+#: the head's dropout rate in the cases that draw (and the seed of torch's generator before each call)
+DROP, SEED = 0.5, 3
 
 
 def _build(name: str) -> nn.Module:
     tp.load()
     torch.manual_seed(0)
-    model = {**CASES, **CASES_REFUSED}[name][0]().double().train()
+    model = {**CASES, **HEADS}[name][0]().double().train()
     for m in model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.p = 0.0
@@ -97,13 +107,13 @@ def _build(name: str) -> nn.Module:
 
 
 def _call(name: str, model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    call = {**CASES, **CASES_REFUSED}[name][2]
+    call = {**CASES, **HEADS}[name][2]
     out = call(model, x) if call is not None else model(x)
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def _input(name: str, world: int, rows: int | None = None) -> torch.Tensor:
-    shape = (2, 3, rows or {**CASES, **CASES_REFUSED}[name][1][world], WIDTH)
+    shape = (2, 3, rows or {**CASES, **HEADS}[name][1][world], WIDTH)
     return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
 
@@ -124,11 +134,16 @@ def _local_sr(m: nn.Module, ctx) -> nn.Module:
     return LocalSRAttention(m, group=ctx.group)
 
 
-def _one(rank: int, world: int, name: str, local: bool, rows: int | None = None) -> dict:
+def _one(rank: int, world: int, name: str, local: bool, rows: int | None = None, drop: float = 0.0,
+         seeds: tuple[int, ...] = ()) -> dict:
+    """``drop``: the rate of the head's dropout; ``seeds``: this rank's seed of torch's generator before each of
+    that many calls (the last measured: with two, the first is the guarded one and the last the rerouted)."""
     import halo
     from halo.nn import convert_to_domain_parallel
 
     model = _build(name)
+    if drop:
+        model.head_drop.p = drop
     custom = None
     if local:
         custom = {type(m): _local_sr for m in model.modules() if type(m).__name__ == "Attention"}
@@ -138,6 +153,12 @@ def _one(rank: int, world: int, name: str, local: bool, rows: int | None = None)
         full = _input(name, world, rows)
         offs = split_offsets(full.shape[-2], world)
         x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+        earlier = []
+        for seed in seeds[:-1]:
+            torch.manual_seed(seed)
+            earlier.append(model(x).detach())
+        if seeds:
+            torch.manual_seed(seeds[-1])
         outs, loss = [], 0.0
         for i, out in enumerate(_call(name, model, x)):
             if out.dim() >= 3:  # a field: this rank's rows
@@ -153,7 +174,7 @@ def _one(rank: int, world: int, name: str, local: bool, rows: int | None = None)
     except Exception as exc:  # noqa: BLE001 - the parent asserts on it (and on every rank alike)
         return {"refused": f"{type(exc).__name__}: {exc}"}
     params = {n: p.grad for n, p in model.named_parameters()}
-    return {"kinds": kinds, "outs": outs, "grad": grad, "params": params}
+    return {"kinds": kinds, "outs": outs, "grad": grad, "params": params, "earlier": earlier}
 
 
 def _all(rank: int, world: int) -> dict:
@@ -168,7 +189,10 @@ def _all(rank: int, world: int) -> dict:
     out = {(name, local): _one(rank, world, name, local) for name in CASES for local in (False, True)}
     if world == 3:  # PVT at 37 rows: stage 0's 10-row token map has 2 reduced rows (sr 4) for 3 ranks
         out["refused"] = _one(rank, world, "timm.pvt_v2(fused_attn off)", False, rows=37)
-    out["head"] = _one(rank, world, "timm.pvt_v2(classifier)", False)
+    out["head"] = _one(rank, world, HEAD, False)
+    out["head", DROP] = _one(rank, world, HEAD, False, drop=DROP, seeds=(SEED, SEED))
+    if world == 3:  # a seed per rank: the ranks' generators differ, so would their keys
+        out["head", "seed per rank"] = _one(rank, world, HEAD, False, drop=DROP, seeds=(SEED + rank,))
     for name in CHECKED:
         for local in (False, True):
             out[name, local, "check"] = _check(world, name, local)
@@ -202,8 +226,15 @@ def _results(world: int) -> list[dict]:
     return _RUNS[world]
 
 
-def _reference(name: str, world: int) -> dict:
+def _reference(name: str, world: int, drop: float = 0.0) -> dict:
+    """The unsharded model; a head dropout of rate ``drop`` > 0 draws as halo's does in one process (tests/_modes.py's
+    ``WholeFieldDropout``: each element keyed on its position, the key one draw from torch's generator)."""
+    from _modes import WholeFieldDropout
+
     model = _build(name)
+    if drop:
+        model.head_drop = WholeFieldDropout(drop)
+        torch.manual_seed(SEED)
     x = _input(name, world).requires_grad_(True)
     outs = _call(name, model, x)
     sum((o * _weights(o.shape, i)).sum() for i, o in enumerate(outs)).backward()
@@ -276,14 +307,37 @@ def test_too_few_reduced_rows_is_refused_on_every_rank():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_classifier_head_is_refused_on_every_rank(world):
-    """PVT-v2's ``forward_head`` (a mean over H and W, then its ``head_drop``: an ``nn.Dropout``, converted to halo's,
-    which takes its input for a shard) is refused alike on every rank, naming the dropout: never silently
-    different. (The features are exact: the tests above; ``num_classes=0`` or a head of one's own after
-    ``forward_features``.)"""
-    refused = [r["head"].get("refused") for r in _results(world)]
+@pytest.mark.parametrize("drop", [0.0, DROP])
+def test_the_classifier_head_is_exact(world, drop):
+    """PVT-v2's ``forward_head``: a mean over H and W (the guard's domain mean, whole on every rank), then its
+    ``head_drop`` (converted to halo's ``DomainDropout``, which knows the whole tensor: at a rate > 0 every rank draws
+    the unsharded mask of it) and its ``head`` (a Linear on the whole tensor). The logits are the same on every rank
+    and the unsharded model's (dropping half of them at ``DROP``: a mask drawn per rank, or per shard, would differ),
+    on the guarded first call and the rerouted second; the input and parameter gradients too."""
+    results = [r["head", drop] if drop else r["head"] for r in _results(world)]
+    refused = [r.get("refused") for r in results]
+    assert all(r is None for r in refused), refused
+    ref = _reference(HEAD, world, drop)
+    logits = ref["outs"][0]
+    assert logits.shape == (2, 5), logits.shape
+    if drop:
+        kept = _reference(HEAD, world)["outs"][0]
+        assert not torch.allclose(logits, kept), "the head's dropout changes nothing: the test could not fail"
+        for r, res in enumerate(results):  # the guarded first call
+            (first,) = res["earlier"]
+            assert torch.allclose(first, logits, rtol=0, atol=RTOL * float(logits.abs().max())), (r, first, logits)
+    bad = _differences(results, ref)
+    assert not bad, f"{HEAD} (head dropout {drop}) at P={world} is SILENTLY different from the unsharded model: {bad}"
+
+
+def test_a_head_dropout_with_a_seed_per_rank_is_refused_on_every_rank():
+    """The ranks' generators differ (``torch.manual_seed(seed + rank)``): their keys, so their masks of the whole
+    tensor, would differ; every rank raises alike, naming the fix."""
+    refused = [r["head", "seed per rank"].get("refused") for r in _results(3)]
     assert refused[0] is not None and len(set(refused)) == 1, refused
-    assert "head_drop (DomainDropout) is given the result of a mean over H" in refused[0], refused[0]
+    assert "halo.random.dropout: the domain ranks' torch random generators (cpu) are in different states" \
+        in refused[0], refused[0]
+    assert "halo.random.manual_seed" in refused[0], refused[0]
 
 
 def test_the_layer_keeps_the_checkpoint_and_refuses_attention_dropout_and_a_mesh():

@@ -690,8 +690,9 @@ def uninstall(model: torch.nn.Module) -> None:
 
 def refuse_whole_mean(module: torch.nn.Module, args: tuple, names: dict[int, str]) -> None:
     """A halo layer (it splits rows) handed the whole result of a mean over H computed here: it would take the
-    ranks' copies for shards of a field. A global forward pre-hook during guarded first calls."""
-    if "_halo_site" not in module.__dict__ or not args:
+    ranks' copies for shards of a field. A global forward pre-hook during guarded first calls. A layer that knows
+    a whole tensor when given one (``_halo_takes_whole``: ``DomainDropout``) is let through."""
+    if "_halo_site" not in module.__dict__ or not args or getattr(module, "_halo_takes_whole", False):
         return
     from ..plan.plans import whole_source
 

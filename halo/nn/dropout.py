@@ -8,7 +8,9 @@ without torch.distributed (the whole field), drawing what a sharded run draws.
 
 Elementwise dropouts take a field ``(..., H_local, W)`` or tokens ``(B, H_local * W, C)`` flattened row-major from
 one (the sharded dim is -2 either way) and refuse fewer than 3 dims, which cannot be told from a whole (replicated)
-``(B, features)`` tensor.
+``(B, features)`` tensor. ``DomainDropout`` given a tensor halo marked whole and the same on every rank (the result
+of a mean over H the guard computes, or of halo's global pools: ``halo.plan.plans.mark_whole``; a classifier head's
+dropout after its pool) draws that tensor's mask as one process does, alike on every rank: the unsharded mask.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from .. import random as hr
 from ..autocast import cast_as_torch
+from ..plan.plans import mark_whole, whole_source
 from .base import HaloLayer
 from .registry import converts, public
 
@@ -67,7 +70,8 @@ def _check_tokens(module: _DomainRandom, x: torch.Tensor) -> None:
             f"{module._name()} ({type(module).__name__}): expected a field (B, C, H_local, W) or tokens "
             f"(B, H_local * W, C) split along dim -2, got shape {tuple(x.shape)}. A 2-d (B, features) tensor "
             f"may be whole on every rank (after a global pool) or a shard, and the two need different draws; "
-            f"dropout on it is refused rather than guessed")
+            f"dropout on it is refused rather than guessed (a global mean or pool that halo computes marks its "
+            f"result whole, and a dropout directly on that result draws it whole)")
 
 
 @converts(nn.Dropout, axes=2, example=lambda kind: (kind(0.25), (2, 3, 23, 7)))
@@ -79,12 +83,22 @@ class DomainDropout(_DomainRandom, nn.Dropout):
         _adopt_dropout(self, nn.Dropout, args, kwargs)
         self._init_halo(group, mesh)
 
+    #: it also takes a tensor whole and the same on every rank (marked so: a global mean or pool's result, as in a
+    #: classifier head), drawing that tensor's one-process mask on every rank (``halo.random.dropout(whole=True)``)
+    _halo_takes_whole = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        _check_tokens(self, x)
+        source = None if torch.compiler.is_compiling() else whole_source(x)
+        if source is None:
+            _check_tokens(self, x)
         x = cast_as_torch("dropout", x)  # torch's dtype under autocast (halo.autocast)
-        return hr.dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site, mesh=self.halo_mesh)
+        out = hr.dropout(x, self.p, True, self.inplace, group=self.group, site=self._halo_site, mesh=self.halo_mesh,
+                         whole=source is not None)
+        if source is not None:
+            mark_whole(out, source)  # whole in, whole out (the layers after it know it)
+        return out
 
 
 class _FeatureDropout(_DomainRandom):

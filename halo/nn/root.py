@@ -90,7 +90,8 @@ def guard_whole(model: nn.Module, tails: list[nn.Module], domain_size: int) -> N
             handles.append(m.register_forward_pre_hook(expect_whole))
             handles.append(m.register_forward_hook(pass_on))
         elif "_halo_site" in m.__dict__ and not isinstance(m, (pool.HaloAdaptiveAvgPool2d,
-                                                                 pool.HaloAdaptiveMaxPool2d)):
+                                                                 pool.HaloAdaptiveMaxPool2d)) \
+                and not getattr(m, "_halo_takes_whole", False):  # (DomainDropout: draws a whole tensor's mask)
             handles.append(m.register_forward_pre_hook(refuse_whole))
         elif next(m.children(), None) is None and "_halo_site" not in m.__dict__:
             handles.append(m.register_forward_hook(pass_on))  # a kept pointwise layer: whole in, whole out
