@@ -440,3 +440,57 @@ def test_global_pool_path_on_meshes_with_a_rank_alone_on_an_axis(shape):
                 h0, h1, w0, w1 = g["block"]
                 err = (g["grad"] - x.grad[..., h0:h1, w0:w1]).abs().max()
                 assert err <= 1e-12, (size, kind, err)
+
+
+class DerivedFromMean(nn.Module):
+    """A mean over H, W (computed over the domain by the guard, whole on every rank), scaled or reshaped, then a
+    halo layer: a dropout, or a 3x3 conv of the (B, C, 1, 1) tensor."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 3, padding=1)
+        self.drop = nn.Dropout(0.5)
+        self.conv3 = nn.Conv2d(C, C, 3, padding=1)
+        self.how = how
+
+    def forward(self, x):
+        m = self.conv(x).mean((2, 3), keepdim=True)
+        if self.how == "scaled":
+            return x * self.drop(m * 2.0)
+        if self.how == "view":
+            return x * self.drop(m.view(m.shape))
+        return x * self.conv3(m * 2.0)
+
+
+def _derived(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    halo.initialize_domain_parallel(world, world)
+    full, _ = _inputs()
+    offs = split_offsets(H, world)
+    out = {}
+    for how in ("scaled", "view", "conv"):
+        torch.manual_seed(0)
+        model = convert_to_domain_parallel(DerivedFromMean(how).double())
+        try:
+            torch.manual_seed(5)
+            model(full[..., offs[rank]:offs[rank + 1], :])
+            out[how] = None
+        except ValueError as exc:
+            out[how] = str(exc)
+    return out
+
+
+def test_a_halo_layer_given_a_tensor_computed_from_a_whole_mean_is_refused_on_every_rank():
+    """Each rank holds the same copy of ``m * 2.0``: a dropout took the copies for one-row shards and drew a
+    different mask on each rank (2.86 off at 3 ranks, 1.43 through a view), silently. Refused on every rank, the
+    same message; a dropout of the mean itself draws the unsharded mask
+    (tests/test_zoo_pvt.py::test_the_classifier_head_is_exact)."""
+    results = run_on_ranks(_derived, 3, timeout=60)
+    for how in ("scaled", "view", "conv"):
+        errors = {r[how] for r in results}
+        assert len(errors) == 1 and None not in errors, (how, errors)
+        (text,) = errors
+        layer = "conv3 (HaloConv2d)" if how == "conv" else "drop (DomainDropout)"
+        assert f"{layer} is given a tensor computed from a whole result only" in text, (how, text)

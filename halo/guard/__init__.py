@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode
 
@@ -68,6 +69,7 @@ from .. import context
 from ..context import place, trusted
 from ..dist.comm import CommGroup, all_gather_object, gather_words
 from ..nn.registry import twin_hint
+from ..plan import plans
 from ..plan.plans import TensorMap, whole_source
 from . import reroute
 from ._follow import Follower
@@ -210,7 +212,7 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             if isinstance(func, HigherOrderOperator) and any(
                     isinstance(a, torch.Tensor) and a.dim() >= 3 for a in (*args, *kwargs.values())):
                 self.hops.append(func._name)  # (a side effect dynamo replays; refused at the next eager op)
-            return func(*args, **kwargs)
+            return self._after(args, kwargs, func(*args, **kwargs))
         trusted = context.watch().trusted
         if self.hops:
             self._refuse_hops(func, sys._getframe(1))
@@ -226,10 +228,10 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         if self.tainted._items:
             hooked = self._check_taint(func, args, kwargs)
             if hooked is not None:
-                return hooked[0]
+                return self._after(args, kwargs, hooked[0])
         entry = POLICY.get(func)
         if entry is not None and entry.after == "stack":
-            return self._stack(func, args, kwargs)
+            return self._after(args, kwargs, self._stack(func, args, kwargs))
         site = None
         if entry is not None and entry.kind == "exact" and not trusted:  # counted wherever called (sites' ordinals)
             at = user_frame()
@@ -240,12 +242,12 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         if trusted and (entry is None or entry.after != "layout"):  # nothing checked (layout ops still followed)
             out = func(*args, **kwargs)
             self._carry_all(args, out)
-            return out
+            return self._after(args, kwargs, out)
         if trusted:
             entry = _LAYOUT_ONLY
         if entry is None or entry.kind == "pass":
-            return self._pointwise(func, args, kwargs, entry)
-        return self._checked(func, args, kwargs, entry, site)
+            return self._after(args, kwargs, self._pointwise(func, args, kwargs, entry))
+        return self._after(args, kwargs, self._checked(func, args, kwargs, entry, site))
 
     def _carry_all(self, args, out) -> None:
         """An op that keeps the shape along the axes (pointwise): its result holds H (and W) where its tracked
@@ -257,6 +259,29 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             tracked = self._on_w(lambda: self._tracked(args))
             if tracked is not None:
                 self._on_w(lambda: self._carry(tracked, out))
+
+    def _after(self, args, kwargs, out):
+        """What an op returns, after: an op on a tensor whole on every rank (a mean or norm over H computed here, a
+        global pool's result) and on no field, called by user code (or torch's layers it runs), gives a tensor
+        whole too (``m * 2.0``, ``m.view(...)``): marked :data:`halo.guard.reroute.WHOLE_DERIVED` for this guarded
+        call, so a halo layer given it is refused (:func:`halo.guard.reroute.refuse_whole_mean`) rather than taking
+        the ranks' copies for one-row shards (which drew a different dropout mask on each rank, or exchanged the
+        copies as rows, silently)."""
+        if not plans.state().whole._items or torch.compiler.is_compiling():
+            return out
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not any(whole_source(t) is not None for t in leaves) or any(h_dim(t, self.dims) is not None
+                                                                       for t in leaves):
+            return out  # (an op on a field: its result is a field, the field's rules applied)
+        f = sys._getframe(2)  # the op's caller: user code, or torch's own layers run by it (not halo's code)
+        while f is not None and f.f_code.co_filename.startswith(reroute._TORCH_DIR):  # noqa: SLF001
+            f = f.f_back
+        if f is None or f.f_code.co_filename.startswith(reroute._HALO_DIRS):  # noqa: SLF001
+            return out
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and whole_source(t) is None:
+                plans.mark_whole(t, reroute.WHOLE_DERIVED)
+        return out
 
     def _pointwise(self, func, args, kwargs, entry):
         """An op passed by its name (``entry``), or an unclassified one (``None``: refused on a field, naming it)."""

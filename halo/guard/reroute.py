@@ -88,6 +88,8 @@ def state() -> context.Watch:
 WHOLE_MEAN = "a mean over H computed over the domain (halo.guard.reroute)"
 #: ... and a vector norm over H.
 WHOLE_NORM = "a vector norm over H computed over the domain (halo.guard.reroute)"
+#: A tensor computed in a guarded call from whole ones only (``mean * 2.0``): whole too, marked only in that call
+WHOLE_DERIVED = "a tensor computed from a whole result (a mean or norm over H, a global pool's) and no field"
 
 # -- where a call comes from ---------------------------------------------------------------------------------------
 
@@ -691,14 +693,26 @@ def uninstall(model: torch.nn.Module) -> None:
 def refuse_whole_mean(module: torch.nn.Module, args: tuple, names: dict[int, str]) -> None:
     """A halo layer (it splits rows) handed the whole result of a mean over H computed here: it would take the
     ranks' copies for shards of a field. A global forward pre-hook during guarded first calls. A layer that knows
-    a whole tensor when given one (``_halo_takes_whole``: ``DomainDropout``) is let through."""
-    if "_halo_site" not in module.__dict__ or not args or getattr(module, "_halo_takes_whole", False):
+    a whole tensor when given one (``_halo_takes_whole``: ``DomainDropout``) is let through the mean's or norm's
+    own result, which is marked at every call; never a tensor computed from it (:data:`WHOLE_DERIVED`), whose mark
+    only this guarded call makes (a later call would take it for a shard)."""
+    if "_halo_site" not in module.__dict__ or not args or not isinstance(args[0], torch.Tensor):
         return
     from ..plan.plans import whole_source
 
-    if isinstance(args[0], torch.Tensor) and whole_source(args[0]) in (WHOLE_MEAN, WHOLE_NORM):
+    source = whole_source(args[0])
+    what = f"{names.get(id(module), '(a module)')} ({type(module).__name__})"
+    if source == WHOLE_DERIVED:
         raise ValueError(
-            f"{names.get(id(module), '(a module)')} ({type(module).__name__}) is given the result of a mean over H "
+            f"{what} is given a tensor computed from a whole result only (a mean or norm over H computed over the "
+            f"domain, or a global pool's result, then e.g. scaled or reshaped: whole and the same on every rank), "
+            f"but it is a halo layer that takes its input for a shard of a field (a dropout would draw a different "
+            f"mask on each rank, a conv exchange the copies as rows): apply the layer to the mean or pool's result "
+            f"itself (a dropout then draws the unsharded model's mask), or compute on this tensor with pointwise ops "
+            f"and torch's own layers")
+    if source in (WHOLE_MEAN, WHOLE_NORM) and not getattr(module, "_halo_takes_whole", False):
+        raise ValueError(
+            f"{what} is given the result of a mean over H "
             f"(computed over the whole domain, whole and the same on every rank), but it is a halo layer that takes "
             f"its input for a shard of a field: use the result in pointwise ops or in torch's own functions (they "
             f"compute on the whole tensor), or pool with nn.AdaptiveAvgPool2d(1) in an nn.Sequential with the layers "
