@@ -85,7 +85,9 @@ class Spec:
     rows: dict[int, int]  # world size -> global rows (uneven over the ranks)
     call: Callable[[nn.Module, torch.Tensor], Any] = lambda m, x: m(x)
     frames: int = 0  # > 0: a 5-d (B, C, T, H, W) input (CREDIT)
-    dropout: bool = False  # keep the model's dropout rates (a refusal test); else they are set to 0
+    dropout: bool = False  # keep the model's dropout rates (a refusal test, or a draw halo makes exact); else 0
+    #: what the unsharded reference changes in its model (its head's dropout drawing as halo's does in one process)
+    reference: Callable[[nn.Module], None] | None = None
     #: what a user declares (README): dotted class names of layers that act pointwise on fields -> None
     custom: tuple[str, ...] = ()
 
@@ -340,6 +342,22 @@ def _classifier(kind: str, pool: str, drop: float = 0.0) -> Callable[[], list[nn
     return make
 
 
+def _whole_field_head(model: nn.Module) -> None:
+    """The reference of a head with a dropout: its ``nn.Dropout`` draws what halo's draws for the whole tensor in
+    one process (``tests/_modes.py``'s ``WholeFieldDropout``), the mask the converted head draws on every rank."""
+    from _modes import whole_field_dropouts
+
+    for m in list(model.modules()):
+        whole_field_dropouts(m)
+
+
+def _seeded(model: nn.Module, x: torch.Tensor) -> Any:
+    """The call, torch's generator seeded first (the key of the dropout's draws: alike on the ranks and in the
+    reference)."""
+    torch.manual_seed(7)
+    return model(x)
+
+
 LAYERS: dict[str, Spec] = {
     "timm.layers.activations": Spec(_layer(_activations), 3, 12, {2: 37, 3: 37}),
     "timm.layers.channel_norms+layer_scale": Spec(_layer(_channel_norms), 3, 12, {2: 37, 3: 37}),
@@ -352,9 +370,13 @@ LAYERS: dict[str, Spec] = {
     "timm.ClassifierHead(catavgmax)": Spec(_layer(_classifier("plain", "catavgmax")), 3, 12, {2: 37, 3: 37}),
     "timm.ClassifierHead(fast)": Spec(_layer(_classifier("plain", "fast")), 3, 12, {2: 37, 3: 37}),
     "timm.NormMlpClassifierHead(max)": Spec(_layer(_classifier("norm_mlp", "max")), 3, 12, {2: 37, 3: 37}),
-    # refused: a dropout on the pool's whole result would draw differently on each rank
+    # the head's dropout draws the whole tensor's one-process mask on every rank (halo.nn.timm_layers.WholeDropout):
+    # right after the pool (ClassifierHead), and after the norm and pre-logits MLP on its result (NormMlpClassifierHead)
     "timm.ClassifierHead(drop_rate=0.2)": Spec(_layer(_classifier("plain", "avg", 0.2)), 3, 12, {2: 37, 3: 37},
-                                               dropout=True),
+                                               _seeded, dropout=True, reference=_whole_field_head),
+    "timm.NormMlpClassifierHead(drop_rate=0.2)": Spec(_layer(_classifier("norm_mlp", "avg", 0.2)), 3, 12,
+                                                      {2: 37, 3: 37}, _seeded, dropout=True,
+                                                      reference=_whole_field_head),
 }
 
 SPECS: dict[str, Spec] = {**ZOO, **LAYERS}

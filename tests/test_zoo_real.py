@@ -68,7 +68,10 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "credit.fuxi": ("exact",),  # FuXi: timm's SwinTransformerV2Block (halo.nn.swinv2)
     "credit.swin(bias dropout)": ("HaloWindowAttentionV2 (WindowMultiHeadAttention): its dropout meta_mlp.drop1",),
     **{name: ("exact",) for name in tp.LAYERS},  # halo/nn/timm_layers.py
-    "timm.ClassifierHead(drop_rate=0.2)": ("WholeDropout: a dropout (p=0.2) on the whole result of a global pool",),
+    # train mode, the head's dropout at 0.2: the unsharded model's mask on every rank (its reference draws as halo's
+    # does in one process: tests/_modes.py's WholeFieldDropout; test_a_head_dropout_changes_the_logits)
+    "timm.ClassifierHead(drop_rate=0.2)": ("exact",),
+    "timm.NormMlpClassifierHead(drop_rate=0.2)": ("exact",),
 }
 
 
@@ -211,9 +214,16 @@ def run_zoo(world: int, names: list[str]) -> list[dict]:
     return merged
 
 
-def _reference(name: str, world: int) -> dict:
+def _reference(name: str, world: int, drop: bool = True) -> dict:
+    """The unsharded model (``drop=False``: its dropout rates set to 0 first)."""
     spec = tp.SPECS[name]
     model = _build(spec)
+    if not drop:
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+                m.p = 0.0
+    if spec.reference is not None:
+        spec.reference(model)
     x = _input(spec, world).requires_grad_(True)
     outs = _outputs(spec.call(model, x))
     sum((o * _weights(o.shape, i)).sum() for i, o in enumerate(outs)).backward()
@@ -319,6 +329,16 @@ def test_real_model_exact_or_refused(name, world):
     assert "exact" in want, f"{name} at P={world} must be refused ({want}) but ran and is exact"
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", [n for n, s in tp.SPECS.items() if s.reference is not None])
+def test_a_head_dropout_changes_the_logits(name, world):
+    """The exact cases with a head dropout (rate 0.2) could fail: their reference's logits differ from those of the
+    same model without the dropout (so a converted head that drew nothing, or another mask, would be caught)."""
+    tp.load()
+    kept, dropped = _reference(name, world, drop=False)["outs"][0], _reference(name, world)["outs"][0]
+    assert not torch.allclose(kept, dropped), f"{name}: the head's dropout changes nothing: the test could not fail"
+
+
 def test_same_padding_of_the_global_extent_is_timms():
     """``HaloConv2dSame`` pads what timm's ``pad_same`` pads for the global extent (the extra row after)."""
     tp.load()
@@ -344,9 +364,10 @@ def test_flatten_after_a_global_pool_refuses_a_field():
     with pytest.raises(ValueError, match=r"flatten \(start_dim=1\) of a field \(2, 3, 5, 4\) would mix its sharded"):
         flat(torch.zeros(2, 3, 5, 4))
     assert DomainFlatten(nn.Flatten(1), domain_size=1)(torch.zeros(2, 3, 5, 4)).shape == (2, 60)  # one rank
-    drop = WholeDropout(nn.Dropout(0.3))
-    with pytest.raises(ValueError, match=r"a dropout \(p=0.3\) on the whole result of a global pool"):
-        drop(torch.zeros(2, 3))
+    drop = WholeDropout(nn.Dropout(0.3))  # one process: the whole tensor's mask
+    torch.manual_seed(3)
+    got = drop(torch.ones(4, 50, dtype=torch.float64))
+    assert set(got.unique().tolist()) == {0.0, 1 / 0.7}
     assert drop.eval()(torch.ones(2, 3)).sum() == 6
 
 

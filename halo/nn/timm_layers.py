@@ -32,7 +32,8 @@ and why each is exact on an H-shard:
   (``SqueezeExcite`` of timm's EfficientNet/MobileNet blocks, ``SEModule``): their means become halo's global pool;
   classifier heads (``ClassifierHead``, ``NormMlpClassifierHead``, InceptionNeXt's ``MlpClassifierHead``, MetaFormer's
   ``nn.Sequential`` head that starts with its pool) keep their layers after the pool as torch's own
-  on the whole tensor (a dropout there must be off: a draw of ``p > 0`` on a whole tensor is refused), and a model's
+  on the whole tensor (their ``nn.Dropout``: :class:`WholeDropout`, which draws the unsharded model's mask on every
+  rank; any other random layer there is refused), and a model's
   ``flatten`` right after its global pool (MobileNetV3) flattens the whole result (it raises if given a field).
 
 Anything else timm has is left to the converter's usual rules (refused with a hint when halo cannot know it).
@@ -102,8 +103,10 @@ def _refuse_random(m: nn.Module, path: str) -> None:
         if (isinstance(sub, _RANDOM) or type(sub).__name__ in ("DropPath", "StochasticDepth")) and p:
             raise ValueError(
                 f"{path}{'.' + name if name else ''} ({type(sub).__name__}, p={p}) draws on the result of a global "
-                f"pool, which is whole on every rank: halo has no draw that is the same on every rank for it, and "
-                f"torch's would differ per rank; set its rate to 0 (drop_rate=0) or gather before the head")
+                f"pool, which is whole on every rank: halo draws the unsharded model's mask there only for an "
+                f"nn.Dropout that is the head's own child (not a channel or alpha dropout, a drop-path, or a dropout "
+                f"nested in another layer), and torch's would differ per rank; set its rate to 0 or gather before "
+                f"the head")
 
 
 # -- pointwise ------------------------------------------------------------------------------------------------------
@@ -455,19 +458,36 @@ def _squeeze_excite(m: nn.Module) -> bool:
 
 
 class WholeDropout(nn.Module):
-    """A dropout of a classifier head, on the whole result of a global pool: off (``p == 0`` or eval) it passes the
-    tensor on; on, it raises on every rank (halo has no draw that is the same on every rank for a whole tensor)."""
+    """The ``nn.Dropout`` of a recognised classifier head: every tensor after the head's global pool is whole and
+    the same on every rank (the pool's result, then torch's own layers on it with the same Parameters on every rank:
+    ``NormMlpClassifierHead``'s norm, flatten and ``pre_logits``), so in train mode it draws the mask of the whole
+    tensor in one process, alike on every rank: the unsharded model's (``halo.random.dropout(whole=True)``, the draw
+    ``DomainDropout`` makes for a global pool's own result). It is no halo layer (no ``_halo_site``): the guard's
+    rule that refuses a halo layer given a tensor computed from a whole result does not apply to it, since its
+    place in the head, not a mark on the tensor, says the tensor is whole. No state (as ``nn.Dropout``)."""
 
-    def __init__(self, m: nn.Module) -> None:
+    def __init__(self, m: nn.Dropout, *, group: Any | None = None) -> None:
         super().__init__()
-        self.p = float(m.p)
+        self.p, self.inplace = float(m.p), bool(m.inplace)
+        self.group = group
+        self._site = Site()
         self.train(m.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and self.p:
-            raise ValueError(f"WholeDropout: a dropout (p={self.p}) on the whole result of a global pool in train "
-                             f"mode: halo has no draw that is the same on every rank for it; set drop_rate=0")
-        return x
+        from .. import random as hr
+        from ..autocast import cast_as_torch
+
+        if not self.training or self.p == 0.0:
+            return x
+        x = cast_as_torch("dropout", x)  # torch's dtype under autocast (halo.autocast), as DomainDropout
+        source = whole_source(x)
+        out = hr.dropout(x, self.p, True, self.inplace, group=self.group, site=self._site, whole=True)
+        if source is not None:
+            mark_whole(out, source)  # whole in, whole out
+        return out
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, inplace={self.inplace}, whole: the unsharded mask on every rank"
 
 
 class DomainFlatten(nn.Flatten):
@@ -489,16 +509,16 @@ class DomainFlatten(nn.Flatten):
 def _head(m: nn.Module, ctx: Any) -> nn.Module:
     """A timm classifier head: its global pool made halo's, everything after it torch's own on the whole result."""
     for name, child in m._modules.items():
-        if name != "global_pool" and child is not None and not isinstance(child, _RANDOM):
-            _refuse_random(child, f"{type(m).__name__}.{name}")
+        if name != "global_pool" and child is not None and type(child) is not nn.Dropout:
+            _refuse_random(child, f"{type(m).__name__}.{name}")  # (a channel or alpha dropout: refused)
     t = _twin(m)
     for name, child in m._modules.items():
         if child is None:
             continue
         if name == "global_pool":
             new = DomainSelectAdaptivePool2d(child, group=ctx.group)
-        elif isinstance(child, _RANDOM):
-            new = WholeDropout(child)
+        elif type(child) is nn.Dropout:
+            new = WholeDropout(child, group=ctx.group)
         elif isinstance(child, nn.Flatten):
             new = DomainFlatten(child, domain_size=_size(ctx))
         else:
