@@ -351,6 +351,21 @@ def _whole_field_head(model: nn.Module) -> None:
         whole_field_dropouts(m)
 
 
+def _whole_field_pool_dropout(model: nn.Module) -> None:
+    """The reference of a timm model whose ``forward_head`` calls ``F.dropout(self.global_pool(x), drop_rate)``
+    (ResNet, EfficientNet): that dropout drawing what halo draws for the whole pooled tensor in one process."""
+    from _modes import WholeFieldDropout
+
+    model.global_pool = nn.Sequential(model.global_pool, WholeFieldDropout(model.drop_rate))
+    model.drop_rate = 0.0
+
+
+def _timm_resnet_dropout() -> nn.Module:
+    from timm.models.resnet import BasicBlock, ResNet
+
+    return ResNet(BasicBlock, (1, 1, 1, 1), num_classes=3, stem_width=8, channels=(8, 8, 12, 12), drop_rate=0.2)
+
+
 def _seeded(model: nn.Module, x: torch.Tensor) -> Any:
     """The call, torch's generator seeded first (the key of the dropout's draws: alike on the ranks and in the
     reference)."""
@@ -377,6 +392,9 @@ LAYERS: dict[str, Spec] = {
     "timm.NormMlpClassifierHead(drop_rate=0.2)": Spec(_layer(_classifier("norm_mlp", "avg", 0.2)), 3, 12,
                                                       {2: 37, 3: 37}, _seeded, dropout=True,
                                                       reference=_whole_field_head),
+    # its forward_head's F.dropout of the pool's result: drawn whole by the guard's reroute (halo.guard.reroute)
+    "timm.resnet(drop_rate=0.2)": Spec(_timm_resnet_dropout, 3, WT, TIMM_ROWS, _seeded, dropout=True,
+                                       reference=_whole_field_pool_dropout),
 }
 
 SPECS: dict[str, Spec] = {**ZOO, **LAYERS}

@@ -334,6 +334,10 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         if rule is interpolate_rule and h is None and isinstance(x, torch.Tensor) and x.dim() >= 3 \
                 and x.shape[-2] > 1 and whole_source(x) is not None:
             rule, h = whole_interpolate_rule, x.dim() - 2  # a small map whole on every rank (PSP), resized
+        if entry.how == "dropout" and h is None and isinstance(x, torch.Tensor):
+            exact = self._whole_dropout(func, args, kwargs, x, site)
+            if exact is not None:
+                return exact[0]
         watch = h is not None or entry.check is not None
         frame = user_frame(3) if watch else None
         if frame is None and rule is linear_rule and self.w_sharded and watch and torch_module_call(3):
@@ -430,11 +434,44 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 and self.dims.get(t) is None and whole_source(t) is None and user_frame(3) is not None:
             self.sized.note(t)
 
+    def _whole_dropout(self, func, args, kwargs, x, site) -> tuple[Any] | None:
+        """``F.dropout`` drawing (training, ``p > 0``) on a tensor that is no field: on a global pool's or a mean
+        over H's own result (whole on every rank), the whole tensor's mask drawn alike on every rank, recorded at its
+        site for later calls (:class:`halo.guard.reroute.WholeDropout`); on a tensor computed from one
+        (:data:`halo.guard.reroute.WHOLE_DERIVED`), refused: later calls could not tell it from a replicated tensor
+        of another kind. ``None``: not a draw on a whole tensor (the rule's usual path)."""
+        p = get_arg(args, kwargs, 1, "p", 0.5)
+        source = whole_source(x)
+        if not get_arg(args, kwargs, 2, "training", True) or not p or source is None or self.w_sharded:
+            return None
+        frame = user_frame(4)
+        if frame is None:  # torch's or halo's own code: not the model's call
+            return None
+        if source == reroute.WHOLE_DERIVED or site is None or site[0] is None:
+            why = ("it is computed from a whole result (not the global pool's or mean's own result)"
+                   if source == reroute.WHOLE_DERIVED else "halo found no module whose call runs it")
+            note = self._verdict(func, f"draws a random mask (p={p}) on a tensor whole on every rank, which halo "
+                                       f"draws whole (the unsharded model's mask) only for a global pool's or a mean "
+                                       f"over H's own result; here {why}: apply the dropout to that result itself "
+                                       f"(or an nn.Dropout module right after the pool)", frame)
+            if note is not None:
+                raise ValueError(refusal_message(note))
+            return None
+        note = self._verdict(func, None, frame)
+        if note is not None:
+            raise ValueError(refusal_message(note))
+        action = reroute.WholeDropout(self.recorder.gid)
+        out = action(args, kwargs)
+        self.recorder.record(*site, action)
+        return (out,)
+
     def _exact(self, entry, func, args, kwargs, x, h, problem, frame, site) -> tuple[Any] | str | None:
         """An op halo can compute exactly where the rule finds it acts on H: ``(out,)`` computed (and recorded at its
         site for later calls), a refusal (why not here), or ``None``: go on as the rule says."""
         module, key, ordinal = site
         whole = False
+        if entry.how == "dropout":  # on a field: refused (the rule); on a whole tensor: _whole_dropout
+            return None
         if entry.how == "mean":
             dims = reroute.mean_dims(args, kwargs, x) if problem is not None else None
             if dims is None:

@@ -749,7 +749,10 @@ _refuse([torch.diff, T.diff], _dim_rule(2, "dim", -1, "differences neighbouring 
 _refuse([torch.cummax, T.cummax, torch.cummin, T.cummin, torch.logcumsumexp, T.logcumsumexp, torch.nanmedian,
            T.nanmedian, torch.mode, T.mode, torch.aminmax, T.aminmax], _reduce())
 _refuse([torch.quantile, T.quantile, torch.nanquantile, T.nanquantile], _reduce(2, "dim"))
-_refuse([F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout,
+# F.dropout of a whole tensor (a global pool's or a mean over H's own result): drawn whole (halo.guard.reroute);
+# of a field, refused (the rule)
+_add([F.dropout], Policy("exact", _dropout, how="dropout"))
+_refuse([F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout,
            torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout], _dropout)
 _refuse([torch.rand_like, torch.randn_like, torch.randint_like, torch.bernoulli, T.bernoulli, T.bernoulli_,
            T.uniform_, T.normal_, T.exponential_, T.geometric_, T.cauchy_, T.log_normal_, T.random_,

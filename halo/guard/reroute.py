@@ -280,6 +280,30 @@ class VectorNorm(NamedTuple):
         return out
 
 
+class WholeDropout(NamedTuple):
+    """``F.dropout`` (training, ``p > 0``) of a tensor whole and the same on every rank, a global pool's or a mean
+    over H's own result (timm's ResNet and EfficientNet ``forward_head``: ``F.dropout(self.global_pool(x))``):
+    :func:`halo.random.dropout` with ``whole=True``, the whole tensor's one-process mask drawn alike on every rank
+    (the unsharded model's, as ``DomainDropout`` draws it for such a tensor), instead of torch's draw on each rank
+    (each rank's own generator: a different mask per rank, silently, unless every rank was seeded alike)."""
+
+    gid: int
+
+    def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        from .. import random as hr
+
+        x, p, training, inplace = (_arg(args, kwargs, i, n, d) for i, (n, d) in
+                                   enumerate((("input", None), ("p", 0.5), ("training", True), ("inplace", False))))
+        if not training or not p:
+            return F.dropout(x, p, training, inplace)
+        source = None if torch.compiler.is_compiling() else plans_state().whole.get(x)
+        out = hr.dropout(cast_as_torch("dropout", x), float(p), True, bool(inplace),
+                         group=group_by_id(self.gid).group, whole=True)
+        if source is not None:
+            mark_whole(out, source)
+        return out
+
+
 class Attention(NamedTuple):
     """``F.scaled_dot_product_attention`` whose query, key and value are fields' tokens (self-attention over all
     tokens, or attention to another field's tokens): :func:`halo.nn.ring.ring_sdpa` over the domain group, each
