@@ -494,3 +494,80 @@ def test_a_halo_layer_given_a_tensor_computed_from_a_whole_mean_is_refused_on_ev
         (text,) = errors
         layer = "conv3 (HaloConv2d)" if how == "conv" else "drop (DomainDropout)"
         assert f"{layer} is given a tensor computed from a whole result only" in text, (how, text)
+
+
+class FunctionalDropout(nn.Module):
+    """``F.dropout`` in a forward of a mean over H, W (computed over the domain by the guard, whole on every rank),
+    as timm's ResNet and EfficientNet ``forward_head`` drop their global pool's result; ``derived``: of ``m * 2.0``."""
+
+    def __init__(self, derived=False):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 3, padding=1)
+        self.derived = derived
+
+    def forward(self, x):
+        m = self.conv(x).mean((2, 3), keepdim=True)
+        return x * F.dropout(m * 2.0 if self.derived else m, 0.5, self.training)
+
+
+def _functional_dropout(rank, world):
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    halo.initialize_domain_parallel(world, world)
+    full, wts = _inputs()
+    offs = split_offsets(H, world)
+    torch.manual_seed(0)
+    model = convert_to_domain_parallel(FunctionalDropout().double())
+    out = {}
+    for call in (0, 1):  # the guarded call, then one the guard's reroute computes
+        x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
+        torch.manual_seed(5)
+        y = model(x)
+        (y * wts[..., offs[rank]:offs[rank + 1], :]).sum().backward()
+        out[call] = {"out": halo.gather(y.detach()), "grad": halo.gather(x.grad),
+                     "params": {n: p.grad.clone() for n, p in model.named_parameters()}}
+        model.zero_grad()
+    torch.manual_seed(0)
+    derived = convert_to_domain_parallel(FunctionalDropout(derived=True).double())
+    try:
+        derived(full[..., offs[rank]:offs[rank + 1], :])
+        out["derived"] = None
+    except ValueError as exc:
+        out["derived"] = str(exc)
+    return out
+
+
+def test_a_functional_dropout_of_a_whole_mean_draws_the_unsharded_mask():
+    """``F.dropout`` of the mean's own result: at 3 ranks, on the guarded call and the next (rerouted), the output,
+    input gradient and parameter gradients of the unsharded model drawing halo's one-process mask (a per-rank draw of
+    torch's was a different mask on each rank seeded differently, silently). Of ``m * 2.0``: refused on every rank."""
+    from _modes import WholeFieldDropout
+
+    results = run_on_ranks(_functional_dropout, 3, timeout=60)
+    full, wts = _inputs()
+    refs = {}
+    for p in (0.5, 0.0):
+        torch.manual_seed(0)
+        ref = FunctionalDropout().double()
+        drop = WholeFieldDropout(p)
+        ref.forward = lambda x, ref=ref, drop=drop: x * drop(ref.conv(x).mean((2, 3), keepdim=True))
+        x = full.clone().requires_grad_(True)
+        torch.manual_seed(5)
+        out = ref(x)
+        (out * wts).sum().backward()
+        refs[p] = out.detach(), x.grad, {n: q.grad for n, q in ref.named_parameters()}
+    assert not torch.allclose(refs[0.5][0], refs[0.0][0]), "the dropout changes nothing: the test could not fail"
+    out, grad, params = refs[0.5]
+    for call in (0, 1):
+        for r in results:
+            got = r[call]
+            assert torch.allclose(got["out"], out, rtol=0, atol=1e-12), (call, (got["out"] - out).abs().max())
+            assert torch.allclose(got["grad"], grad, rtol=0, atol=1e-12), (call, (got["grad"] - grad).abs().max())
+        for n, want in params.items():
+            total = sum(r[call]["params"][n] for r in results)
+            assert torch.allclose(total, want, rtol=0, atol=1e-11), (call, n, (total - want).abs().max())
+    errors = {r["derived"] for r in results}
+    assert len(errors) == 1 and None not in errors, errors
+    (text,) = errors
+    assert "F.dropout" in text and "here it is computed from a whole result" in text, text

@@ -374,6 +374,24 @@ def test_flatten_after_a_global_pool_refuses_a_field():
     assert drop.eval()(torch.ones(2, 3)).sum() == 6
 
 
+def test_a_head_random_layer_other_than_its_dropout_is_refused():
+    """A classifier head's own ``nn.Dropout`` draws the whole tensor's mask (``WholeDropout``); a channel dropout
+    there (or a dropout nested in another of its layers) has no such draw: refused at conversion, naming it."""
+    tp.load()
+    from timm.layers.classifier import ClassifierHead
+    from torch import nn
+
+    from halo.nn.timm_layers import timm_adapter
+
+    ctx = type("Ctx", (), {"group": None, "mesh": None})()
+    for drop, where in ((nn.Dropout2d(0.2), "ClassifierHead.drop (Dropout2d, p=0.2)"),
+                        (nn.Sequential(nn.Dropout(0.2)), "ClassifierHead.drop.0 (Dropout, p=0.2)")):
+        head = ClassifierHead(8, 3, drop_rate=0.2)
+        head.drop = drop
+        with pytest.raises(ValueError, match=re.escape(where) + " draws on the result of a global pool"):
+            timm_adapter(head)(head, ctx)
+
+
 def test_smp_decoder_block_outside_a_converted_decoder_refuses_a_shard_size():
     """A converted ``UnetDecoderBlock`` given a plain (shard) height and no skip cannot know the field's height: it
     refuses rather than resize to the shard's size (which would be silently wrong on an uneven split)."""

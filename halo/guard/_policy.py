@@ -41,6 +41,8 @@ reductions (``sum``, ``max``, ``std``, ``softmax``,    over H, or over everythin
                                                        attention (dropout, grouped-query, a mesh; below)
 ``F.linear``                                           H is the last dim (contracted)
 ``F.dropout`` and friends, ``rand_like``, ...          they draw (training, p > 0): each shard would draw its own
+                                                       (``F.dropout`` of a global pool's or a mean over H's own
+                                                       result, whole on every rank: drawn whole, halo.guard.reroute)
 ``repeat``, ``tile``, ``repeat_interleave``            they repeat H
 a pointwise op on two fields or more                   their shards hold different numbers of rows (split
                                                        differently), or one has 1 row on some ranks and more on

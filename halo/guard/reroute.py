@@ -20,6 +20,9 @@ op on a field sharded along H                           computed as
 ``F.interpolate(scale_factor=s)`` that resizes H        ``halo_interpolate`` (split as the global output is); a
                                                         nearest whole-number scale whose per-shard result is split
                                                         like the global output passes as it is
+``F.dropout`` (training, ``p > 0``) of a tensor no      ``halo.random.dropout(whole=True)``: the whole tensor's
+field: a global pool's or a mean over H's own result    one-process mask, alike on every rank (the unsharded
+(timm ResNet / EfficientNet ``forward_head``)           model's); of a tensor computed from one: refused
 =====================================================  ===========================================================
 
 Where. The guard records each such call under the model's plan key (the epoch of the input shapes: the guard runs
