@@ -480,7 +480,7 @@ class WholeDropout(nn.Module):
         if not self.training or self.p == 0.0:
             return x
         x = cast_as_torch("dropout", x)  # torch's dtype under autocast (halo.autocast), as DomainDropout
-        source = whole_source(x)
+        source = None if torch.compiler.is_compiling() else whole_source(x)
         out = hr.dropout(x, self.p, True, self.inplace, group=self.group, site=self._site, whole=True)
         if source is not None:
             mark_whole(out, source)  # whole in, whole out
