@@ -273,10 +273,7 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         if not any(whole_source(t) is not None for t in leaves) or any(h_dim(t, self.dims) is not None
                                                                        for t in leaves):
             return out  # (an op on a field: its result is a field, the field's rules applied)
-        f = sys._getframe(2)  # the op's caller: user code, or torch's own layers run by it (not halo's code)
-        while f is not None and f.f_code.co_filename.startswith(reroute._TORCH_DIR):  # noqa: SLF001
-            f = f.f_back
-        if f is None or f.f_code.co_filename.startswith(reroute._HALO_DIRS):  # noqa: SLF001
+        if reroute.halo_called(3):  # (halo_called, this method, __torch_function__; then the op's caller)
             return out
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and whole_source(t) is None:

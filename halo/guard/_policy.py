@@ -82,6 +82,7 @@ from ..nn.ring import ring_sdpa
 from ..nn.upsample import halo_interpolate
 from ..parallel.reduce import all_reduce
 from ..plan.plans import TensorMap, whole_source
+from ..random import dropout as random_dropout
 
 __all__ = ["H", "POLICY", "W", "Axis", "Policy", "broadcasts", "dims_arg", "field_of", "get_arg", "getitem_rule",
            "h_dim", "interpolate_rule", "linear_rule", "merge_dims", "merge_fastest", "policy", "row_masks",
@@ -753,7 +754,7 @@ _refuse([torch.cummax, T.cummax, torch.cummin, T.cummin, torch.logcumsumexp, T.l
 _refuse([torch.quantile, T.quantile, torch.nanquantile, T.nanquantile], _reduce(2, "dim"))
 # F.dropout of a whole tensor (a global pool's or a mean over H's own result): drawn whole (halo.guard.reroute);
 # of a field, refused (the rule)
-_add([F.dropout], Policy("exact", _dropout, how="dropout"))
+_add([F.dropout], Policy("exact", _dropout, how="dropout", exact=random_dropout))  # (whole=True)
 _refuse([F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout,
            torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout], _dropout)
 _refuse([torch.rand_like, torch.randn_like, torch.randint_like, torch.bernoulli, T.bernoulli, T.bernoulli_,

@@ -113,6 +113,16 @@ def user_frame(depth: int = 2) -> Any:
     return None
 
 
+def halo_called(depth: int = 2) -> bool:
+    """Whether halo's own code made this call: the nearest frame outside torch, skipping ``depth`` frames (2: the
+    caller of the ``__torch_function__`` that calls this), is halo's (or there is none). Torch's layers run by user
+    code count as the user's."""
+    f = sys._getframe(depth)
+    while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
+        f = f.f_back
+    return f is None or f.f_code.co_filename.startswith(_HALO_DIRS)
+
+
 def site_key(frame: Any) -> tuple[str, int, int]:
     """A call site: the code's file and first line, and the line (picklable, unlike a code object)."""
     code = frame.f_code
