@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"saved the trained weights to {args.save} (they load into the unconverted UNet)")
     say("OK: trained sharded, and the sharded loss equals the unsharded one" if ok
         else "FAILED: the sharded loss differs from the unsharded one")
+    dist.barrier()  # every rank past its last collective before any tears its group down (gloo aborts otherwise)
     dist.destroy_process_group()
     return 0 if ok else 1
 
