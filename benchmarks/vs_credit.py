@@ -18,7 +18,7 @@ iteration). On a CPU the fields use few channels (``--channels``), so that a 1-t
 second at 721 x 1440; the fixed per-step cost is what the small sizes show. Needs miles-credit (the zoo's
 packages: ``pip install --no-deps -r tests/zoo-requirements.txt``); run from the repository.
 
-    python benchmarks/vs_credit.py [--quick] [--channels 8] [--reps 7]
+    python benchmarks/vs_credit.py [--quick] [--channels 8] [--reps 7] [--sizes 32x128,91x180]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ((32, 128), (91, 180), (181, 360), (361, 720), (721, 1440))  # tiny ... 0.25 degree
-IMPLS = ("plain", "credit", "halo", "halo-grid")
+IMPLS = ("plain", "credit", "halo", "halo-grid", "halo-pad", "halo-patch")
 
 
 def model(c: int) -> nn.Module:
@@ -43,6 +43,14 @@ def model(c: int) -> nn.Module:
     for i in range(4):
         layers += [nn.Conv2d(c, c, 3, padding=1)] + ([nn.GELU()] if i < 3 else [])
     return nn.Sequential(*layers)
+
+
+def _overlap(net: nn.Module, on: bool) -> nn.Module:
+    """``net`` with every halo conv's path forced: compute-then-patch (``on``) or pad-then-conv."""
+    for m in net.modules():
+        if hasattr(m, "overlap"):
+            m.overlap = on
+    return net
 
 
 def _step(net: nn.Module, x: torch.Tensor) -> None:
@@ -74,7 +82,9 @@ def sweep_rank(rank: int, world: int, cfg: dict) -> list[dict]:
         nets = {"plain": net,
                 "credit": cdp.convert_to_domain_parallel(copy.deepcopy(net), credit_manager),
                 "halo": convert_to_domain_parallel(copy.deepcopy(net), manager),
-                "halo-grid": convert_to_domain_parallel(copy.deepcopy(net), manager, grid=(h, w))}
+                "halo-grid": convert_to_domain_parallel(copy.deepcopy(net), manager, grid=(h, w)),
+                "halo-pad": _overlap(convert_to_domain_parallel(copy.deepcopy(net), manager), False),
+                "halo-patch": _overlap(convert_to_domain_parallel(copy.deepcopy(net), manager), True)}
         x = torch.randn(1, c, split_sizes(h, world)[rank], w, generator=torch.Generator().manual_seed(rank))
         ref = nets["halo"](x)
         if not torch.allclose(nets["credit"](x), ref, atol=1e-4):  # both exact for 3x3 "same" convs
@@ -96,12 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels", type=int, default=8)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--sizes", default="", help="grids to run instead, e.g. 32x128,91x180")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     a = parser.parse_args(argv)
     from halo.testing import run_on_ranks
     from halo.tools.bench import append_csv, print_table, run_watched
 
-    cfg = {"sizes": SIZES[:2] if a.quick else SIZES, "channels": a.channels, "reps": 3 if a.quick else a.reps}
+    sizes = tuple(tuple(int(n) for n in g.split("x")) for g in a.sizes.split(",")) if a.sizes else None
+    cfg = {"sizes": sizes or (SIZES[:2] if a.quick else SIZES), "channels": a.channels,
+           "reps": 3 if a.quick and not sizes else a.reps}
 
     def run() -> int:
         rows = run_on_ranks(sweep_rank, a.nproc, cfg, timeout=1800)[0]
