@@ -82,6 +82,7 @@ import torch.utils._pytree as pytree
 
 from .. import context
 from ..dist.comm import CommGroup, HaloCommError, comm_group, gather_words, unsharded_default
+from ..dist.transport import eager_only
 from . import entry
 from .agree import Meta, Spec, agree, needs_grad
 from .partition import POLE_MODES, split_problem
@@ -459,7 +460,7 @@ def _agree_and_make(call: Call, local: tuple) -> tuple[Any, CommGroup, tuple]:
     return plan, cg, held
 
 
-@torch._dynamo.disable
+@eager_only
 def _agreed(call: Call, local: tuple) -> Any:
     """A call without an epoch: agree now (outside any compiled graph: a graph break under ``torch.compile``)."""
     return _agree_and_make(call, local)[0]
@@ -494,7 +495,7 @@ def _drop_oldest(st: _State, ranks: tuple[int, ...]) -> None:
 _STANDALONE = -1  # the records of layers called on tensors halo did not make (no epoch): one per site
 
 
-@torch._dynamo.disable
+@eager_only
 def _standalone(site: int, call: Call, local: tuple) -> Any:
     """A layer called outside a converted model on a tensor halo did not make (a plain shard: no epoch). It agrees
     when this rank's side of the call (its local shape, dtype, grad flag, arguments) differs from the one of its
@@ -738,7 +739,7 @@ def _watch_backward(module: torch.nn.Module, output: Any) -> None:
     leaf.register_hook(ran)
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable  # a hook: dynamo runs a disabled hook outside the graph even under fullgraph=True
 def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
     """Forward pre-hook of a converted model: start (or, inside another converted model, join) its step's epoch."""
     st = _state()
@@ -822,7 +823,7 @@ def _warn_unguarded(module: torch.nn.Module, epoch: int) -> None:
         f"at these shapes first (before compiling), or halo.check_equivalence(model, sample)", stacklevel=3)
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable  # a hook: dynamo runs a disabled hook outside the graph even under fullgraph=True
 def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
     """Forward hook of a converted model (also on error): end its epoch; its outputs keep it (losses after it)."""
     st = _state()
