@@ -111,3 +111,67 @@ def test_compute_then_patch_is_one_strip_conv_per_layer():
     for rank, (n, err) in enumerate(results):
         assert err <= TOL, (rank, err)
         assert n == {"convolution": 2, "convolution_backward": 2}, (rank, n)
+
+
+def _by_size_ranks(rank, world):
+    import copy
+
+    import torch.distributed as dist
+
+    import halo
+    import halo.nn.conv as conv_mod
+    from halo.nn import convert_to_domain_parallel
+
+    conv_mod._PATCH_MIN_ENV = None  # the default rule, not the suite's HALO_PATCH_MIN_ELEMENTS=0
+    default = conv_mod.PATCH_MIN_ELEMENTS["cpu"]
+    halo.initialize_domain_parallel(world, world)
+    calls = {"patch": 0}
+    apply = conv_mod._PatchConvFn.apply
+
+    def counted(*a):
+        calls["patch"] += 1
+        return apply(*a)
+
+    conv_mod._PatchConvFn.apply = counted
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 4, 3, padding=1), nn.GELU(),
+                        nn.Conv2d(4, 4, 5, padding=4, dilation=2)).double()
+    model = convert_to_domain_parallel(copy.deepcopy(net))
+    full = torch.randn(2, 4, 45, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    h0, h1 = local_range(45, world, rank)  # 23 + 22 rows of 2 x 4 x 16: 2944 and 2816 elements
+    out = {}
+    for name, least in (("default", default), ("above both", 4000), ("below both", 1000), ("between", 2900)):
+        conv_mod.PATCH_MIN_ELEMENTS["cpu"] = least
+        xf = full.clone().requires_grad_(True)
+        net.zero_grad()
+        yr = net(xf)
+        g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        (yr * g).sum().backward()
+        model.zero_grad()
+        x = full[..., h0:h1, :].clone().requires_grad_(True)
+        before = calls["patch"]
+        y = model(x)
+        (y * g[..., h0:h1, :]).sum().backward()
+        errs = [float((y - yr.detach()[..., h0:h1, :]).abs().max()),
+                float((x.grad - xf.grad[..., h0:h1, :]).abs().max())]
+        for p, q in zip(model.parameters(), net.parameters(), strict=True):
+            t = p.grad.clone()
+            dist.all_reduce(t)
+            errs.append(float((t - q.grad).abs().max()))
+        out[name] = (max(errs), calls["patch"] - before, x.numel())
+    conv_mod.PATCH_MIN_ELEMENTS["cpu"] = default
+    return out
+
+
+def test_overlap_default_chooses_the_path_by_shard_size_and_ranks_may_differ():
+    """``overlap=None`` takes compute-then-patch on shards of at least ``PATCH_MIN_ELEMENTS`` elements and
+    pad-then-conv below (the suite's tiny shapes would pad by default: the 32 Ki elements measured on CPU). The two
+    paths send the same messages, so a threshold between the ranks' shard sizes (2944 and 2816 elements) has rank 0
+    patch and rank 1 pad in the same step, still exact: forward, input and parameter gradients, float64."""
+    results = run_on_ranks(_by_size_ranks, 2, timeout=300)
+    layers = 3
+    expect = {"default": (0, 0), "above both": (0, 0), "below both": (layers, layers), "between": (layers, 0)}
+    for rank, out in enumerate(results):
+        for name, (err, patched, numel) in out.items():
+            assert err <= TOL, (rank, name, err)
+            assert patched == expect[name][rank], (rank, name, patched, numel)

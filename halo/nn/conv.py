@@ -42,7 +42,11 @@ Measured with benchmarks/conv_overhead.py (2 gloo ranks, 361 x 720 split in two,
 converted model, input from an activation; 2-core VM, 2026-11-30; benchmarks/RESULTS.md): compute-then-patch
 1.00-1.14x a plain conv of the same local shape at 32 channels (median of 8 runs 1.07), 0.98-1.12x at 64 (median
 1.06), of which the layer's own work is 2-3 %; pad-then-conv 1.04-1.23x.
-``overlap=None`` takes :data:`OVERLAP_DEFAULT`. A circular W padding (longitude) goes through
+``overlap=None`` (the default) takes compute-then-patch where it applies on a shard of at least
+:data:`PATCH_MIN_ELEMENTS` elements, pad-then-conv below it (one conv and no strips: fewer launches where the
+shard's copy is cheap); ``overlap=True`` compute-then-patch wherever it applies, ``False`` pad-then-conv. The two
+paths send the same messages (the exchanger's forward, then its adjoint), so ranks whose shards fall on either
+side of the threshold may take different ones. A circular W padding (longitude) goes through
 :class:`_CircularPadFn` (one copy each way) instead of ``F.pad``, whose backward costs ~8x a copy on CPU.
 """
 
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,13 +78,29 @@ __all__ = [
     "HaloConvTranspose2d",
     "conv_row_plan",
     "conv_transpose_row_plan",
+    "PATCH_MIN_ELEMENTS",
+    "patch_pays",
 ]
 
 _MODE_BOUNDARY = {"zeros": "zeros", "circular": "circular", "reflect": "reflect", "replicate": "replicate"}
 
 #: Default of ``overlap=None``: compute-then-patch where it applies, chosen by benchmarks/conv_overhead.py
-#: (module docstring).
+#: (module docstring), on shards of at least ``PATCH_MIN_ELEMENTS[device type]`` elements (the conv's input on
+#: this rank, batch included; 0 where not listed). On CPU (``benchmarks/vs_credit.py``, ``halo-pad`` against
+#: ``halo-patch``, 2 gloo ranks, 8 channels, 2026-12-03, quiet, 41 paired iterations): pad-then-conv is 6 % faster
+#: at 16 Ki elements a rank (32 x 128), compute-then-patch 7-10 % faster from 64 Ki (91 x 180) up. Not yet
+#: measured on a GPU, which therefore patches everywhere it applies. ``HALO_PATCH_MIN_ELEMENTS`` overrides it for
+#: every device (the test suite sets 0, so that its tiny shapes run the path large fields take).
 OVERLAP_DEFAULT = True
+PATCH_MIN_ELEMENTS: dict[str, int] = {"cpu": 1 << 15}
+_PATCH_MIN_ENV = os.environ.get("HALO_PATCH_MIN_ELEMENTS")
+
+
+def patch_pays(x: torch.Tensor) -> bool:
+    """Whether ``overlap=None`` takes compute-then-patch for input ``x`` (where it applies): its size against
+    :data:`PATCH_MIN_ELEMENTS` of its device (a local choice: both paths send the same messages)."""
+    least = int(_PATCH_MIN_ENV) if _PATCH_MIN_ENV is not None else PATCH_MIN_ELEMENTS.get(x.device.type, 0)
+    return x.numel() >= least
 
 
 # -- pure row arithmetic (no process group: every rank computes the same plan for the whole group) ----------
@@ -400,7 +421,8 @@ class _HaloConvNd(_HaloConvMixin):
             with _no_autocast(xb, cast):
                 y = patch_conv_2d(xb, weight, bias, plan.ex, plans[1].ex, (plan.patch, plans[1].patch),
                                   self.dilation, self.groups, ex_c=plans[1].corners)
-        elif h_only and plan.patch and not plan.rolled and not torch.compiler.is_compiling():
+        elif h_only and plan.patch and not plan.rolled and not torch.compiler.is_compiling() \
+                and (self.overlap is not None or patch_pays(xb)):
             # The Function computes in the dtype torch's conv would under autocast: its inputs are cast here, by
             # autograd-visible casts (so every gradient comes back in its input's own dtype), and autocast is off
             # inside, so its forward and backward convs see one dtype (as torch's own conv under autocast).
@@ -492,7 +514,7 @@ class HaloConv2d(_HaloConvNd, nn.Conv2d):
     ``HaloConv2d(conv)`` shares ``conv``'s Parameters (state_dict keys unchanged); ``HaloConv2d(3, 8, 3,
     padding=1, ...)`` builds a fresh one with ``nn.Conv2d``'s arguments. Keywords: ``group`` (the domain group;
     default the manager's), ``boundary`` (fills H beyond the domain; default from ``padding_mode``),
-    ``overlap`` (compute-then-patch where it applies; ``None``: the measured default ``OVERLAP_DEFAULT``).
+    ``overlap`` (compute-then-patch where it applies; ``None``: the measured default, by size: ``patch_pays``).
     Output: ``(B, C_out, M_r, W_out)``, ``M_r`` this rank's part of the balanced split of the output rows.
     """
 
