@@ -56,7 +56,7 @@ from .base import HaloLayer, adopt
 from .dropout import DomainDropout
 from .norm import DomainGroupNorm
 from .registry import converts, public
-from .ring import gather_tokens, place_like, ring_sdpa
+from .ring import gather_tokens, latitude_only, place_like, ring_sdpa
 
 __all__ = [
     "DomainDiffusersAttention",
@@ -349,27 +349,14 @@ def _is_diffusers_attention(m: nn.Module) -> bool:
     return kind.__name__ == "Attention" and kind.__module__.split(".")[0] == "diffusers" and hasattr(m, "processor")
 
 
-def _latitude_only(make: Callable[[nn.Module, Any], nn.Module]) -> Callable[[nn.Module, Any], nn.Module]:
-    def convert(m: nn.Module, ctx: Any) -> nn.Module:
-        mesh = getattr(ctx, "mesh", None)
-        if mesh is not None and len(getattr(mesh, "domain_shape", (1, 1))) == 2:
-            kind = type(m)
-            raise ValueError(f"{kind.__module__}.{kind.__name__}: halo converts attention over all tokens on "
-                             f"latitude rows only, not on a latitude x longitude mesh (a rank's tokens are then not "
-                             f"contiguous in the global order); convert on latitude rows")
-        return make(m, ctx)
-
-    return convert
-
-
 def attention_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | None:
     """The converter ``fn(module, ctx)`` of timm's or diffusers' attention class (recognised by name, module and
     attributes), else ``None`` (for ``halo.nn.adapters.adapter``). A diffusers ``Attention`` halo cannot compute
     exactly is refused at conversion, naming why; on a latitude x longitude mesh both are refused."""
     if _is_timm_attention(module):
-        return _latitude_only(lambda m, ctx: DomainTimmAttention(m, group=ctx.group))
+        return latitude_only(lambda m, ctx: DomainTimmAttention(m, group=ctx.group))
     if _is_diffusers_attention(module):
-        return _latitude_only(lambda m, ctx: DomainDiffusersAttention(m, group=ctx.group))
+        return latitude_only(lambda m, ctx: DomainDiffusersAttention(m, group=ctx.group))
     return None
 
 

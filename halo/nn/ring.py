@@ -46,11 +46,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..context import place
 from ..dist.comm import CommGroup, comm_group
@@ -66,6 +67,7 @@ __all__ = [
     "VARIANTS",
     "choose_variant",
     "gather_tokens",
+    "latitude_only",
     "ring_sdpa",
     "ring_shift",
 ]
@@ -514,3 +516,21 @@ def ring_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     carry(out, q)
     place_like(out, q, -2)
     return out
+
+
+def latitude_only(make: Callable[[nn.Module, Any], nn.Module],
+                  what: str = "attention over all tokens") -> Callable[[nn.Module, Any], nn.Module]:
+    """A converter ``fn(module, ctx)`` that refuses a latitude x longitude mesh (a rank's tokens are then not
+    contiguous in the global order, which the ring and the gathered form need), naming the class, and otherwise is
+    ``make``: the one refusal of every layer of attention over all tokens."""
+
+    def convert(m: nn.Module, ctx: Any) -> nn.Module:
+        mesh = getattr(ctx, "mesh", None)
+        if mesh is not None and len(getattr(mesh, "domain_shape", (1, 1))) == 2:
+            kind = type(m)
+            raise ValueError(f"{kind.__module__}.{kind.__name__}: halo converts {what} on latitude rows only, not "
+                             f"on a latitude x longitude mesh (a rank's tokens are then not contiguous in the global "
+                             f"order); convert on latitude rows")
+        return make(m, ctx)
+
+    return convert

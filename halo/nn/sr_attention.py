@@ -47,7 +47,7 @@ from .conv import HaloConv2d
 from .dropout import DomainDropout
 from .pool import halo_pool
 from .registry import is_pointwise_conv, public
-from .ring import place_like, ring_sdpa
+from .ring import latitude_only, place_like, ring_sdpa
 
 __all__ = ["DomainSRAttention", "sr_attention_adapter"]
 
@@ -146,13 +146,4 @@ def sr_attention_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Mod
     if not _is_sr_attention(module):
         return None
 
-    def convert(m: nn.Module, ctx: Any) -> nn.Module:
-        mesh = getattr(ctx, "mesh", None)
-        if mesh is not None and len(getattr(mesh, "domain_shape", (1, 1))) == 2:
-            kind = type(m)
-            raise ValueError(f"{kind.__module__}.{kind.__name__}: halo converts spatial-reduction attention on "
-                             f"latitude rows only, not on a latitude x longitude mesh (as the other attention over "
-                             f"all tokens); convert on latitude rows")
-        return DomainSRAttention(m, group=ctx.group)
-
-    return convert
+    return latitude_only(lambda m, ctx: DomainSRAttention(m, group=ctx.group), "spatial-reduction attention")
