@@ -152,6 +152,46 @@ def test_one_row_shard_broadcasting_over_a_field_is_refused_on_every_rank(world,
     _same_error_everywhere(results, "self.conv(x) + x", "1 row on some ranks and more on others")
 
 
+class _BroadcastW(nn.Module):
+    """:class:`_Broadcast` along W: ``a + x`` where ``a`` (a conv whose kernel is 2 columns wide) has one column
+    fewer than ``x``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, (3, 2), padding=(1, 0))
+        self.out = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.out(self.conv(x) + x)
+
+
+def _w_case(rank, world, cols):
+    os.environ["TRITON_INTERPRET"] = "0"
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    halo.initialize_domain_parallel(world, world)
+    halo.set_timeout(TIMEOUT)
+    torch.manual_seed(0)
+    model, ref = _BroadcastW().double(), _BroadcastW().double()
+    ref.load_state_dict(model.state_dict())
+    convert_to_domain_parallel(model, halo.DomainMesh((1, world)))
+    full = torch.randn(2, 2, 5, cols, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    offs = split_offsets(cols, world)
+    x = full[..., offs[rank]:offs[rank + 1]].clone()
+    return {"unsharded": _outcome(lambda: ref(full).shape), "sharded": _outcome(lambda: model(x).shape)}
+
+
+@pytest.mark.parametrize("world,cols", [(2, 4), (3, 5)])
+def test_one_column_shard_broadcasting_over_a_field_is_refused_on_every_rank(world, cols):
+    """The same along W on a 1 x P latitude x longitude mesh (3 columns = 2 + 1 against 4 = 2 + 2; 4 = 2 + 1 + 1
+    against 5 = 2 + 2 + 1): the guard's pointwise check ran on H alone, so this ran and returned a result where the
+    unsharded op raises; it must be refused on every rank."""
+    results = run_on_ranks(_w_case, world, cols, timeout=90)
+    assert all("must match the size" in r["unsharded"]["error"] for r in results), results
+    _same_error_everywhere(results, "self.conv(x) + x", "acts on W", "1 column on some ranks and more on others")
+
+
 # -- layers given a tensor of another number of dims on one rank ------------------------------------------------
 
 def _ndim_case(rank, world, layer):

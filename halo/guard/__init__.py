@@ -293,10 +293,13 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 return self._judged(func, args, kwargs, problem, frame, checked=False)
         elif len(args) + len(kwargs) > 1:
             rows = self._rows_of_fields(args, kwargs)
-            if rows is not None:  # a pointwise op on two fields or more: are they split alike?
+            if rows is not None:  # a pointwise op on two fields or more: are they split alike (H, then W)?
                 frame = user_frame(3)
                 if frame is not None:
-                    note = self._verdict(func, split_differently(rows), frame, rows=rows)
+                    cols = self._on_w(lambda: self._rows_of_fields(args, kwargs)) \
+                        if self.w_sharded else None
+                    problem = split_differently(rows) or (split_differently(cols, W) if cols else None)
+                    note = self._verdict(func, problem, frame, rows=rows, cols=cols)
                     if note is not None:
                         if not in_hook(frame):
                             raise ValueError(refusal_message(note))
@@ -591,34 +594,36 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                          f"shard on its own: the converted model would silently differ from the unsharded one")
 
     def _verdict(self, func, problem: str | None, frame, checked: bool = True,
-                 rows: list[int] | None = None) -> tuple[int, str, str, str] | None:
+                 rows: list[int] | None = None, cols: list[int] | None = None) -> tuple[int, str, str, str] | None:
         """The ranks' agreed verdict on an op: ``None`` (every rank goes on), or ``(rank, problem, where, name)`` of
         the first rank that refuses it. An op refused by its name alone (``checked=False``) is refused on every
         rank that reaches it (SPMD), with a collective only to check that they all got there. ``rows``: a pointwise
-        op's operand rows on this rank (:meth:`_rows_of_fields`), also judged across ranks (:func:`broadcasts`)."""
+        op's operand rows on this rank (:meth:`_rows_of_fields`), also judged across ranks (:func:`broadcasts`);
+        ``cols``: the same along W on a latitude x longitude mesh."""
         self.checked += checked
         if self.cg.size == 1 and problem is None:
             return None
         name = op_name(func)
         tag = zlib.crc32(name.encode()) & 0x7FFFFFFF
         if self.cg.size > 1:
-            ones, alike = row_masks(rows)
-            table = gather_words([_AGREE, tag, 1 if problem else 0, ones, alike], self.cg, f"halo guard ({name})")
-            split = bool(np.bitwise_and.reduce(table[:, 3]) | np.bitwise_and.reduce(table[:, 4]) != -1)
-            if not table[:, 2].any() and (table[:, 1] == tag).all() and not split:
+            masks = (*row_masks(rows), *row_masks(cols))
+            table = gather_words([_AGREE, tag, 1 if problem else 0, *masks], self.cg, f"halo guard ({name})")
+            split, split_w = (bool(np.bitwise_and.reduce(table[:, k]) | np.bitwise_and.reduce(table[:, k + 1]) != -1)
+                              for k in (3, 5))
+            if not table[:, 2].any() and (table[:, 1] == tag).all() and not split and not split_w:
                 return None
-            notes = all_gather_object((problem, where(frame, self.names), name, rows), self.cg)
-            if split and not any(n[0] for n in notes) and len({n[2] for n in notes}) == 1:
-                text = broadcasts([n[3] for n in notes])
+            notes = all_gather_object((problem, where(frame, self.names), name, rows, cols), self.cg)
+            if (split or split_w) and not any(n[0] for n in notes) and len({n[2] for n in notes}) == 1:
+                text = broadcasts([n[3] for n in notes]) if split else broadcasts([n[4] for n in notes], W)
                 notes = [(text, *n[1:]) for n in notes]
         else:
-            notes = [(problem, where(frame, self.names), name, rows)]
+            notes = [(problem, where(frame, self.names), name, rows, cols)]
         if len({n[2] for n in notes}) > 1:
             raise ValueError(
                 "halo guard: the ranks of the domain group called different torch functions at the same point of "
                 "the model's forward (" + "; ".join(f"rank {r}: {n[2]} at {n[1]}" for r, n in enumerate(notes))
                 + "): code that branches on the size of its shard computes something else on each rank")
-        r, (text, at, name, _) = next((r, n) for r, n in enumerate(notes) if n[0])
+        r, (text, at, name, *_) = next((r, n) for r, n in enumerate(notes) if n[0])
         return r, text, at, name
 
 

@@ -90,7 +90,7 @@ class Follower:
         """An op on two fields or more: the sizes of its tensor arguments along the first field's H (aligned from
         the right, as broadcasting aligns them); ``None``: fewer than two fields."""
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        fields = [(t, f) for t in tensors if (f := field_of(t, self.dims)) is not None]
+        fields = [(t, f) for t in tensors if (f := self._field(t)) is not None]
         if len(fields) < 2:
             return None
         ref, (h, _) = fields[0]

@@ -383,15 +383,16 @@ def getitem_rule(args, kwargs, x, h, a):
     return None
 
 
-def split_differently(rows: list[int]) -> str | None:
+def split_differently(rows: list[int], a: Axis = H) -> str | None:
     """A pointwise op on fields whose shards hold different numbers of rows (more than one: a 1-row tensor
-    broadcasts) combines rows of different latitudes."""
+    broadcasts) along axis ``a`` combines rows of different latitudes (or columns of different longitudes)."""
     many = sorted({r for r in rows if r != 1})
     if len(many) > 1:
-        return (f"combines fields whose shards hold different numbers of rows here ({many}): they are split "
-                f"differently (one was resized on its shard, e.g. F.interpolate with a nearest upsampling of an "
-                f"unevenly split field), so the rows it pairs are not the same latitudes; resize with nn.Upsample in "
-                f"the model (its output is split like the others), or make H divisible by the ranks at every level")
+        return (f"{a.prefix}combines fields whose shards hold different numbers of {a.unit} here ({many}): they are "
+                f"split differently (one was resized on its shard, e.g. F.interpolate with a nearest upsampling of an "
+                f"unevenly split field, or fields of different extents along {a.name}), so the {a.unit} it pairs are "
+                f"not the same ones; resize with nn.Upsample in the model (its output is split like the others), or "
+                f"make {a.name} divisible by the ranks at every level")
     return None
 
 
@@ -412,17 +413,19 @@ def row_masks(rows: list[int] | None) -> tuple[int, int]:
     return ones, ~sum(1 << k for k, r in enumerate(rows[:62]) if r != out)
 
 
-def broadcasts(per_rank: list[list[int] | None]) -> str:
+def broadcasts(per_rank: list[list[int] | None], a: Axis = H) -> str:
     """Why a pointwise op whose operand ``k`` has 1 row on some ranks only is refused (every rank alike): a tensor of
     1 row everywhere broadcasts (a bias, a ``(B, C, 1, 1)`` scale); one with the result's rows everywhere is split
     like it; one with 1 row on some ranks and more on others is a field whose shard of 1 row broadcasts over the
-    other field's rows there (an unevenly split level of another extent): the unsharded model pairs no such rows."""
+    other field's rows there (an unevenly split level of another extent): the unsharded model pairs no such rows.
+    ``a``: the axis (H, or W on a latitude x longitude mesh)."""
+    one = a.unit[:-1]
     shown = "; ".join(f"domain rank {r}: {rows}" for r, rows in enumerate(per_rank))
-    return (f"combines fields split differently: an operand has 1 row on some ranks and more on others, so on those "
-            f"ranks its 1-row shard broadcasts over the other field's rows (rows of the operands along H: {shown}); "
-            f"they are fields of different extents along H (the unsharded op would not pair their rows); resize with "
-            f"nn.Upsample in the model (its output is split like the others), or make H divisible by the ranks at "
-            f"every level")
+    return (f"{a.prefix}combines fields split differently: an operand has 1 {one} on some ranks and more on others, "
+            f"so on those ranks its 1-{one} shard broadcasts over the other field's {a.unit} ({a.unit} of the "
+            f"operands along {a.name}: {shown}); they are fields of different extents along {a.name} (the unsharded "
+            f"op would not pair their {a.unit}); resize with nn.Upsample in the model (its output is split like the "
+            f"others), or make {a.name} divisible by the ranks at every level")
 
 
 def _dim_rule(position: int, name: str, default: Any, what: str):
