@@ -18,6 +18,9 @@ smp's ``SegformerDecoder`` resizes every stage to ``[dim // 4 for dim in feature
 the guard refuses the resize where they do not). :class:`HaloSegformerDecoder` (the same children and state) resizes
 with :func:`halo.nn.halo_interpolate` to a quarter of the input's global rows, so odd heights are exact as well.
 
+smp PAN's ``FPABlock`` resizes its pyramid to ``height // 4`` and ``height // 2`` of the *shard's* rows:
+:class:`HaloFPABlock` resizes to those fractions of the global rows (what the pools' outputs hold).
+
 smp's ``nn.LayerNorm`` subclasses over channels (UPerNet's ``LayerNorm2d``: permute, ``F.layer_norm``, permute
 back; MiT's ``LayerNorm``: flatten H x W into tokens, ``F.layer_norm``, back) have a forward of their own, which the
 converter refuses for a subclass of a layer it converts; both normalise each grid point's channels, nothing across
@@ -40,10 +43,12 @@ from ..dist.mesh import GroupRef
 from ..plan.plans import shard_sizes
 from .upsample import halo_interpolate
 
-__all__ = ["ChannelLayerNorm", "HaloSegformerDecoder", "HaloUnetDecoder", "HaloUnetDecoderBlock", "smp_adapter"]
+__all__ = ["ChannelLayerNorm", "HaloFPABlock", "HaloSegformerDecoder", "HaloUnetDecoder", "HaloUnetDecoderBlock",
+           "smp_adapter"]
 
 _SMP_UNET = "segmentation_models_pytorch.decoders.unet.decoder"
 _SMP_SEGFORMER = "segmentation_models_pytorch.decoders.segformer.decoder"
+_SMP_PAN = "segmentation_models_pytorch.decoders.pan.decoder"
 #: smp's LayerNorm subclasses over channels: defining module -> class name
 _SMP_LAYER_NORMS = {"segmentation_models_pytorch.decoders.upernet.decoder": "LayerNorm2d",
                     "segmentation_models_pytorch.encoders.mix_transformer": "LayerNorm"}
@@ -127,6 +132,27 @@ class HaloSegformerDecoder(nn.Module):
         return self.fuse_stage(torch.cat(resized, dim=1))
 
 
+class HaloFPABlock(nn.Module):
+    """smp PAN's ``FPABlock`` on H-shards: its pyramid (three max pools of the input, each level's conv) resized
+    back to a quarter, a half and all of the input's *global* size (its own forward takes ``height // 4`` of the
+    shard's rows, which the guard refuses), with :func:`halo.nn.halo_interpolate`; every level is the balanced
+    split of its global rows, as the pools' outputs are, so the sums pair the same rows. The global pooling
+    branch's ``1 x 1`` map (whole on every rank) is resized to the shard: a constant, equal to the field's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self._halo_group.group
+        height, width = _global_hw(x, group, "smp FPABlock")
+        kw = {"mode": self.upscale_mode, "align_corners": self.align_corners}
+        branch1_output = F.interpolate(self.branch1(x), size=tuple(x.shape[-2:]), **kw)
+        middle_output = self.mid(x)
+        x1 = self.down1(x)
+        x2 = self.down2(x1)
+        x3 = halo_interpolate(self.down3(x2), size=(height // 4, width // 4), group=group, **kw)
+        y = halo_interpolate(self.conv2(x2) + x3, size=(height // 2, width // 2), group=group, **kw)
+        y = halo_interpolate(y + self.conv1(x1), size=(height, width), group=group, **kw)
+        return torch.mul(y, middle_output) + branch1_output
+
+
 def _is(module: nn.Module, name: str, children: set[str], attrs: tuple[str, ...] = (), home: str = _SMP_UNET
         ) -> bool:
     kind = type(module)
@@ -141,7 +167,10 @@ def _refuse_mesh(ctx: Any, what: str) -> None:
 
 
 class ChannelLayerNorm(nn.LayerNorm):
-    """smp's ``nn.LayerNorm`` subclasses over channels (UPerNet's ``LayerNorm2d``, MiT's ``LayerNorm``) on an H-shard:
+    """smp PAN's ``FPABlock`` resizes its pyramid to ``height // 4`` and ``height // 2`` of the *shard's* rows:
+:class:`HaloFPABlock` resizes to those fractions of the global rows (what the pools' outputs hold).
+
+smp's ``nn.LayerNorm`` subclasses over channels (UPerNet's ``LayerNorm2d``, MiT's ``LayerNorm``) on an H-shard:
     ``F.layer_norm`` over the channels of each grid point of a ``(B, C, H, W)`` field (computed channels-last, as
     both do, so the output has their channels-last strides), which nothing of another row enters; MiT's on another
     input (``(B, N, C)`` tokens), over the last dim as its own. The same Parameters (``state_dict`` unchanged)."""
@@ -195,4 +224,10 @@ def smp_adapter(module: nn.Module) -> Any:
             _refuse_mesh(ctx, "SegformerDecoder")
             return _twin_as(HaloSegformerDecoder, m, ctx.group)
         return convert_segformer
+    if _is(module, "FPABlock", {"branch1", "mid", "down1", "down2", "down3", "conv1", "conv2"},
+           ("upscale_mode", "align_corners"), home=_SMP_PAN):
+        def convert_fpa(m: nn.Module, ctx: Any) -> nn.Module:
+            _refuse_mesh(ctx, "FPABlock")
+            return _twin_as(HaloFPABlock, m, ctx.group)
+        return convert_fpa
     return None
