@@ -262,7 +262,6 @@ ZOO: dict[str, Spec] = {
     # its FPA block pools the 1/8 map three more times: at least one row a rank at 1/64, 8 columns at 1/8
     "smp.PAN": Spec(_smp("PAN", decoder_channels=8, encoder_output_stride=16), 3, 64, {2: 136, 3: 200}),
     "smp.Linknet": Spec(_smp("Linknet"), 3, W, {2: 40, 3: 40}),
-    "smp.UPerNet": Spec(_smp("UPerNet", decoder_channels=8), 3, W, {2: 40, 3: 40}),
     # an even H: the U-Net halves it once and doubles it back, so an odd H (37 -> 19 -> 38) fails the skip's cat in
     # the unsharded model itself; 38 rows are 19 + 19, then 10 + 9 at the halved level (uneven), 40 are 14 + 13 + 13
     "diffusers.UNet2DModel": Spec(_unet2d(False), 3, W, {2: 38, 3: 40}, _unet2d_call,

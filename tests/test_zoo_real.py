@@ -59,10 +59,9 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "smp.FPN": ("exact",),
     "smp.DeepLabV3Plus": ("exact",),
     "smp.MAnet": ("matmul",),  # its PAB block is attention over all H x W tokens
-    "smp.PSPNet": ("exact",),
-    "smp.PAN": ("exact",),
+    "smp.PSPNet": ("exact",),  # its whole (or sharded) pooled map resized to the global size (halo.guard.reroute)
+    "smp.PAN": ("exact",),  # its FPABlock resizes to fractions of the global rows (halo.nn.smp_layers.HaloFPABlock)
     "smp.Linknet": ("exact",),
-    "smp.UPerNet": ("exact",),  # its whole (or sharded) pooled map resized to the global size (halo.guard.reroute)
     "diffusers.UNet2DModel": ("exact",),
     "diffusers.UNet2DModel+attention": ("exact",),  # its mid-block Attention: ring attention (halo.nn.attention_layers)
     "credit.crossformer": ("exact",),
