@@ -75,7 +75,10 @@ REFUSED = {
     "norm_nuclear": (lambda m, x: x / x.norm(p="nuc", dim=(2, 3), keepdim=True), "reduces over H"),
     "sort_h": (lambda m, x: x.sort(dim=2)[0], "reduces over H"),
     "softmax_h": (lambda m, x: F.softmax(x, dim=2), "normalises over H"),
-    "avg_pool": (lambda m, x: F.interpolate(F.avg_pool2d(x, 2), size=x.shape[-2:]), "a pool"),
+    # (F.avg_pool2d / F.max_pool2d: computed exactly since issue 32, tests/test_guard_exact.py; with its indices,
+    # refused)
+    "max_pool_indices": (lambda m, x: F.interpolate(F.max_pool2d(x, 2, return_indices=True)[0], size=x.shape[-2:]),
+                         "a pool"),
     "conv3x3": (lambda m, x: F.conv2d(x, m.w3, padding=1), "a convolution"),
     "flatten_all": (lambda m, x: x.flatten(1).view(x.shape), "merges H"),
     "attention": (lambda m, x: (lambda t: (t @ t.transpose(1, 2)).softmax(-1) @ t)(

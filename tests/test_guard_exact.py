@@ -1,4 +1,5 @@
-"""Functional ops on the sharded dim that halo computes exactly instead of refusing them (``halo.guard.reroute``).
+"""Functional ops on the sharded dim that halo computes exactly instead of refusing them (``halo.guard.reroute``):
+norms, means, resizes and (``F.max_pool2d`` / ``F.avg_pool2d``) pools.
 
 Each op sits in the forward of a small block with conv children (so the field is a real shard), converted on 2 and
 3 gloo ranks at uneven rows (37: 19 + 18 and 13 + 12 + 12), float64. Every block is called three times: the first
@@ -70,6 +71,14 @@ EXACT = {
     "interp_nearest_x2": lambda m, x: x + m.pool(F.interpolate(x, scale_factor=2)),  # split in blocks of 2
     "interp_nearest_x2_add": _fpn,
     "interp_whole": _psp,  # 2 x 2 pool: whole on every rank at 3 ranks, 1 + 1 rows at 2
+    # functional pools with a window along H: the halo layer of the nn module the call describes
+    "max_pool2d": lambda m, x: x + F.interpolate(F.max_pool2d(x, 2), size=x.shape[-2:]),  # 37 -> 18 rows
+    "avg_pool2d": lambda m, x: F.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False),
+    "max_pool2d_torch": lambda m, x: x + torch.max_pool2d(x, 3, 1, 1),
+    "max_pool2d_dilated": lambda m, x: x + F.interpolate(F.max_pool2d(x, 3, 1, 1, 2), size=x.shape[-2:]),
+    "avg_pool2d_stride2": lambda m, x: x * F.interpolate(F.avg_pool2d(x, 3, 2, 1), size=x.shape[-2:],
+                                                         mode="bilinear"),
+    "avg_pool2d_divisor": lambda m, x: F.avg_pool2d(x, 3, 1, 1, False, True, 5),
 }
 
 

@@ -486,6 +486,11 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             if problem is None:
                 return None  # cross-attention to a whole context, or not over a field's tokens
             why = reroute.attention_form(args, kwargs, self.dims)
+        elif entry.how == "pool":
+            if problem is None or h != x.dim() - 2:
+                return None  # no window along H (or not a field's H: the rule's refusal stands)
+            form = reroute.pool_form(func, args, kwargs, x)
+            why = form if isinstance(form, str) else None
         elif entry.how == "interpolate":
             whole = whole_source(x) is not None
             sized = get_arg(args, kwargs, 1, "size") is not None  # (a size from a shard: gathered on every rank)
@@ -508,6 +513,8 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 action = reroute.VectorNorm(*form, gid)
             elif entry.how == "attention":
                 action = reroute.Attention(gid)
+            elif entry.how == "pool":
+                action = reroute.finish_pool(func, args, kwargs, x, gid)
             elif entry.how == "mean":
                 action = reroute.finish_mean(x, h, *dims, self.cg, gid)
             elif entry.how == "interpolate":

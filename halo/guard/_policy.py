@@ -78,6 +78,7 @@ import torch.nn.functional as F
 
 # the exact functionals, imported from the layer tier (below the guard)
 from ..nn.norm import domain_var_mean, domain_vector_norm
+from ..nn.pool import halo_pool
 from ..nn.ring import ring_sdpa
 from ..nn.upsample import halo_interpolate
 from ..parallel.reduce import all_reduce
@@ -710,11 +711,14 @@ _refuse([F.upsample_bilinear, F.upsample_nearest], interpolate_rule)
 _refuse([F.conv2d, torch.conv2d, F.conv3d, torch.conv3d], _conv)
 _refuse([F.conv1d, torch.conv1d], _conv1d)
 _refuse([F.conv_transpose2d, torch.conv_transpose2d, F.conv_transpose3d, torch.conv_transpose3d], _conv_t)
-_refuse([F.max_pool2d, F.avg_pool2d, torch.max_pool2d, getattr(torch, "avg_pool2d", None),
-           getattr(F, "max_pool2d_with_indices", None)], _pool)
+# a functional max / average pool with a window along H: the halo layer of the nn module the call describes
+# (halo.guard.reroute.Pool); with return_indices, refused (the rule)
+_add([F.max_pool2d, F.avg_pool2d, torch.max_pool2d, F.max_pool3d, F.avg_pool3d, torch.max_pool3d],
+     Policy("exact", _pool, how="pool", exact=halo_pool))
+_refuse([getattr(torch, "avg_pool2d", None), getattr(F, "max_pool2d_with_indices", None),
+         getattr(F, "max_pool3d_with_indices", None)], _pool)
 _refuse([F.lp_pool2d], _lp_pool)
-# 3-d pools of (B, C, D, H, W) fields: the window along H (the middle of a (D, H, W) triple) decides, as in 2-d
-_refuse([F.max_pool3d, F.avg_pool3d, torch.max_pool3d, getattr(F, "max_pool3d_with_indices", None)], _pool)
+# (3-d pools of (B, C, D, H, W) fields: the window along H, the middle of a (D, H, W) triple, decides, as in 2-d)
 _refuse([F.adaptive_avg_pool2d, F.adaptive_max_pool2d], _adaptive)
 _refuse([torch.adaptive_avg_pool1d], _adaptive1d)
 _refuse([F.pixel_shuffle, torch.pixel_shuffle, F.pixel_unshuffle, torch.pixel_unshuffle],

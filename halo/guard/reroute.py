@@ -317,6 +317,59 @@ class WholeDropout(NamedTuple):
         return out
 
 
+#: The functional pools' arguments after the input, in order, with their defaults (``F.max_pool2d`` is also
+#: ``torch.max_pool2d``'s order; the 3-d forms take the same).
+_POOL_ARGS = {"max": (("kernel_size", None), ("stride", None), ("padding", 0), ("dilation", 1), ("ceil_mode", False),
+                      ("return_indices", False)),
+              "avg": (("kernel_size", None), ("stride", None), ("padding", 0), ("ceil_mode", False),
+                      ("count_include_pad", True), ("divisor_override", None))}
+
+
+def pool_form(func: Any, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[type, tuple] | str:
+    """The ``nn`` pooling module a functional max / average pool call describes, and its arguments, or why halo does
+    not compute it as that module's halo layer."""
+    name = getattr(func, "__name__", "")
+    kind, nd = ("max" if "max" in name else "avg"), (3 if "3d" in name else 2)
+    if x.dim() != nd + 2:
+        return f"a {nd}-d pool of a {x.dim()}-d tensor (halo's pools take batched (B, C, ...) fields)"
+    params = tuple((n, _arg(args, kwargs, i + 1, n, d)) for i, (n, d) in enumerate(_POOL_ARGS[kind]))
+    if dict(params).get("return_indices"):
+        return "return_indices=True: the indices would be into this rank's shard"
+    cls = {("max", 2): torch.nn.MaxPool2d, ("avg", 2): torch.nn.AvgPool2d, ("max", 3): torch.nn.MaxPool3d,
+           ("avg", 3): torch.nn.AvgPool3d}[kind, nd]
+    return cls, tuple((n, v) for n, v in params if n != "return_indices")
+
+
+class Pool(NamedTuple):
+    """``F.max_pool2d`` / ``F.avg_pool2d`` (their 3-d forms, ``torch.max_pool2d``) of a field with a window along H:
+    the halo layer of the ``nn`` module the call describes (:func:`halo.nn.pool.halo_pool`: the neighbours' rows
+    exchanged, the output the balanced split of the global output rows), made at the guarded call and kept for the
+    site's later calls, which must pass the same arguments (a pool whose window changes between calls is refused,
+    rather than pooled with the first call's)."""
+
+    layer: torch.nn.Module
+    params: tuple
+    name: str
+
+    def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        x = _arg(args, kwargs, 0, "input")
+        cls, params = pool_form(getattr(F, self.name), args, kwargs, x) if isinstance(x, torch.Tensor) else (0, ())
+        if params != self.params:
+            raise ValueError(f"{self.name}: called with {dict(params)} at a site whose guarded call passed "
+                             f"{dict(self.params)}; halo computes a functional pool with the window of that call: "
+                             f"use the module (nn.MaxPool2d / nn.AvgPool2d, converted) for a window that changes")
+        return self.layer(x)
+
+
+def finish_pool(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, gid: int) -> Pool:
+    """The :class:`Pool` of this call (its layer's plans are made at its first call, on every rank alike)."""
+    from ..nn.pool import halo_pool
+
+    cls, params = pool_form(func, args, kwargs, x)
+    layer = halo_pool(cls(**dict(params)), group=group_by_id(gid).group)
+    return Pool(layer, params, getattr(func, "__name__", "max_pool2d"))
+
+
 class Attention(NamedTuple):
     """``F.scaled_dot_product_attention`` whose query, key and value are fields' tokens (self-attention over all
     tokens, or attention to another field's tokens): :func:`halo.nn.ring.ring_sdpa` over the domain group, each
