@@ -26,8 +26,9 @@ from halo.testing import run_on_ranks
 TOL = 1e-11
 W = 16
 
-# (kernel, dilation, boundary, H, overlap): H = 13 is odd; blocks of one row (H = mesh rows) mirror another's rows.
-CONVS = [(3, 1, "pole", 13, True), (3, 2, "pole", 13, True), (3, 1, "pole_centered", 13, True),
+# (kernel, dilation, boundary, H, overlap[, channels_last]): H = 13 is odd; H = 0 stands for as many rows as mesh
+# rows (blocks of one row, whose rows across the pole mirror another rank's).
+CONVS = [(3, 1, "pole", 13, True), (3, 2, "pole", 13, True), (3, 1, "pole_centered", 13, True, True),
          (3, 2, "pole_centered", 13, False), (3, 1, "pole", 0, True), (3, 1, "pole", 0, False)]
 
 
@@ -50,7 +51,8 @@ def _conv_case(mesh, case, seed, counts):
 
     from halo.nn import HaloConv2d
 
-    k, dil, boundary, h, overlap = case
+    k, dil, boundary, h, overlap, *cl = case
+    fmt = torch.channels_last if cl else torch.contiguous_format
     h = h or mesh.axis_size(0)
     gen = torch.Generator().manual_seed(seed)
     full = torch.randn(2, 3, h, W, generator=gen, dtype=torch.float64)
@@ -62,9 +64,10 @@ def _conv_case(mesh, case, seed, counts):
     pref = [p.grad.clone() for p in conv.parameters()]
     conv.zero_grad(set_to_none=True)
     before = dict(counts)
-    x = _block(full, mesh).clone().requires_grad_(True)
+    x = _block(full, mesh).clone(memory_format=fmt).requires_grad_(True)
     y = HaloConv2d(conv, boundary=boundary, mesh=mesh, overlap=overlap)(x)
     (y * _block(g, mesh)).sum().backward()
+    assert y.is_contiguous(memory_format=fmt)
     pg = [p.grad.clone() for p in conv.parameters()]
     for t in pg:
         dist.all_reduce(t, group=mesh.domain_group)

@@ -183,8 +183,9 @@ def pooled_bytes() -> int:
 
 class PoleSpec(NamedTuple):
     """A latitude exchange across a pole with longitude sharded: exchange ``h`` (the latitude rows with the mirror
-    boundary), then the ``top`` / ``bottom`` rows of its result (those across the pole) rolled by half the
-    longitudes by exchange ``roll`` over the longitude group. ``dims``: the latitude and longitude tensor dims."""
+    boundary), and the ``top`` / ``bottom`` rows of its result (those across the pole) rolled by half the
+    longitudes by exchange ``roll`` over the longitude group (at once with ``h`` where those mirrored rows are the
+    rank's own: :class:`PoleExchanger`). ``dims``: the latitude and longitude tensor dims."""
 
     h: int
     roll: int
