@@ -245,9 +245,10 @@ class PoleExchanger:
     gradients added onto the mirrored rows after; or, serially, the roll's adjoint first. Strips live in this
     exchanger's pool (message strips only, as :class:`Exchanger`'s).
 
-    Order: the roll is posted on the W group after any W message posted before :meth:`start` (or
-    :meth:`start_adjoint`) and before any posted after it, alike on every rank of a W line (they share their
-    latitude position, so the same ``own``): messages between two ranks of a group are told apart by order alone.
+    Order: the roll is posted on the W group in :meth:`start` where overlapped, in :meth:`finish` / :meth:`halos`
+    (after the latitude wait) where serial, and its adjoint in :meth:`start_adjoint` either way, alike on every rank
+    of a W line (they share their latitude position, so the same ``own``): messages between two ranks of a group are
+    told apart by order alone, so a caller with other W messages in flight posts them in one order on every rank.
     """
 
     def __init__(self, spec: PoleSpec, h: Exchanger, roll: Exchanger) -> None:
