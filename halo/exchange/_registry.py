@@ -260,7 +260,7 @@ class PoleExchanger:
         self.own = _own_rows(hs.sizes, hs.needs, hs.boundary, h.cg.index, spec.top, spec.bottom)
         # The roll's rows are all "after" (each rank needs W/2 columns away, never its own): its halos alone.
         rp = roll.plan
-        self.roll_plain = not rp.before and rp.interior[1] == 0
+        self.roll_after_only = not rp.before and rp.interior[1] == 0
 
     # forward ------------------------------------------------------------------------------------------
     def start(self, x: torch.Tensor) -> dict:
@@ -316,7 +316,7 @@ class PoleExchanger:
 
     def _rolled(self, strip: torch.Tensor, pending: dict) -> torch.Tensor:
         """Wait for the roll of ``strip``: its rows rolled by W/2 (a view of the roll's buffers where it can)."""
-        if self.roll_plain:
+        if self.roll_after_only:
             return self.roll.halos(strip, pending)[1]
         return self.roll.finish(strip, pending)
 
