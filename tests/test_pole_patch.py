@@ -3,8 +3,8 @@
 Reference: the full field with the rows across the pole (``pole``: rows 1, 2, ... mirrored; ``pole_centered``:
 rows 0, 1, ...) rolled by W/2, then W padded circularly, and ``F.conv2d`` with no padding (tests/test_mesh2d_layers'
 reference). Each rank runs a ``HaloConv2d(boundary=..., mesh=...)`` on its block at an odd H and even W (13 x 16
-over 2 x 2 and 3 x 2 ranks), float64: the output block, the input gradient block and the parameter gradients summed
-over the domain group, to rounding. Counted on every rank: the convs that took compute-then-patch
+over 2 x 2, 3 x 2 and 2 x 3 ranks), float64: the output block, the input gradient block and the parameter gradients
+summed over the domain group, to rounding. Counted on every rank: the convs that took compute-then-patch
 (``halo.nn.conv.patch_conv_2d``), so a fall back to pad-then-conv fails the test, and the PoleExchanger starts that
 posted the roll with the latitude exchange (overlapped) or after it (serial). Blocks of one row (H = 2 or 3 over as
 many ranks: the mirrored rows are another rank's) take the serial path, still exact; ``pad-then-conv`` (overlap
@@ -137,7 +137,7 @@ def _ranks(rank, world, shape):
                      enumerate(((13, 2, "pole"), (13, 1, "pole_centered"), (0, 1, "pole")))]}
 
 
-LAUNCHES = [(2, 2), (3, 2)]
+LAUNCHES = [(2, 2), (3, 2), (2, 3)]  # (2, 3): W = 16 as 6 + 5 + 5, a roll from two ranks, wrapping
 
 
 @pytest.fixture(scope="module", params=LAUNCHES)
