@@ -92,7 +92,8 @@ def _case(mesh, case, seed):
 
 
 def _errors(mesh):
-    """Cases the patch refuses: the same error on every rank (blocks thinner than the halo; a pole with W sharded)."""
+    """Cases the patch refuses: the same error on every rank (blocks thinner than the halo; a pole across an odd number
+    of longitudes, 17: no roll by W/2; an even W across a pole is tests/test_pole_patch.py's)."""
     from halo.nn.patch2d import patch_2d_applies, plan_patch_2d
 
     sizes = (split_sizes(H, mesh.axis_size(0)), split_sizes(W, mesh.axis_size(1)))
@@ -156,7 +157,7 @@ def test_refusals_are_the_same_on_every_rank(launch):
             verdicts = {r[shape]["errors"][name] for r in results}
             assert len(verdicts) == 1, (shape, name, verdicts)
             ((applies, message),) = verdicts
-            # thin: 8 halo rows, blocks of 7 rows or fewer unless H is whole; pole: W sharded, or 17 longitudes
+            # thin: 8 halo rows, blocks of 7 rows or fewer unless H is whole; pole: 17 longitudes, whatever the mesh
             refused = name == "pole" or shape[0] > 1
             assert applies is not refused, (shape, name, applies)
             assert (message != "no error") is refused, (shape, name, message)

@@ -27,9 +27,10 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import context
+from ..dist import transport
 from ..dist.comm import CommGroup, comm_group, id_base
-from ..plan.partition import POLE_MODES, check_boundary, offsets, plan_exchange
-from ..plan.plans import hold
+from ..plan.partition import POLE_MODES, check_boundary, offsets, plan_exchange, source_row
+from ..plan.plans import device_tensor, hold
 from .exchanger import Exchanger
 
 __all__ = ["ExchangeRef", "ExchangeSpec", "LIVE_CAP", "PoleExchanger", "PoleSpec", "SPECS_CAP", "exchange_ref",
@@ -173,16 +174,18 @@ def pooled_bytes() -> int:
     ``BufferPool.per_key`` buffers per shape, dtype, format and stream, for up to :data:`LIVE_CAP` exchangers):
     memory held back from the caching allocator between steps. Only message strips are pooled (halo rows, their
     gradients), so this is about ``4 x (rows sent + rows received) x`` a row's bytes per exchanger and shape, never
-    an activation. A pole exchanger's steps are counted once (they are live exchangers of their own)."""
-    return sum(ex.pool.nbytes() for ex in _state().live.values() if isinstance(ex, Exchanger))
+    an activation. A pole exchanger's steps are counted once (they are live exchangers of their own), its own strips
+    (the rows across the pole and their gradients) with it."""
+    return sum(ex.pool.nbytes() for ex in _state().live.values())
 
 
 # -- the pole, a step of the latitude axis ------------------------------------------------------------------------
 
 class PoleSpec(NamedTuple):
     """A latitude exchange across a pole with longitude sharded: exchange ``h`` (the latitude rows with the mirror
-    boundary), then the ``top`` / ``bottom`` rows of its result (those across the pole) rolled by half the
-    longitudes by exchange ``roll`` over the longitude group. ``dims``: the latitude and longitude tensor dims."""
+    boundary), and the ``top`` / ``bottom`` rows of its result (those across the pole) rolled by half the
+    longitudes by exchange ``roll`` over the longitude group (at once with ``h`` where those mirrored rows are the
+    rank's own: :class:`PoleExchanger`). ``dims``: the latitude and longitude tensor dims."""
 
     h: int
     roll: int
@@ -227,34 +230,193 @@ def pole_step(ex_id: int, w_group: Any, w_sizes: Sequence[int], w_dim: int) -> i
 
 
 class PoleExchanger:
-    """One rank's part of a :class:`PoleSpec`: the latitude exchange, then the roll of the rows across the pole
-    (one message per peer for both poles: the top and bottom rows travel as one strip). The adjoint runs the
-    steps' adjoints in reverse. The interface of :class:`Exchanger` that :func:`exchange` uses."""
+    """One rank's part of a :class:`PoleSpec`: the latitude exchange and the roll of the rows across the pole (one
+    message per peer for both poles: the top and bottom rows travel as one strip). The interface of
+    :class:`Exchanger` that :func:`exchange` and compute-then-patch (``halos`` / ``start_adjoint`` /
+    ``finish_adjoint``) use.
+
+    Overlapped where it can be: the rows across the pole are this rank's own mirrored rows (``reflect`` /
+    ``symmetric`` of its first / last rows) rolled by W/2, so when the rank holds every one of them (``own``) the
+    roll's strip is gathered from the shard itself and posted in :meth:`start`, at once with the latitude exchange
+    (two groups), and both are waited on in :meth:`finish`; the latitude exchange's own copies of those rows (a
+    message to itself) are overwritten. Otherwise (a shard thinner than the halo: the mirrored rows come from
+    another rank) the roll runs after the latitude exchange, on its result. The adjoint alike: the rows' gradients
+    rolled back and the latitude adjoint (with the pole rows' gradients zero) posted at once, the rolled-back
+    gradients added onto the mirrored rows after; or, serially, the roll's adjoint first. Strips live in this
+    exchanger's pool (message strips only, as :class:`Exchanger`'s).
+
+    Order: the roll is posted on the W group in :meth:`start` where overlapped, in :meth:`finish` / :meth:`halos`
+    (after the latitude wait) where serial, and its adjoint in :meth:`start_adjoint` either way, alike on every rank
+    of a W line (they share their latitude position, so the same ``own``): messages between two ranks of a group are
+    told apart by order alone, so a caller with other W messages in flight posts them in one order on every rank.
+    """
 
     def __init__(self, spec: PoleSpec, h: Exchanger, roll: Exchanger) -> None:
         self.spec, self.h, self.roll = spec, h, roll
         self.op = h.op
+        self.sides = h.sides  # which halo rows hold data (compute-then-patch's live sides): the latitude plan's
+        self.pool = transport.BufferPool()
+        hs = h.ref.spec
+        self.own = _own_rows(hs.sizes, hs.needs, hs.boundary, h.cg.index, spec.top, spec.bottom)
+        # The roll's rows are all "after" (each rank needs W/2 columns away, never its own): its halos alone.
+        rp = roll.plan
+        self.roll_after_only = not rp.before and rp.interior[1] == 0
 
+    # forward ------------------------------------------------------------------------------------------
     def start(self, x: torch.Tensor) -> dict:
-        return self.h.start(x)
+        pending = {"h": self.h.start(x)}
+        if self.own is not None:
+            strip = self._strip_like(x)
+            torch.index_select(x, self.spec.dims[0], _rows_index(self.own[0] + self.own[1], x.device), out=strip)
+            pending["strip"], pending["roll"] = strip, self.roll.start(strip)
+        return pending
 
     def finish(self, x: torch.Tensor, pending: dict, out: torch.Tensor | None = None) -> torch.Tensor:
-        ext = self.h.finish(x, pending, out)
+        ext = self.h.finish(x, pending["h"], out)
         top, bottom, (dh, _) = self.spec.top, self.spec.bottom, self.spec.dims
         if top or bottom:
             rows = ext.shape[dh]
-            strip = torch.cat([ext.narrow(dh, 0, top), ext.narrow(dh, rows - bottom, bottom)], dh)
-            rolled = self.roll.finish(strip, self.roll.start(strip))
+            if "roll" not in pending:  # serial: the rows across the pole are the latitude exchange's
+                strip = self._strip_like(ext)
+                strip.narrow(dh, 0, top).copy_(ext.narrow(dh, 0, top))
+                strip.narrow(dh, top, bottom).copy_(ext.narrow(dh, rows - bottom, bottom))
+                pending = {"strip": strip, "roll": self.roll.start(strip)}
+            rolled = self._rolled(pending["strip"], pending["roll"])
             ext.narrow(dh, 0, top).copy_(rolled.narrow(dh, 0, top))
             ext.narrow(dh, rows - bottom, bottom).copy_(rolled.narrow(dh, top, bottom))
         return ext
 
-    def adjoint(self, grad_ext: torch.Tensor, x_shape: Sequence[int]) -> torch.Tensor:
+    def halos(self, x: torch.Tensor, pending: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The halo rows alone, ``(before, after)`` (as :meth:`Exchanger.halos`), the rows across the pole rolled."""
+        before, after = self.h.halos(x, pending["h"])
         top, bottom, (dh, _) = self.spec.top, self.spec.bottom, self.spec.dims
-        if top or bottom:
-            rows = grad_ext.shape[dh]
-            strip = torch.cat([grad_ext.narrow(dh, 0, top), grad_ext.narrow(dh, rows - bottom, bottom)], dh)
-            back = self.roll.adjoint(strip, strip.shape)
-            grad_ext = torch.cat([back.narrow(dh, 0, top), grad_ext.narrow(dh, top, rows - top - bottom),
-                                  back.narrow(dh, top, bottom)], dh)
-        return self.h.adjoint(grad_ext, x_shape)
+        if not (top or bottom):
+            return before, after
+        if "roll" not in pending:
+            strip = self._strip_like(x)
+            strip.narrow(dh, 0, top).copy_(before.narrow(dh, 0, top))
+            strip.narrow(dh, top, bottom).copy_(after.narrow(dh, after.shape[dh] - bottom, bottom))
+            pending = {"strip": strip, "roll": self.roll.start(strip)}
+        rolled = self._rolled(pending["strip"], pending["roll"])
+        nb, na = before.shape[dh], after.shape[dh]
+        if top:
+            part = rolled.narrow(dh, 0, top)
+            before = part if top == nb else torch.cat([part, before.narrow(dh, top, nb - top)], dh)
+        if bottom:
+            part = rolled.narrow(dh, top, bottom)
+            after = part if bottom == na else torch.cat([after.narrow(dh, 0, na - bottom), part], dh)
+        return before, after
+
+    def _strip_like(self, x: torch.Tensor) -> torch.Tensor:
+        """A pooled strip of the ``top + bottom`` rows across the pole, ``x``'s other extents (a message strip)."""
+        dh = self.spec.dims[0]
+        shape = list(x.shape)
+        shape[dh] = self.spec.top + self.spec.bottom
+        return transport.alloc(shape, x, self.pool)
+
+    def _rolled(self, strip: torch.Tensor, pending: dict) -> torch.Tensor:
+        """Wait for the roll of ``strip``: its rows rolled by W/2 (a view of the roll's buffers where it can)."""
+        if self.roll_after_only:
+            return self.roll.halos(strip, pending)[1]
+        return self.roll.finish(strip, pending)
+
+    # adjoint ------------------------------------------------------------------------------------------
+    def adjoint(self, grad_ext: torch.Tensor, x_shape: Sequence[int]) -> torch.Tensor:
+        """``grad_x`` (as :meth:`Exchanger.adjoint`): the roll's adjoint and the latitude adjoint, at once where the
+        rows across the pole are this rank's own."""
+        dh = self.spec.dims[0]
+        p = self.h.plan
+        nb, (i0, ni) = len(p.before), p.interior
+        before, after = grad_ext.narrow(dh, 0, nb), grad_ext.narrow(dh, nb + ni, len(p.after))
+        interior = grad_ext.narrow(dh, nb, ni)
+        if (i0, ni) != (0, x_shape[dh]):  # a trimmed exchange: the gradient covers only part of x
+            full = grad_ext.new_zeros(tuple(x_shape))
+            full.narrow(dh, i0, ni).copy_(interior)
+            return self.finish_adjoint(self.start_adjoint(before, after, full), full, full)
+        return self.finish_adjoint(self.start_adjoint(before, after, interior), interior, None)
+
+    def start_adjoint(self, before: torch.Tensor | None, after: torch.Tensor | None, like: torch.Tensor) -> dict:
+        """Post the adjoint of :meth:`halos` (as :meth:`Exchanger.start_adjoint`): the pole rows' gradients rolled
+        back along W and the halo rows' gradients back along H; do not wait."""
+        top, bottom, (dh, _) = self.spec.top, self.spec.bottom, self.spec.dims
+        if not (top or bottom):
+            return {"h": self.h.start_adjoint(before, after, like)}
+        g = self._strip_like(like)
+        nb = before.shape[dh] if before is not None else 0
+        na = after.shape[dh] if after is not None else 0
+        if top:
+            g.narrow(dh, 0, top).copy_(before.narrow(dh, 0, top))
+        if bottom:
+            g.narrow(dh, top, bottom).copy_(after.narrow(dh, na - bottom, bottom))
+        pend_roll = self.roll.start_adjoint(None, g, g)
+        if self.own is None:  # serial: the rows rolled back are the latitude exchange's halo rows' gradients
+            back = self._unrolled(pend_roll, g)
+            before, after = self._pole_rows_set(before, after, back, nb, na, like)
+            return {"h": self.h.start_adjoint(before, after, like)}
+        before, after = self._pole_rows_set(before, after, None, nb, na, like)  # their part is the roll's
+        return {"h": self.h.start_adjoint(before, after, like), "roll": pend_roll, "g": g}
+
+    def finish_adjoint(self, pending: dict, base: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Wait for :meth:`start_adjoint` and add what arrives onto ``base``'s rows (as
+        :meth:`Exchanger.finish_adjoint`), the rolled-back rows onto the mirrored rows they came from."""
+        res = self.h.finish_adjoint(pending["h"], base, out)
+        if "roll" in pending:
+            back = self._unrolled(pending["roll"], pending["g"])
+            if res is base and out is not base:
+                res = base.clone()
+            dh, (top_rows, bottom_rows) = self.spec.dims[0], self.own
+            top = len(top_rows)
+            for at, rows in ((0, top_rows), (top, bottom_rows)):  # each side's rows distinct: no two adds race
+                if rows:
+                    res.index_add_(dh, _rows_index(rows, res.device), back.narrow(dh, at, len(rows)))
+        return res
+
+    def _unrolled(self, pending: dict, g: torch.Tensor) -> torch.Tensor:
+        """Wait for the roll's adjoint of ``g``: the strip's gradient (the rows rolled back by W/2), pooled."""
+        base = self._strip_like(g).zero_()
+        return self.roll.finish_adjoint(pending, base, base)
+
+    def _pole_rows_set(self, before: torch.Tensor | None, after: torch.Tensor | None, rows: torch.Tensor | None,
+                       nb: int, na: int, like: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``before`` / ``after`` with their rows across the pole replaced by ``rows`` (zeros when ``None``), in
+        pooled copies (never the caller's tensors, which may be autograd's gradient)."""
+        top, bottom, dh = self.spec.top, self.spec.bottom, self.spec.dims[0]
+        out = []
+        for t, n, k, at, first in ((before, nb, top, 0, True), (after, na, bottom, top, False)):
+            if not k:
+                out.append(t)
+                continue
+            shape = list(t.shape)
+            buf = transport.alloc(shape, like, self.pool)
+            pole, rest = (buf.narrow(dh, 0, k), buf.narrow(dh, k, n - k)) if first else \
+                (buf.narrow(dh, n - k, k), buf.narrow(dh, 0, n - k))
+            if rows is None:
+                pole.zero_()
+            else:
+                pole.copy_(rows.narrow(dh, at, k))
+            rest.copy_(t.narrow(dh, k, n - k) if first else t.narrow(dh, 0, n - k))
+            out.append(buf)
+        return out[0], out[1]
+
+
+def _own_rows(sizes: tuple[int, ...], needs: tuple[tuple[int, int], ...], mirror: str, index: int, top: int,
+              bottom: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The local rows of rank ``index`` that its ``top`` / ``bottom`` rows across the pole mirror (in halo row
+    order), or ``None`` where some are another rank's (a shard thinner than the halo: the serial path)."""
+    offs, n = offsets(sizes), sum(sizes)
+    start, stop = offs[index], offs[index + 1]
+    lo, hi = needs[index]
+    sides = []
+    for vs in (range(lo, lo + top), range(hi - bottom, hi)):
+        rows = []
+        for v in vs:
+            g, _ = source_row(v, n, mirror)
+            if g is None or not start <= g < stop:
+                return None
+            rows.append(g - start)
+        sides.append(tuple(rows))
+    return (sides[0], sides[1]) if top or bottom else None
+
+
+def _rows_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return device_tensor(rows, torch.int64, device)

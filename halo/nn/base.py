@@ -78,7 +78,8 @@ class AxisPlan:
     rows: int = 0
     dim: int = -2
     #: The exchange is a :func:`halo.exchange.pole_step` (set by :func:`run_axes`): the rows across the pole arrive
-    #: by a second exchange after the first, so a layer must not read the first's halos alone (compute-then-patch).
+    #: by a second exchange on the W group (a :class:`~halo.exchange.PoleExchanger`, whose ``halos`` hold them),
+    #: so a layer that posts other messages on the W group must post them in one order on every rank.
     rolled: bool = dataclasses.field(default=False, kw_only=True)
 
 

@@ -36,7 +36,7 @@ On a latitude x longitude mesh the plan is per axis (:meth:`HaloLayer.axis_plans
 kernel, stride, dilation and padding, one agreement for both): the same two ways, on both axes — compute-then-patch
 of the block (:mod:`halo.nn.patch2d`: the H and W exchanges behind the block's conv, the corners a second W hop),
 or pad-then-conv (H, then W of the H-extended block: corners right). Across a pole with W sharded the H exchange
-is a :func:`halo.exchange.pole_step` (the mirrored rows rolled by W/2 by the W ranks), and pad-then-conv runs.
+is a :func:`halo.exchange.pole_step` (the mirrored rows rolled by W/2 by the W ranks), either way.
 
 Measured with benchmarks/conv_overhead.py (2 gloo ranks, 361 x 720 split in two, 3x3, fp32, fwd + bwd inside a
 converted model, input from an activation; 2-core VM, 2026-11-30; benchmarks/RESULTS.md): compute-then-patch
@@ -414,7 +414,7 @@ class _HaloConvNd(_HaloConvMixin):
         plan = plans[0]
         # A mesh axis of one rank (plain: the conv pads it itself) leaves the H axis alone exchanged: the 1-D path.
         h_only = not plan.plain and all(p.plain for p in plans[1:])
-        if len(plans) == 2 and all(p.patch and not p.plain and not p.rolled for p in plans) \
+        if len(plans) == 2 and all(p.patch and not p.plain for p in plans) \
                 and not torch.compiler.is_compiling():
             # Compute-then-patch on both axes (halo.nn.patch2d): the block's conv while rows and columns travel.
             weight, bias = _cast(self.weight, cast), _cast(self.bias, cast)

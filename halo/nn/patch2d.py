@@ -26,14 +26,20 @@ to the band rows' gradients, which are posted back along H, and the column strip
 backward of the main conv runs while they travel; what arrives is added into the main conv's own input gradient
 in place. No copy of the block or of its gradient either way. Deterministic (the exchanger's adjoint; no atomics).
 
-No two of this call's exchanges on one group are in flight at once (the W exchange is waited on before the corner
-exchange is posted, and the corner adjoint before the W adjoint): messages between two ranks of a group are told
-apart by their order alone. The H and W exchanges run on different groups and overlap.
+Across a pole with W sharded the H exchanger is a :class:`~halo.exchange.PoleExchanger`: its halo rows across the
+pole are the mirrored rows rolled by W/2 by the W ranks (a second exchange, on the W group, posted with the H
+exchange where the mirrored rows are the block's own); the corners are still the W exchange of the band rows (the
+roll along W and the W padding are both circulant along W: they commute).
+
+Messages between two ranks of a group are told apart by their order alone, so the exchanges of one group are posted
+in one order on every rank: the W exchange is waited on before the corner exchange is posted, and the corner
+adjoint before the W adjoint; a pole's roll (W group) goes before the W exchange (or, where it waits for the H
+rows, after it), and its adjoint before the W adjoint, alike on every rank of a W line (they share their latitude
+position). The H and W exchanges run on different groups and overlap.
 
 Where it applies (:func:`patch_2d_applies`, group-wide numbers only): stride 1 on both axes, symmetric padding
 with ``2p = d(k-1)`` per axis (``p`` of one axis may be 0: that axis is not exchanged), blocks of at least ``p``
-rows and columns, balanced splits, no pole boundary with W sharded (its rows across the pole are rolled around
-the whole circle: pad-then-conv's ``plan_exchange_2d``).
+rows and columns, balanced splits, an even number of longitudes across a pole.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dist.comm import comm_group
-from ..exchange import Exchanger, exchange_spec, exchanger_id, get_exchanger
+from ..exchange import Exchanger, PoleExchanger, exchange_spec, exchanger_id, get_exchanger, pole_step
 from ..plan.partition import POLE_MODES, check_boundary, offsets, split_sizes
 
 __all__ = ["PatchPlan2d", "corner_exchanger_id", "patch_2d_applies", "patch_conv_2d", "plan_patch_2d"]
@@ -85,7 +91,8 @@ def patch_2d_applies(sizes: tuple[Sequence[int], Sequence[int]], kernel: Sequenc
 
     Stride 1 and symmetric padding ``p = d(k-1)/2`` on both axes (so the output block is the input block), some
     ``p > 0``, blocks of at least ``p`` rows and columns (a halo from the next rank alone), balanced splits (a
-    block split puts other rows where the strips expect the block's edges), and no pole boundary unless W is whole.
+    block split puts other rows where the strips expect the block's edges), and an even W across a pole (rolled by
+    W/2; W sharded or whole alike).
     """
     ps = []
     for a in range(2):
@@ -97,7 +104,7 @@ def patch_2d_applies(sizes: tuple[Sequence[int], Sequence[int]], kernel: Sequenc
         ps.append(before)
     if not any(ps) or boundaries[1] in POLE_MODES:
         return False
-    return boundaries[0] not in POLE_MODES or (len(sizes[1]) == 1 and sum(sizes[1]) % 2 == 0)
+    return boundaries[0] not in POLE_MODES or sum(sizes[1]) % 2 == 0
 
 
 def _needs(sizes: Sequence[int], p: int) -> tuple[tuple[int, int], ...]:
@@ -119,13 +126,14 @@ def plan_patch_2d(groups: tuple[Any, Any], sizes: tuple[Sequence[int], Sequence[
         if min(s) < p:
             raise ValueError(f"{op}: compute-then-patch needs blocks of at least {p} {what}, got extents {tuple(s)} "
                              f"(use pad-then-conv)")
-    if bw in POLE_MODES or (bh in POLE_MODES and cg_w.size > 1):
-        raise ValueError(f"{op}: a pole boundary with W sharded rolls the rows across the pole around the whole "
-                         f"circle; compute-then-patch does not (use pad-then-conv: halo.exchange.plan_exchange_2d)")
+    if bw in POLE_MODES:
+        raise ValueError(f"{op}: a pole boundary is a latitude's (H); got {bw!r} along W")
     if bh in POLE_MODES and sum(sizes[1]) % 2:
         raise ValueError(f"{op}: pole boundary needs an even number of longitudes to roll by W/2, "
                          f"got W={sum(sizes[1])}")
     ex_h = exchanger_id(cg_h, 2, sizes[0], _needs(sizes[0], ph), bh, f"{op} (H)") if ph else -1
+    if ex_h >= 0:  # across a pole with W sharded: the rows across it rolled by W/2 by the W ranks
+        ex_h = pole_step(ex_h, groups[1], tuple(sizes[1]), 3)
     ex_w = exchanger_id(cg_w, 3, sizes[1], _needs(sizes[1], pw), bw, f"{op} (W)") if pw else -1
     ex_c = exchanger_id(cg_w, 3, sizes[1], _needs(sizes[1], pw), bw, f"{op}{CORNERS}") if ph and pw else -1
     return PatchPlan2d(ex_h, ex_w, ex_c, (ph, pw))
@@ -210,7 +218,7 @@ class _Geometry:
         return torch.cat([t, zeros] if side == 0 else [zeros, t], dim)
 
 
-def _live(ex: Exchanger | None) -> tuple[bool, bool]:
+def _live(ex: Exchanger | PoleExchanger | None) -> tuple[bool, bool]:
     """Per side, whether the exchanger fills any halo row with data (else zeros beyond the domain: no strip). The
     same on every rank of the other axis's group (they share this axis's position), so they agree on the corners."""
     if ex is None:
@@ -218,7 +226,7 @@ def _live(ex: Exchanger | None) -> tuple[bool, bool]:
     return tuple(any(i >= 0 for i in side.rows) for side in ex.sides)
 
 
-def _exchangers(plan: PatchPlan2d) -> tuple[Exchanger | None, Exchanger | None, Exchanger | None]:
+def _exchangers(plan: PatchPlan2d) -> tuple[Exchanger | PoleExchanger | None, Exchanger | None, Exchanger | None]:
     return tuple(get_exchanger(i) if i >= 0 else None for i in (plan.ex_h, plan.ex_w, plan.ex_c))
 
 
