@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["HaloContext", "Watch", "current", "place", "reset", "state", "trusted", "use", "watch"]
+__all__ = ["HaloContext", "Watch", "current", "made", "place", "reset", "state", "trusted", "use", "watch"]
 
 T = TypeVar("T")
 
@@ -144,6 +144,15 @@ class trusted:  # noqa: N801 - a context manager, named like one
         self._watch.trusted -= 1
         if self._guard is not None:
             self._guard.trust_end(self._start)
+
+
+def made(out: Any) -> None:
+    """Tell the guard of a converted model's first call that ``out`` is a halo layer's output: a field split over
+    the ranks with at least one row on each, so a shard of 1 row is a row of it, not a tensor that broadcasts (a
+    bias, a ``(B, C, 1, 1)`` scale). A no-op when no guard is watching."""
+    guard = watch().guard
+    if guard is not None:
+        guard.made_field(out)
 
 
 def place(t: Any, dim: int, rows: int | None = None) -> None:

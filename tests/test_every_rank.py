@@ -149,7 +149,7 @@ def test_one_row_shard_broadcasting_over_a_field_is_refused_on_every_rank(world,
     rank sees two row counts above 1), the unsharded op raises; the guard must refuse it on every rank."""
     results = _run(world, "broadcast", rows)
     assert all("must match the size" in r["unsharded"]["error"] for r in results), results
-    _same_error_everywhere(results, "self.conv(x) + x", "1 row on some ranks and more on others")
+    _same_error_everywhere(results, "self.conv(x) + x", "split differently")
 
 
 class _BroadcastW(nn.Module):
@@ -189,7 +189,49 @@ def test_one_column_shard_broadcasting_over_a_field_is_refused_on_every_rank(wor
     unsharded op raises; it must be refused on every rank."""
     results = run_on_ranks(_w_case, world, cols, timeout=90)
     assert all("must match the size" in r["unsharded"]["error"] for r in results), results
-    _same_error_everywhere(results, "self.conv(x) + x", "acts on W", "1 column on some ranks and more on others")
+    _same_error_everywhere(results, "self.conv(x) + x", "acts on W", "split differently")
+
+
+class _OnePerRank(nn.Module):
+    """``a + b``: ``a`` a 2x pool of 6 (3 = 2 + 1 at P=2), ``b`` a stride-3 conv of 6 (2 = 1 + 1): on every rank
+    ``b``'s shard has 1 row (or column, ``axis=-1``), which looks like a tensor that broadcasts (a bias), so no rank
+    saw two counts above 1 and the check across ranks saw nothing either; the unsharded op raises (3 vs 2)."""
+
+    def __init__(self, axis: int = -2) -> None:
+        super().__init__()
+        k = (2, 1) if axis == -2 else (1, 2)
+        self.a = nn.MaxPool2d(k)
+        self.b = nn.Conv2d(2, 2, (3, 1) if axis == -2 else (1, 3), stride=(3, 1) if axis == -2 else (1, 3))
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+def _one_per_rank_case(rank, world, axis):
+    os.environ["TRITON_INTERPRET"] = "0"
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    halo.initialize_domain_parallel(world, world)
+    halo.set_timeout(TIMEOUT)
+    torch.manual_seed(0)
+    model, ref = _OnePerRank(axis).double(), _OnePerRank(axis).double()
+    ref.load_state_dict(model.state_dict())
+    convert_to_domain_parallel(model, halo.DomainMesh((1, world)) if axis == -1 else None)
+    full = torch.randn(2, 2, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    offs = split_offsets(6, world)
+    x = full.narrow(axis, offs[rank], offs[rank + 1] - offs[rank]).clone()
+    return {"unsharded": _outcome(lambda: ref(full).shape), "sharded": _outcome(lambda: model(x).shape)}
+
+
+@pytest.mark.parametrize("axis", [-2, -1])
+def test_a_layer_field_of_one_row_a_rank_is_no_broadcast(axis):
+    """A halo layer's output of 1 row (column) on every rank against a field of another extent: it ran, silently,
+    where the unsharded op raises; the guard knows the layers' outputs are fields (halo.context.made), so it refuses
+    it on every rank."""
+    results = run_on_ranks(_one_per_rank_case, 2, axis, timeout=90)
+    assert all("must match the size" in r["unsharded"]["error"] for r in results), results
+    _same_error_everywhere(results, "self.a(x) + self.b(x)", "split differently")
 
 
 # -- layers given a tensor of another number of dims on one rank ------------------------------------------------

@@ -156,6 +156,7 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         self.dims = TensorMap()  # tensor -> (its H dim, rows) where that is not (dim -2, all of it); (-1, 0): none
         self.wdims = TensorMap()  # (a mesh) tensor -> (its W dim, columns), wherever a followed op put W
         self.tainted = TensorMap()  # tensor -> the refusal of the op in a forward hook that computed it
+        self.made = TensorMap()  # halo layers' output fields and pointwise results of them: 1 row is no broadcast
         self.checked = 0
         self.off = cg.size == 1  # nothing is sharded: every op computes what the unsharded model does
         self.recorder = reroute.Recorder(cg)  # the calls computed exactly (halo.guard.reroute), by site
@@ -194,6 +195,11 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             return
         d = dim % t.dim()
         self.dims[t] = (d, int(t.shape[d]) if rows is None else int(rows))
+
+    def made_field(self, t: Any) -> None:
+        """:func:`halo.context.made`: ``t`` is a halo layer's output field (not whole: a global pool's is marked so)."""
+        if isinstance(t, torch.Tensor) and not torch.compiler.is_compiling() and whole_source(t) is None:
+            self.made[t] = True
 
     def trust_begin(self) -> int | None:
         """A :class:`halo.context.trusted` block starts: where its autograd nodes begin (``None``: not watched)."""
@@ -298,7 +304,9 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 if frame is not None:
                     cols = self._on_w(lambda: self._rows_of_fields(args, kwargs)) \
                         if self.w_sharded else None
-                    problem = split_differently(rows) or (split_differently(cols, W) if cols else None)
+                    made = self._made_of(args, kwargs)
+                    made_w = self._on_w(lambda: self._made_of(args, kwargs)) if cols else None
+                    problem = split_differently(rows, H, made) or (split_differently(cols, W, made_w) if cols else None)
                     note = self._verdict(func, problem, frame, rows=rows, cols=cols)
                     if note is not None:
                         if not in_hook(frame):
@@ -308,7 +316,17 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                         return out
         out = func(*args, **kwargs)
         self._carry_all(args, out)
+        if self.made._items and isinstance(out, torch.Tensor) and any(
+                isinstance(a, torch.Tensor) and self.made.get(a) is not None for a in (*args, *kwargs.values())):
+            self.made[out] = True  # a pointwise result of a layer's field is a field too
         return out
+
+    def _made_of(self, args, kwargs) -> list[bool]:
+        """Per tensor argument aligned as :meth:`_rows_of_fields` lists them: whether it is a layer's field."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        fields = [t for t in tensors if self._field(t) is not None]
+        back = fields[0].dim() - self._field(fields[0])[0] if fields else 0
+        return [self.made.get(t) is not None for t in tensors if t.dim() >= back]
 
     def _judged(self, func, args, kwargs, problem, frame, checked=True):
         """Agree on ``problem`` across ranks; raise it, or (in a forward hook) run the op and mark its result."""

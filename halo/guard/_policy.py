@@ -384,10 +384,13 @@ def getitem_rule(args, kwargs, x, h, a):
     return None
 
 
-def split_differently(rows: list[int], a: Axis = H) -> str | None:
+def split_differently(rows: list[int], a: Axis = H, made: list[bool] | None = None) -> str | None:
     """A pointwise op on fields whose shards hold different numbers of rows (more than one: a 1-row tensor
-    broadcasts) along axis ``a`` combines rows of different latitudes (or columns of different longitudes)."""
-    many = sorted({r for r in rows if r != 1})
+    broadcasts) along axis ``a`` combines rows of different latitudes (or columns of different longitudes).
+    ``made``: per operand, whether it is a halo layer's field (:func:`halo.context.made`), whose 1 row is a row of
+    a field split over the ranks (at least one each), never a tensor that broadcasts."""
+    made = made if made is not None and len(made) == len(rows) else [False] * len(rows)
+    many = sorted({r for r, m in zip(rows, made, strict=True) if r != 1 or m})
     if len(many) > 1:
         return (f"{a.prefix}combines fields whose shards hold different numbers of {a.unit} here ({many}): they are "
                 f"split differently (one was resized on its shard, e.g. F.interpolate with a nearest upsampling of an "

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ..context import made
 from ..dist.comm import CommGroup, comm_group
 from ..dist.mesh import DomainMesh, group_attribute, mesh_2d, mesh_coords
 from ..exchange import exchange, like_format, pole_step
@@ -125,9 +126,11 @@ def exchange_axes(x: torch.Tensor, plans: tuple) -> torch.Tensor:
 
 
 def finish(out: Any, x: torch.Tensor) -> Any:
-    """``out`` in ``x``'s memory format, carrying ``x``'s epoch (module docstring: why this is the default)."""
+    """``out`` in ``x``'s memory format, carrying ``x``'s epoch (module docstring: why this is the default), told
+    to a watching guard as a layer's field (:func:`halo.context.made`)."""
     if isinstance(out, torch.Tensor):
         out = like_format(out, x)
+        made(out)
     carry(out, x)
     return out
 
