@@ -2,10 +2,10 @@
 
 Under ``torch.compile`` an exchange is opaque to dynamo: :func:`exchange_op` (its extended shape from the plan, in
 the input's memory format, as the fake kernel says) and :func:`exchange_adjoint_op`; compute-then-patch's halo rows
-alone (:func:`exchange_halos_op`, :func:`exchange_halos_adjoint_op`: a compiled ``HaloConv2d``'s). Every communicating custom op
-of halo (here, the norms' and the reductions') is declared an ordered effect and reads the device's order token
-(:func:`order_communication`, :func:`order_token`, :func:`order_after`), so no compiler pass drops, repeats or
-reorders messages; checkpointed regions save them (:func:`communicating`).
+alone (:func:`exchange_halos_op`, :func:`exchange_halos_adjoint_op`: a compiled ``HaloConv2d``'s). Every
+communicating custom op of halo (here, the norms' and the reductions') is declared an ordered effect and reads the
+device's order token (:func:`order_communication`, :func:`order_token`, :func:`order_after`), so no compiler pass
+drops, repeats or reorders messages; checkpointed regions save them (:func:`communicating`).
 """
 
 from __future__ import annotations
