@@ -435,8 +435,8 @@ class _HaloConvNd(_HaloConvMixin):
         strips = self._strips([halos.narrow(-2, side * p, p) for side in plan.live], plan.live, p)
         taps = self._conv(strips, self._main_padding(0), weight, None)
         n, b = y.shape[-2], x.shape[0]
-        for i, side in enumerate(plan.live):  # (in place: the conv's backward does not read its output)
-            y.narrow(-2, 0 if side == 0 else n - p, p).add_(taps.narrow(0, i * b, b))
+        for i, side in enumerate(plan.live):  # out of place, zero-extended: no clone of the gradient in backward
+            y = y + F.pad(taps.narrow(0, i * b, b), (0, 0, 0, n - p) if side == 0 else (0, 0, n - p, 0))
         return y
 
     def _conv(self, x: torch.Tensor, padding: Sequence[int], weight: torch.Tensor | None = None,
