@@ -4,10 +4,11 @@ patch path, as eager does, not pad-then-conv (a full extended copy of the shard 
 The halo rows travel through ``halo::exchange_halos`` (only the edge rows are sent; its adjoint
 ``halo::exchange_halos_adjoint`` sends the halo rows' gradients back); the main conv, the strip conv and the
 additions are plain ops the compiler sees. A few 3x3 convs (one circular in W) on 23 rows over 3 ranks, float64,
-latitude rows and a (3, 1) mesh (its W axis plain): forward, input and parameter gradients equal the unsharded
-model's, and the graphs are counted — dynamo's graph holds one ``halo::exchange_halos`` per conv and no
-``halo::exchange``, AOT's backward one adjoint per conv — so the test fails if the path falls back. The op pair is
-also checked on its own: ``<A x, y> == <x, A^T y>`` summed over 3 ranks, for three boundaries.
+on latitude rows, on a (3, 1) mesh (its W axis plain), and two 3-d convs (one reflect-padded): forward, input and
+parameter gradients equal the unsharded model's, and the graphs are counted — dynamo's graph holds one
+``halo::exchange_halos`` per conv and no ``halo::exchange``, AOT's backward one adjoint per conv — so the test fails
+if the path falls back. The op pair is also checked on its own: ``<A x, y> == <x, A^T y>`` summed over 3 ranks, for
+three boundaries.
 """
 
 import pytest
@@ -28,6 +29,17 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GELU(),
                          nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular"), nn.Tanh(),
                          nn.Conv2d(4, 2, 3, padding=1)).double()
+
+
+def _net3d() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(2, 3, 3, padding=1, padding_mode="reflect"), nn.GELU(),
+                         nn.Conv3d(3, 2, 3, padding=1)).double()
+
+
+#: per layout: the net, the full input's shape, the mesh (None: latitude rows), the convs (each patched)
+LAYOUTS = {"rows": (_net, (B, 3, H, W), None, 3), "mesh": (_net, (B, 3, H, W), (3, 1), 3),
+           "3d": (_net3d, (B, 2, 3, H, 6), None, 2)}
 
 
 def _op_names(gm) -> list[str]:
@@ -63,30 +75,32 @@ def _counting_backend(seen: dict):
     return backend
 
 
-def _model_on_rank(rank, world, mesh_shape):
+def _model_on_rank(rank, world, layout):
     import torch.distributed as dist
 
     import halo
     from halo.nn import convert_to_domain_parallel
     from halo.plan.partition import local_range
 
-    full = torch.randn(B, 3, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    ref = _net()
+    net, shape, mesh_shape, _ = LAYOUTS[layout]
+    full = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = net()
     xf = full.clone().requires_grad_(True)
     yf = ref(xf)
     g = torch.randn(yf.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     (yf * g).sum().backward()
     h0, h1 = local_range(H, world, rank)
     if mesh_shape is None:
-        model = convert_to_domain_parallel(_net(), halo.initialize_domain_parallel(world, world))
+        model = convert_to_domain_parallel(net(), halo.initialize_domain_parallel(world, world))
         group = None
     else:
         mesh = halo.DomainMesh(mesh_shape, periodic=(False, True))
-        model = convert_to_domain_parallel(_net(), mesh=mesh)
+        model = convert_to_domain_parallel(net(), mesh=mesh)
         group = mesh.domain_group
     seen: dict = {}
+    torch._dynamo.reset()  # each layout its own graphs: static shapes (halo's plans are baked in per shape)
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(model, fullgraph=True, backend=_counting_backend(seen))
+    compiled = torch.compile(model, fullgraph=True, backend=_counting_backend(seen), dynamic=False)
     errs = []
     for _ in range(2):  # the second call reuses the graph
         x = full[..., h0:h1, :].clone().requires_grad_(True)
@@ -105,8 +119,7 @@ def _model_on_rank(rank, world, mesh_shape):
 
 
 def _runs_on_rank(rank, world):
-    return {"rows": _model_on_rank(rank, world, None),
-            "mesh": _model_on_rank(rank, world, (world, 1)),
+    return {**{layout: _model_on_rank(rank, world, layout) for layout in LAYOUTS},
             "adjoint": _adjoint_on_rank(rank, world)}
 
 
@@ -119,12 +132,9 @@ def _results():
     return _RUNS["aot_eager"]
 
 
-CONVS = 3
-
-
 # aot_eager only (~15 s for the file): inductor's cold compile costs ~100 s a launch on 2 cores; the inductor run of
 # tests/test_compile.py takes this path too (its 3x3 convs) and counts it there.
-@pytest.mark.parametrize("layout", ["rows", "mesh"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_compiled_patch_path_equals_unsharded(layout):
     for rank, res in enumerate(_results()):
         errs, seen, graphs = res[layout]
@@ -132,7 +142,7 @@ def test_compiled_patch_path_equals_unsharded(layout):
         # The patch path, counted: one halo-rows exchange per conv, no extended-shard exchange either way.
         ops = {"dynamo": "halo::exchange_halos", "fw": "halo::exchange_halos", "bw": "halo::exchange_halos_adjoint"}
         for key, op in ops.items():
-            assert seen[key].count(op) == CONVS, (rank, key, seen)
+            assert seen[key].count(op) == LAYOUTS[layout][3], (rank, key, seen)
             assert not {"halo::exchange", "halo::exchange_adjoint"} & set(seen[key]), (rank, key, seen)
         assert graphs == 1, (rank, graphs)  # one graph, reused by the second call
 
