@@ -6,7 +6,9 @@ and called three times: forward and backward must equal the eager converted mode
 holds to the unsharded model) to rounding, and the graph must not be recompiled after the first call. The halo
 exchange and the fused GroupNorm are custom ops (``halo::exchange``, ``halo::group_norm``) whose fake kernels give
 shapes from the plan; the plan is learned at trace time under the epoch that the model's entry agreed on outside
-the graph, which the graph guards on.
+the graph, which the graph guards on. The stride-1 3x3 convs compute-then-patch under compile as in eager
+(``halo::exchange_halos``, the halo rows alone): the graph's halo ops are counted (tests/test_compile_patch.py holds
+that path to the unsharded model).
 
 Tolerance: the compiled graph may reorder the float64 arithmetic of the local convs and of autograd's sums
 (inductor fuses and decomposes), so values agree to ~1e-15 relative, not bitwise: 1e-12 relative.
@@ -36,7 +38,15 @@ def _compiled(rank, world, backend):
     manager = halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)
     model = convert_to_domain_parallel(SteadyNet().double(), manager, boundary="pole")
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    seen: list[str] = []
+
+    def counting(gm, example_inputs):  # the halo ops of dynamo's graph, then the backend itself
+        seen.extend(n.target.name() for n in gm.graph.nodes
+                    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                    and n.target.name().startswith("halo::"))
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    compiled = torch.compile(model, fullgraph=True, backend=counting)
     full = torch.randn(2, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     offs = split_offsets(H, world)
     x = full[..., offs[rank]:offs[rank + 1], :]
@@ -59,7 +69,7 @@ def _compiled(rank, world, backend):
 
         out.append({"y": rel(yc, ye), "gx": rel(gxc, gxe), "gp": max(rel(a, b) for a, b in zip(gpc, gpe, strict=True))})
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    return out, graphs
+    return out, graphs, {op: seen.count(op) for op in ("halo::exchange", "halo::exchange_halos")}
 
 
 def _compiled_then_sequential(rank, world, backend):
@@ -88,10 +98,13 @@ def _results(world, backend):
 @pytest.mark.parametrize(("world", "backend"), [(2, "aot_eager"), (3, "aot_eager"), (3, "inductor")])
 def test_compiled_converted_model_equals_eager(world, backend):
     results = _results(world, backend)
-    for rank, (steps, graphs) in enumerate(results):
+    for rank, (steps, graphs, ops) in enumerate(results):
         for step, errs in enumerate(steps):
             assert max(errs.values()) < 1e-12, (rank, step, errs)
         assert graphs == 1, (rank, graphs)  # one graph of the whole forward (fullgraph), reused by later calls
+        # The two stride-1 3x3 convs (enc, dec) compute-then-patch (halo::exchange_halos) as eager does; the
+        # strided and transposed convs, the pooling and the upsampling exchange the extended shard (halo::exchange).
+        assert ops == {"halo::exchange": 4, "halo::exchange_halos": 2}, (rank, ops)
 
 
 def _sequential(rank, world, mesh_shape):

@@ -5,7 +5,8 @@ communicating ops on every rank.
   channels_last input once crashed ``torch.compile(backend="inductor")`` in ``halo::exchange``). Each op is run
   for real on gloo ranks and through its fake kernel (``FakeTensorMode``) on the same inputs (contiguous,
   channels_last, a non-dense slice), and shape, stride and dtype must be identical.
-* Order: ``halo::exchange``, ``halo::exchange_adjoint``, ``halo::all_reduce`` (sum, mean, max, min),
+* Order: ``halo::exchange``, ``halo::exchange_adjoint`` (and ``halo::exchange_halos(_adjoint)``, a compiled
+  stride-1 conv's), ``halo::all_reduce`` (sum, mean, max, min),
   ``halo::replicated_sum`` (the domain reductions and losses) and ``halo::group_norm(_backward)`` communicate, so
   no scheduler may swap two of them (inductor's memory-driven order depends on each rank's shard size; two ranks
   posting in different orders hang or swap halos; ``tests/test_compile_order.py`` orders the reductions). They
@@ -71,6 +72,11 @@ def _strides_on_rank(rank: int, world: int) -> dict:
         g = torch.randn(2, 6, plan.rows, x.shape[-1], dtype=torch.float64)
         g = g.contiguous(memory_format=torch.channels_last) if kind == "channels_last" else g
         both(f"exchange_adjoint/{kind}", hops.exchange_adjoint_op, g, order, plan.ex, 2, rows)
+        both(f"exchange_halos/{kind}", hops.exchange_halos_op, x, order, plan.ex, 2, 2, 2)
+        gh = torch.randn(2, 6, 4, x.shape[-1], dtype=torch.float64)
+        gh = gh.contiguous(memory_format=torch.channels_last) if kind == "channels_last" else gh
+        sent = sum(n for _, n in hx.get_exchanger(plan.ex).send_ranges)
+        both(f"exchange_halos_adjoint/{kind}", hops.exchange_halos_adjoint_op, gh, order, plan.ex, 2, 2, sent)
         same = same_shape[kind]  # an all-reduce takes one shape on every rank
         both(f"all_reduce/{kind}", hred._all_reduce_op, same, order, "sum", gid)
         both(f"all_reduce_bf16/{kind}", hred._all_reduce_op, same.to(torch.bfloat16), order, "mean",
@@ -99,7 +105,8 @@ def strides() -> list[dict]:
     return run_on_ranks(_strides_on_rank, 2, timeout=180)
 
 
-OPS = ["exchange", "exchange_adjoint", "all_reduce", "all_reduce_bf16", "all_reduce_max", "all_reduce_min_bf16",
+OPS = ["exchange", "exchange_adjoint", "exchange_halos", "exchange_halos_adjoint",
+       "all_reduce", "all_reduce_bf16", "all_reduce_max", "all_reduce_min_bf16",
        "replicated_sum", "group_norm", "group_norm_backward", "philox_dropout"]
 
 
@@ -130,7 +137,8 @@ def test_communicating_ops_are_ordered_effects() -> None:
 
     import halo.nn  # noqa: F401 - registers halo::group_norm
 
-    for op in ("halo::exchange", "halo::exchange_adjoint", "halo::all_reduce", "halo::replicated_sum",
+    for op in ("halo::exchange", "halo::exchange_adjoint", "halo::exchange_halos", "halo::exchange_halos_adjoint",
+               "halo::all_reduce", "halo::replicated_sum",
                "halo::group_norm", "halo::group_norm_backward"):
         assert _get_effect(op) is not None, op
 
@@ -149,15 +157,15 @@ def _order_on_rank(rank: int, world: int, backend: str) -> dict:
     manager = halo.initialize_domain_parallel(world, world)
     log: list = []
     start = hx.Exchanger.start
-    adjoint = hx.Exchanger.adjoint
+    start_adjoint = hx.Exchanger.start_adjoint
 
     def logged_start(self, x):
         log.append(("exchange", self.plan.before.__len__(), self.plan.after.__len__(), tuple(x.shape[:2])))
         return start(self, x)
 
-    def logged_adjoint(self, g, shape):
-        log.append(("adjoint", tuple(g.shape[:2])))
-        return adjoint(self, g, shape)
+    def logged_adjoint(self, before, after, like):  # every adjoint posts here (pad-then-conv's and the patch's)
+        log.append(("adjoint", tuple(like.shape[:2])))
+        return start_adjoint(self, before, after, like)
 
     def logged_reduce(name):
         inner = getattr(name[0], name[1])
@@ -167,7 +175,7 @@ def _order_on_rank(rank: int, world: int, backend: str) -> dict:
             return inner(t, info, what, *args, **kwargs)
         return fn
 
-    hx.Exchanger.start, hx.Exchanger.adjoint = logged_start, logged_adjoint
+    hx.Exchanger.start, hx.Exchanger.start_adjoint = logged_start, logged_adjoint
     hred.bounded_all_reduce = logged_reduce((hred, "bounded_all_reduce"))
     hn.bounded_all_reduce = logged_reduce((hn, "bounded_all_reduce"))
 

@@ -11,7 +11,8 @@ Layers (primitive -> autograd.Function / custom op -> public function)::
                                 (halo.exchange._registry)
     _ExchangeFn                 eager autograd: forward = finish(start(x)), backward = Exchanger.adjoint
     halo::exchange (custom op)  the same under torch.compile: opaque to dynamo, extended shape from the plan
-                                (halo.exchange._ops, with the order tokens every communicating op reads)
+                                (halo.exchange._ops, with the order tokens every communicating op reads);
+    halo::exchange_halos        the halo rows alone (compute-then-patch under torch.compile: exchange_halos)
     halo_exchange / _ / _async / _2d    group resolution, agreed validation (halo.plan.plans), halo -> needs
 
 This module is the one import users and layers need: it re-exports the names of the three below it.
@@ -45,6 +46,7 @@ from ..plan.plans import carry, resolve, set_validation
 from ._ops import (
     backward_order_token,
     communicating,
+    exchange_halos_op,
     exchange_op,
     order_after,
     order_communication,
@@ -88,6 +90,7 @@ __all__ = [
     "PoleSpec",
     "communicating",
     "exchange",
+    "exchange_halos",
     "exchange_ref",
     "exchange_spec",
     "exchanger_id",
@@ -131,6 +134,23 @@ def exchange(x: torch.Tensor, ex_id: int, rows: int, dim: int = -2) -> torch.Ten
         order_after(order, out)
         return out
     return _ExchangeFn.apply(x, get_exchanger(ex_id), None)
+
+
+def exchange_halos(x: torch.Tensor, ex_id: int, halos: tuple[int, int], dim: int = -2) -> torch.Tensor:
+    """The halo rows alone of planned exchange ``ex_id`` (``halos``: its rows before and after ``x`` along ``dim``),
+    ``[before | after]`` along ``dim``, with autograd: compute-then-patch's exchange as a compile-visible op.
+
+    The ``halo::exchange_halos`` custom op (its adjoint ``halo::exchange_halos_adjoint`` sends the halo rows'
+    gradients back and returns those of the rows this rank sent, which plain ops add onto ``x``'s gradient), ordered
+    as every communicating op (:func:`order_after`). Eager layers use their own ``autograd.Function``
+    (``HaloConv2d``'s compute-then-patch posts before its conv and waits after it); this is the form a compiled
+    graph holds.
+    """
+    order = order_token(x.device)
+    out = exchange_halos_op(x, order, ex_id, dim % x.dim(), int(halos[0]), int(halos[1]))
+    if torch.compiler.is_compiling():
+        order_after(order, out)
+    return out
 
 
 # -- public API -------------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """``halo::exchange`` and its adjoint as custom ops (what ``torch.compile`` sees), and the order of communication.
 
 Under ``torch.compile`` an exchange is opaque to dynamo: :func:`exchange_op` (its extended shape from the plan, in
-the input's memory format, as the fake kernel says) and :func:`exchange_adjoint_op`. Every communicating custom op
-of halo (here, the norms' and the reductions') is declared an ordered effect and reads the device's order token
-(:func:`order_communication`, :func:`order_token`, :func:`order_after`), so no compiler pass drops, repeats or
-reorders messages; checkpointed regions save them (:func:`communicating`).
+the input's memory format, as the fake kernel says) and :func:`exchange_adjoint_op`; compute-then-patch's halo rows
+alone (:func:`exchange_halos_op`, :func:`exchange_halos_adjoint_op`: a compiled ``HaloConv2d``'s). Every
+communicating custom op of halo (here, the norms' and the reductions') is declared an ordered effect and reads the
+device's order token (:func:`order_communication`, :func:`order_token`, :func:`order_after`), so no compiler pass
+drops, repeats or reorders messages; checkpointed regions save them (:func:`communicating`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import Any
 
 import torch
 
+from ..dist import transport
 from ._registry import get_exchanger
 from .exchanger import memory_format
 
-__all__ = ["backward_order_token", "communicating", "exchange_adjoint_op", "exchange_op", "order_after",
-           "order_communication", "order_devices", "order_token"]
+__all__ = ["backward_order_token", "communicating", "exchange_adjoint_op", "exchange_halos_adjoint_op",
+           "exchange_halos_op", "exchange_op", "order_after", "order_communication", "order_devices", "order_token"]
 
 
 def _strided_like(t: torch.Tensor, shape: Sequence[int], fmt: torch.memory_format) -> torch.Tensor:
@@ -160,6 +162,83 @@ def _backward(ctx, grad: torch.Tensor):
 exchange_op.register_autograd(_backward, setup_context=_setup)
 
 
+# -- the halo rows alone (compute-then-patch under torch.compile) ---------------------------------------------------
+
+@torch.library.custom_op("halo::exchange_halos", mutates_args=())
+def exchange_halos_op(x: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, before: int,
+                      after: int) -> torch.Tensor:
+    """The halo rows of exchange ``ex_id`` alone, ``[before rows | after rows]`` along ``dim`` (zeros beyond the
+    domain for a zeros boundary): what compute-then-patch adds to a conv of the shard itself (``HaloConv2d``
+    under ``torch.compile``). Sends only the rank's edge rows; no extended copy of the shard. Output: a fresh
+    tensor in ``x``'s memory format (the receive buffer is pooled; a compiled graph may save the halos)."""
+    ex = get_exchanger(ex_id)
+    if (len(ex.plan.before), len(ex.plan.after)) != (before, after):
+        raise ValueError(f"halo::exchange_halos: exchanger {ex_id} has ({len(ex.plan.before)}, "
+                         f"{len(ex.plan.after)}) halo rows (before, after), expected ({before}, {after})")
+    lo, hi = ex.halos(x, ex.start(x))
+    shape = list(x.shape)
+    shape[dim] = before + after
+    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format(x))
+    out.narrow(dim, 0, before).copy_(lo)
+    out.narrow(dim, before, after).copy_(hi)
+    return out
+
+
+@exchange_halos_op.register_fake
+def _(x: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, before: int, after: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = before + after
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format(x))
+
+
+@torch.library.custom_op("halo::exchange_halos_adjoint", mutates_args=())
+def exchange_halos_adjoint_op(grad: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, before: int,
+                              rows: int) -> torch.Tensor:
+    """The adjoint of ``halo::exchange_halos``: the halo rows' gradients ``grad`` (``[before | after]`` along
+    ``dim``) go back to the rows' owners; returns what comes back, the gradients of the rows this rank sent
+    (``Exchanger.send_ranges``, in order: ``rows`` of them along ``dim``), fresh and contiguous. The caller adds
+    them onto those rows of ``x``'s gradient (plain ops a compiler fuses with the conv's own input gradient)."""
+    ex = get_exchanger(ex_id)
+    grad = grad.contiguous()
+    pending = ex.start_adjoint(grad.narrow(dim, 0, before), grad.narrow(dim, before, grad.shape[dim] - before),
+                               grad)
+    transport.wait(pending["posted"])
+    shape = list(grad.shape)
+    shape[dim] = rows
+    return torch.empty(shape, dtype=grad.dtype, device=grad.device).copy_(pending["recv"].movedim(0, dim))
+
+
+@exchange_halos_adjoint_op.register_fake
+def _(grad: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, before: int, rows: int) -> torch.Tensor:
+    shape = list(grad.shape)
+    shape[dim] = rows
+    return grad.new_empty(shape)
+
+
+def _halos_setup(ctx, inputs, output) -> None:
+    x, order, ex_id, dim, before, _ = inputs
+    ctx.order, ctx.args, ctx.x_shape = order, (ex_id, dim, before), tuple(x.shape)
+    ctx.send_ranges = get_exchanger(ex_id).send_ranges
+
+
+def _halos_backward(ctx, grad: torch.Tensor):
+    ex_id, dim, before = ctx.args
+    order = backward_order_token(ctx.order, grad)
+    sent = exchange_halos_adjoint_op(grad, order, ex_id, dim, before, sum(n for _, n in ctx.send_ranges))
+    order_after(order, sent)
+    # Each block back onto the rows it was packed from, in range order (overlapping ranges add up: pack's adjoint).
+    gx = grad.new_zeros(ctx.x_shape)
+    row = 0
+    for start, n in ctx.send_ranges:
+        if n:
+            gx.narrow(dim, start, n).add_(sent.narrow(dim, row, n))
+        row += n
+    return gx, None, None, None, None, None
+
+
+exchange_halos_op.register_autograd(_halos_backward, setup_context=_halos_setup)
+
+
 def order_communication(*ops: Any) -> None:
     """Declare communicating custom ops *ordered* side effects under ``torch.compile``.
 
@@ -253,5 +332,5 @@ def _save_communication_in_tagged_nodes(wrap: Any) -> None:
     wrap.TagActivationCheckpoint.tag_nodes = staticmethod(tag_nodes)
 
 
-order_communication(exchange_op, exchange_adjoint_op)
+order_communication(exchange_op, exchange_adjoint_op, exchange_halos_op, exchange_halos_adjoint_op)
 _save_communication_in_checkpoints()

@@ -64,7 +64,7 @@ from torch import nn
 
 from ..autocast import policy_device, result_dtype
 from ..dist.comm import CommGroup
-from ..exchange import exchanger_id, get_exchanger
+from ..exchange import exchange_halos, exchanger_id, get_exchanger
 from ..kernels.reference import alloc_like as kernels_alloc_like
 from ..plan.geometry import conv_row_plan, conv_transpose_row_plan
 from ..plan.partition import check_boundary, split_sizes
@@ -213,10 +213,12 @@ class ConvPlan(AxisPlan):
     """One axis of a conv call as planned for this rank (:class:`halo.nn.base.AxisPlan`: ``plain``, or the exchange
     and its extended rows) and ``patch``: compute-then-patch's halo width ``p`` along it (0: pad-then-conv);
     ``corners``: on the W axis of a mesh, the exchanger of the corners (:func:`halo.nn.patch2d.corner_exchanger_id`,
-    planned once here rather than looked up per call), else -1."""
+    planned once here rather than looked up per call), else -1; ``live``: with ``patch``, the sides (0 before, 1
+    after) whose halo rows come from some rank (not all beyond the domain), which a compiled forward convolves."""
 
     patch: int = 0
     corners: int = -1
+    live: tuple[int, ...] = ()
 
 
 def _conv_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, kernel: int, stride: int, dilation: int,
@@ -236,7 +238,9 @@ def _conv_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, kernel: int, str
                    and min(sizes) >= pt and list(sizes) == split_sizes(sum(sizes), cg.size)) else 0
     lo, hi = needs[cg.index]
     ex = exchanger_id(cg, tensor_dim, sizes, needs, boundary, name)
-    return ConvPlan(False, ex, hi - lo, tensor_dim, patch, corner_exchanger_id(ex) if patch and w_axis else -1)
+    sides = get_exchanger(ex).sides if patch else ()
+    live = tuple(k for k, side in enumerate(sides) if not all(i < 0 for i in side.rows))
+    return ConvPlan(False, ex, hi - lo, tensor_dim, patch, corner_exchanger_id(ex) if patch and w_axis else -1, live)
 
 
 class _PatchConvFn(torch.autograd.Function):
@@ -421,18 +425,40 @@ class _HaloConvNd(_HaloConvMixin):
             with _no_autocast(xb, cast):
                 y = patch_conv_2d(xb, weight, bias, plan.ex, plans[1].ex, (plan.patch, plans[1].patch),
                                   self.dilation, self.groups, ex_c=plans[1].corners)
-        elif h_only and plan.patch and not plan.rolled and not torch.compiler.is_compiling() \
-                and (self.overlap is not None or patch_pays(xb)):
+        elif h_only and plan.patch and not plan.rolled and (self.overlap is not None or patch_pays(xb)):
             # The Function computes in the dtype torch's conv would under autocast: its inputs are cast here, by
             # autograd-visible casts (so every gradient comes back in its input's own dtype), and autocast is off
             # inside, so its forward and backward convs see one dtype (as torch's own conv under autocast).
             weight, bias = _cast(self.weight, cast), _cast(self.bias, cast)
             with _no_autocast(xb, cast):
-                y = _PatchConvFn.apply(self._pad_other(xb), xb.detach(), weight, bias, self, plan.ex, plan.patch)
+                if torch.compiler.is_compiling():  # the same arithmetic as plain ops and halo::exchange_halos
+                    y = self._patch_compiled(xb, weight, bias, plan)
+                else:
+                    y = _PatchConvFn.apply(self._pad_other(xb), xb.detach(), weight, bias, self, plan.ex,
+                                           plan.patch)
         else:
             y = self._conv(self._pad_other(self.exchange_axes(xb, plans), skip), self._main_padding(0, skip),
                            _cast(self.weight, cast), _cast(self.bias, cast))  # (as autocast casts them)
         return self.finish(y.squeeze(0) if unbatched else y, x)
+
+    def _patch_compiled(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        plan: ConvPlan) -> torch.Tensor:
+        """Compute-then-patch as a compiled graph sees it (``_PatchConvFn``'s arithmetic): the conv of the shard
+        with zero H padding ``p``, plus the conv of the halo strips (``halo::exchange_halos``: the ``p`` rows from
+        each neighbour, the edge rows alone sent) added onto the ``p`` first and last output rows. Plain torch ops
+        but the exchange, so autograd gives the backward (the halo rows' gradients go back through the op's
+        adjoint) and the compiler fuses the additions; no extended copy of the shard either way."""
+        p = plan.patch
+        y = self._conv_main(self._pad_other(x), weight, bias, p)
+        halos = exchange_halos(x, plan.ex, (p, p), plan.dim)  # every rank posts (its peers wait for its rows)
+        if not plan.live:
+            return y
+        strips = self._strips([halos.narrow(-2, side * p, p) for side in plan.live], plan.live, p)
+        taps = self._conv(strips, self._main_padding(0), weight, None)
+        n, b = y.shape[-2], x.shape[0]
+        for i, side in enumerate(plan.live):  # out of place, zero-extended: no clone of the gradient in backward
+            y = y + F.pad(taps.narrow(0, i * b, b), (0, 0, 0, n - p) if side == 0 else (0, 0, n - p, 0))
+        return y
 
     def _conv(self, x: torch.Tensor, padding: Sequence[int], weight: torch.Tensor | None = None,
               bias: Any = _OWN) -> torch.Tensor:
