@@ -29,6 +29,8 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
+
 __all__ = ["HaloContext", "Watch", "current", "made", "place", "reset", "state", "trusted", "use", "watch"]
 
 T = TypeVar("T")
@@ -149,7 +151,10 @@ class trusted:  # noqa: N801 - a context manager, named like one
 def made(out: Any) -> None:
     """Tell the guard of a converted model's first call that ``out`` is a halo layer's output: a field split over
     the ranks with at least one row on each, so a shard of 1 row is a row of it, not a tensor that broadcasts (a
-    bias, a ``(B, C, 1, 1)`` scale). A no-op when no guard is watching."""
+    bias, a ``(B, C, 1, 1)`` scale). A no-op when no guard is watching (and under ``torch.compile``: no guard
+    watches a compiled region, and a read of the context state there would be a side effect to trace)."""
+    if torch.compiler.is_compiling():
+        return
     guard = watch().guard
     if guard is not None:
         guard.made_field(out)
