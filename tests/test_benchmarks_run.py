@@ -31,7 +31,7 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(bool(tp.missing()), reason="the zoo's packages (miles-credit) are not installed")
 def test_the_size_sweep_against_credit_runs_and_both_agree(tmp_path):
-    _run([str(ROOT / "benchmarks" / "vs_credit.py"), "--sizes", "32x128", "--reps", "2", "--channels", "4"],
+    _run([str(ROOT / "benchmarks" / "vs_credit.py"), "--sizes", "32x128", "--reps", "1", "--channels", "4"],
          tmp_path)
     rows = list(csv.DictReader((tmp_path / "vs_credit.csv").open()))
     impls = {r["impl"] for r in rows}
