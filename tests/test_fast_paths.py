@@ -17,6 +17,19 @@ from halo.testing import run_on_ranks
 TOL = 1e-11
 
 
+def _count_patches(conv_mod) -> dict:
+    """Count the 1-D compute-then-patch calls (``_PatchConvFn.apply``) of this rank from now on."""
+    calls = {"patch": 0}
+    apply = conv_mod._PatchConvFn.apply
+
+    def counted(*a):
+        calls["patch"] += 1
+        return apply(*a)
+
+    conv_mod._PatchConvFn.apply = counted
+    return calls
+
+
 def _size1_ranks(rank, world, shape):
     os.environ["TRITON_INTERPRET"] = "0"
     import torch.distributed as dist
@@ -26,14 +39,7 @@ def _size1_ranks(rank, world, shape):
     from halo.nn import HaloConv2d
 
     mesh = DomainMesh(shape, periodic=(False, True))
-    calls = {"patch": 0}
-    apply = conv_mod._PatchConvFn.apply
-
-    def counted(*a):
-        calls["patch"] += 1
-        return apply(*a)
-
-    conv_mod._PatchConvFn.apply = counted
+    calls = _count_patches(conv_mod)
     out = {}
     full = torch.randn(2, 3, 23, 17, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     for k, dil, mode in ((3, 1, "zeros"), (5, 2, "circular"), (3, 1, "reflect")):
@@ -125,14 +131,7 @@ def _by_size_ranks(rank, world):
     conv_mod._PATCH_MIN_ENV = None  # the default rule, not the suite's HALO_PATCH_MIN_ELEMENTS=0
     default = conv_mod.PATCH_MIN_ELEMENTS["cpu"]
     halo.initialize_domain_parallel(world, world)
-    calls = {"patch": 0}
-    apply = conv_mod._PatchConvFn.apply
-
-    def counted(*a):
-        calls["patch"] += 1
-        return apply(*a)
-
-    conv_mod._PatchConvFn.apply = counted
+    calls = _count_patches(conv_mod)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 4, 3, padding=1), nn.GELU(),
                         nn.Conv2d(4, 4, 5, padding=4, dilation=2)).double()

@@ -87,8 +87,8 @@ _MODE_BOUNDARY = {"zeros": "zeros", "circular": "circular", "reflect": "reflect"
 #: Default of ``overlap=None``: compute-then-patch where it applies, chosen by benchmarks/conv_overhead.py
 #: (module docstring), on shards of at least ``PATCH_MIN_ELEMENTS[device type]`` elements (the conv's input on
 #: this rank, batch included; 0 where not listed). On CPU (``benchmarks/vs_credit.py``, ``halo-pad`` against
-#: ``halo-patch``, 2 gloo ranks, 8 channels, 2026-12-03, quiet, 41 paired iterations): pad-then-conv is 6 % faster
-#: at 16 Ki elements a rank (32 x 128), compute-then-patch 7-10 % faster from 64 Ki (91 x 180) up. Not yet
+#: ``halo-patch``, 2 gloo ranks, 8 channels, 2026-12-03, quiet): pad-then-conv is 6 % faster at 16 Ki elements a
+#: rank (32 x 128), compute-then-patch 7 % faster at 64 Ki (91 x 180) and 18 % from 181 x 360 up. Not yet
 #: measured on a GPU, which therefore patches everywhere it applies. ``HALO_PATCH_MIN_ELEMENTS`` overrides it for
 #: every device (the test suite sets 0, so that its tiny shapes run the path large fields take).
 OVERLAP_DEFAULT = True
@@ -263,7 +263,7 @@ class _PatchConvFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, xp, x, weight, bias, layer, ex_id, p):
+    def forward(ctx, xp, x, weight, bias, layer, ex_id, p, live):
         ex = get_exchanger(ex_id)
         pending = ex.start(x)
         y = layer._conv_main(xp, weight, bias, p)
@@ -271,7 +271,6 @@ class _PatchConvFn(torch.autograd.Function):
         n = y.shape[-2]
         # The sides with a neighbour (beyond the domain: zeros, nothing to add), both strips in one conv (stacked
         # along the batch dim, with the whole kernel: one launch per layer, not one per side).
-        live = tuple(side for side in (0, 1) if not all(i < 0 for i in ex.sides[side].rows))
         strips = layer._strips([halos[side] for side in live], live, p) if live else None
         if strips is not None:
             b = halos[0].shape[0]
@@ -313,7 +312,7 @@ class _PatchConvFn(torch.autograd.Function):
         if pending is not None:  # what the neighbours sent back is added into this rank's own rows, in place
             interior = layer._interior(grad_xp)
             ex.finish_adjoint(pending, interior, interior)
-        return grad_xp, None, grad_w, grad_b if ctx.has_bias else None, None, None, None
+        return grad_xp, None, grad_w, grad_b if ctx.has_bias else None, None, None, None, None
 
 
 _OWN = object()  # "the layer's own bias"
@@ -435,7 +434,7 @@ class _HaloConvNd(_HaloConvMixin):
                     y = self._patch_compiled(xb, weight, bias, plan)
                 else:
                     y = _PatchConvFn.apply(self._pad_other(xb), xb.detach(), weight, bias, self, plan.ex,
-                                           plan.patch)
+                                           plan.patch, plan.live)
         else:
             y = self._conv(self._pad_other(self.exchange_axes(xb, plans), skip), self._main_padding(0, skip),
                            _cast(self.weight, cast), _cast(self.bias, cast))  # (as autocast casts them)
