@@ -197,14 +197,27 @@ class _OnePerRank(nn.Module):
     ``b``'s shard has 1 row (or column, ``axis=-1``), which looks like a tensor that broadcasts (a bias), so no rank
     saw two counts above 1 and the check across ranks saw nothing either; the unsharded op raises (3 vs 2)."""
 
-    def __init__(self, axis: int = -2) -> None:
+    def __init__(self, axis: int = -2, via: str = "plain") -> None:
         super().__init__()
         k = (2, 1) if axis == -2 else (1, 2)
         self.a = nn.MaxPool2d(k)
         self.b = nn.Conv2d(2, 2, (3, 1) if axis == -2 else (1, 3), stride=(3, 1) if axis == -2 else (1, 3))
+        self.via = _VIA[via]
 
     def forward(self, x):
-        return self.a(x) + self.b(x)
+        return self.a(x) + self.via(self.b(x))
+
+
+#: Routes from the layer's 1-row field to the ``+`` that the guard follows (layout ops, reductions and slices over
+#: channels): the result is still the layer's field, never a broadcast (each was silent before).
+_VIA = {
+    "plain": lambda b: b,
+    "permute and back": lambda b: b.permute(0, 1, 3, 2).permute(0, 1, 3, 2),
+    "view": lambda b: b.view(b.shape[0], b.shape[1], b.shape[2], b.shape[3]),
+    "unsqueeze, squeeze": lambda b: b.unsqueeze(0).squeeze(0),
+    "mean over channels": lambda b: b.mean(1, keepdim=True),
+    "a slice of channels": lambda b: b[:, :1],
+}
 
 
 def _one_per_rank_case(rank, world, axis):
@@ -214,24 +227,31 @@ def _one_per_rank_case(rank, world, axis):
 
     halo.initialize_domain_parallel(world, world)
     halo.set_timeout(TIMEOUT)
-    torch.manual_seed(0)
-    model, ref = _OnePerRank(axis).double(), _OnePerRank(axis).double()
-    ref.load_state_dict(model.state_dict())
-    convert_to_domain_parallel(model, halo.DomainMesh((1, world)) if axis == -1 else None)
     full = torch.randn(2, 2, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     offs = split_offsets(6, world)
     x = full.narrow(axis, offs[rank], offs[rank + 1] - offs[rank]).clone()
-    return {"unsharded": _outcome(lambda: ref(full).shape), "sharded": _outcome(lambda: model(x).shape)}
+    results = {}
+    for via in _VIA:
+        torch.manual_seed(0)
+        model, ref = _OnePerRank(axis, via).double(), _OnePerRank(axis, via).double()
+        ref.load_state_dict(model.state_dict())
+        convert_to_domain_parallel(model, halo.DomainMesh((1, world)) if axis == -1 else None)
+        results[via] = {"unsharded": _outcome(lambda m=ref: m(full).shape),
+                        "sharded": _outcome(lambda m=model: m(x).shape)}
+    return results
 
 
 @pytest.mark.parametrize("axis", [-2, -1])
 def test_a_layer_field_of_one_row_a_rank_is_no_broadcast(axis):
     """A halo layer's output of 1 row (column) on every rank against a field of another extent: it ran, silently,
-    where the unsharded op raises; the guard knows the layers' outputs are fields (halo.context.made), so it refuses
-    it on every rank."""
+    where the unsharded op raises; the guard knows the layers' outputs are fields (halo.context.made), and so are the
+    results of the layout ops, reductions and slices over channels it follows from them, so it refuses it on every
+    rank, by every route of :data:`_VIA`."""
     results = run_on_ranks(_one_per_rank_case, 2, axis, timeout=90)
-    assert all("must match the size" in r["unsharded"]["error"] for r in results), results
-    _same_error_everywhere(results, "self.a(x) + self.b(x)", "split differently")
+    for via in _VIA:
+        runs = [r[via] for r in results]
+        assert all("must match the size" in r["unsharded"]["error"] for r in runs), (via, runs)
+        _same_error_everywhere(runs, "self.a(x) + self.via(self.b(x))", "split differently")
 
 
 # -- layers given a tensor of another number of dims on one rank ------------------------------------------------

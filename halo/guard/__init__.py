@@ -253,7 +253,23 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             entry = _LAYOUT_ONLY
         if entry is None or entry.kind == "pass":
             return self._after(args, kwargs, self._pointwise(func, args, kwargs, entry))
-        return self._after(args, kwargs, self._checked(func, args, kwargs, entry, site))
+        out = self._checked(func, args, kwargs, entry, site)
+        if self.made._items:
+            self._made_through(args, kwargs, out)
+        return self._after(args, kwargs, out)
+
+    def _made_through(self, args, kwargs, out) -> None:
+        """An op followed or checked (a view, a permute and back, a reduction over channels, a slice of channels)
+        on a halo layer's field: each result that still holds H (or W) is that layer's field too, so its 1-row
+        shard is no broadcast either (:meth:`made_field`)."""
+        given = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else (a,))
+                 if isinstance(t, torch.Tensor)]
+        if not any(self.made.get(t) is not None for t in given):
+            return
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(o, torch.Tensor) and (self._field(o) is not None or self.w_sharded and self._on_w(
+                    lambda o=o: self._field(o)) is not None):
+                self.made[o] = True
 
     def _carry_all(self, args, out) -> None:
         """An op that keeps the shape along the axes (pointwise): its result holds H (and W) where its tracked
