@@ -153,6 +153,14 @@ def _timm_fastvit() -> nn.Module:
                    token_mixers=("repmixer", "repmixer", "repmixer", "attention"), pos_embs=(None, None, None, None))
 
 
+def _timm_repvit() -> nn.Module:
+    """RepViT at two stages (stride 16): its distillation head's ``NormLinear`` (a BatchNorm1d on the model's mean
+    over H x W, then a linear layer) is :class:`halo.nn.timm_layers.WholeBatchNorm1d`'s case."""
+    from timm.models.repvit import RepVit
+
+    return RepVit(in_chans=3, embed_dim=(8, 16), depth=(1, 1), num_classes=3, distillation=True)
+
+
 # -- smp -----------------------------------------------------------------------------------------------------------
 
 _ENCODER = {"encoder_name": "tu-resnet18", "encoder_weights": None, "encoder_depth": 3,
@@ -248,6 +256,7 @@ ZOO: dict[str, Spec] = {
     "timm.mobilenetv3": Spec(_mobilenetv3, 3, WT, TIMM_ROWS),
     "timm.fastvit": Spec(_timm_fastvit, 3, WT, TIMM_ROWS),
     "timm.regnet": Spec(_timm_regnet, 3, WT, TIMM_ROWS),
+    "timm.repvit": Spec(_timm_repvit, 3, W, {2: 37, 3: 53}),  # >= 1 row a rank at 1/16
     "timm.swinv2": Spec(_timm_swinv2, 3, W, {2: 48, 3: 48}),
     "smp.Unet": Spec(_smp("Unet", decoder_channels=(16, 16, 16), decoder_attention_type="scse"), 3, W,
                      {2: 37, 3: 40}),

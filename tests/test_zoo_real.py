@@ -49,6 +49,7 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "timm.mobilenetv3": ("exact",),
     "timm.fastvit": ("exact",),  # fastvit.Attention on (B, C, H, W): its F.scaled_dot_product_attention by ring_sdpa
     "timm.regnet": ("exact",),
+    "timm.repvit": ("exact",),  # its head's BatchNorm1d on the whole mean (halo.nn.timm_layers.WholeBatchNorm1d)
     # its Swin V2 blocks are halo.nn.swinv2's; its classifier head pools channels-last (NHWC) features with
     # FastAdaptiveAvgPool, which halo.nn.timm_layers does not convert (NCHW pools only): refused, naming it
     "timm.swinv2": ("exact", "head.global_pool.pool (timm.layers.adaptive_avgmax_pool.FastAdaptiveAvgPool)"),
@@ -374,6 +375,59 @@ def test_flatten_after_a_global_pool_refuses_a_field():
     got = drop(torch.ones(4, 50, dtype=torch.float64))
     assert set(got.unique().tolist()) == {0.0, 1 / 0.7}
     assert drop.eval()(torch.ones(2, 3)).sum() == 6
+
+
+class _LocalMeanHead(torch.nn.Module):
+    """RepViT's ``NormLinear`` given each rank's own mean (in a trusted block: the guard does not compute it over
+    the domain), not the whole one: the batch norm would see each rank's statistics."""
+
+    def __init__(self) -> None:
+        from timm.models.repvit import NormLinear
+
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.head = NormLinear(4, 2)
+
+    def forward(self, x):
+        import halo
+
+        y = self.conv(x)
+        with halo.guard.trusted():
+            v = y.mean((2, 3))
+        return self.head(v)
+
+
+def _local_mean_head(rank: int, world: int) -> str:
+    import halo
+    from halo.nn import convert_to_domain_parallel
+
+    tp.load()
+    halo.initialize_domain_parallel(world, world)
+    halo.set_timeout(10)
+    model = convert_to_domain_parallel(_LocalMeanHead().double())
+    try:
+        model(torch.randn(2, 3, 5 - rank, 5, dtype=torch.float64))
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_repvit_head_norm_takes_only_a_whole_mean():
+    """``WholeBatchNorm1d`` (RepViT's head norm, kept as torch's) takes a (batch, channels) tensor halo made whole:
+    given a field it raises, and given each rank's own mean on a guarded first call it raises on every rank."""
+    tp.load()
+    from timm.models.repvit import NormLinear
+
+    from halo.nn.timm_layers import timm_adapter
+
+    head = NormLinear(4, 2)
+    ctx = type("Ctx", (), {"group": None, "mesh": None})()
+    kept = timm_adapter(head)(head, ctx)
+    assert type(kept.bn).__name__ == "WholeBatchNorm1d" and kept.bn.weight is head.bn.weight
+    with pytest.raises(ValueError, match=r"only for a \(batch, channels\) tensor .* got \(2, 4, 5\)"):
+        kept.bn(torch.zeros(2, 4, 5))
+    results = run_on_ranks(_local_mean_head, 2, timeout=60)
+    assert all("not made whole by halo" in r for r in results), results
 
 
 def test_a_head_random_layer_other_than_its_dropout_is_refused():

@@ -34,7 +34,8 @@ and why each is exact on an H-shard:
   ``nn.Sequential`` head that starts with its pool) keep their layers after the pool as torch's own
   on the whole tensor (their ``nn.Dropout``: :class:`WholeDropout`, which draws the unsharded model's mask on every
   rank; any other random layer there is refused), and a model's
-  ``flatten`` right after its global pool (MobileNetV3) flattens the whole result (it raises if given a field).
+  ``flatten`` right after its global pool (MobileNetV3) flattens the whole result (it raises if given a field);
+  RepViT's head ``NormLinear`` keeps its ``BatchNorm1d`` for the model's whole mean (:class:`WholeBatchNorm1d`).
 
 Anything else timm has is left to the converter's usual rules (refused with a hint when halo cannot know it).
 On a latitude x longitude mesh every layer recognised here is refused (no 2-d form yet).
@@ -63,7 +64,7 @@ from .registry import public
 
 __all__ = ["DomainBlurPool2d", "DomainFlatten", "DomainGlobalResponseNorm", "DomainGroupNormAct",
            "DomainSelectAdaptivePool2d",
-           "DomainSqueezeExcite", "HaloConv2dSame", "WholeDropout", "timm_adapter"]
+           "DomainSqueezeExcite", "HaloConv2dSame", "WholeBatchNorm1d", "WholeDropout", "timm_adapter"]
 
 _ORIGINAL = "_halo_original"  # as halo.nn.convert: the module a replacement stands for (the walk skips it)
 
@@ -490,6 +491,40 @@ class WholeDropout(nn.Module):
         return f"p={self.p}, inplace={self.inplace}, whole: the unsharded mask on every rank"
 
 
+class WholeBatchNorm1d(nn.BatchNorm1d):
+    """The ``nn.BatchNorm1d`` of RepViT's classifier (``NormLinear``: the norm, then a linear layer), given the
+    model's mean over H x W: a ``(B, C)`` tensor whole and the same on every rank, so torch's batch norm over its
+    batch is the unsharded model's, its running statistics too, alike on every rank. It raises if given anything
+    else: a tensor of more dims (its length may hold the sharded rows) or, on a guarded first call, a ``(B, C)``
+    tensor halo did not make whole (a batch norm over each rank's own rows would differ from the unsharded one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..context import watch
+
+        if x.dim() != 2 or (not torch.compiler.is_compiling() and watch().guard is not None
+                            and whole_source(x) is None):
+            raise ValueError(f"WholeBatchNorm1d: halo keeps this BatchNorm1d only for a (batch, channels) tensor "
+                             f"that is the whole result of a mean over the domain (RepViT's head); got "
+                             f"{tuple(x.shape)}{'' if x.dim() != 2 else ', not made whole by halo'}")
+        out = super().forward(x)
+        source = None if torch.compiler.is_compiling() else whole_source(x)
+        if source is not None:
+            mark_whole(out, source)
+        return out
+
+
+def _norm_linear(m: nn.Module, ctx: Any) -> nn.Module:
+    """RepViT's ``NormLinear`` (an ``nn.Sequential`` of ``bn`` and ``l``) on the whole pooled tensor: its norm a
+    :class:`WholeBatchNorm1d` (the same Parameters and buffers), its linear layer kept."""
+    t = _twin(m)
+    bn = _twin(m.bn)
+    bn.__class__ = WholeBatchNorm1d
+    object.__setattr__(bn, _ORIGINAL, m.bn)
+    t._modules["bn"] = bn
+    t._modules["l"] = _kept(m.l)
+    return t
+
+
 class DomainFlatten(nn.Flatten):
     """``nn.Flatten`` of the whole result of a global pool (timm's MobileNetV3 ``flatten`` after its head): it
     flattens a tensor halo made whole on every rank, and raises if given a field (which would mix its rows)."""
@@ -588,6 +623,10 @@ def timm_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | N
     if name == "GlobalResponseNorm" and set(_own_state(module)) == {"weight", "bias"} and not module._modules \
             and tuple(getattr(module, "spatial_dim", ())) in ((1, 2), (2, 3)):
         return lambda m, ctx: DomainGlobalResponseNorm(m, group=ctx.group)
+    if name == "NormLinear" and kind.__module__ == "timm.models.repvit" and not _own_state(module) \
+            and set(module._modules) == {"bn", "l"} and type(module.bn) is nn.BatchNorm1d \
+            and type(module.l) is nn.Linear:
+        return _norm_linear
     if _squeeze_excite(module):
         return lambda m, ctx: DomainSqueezeExcite(m, group=ctx.group)
     if name in ("ClassifierHead", "NormMlpClassifierHead", "MlpClassifierHead") and not _own_state(module) \
