@@ -161,6 +161,21 @@ def _timm_repvit() -> nn.Module:
     return RepVit(in_chans=3, embed_dim=(8, 16), depth=(1, 1), num_classes=3, distillation=True)
 
 
+def _timm_mobilevit() -> nn.Module:
+    """MobileViT at two MobileViT blocks (patches of 2 x 2 at 1/4 and 1/8): their attention over all patches is
+    ring attention, their patch rows regrouped whole where a split cuts a patch (``halo.nn.mobilevit``)."""
+    from timm.models.byobnet import ByobNet, ByoModelCfg
+    from timm.models.mobilevit import _inverted_residual_block, _mobilevit_block
+
+    cfg = ByoModelCfg(blocks=(_inverted_residual_block(d=1, c=8, s=1, br=2.0),
+                              _mobilevit_block(d=1, c=8, s=2, transformer_dim=8, transformer_depth=1, patch_size=2,
+                                               br=2.0),
+                              _mobilevit_block(d=1, c=16, s=2, transformer_dim=16, transformer_depth=1, patch_size=2,
+                                               br=2.0)),
+                      stem_chs=8, stem_type="3x3", stem_pool="", downsample="", act_layer="silu", num_features=32)
+    return ByobNet(cfg, num_classes=3, in_chans=3)
+
+
 # -- smp -----------------------------------------------------------------------------------------------------------
 
 _ENCODER = {"encoder_name": "tu-resnet18", "encoder_weights": None, "encoder_depth": 3,
@@ -257,6 +272,9 @@ ZOO: dict[str, Spec] = {
     "timm.fastvit": Spec(_timm_fastvit, 3, WT, TIMM_ROWS),
     "timm.regnet": Spec(_timm_regnet, 3, WT, TIMM_ROWS),
     "timm.repvit": Spec(_timm_repvit, 3, W, {2: 37, 3: 53}),  # >= 1 row a rank at 1/16
+    # even rows at 1/4 and 1/8 (whole patches of 2 globally), split so that a rank's patch rows are cut: 48 rows are
+    # 3 + 3 at 1/8 on 2 ranks, 80 are 7 + 7 + 6 at 1/4 on 3
+    "timm.mobilevit": Spec(_timm_mobilevit, 3, W, {2: 48, 3: 80}),
     "timm.swinv2": Spec(_timm_swinv2, 3, W, {2: 48, 3: 48}),
     "smp.Unet": Spec(_smp("Unet", decoder_channels=(16, 16, 16), decoder_attention_type="scse"), 3, W,
                      {2: 37, 3: 40}),

@@ -49,6 +49,7 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "timm.mobilenetv3": ("exact",),
     "timm.fastvit": ("exact",),  # fastvit.Attention on (B, C, H, W): its F.scaled_dot_product_attention by ring_sdpa
     "timm.regnet": ("exact",),
+    "timm.mobilevit": ("exact",),  # its MobileVitBlock: whole patch rows, ring attention (halo.nn.mobilevit)
     "timm.repvit": ("exact",),  # its head's BatchNorm1d on the whole mean (halo.nn.timm_layers.WholeBatchNorm1d)
     # its Swin V2 blocks are halo.nn.swinv2's; its classifier head pools channels-last (NHWC) features with
     # FastAdaptiveAvgPool, which halo.nn.timm_layers does not convert (NCHW pools only): refused, naming it
@@ -397,24 +398,31 @@ class _LocalMeanHead(torch.nn.Module):
         return self.head(v)
 
 
-def _local_mean_head(rank: int, world: int) -> str:
+def _refusals(rank: int, world: int) -> dict[str, str]:
+    """RepViT's head norm given each rank's own mean; MobileViT at 40 rows (5 at 1/8: not whole patches of 2)."""
     import halo
     from halo.nn import convert_to_domain_parallel
 
     tp.load()
     halo.initialize_domain_parallel(world, world)
     halo.set_timeout(10)
-    model = convert_to_domain_parallel(_LocalMeanHead().double())
-    try:
-        model(torch.randn(2, 3, 5 - rank, 5, dtype=torch.float64))
-    except ValueError as exc:
-        return str(exc)
-    return "ran"
+    out = {}
+    for name, model, rows in (("local mean", _LocalMeanHead(), 9), ("mobilevit", tp.ZOO["timm.mobilevit"].build(), 40)):
+        model = convert_to_domain_parallel(model.double())
+        offs = split_offsets(rows, world)
+        try:
+            model(torch.randn(2, 3, offs[rank + 1] - offs[rank], 16, dtype=torch.float64))
+            out[name] = "ran"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
 
 
-def test_repvit_head_norm_takes_only_a_whole_mean():
+def test_repvit_head_norm_takes_only_a_whole_mean_and_mobilevit_whole_patches():
     """``WholeBatchNorm1d`` (RepViT's head norm, kept as torch's) takes a (batch, channels) tensor halo made whole:
-    given a field it raises, and given each rank's own mean on a guarded first call it raises on every rank."""
+    given a field it raises, and given each rank's own mean on a guarded first call it raises on every rank.
+    MobileViT at a level whose global rows are not whole patches (timm resizes the whole map there) is refused on
+    every rank, naming the rows."""
     tp.load()
     from timm.models.repvit import NormLinear
 
@@ -426,8 +434,10 @@ def test_repvit_head_norm_takes_only_a_whole_mean():
     assert type(kept.bn).__name__ == "WholeBatchNorm1d" and kept.bn.weight is head.bn.weight
     with pytest.raises(ValueError, match=r"only for a \(batch, channels\) tensor .* got \(2, 4, 5\)"):
         kept.bn(torch.zeros(2, 4, 5))
-    results = run_on_ranks(_local_mean_head, 2, timeout=60)
-    assert all("not made whole by halo" in r for r in results), results
+    results = run_on_ranks(_refusals, 2, timeout=60)
+    assert all("not made whole by halo" in r["local mean"] for r in results), results
+    assert all("DomainMobileVitBlock: 5 rows at this block are not a multiple of its patch height 2" in r["mobilevit"]
+               for r in results), results
 
 
 def test_a_head_random_layer_other_than_its_dropout_is_refused():

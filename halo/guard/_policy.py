@@ -556,6 +556,9 @@ def merge_dims(x: torch.Tensor, h: int, rows: int, out: torch.Tensor) -> tuple[i
         if acc == before:
             if s == 1 and rows != 1:  # a size-1 dim before H's block
                 continue
+            if rows == 0:  # an empty shard (a rank holding none of the rows): H is the empty dim
+                return (j, None) if s == 0 else (None, "reshapes H (the sharded dim) in a way halo cannot follow "
+                                                       "on an empty shard; keep H as a dim of its own")
             if s % rows == 0:  # H alone, H merged with the dims after it (tokens), or tokens split back to (h, W)
                 return j, None
             return None, "splits the sharded rows of H across dims: each rank's rows would be re-cut; keep H whole"
@@ -579,6 +582,9 @@ def merge_fastest(x: torch.Tensor, w: int, cols: int, out: torch.Tensor) -> tupl
         if acc == after:
             if s == 1 and cols != 1:  # a size-1 dim after W's block
                 continue
+            if cols == 0:  # an empty shard: W is the empty dim
+                return (j, None) if s == 0 else (None, "reshapes W (the sharded dim) in a way halo cannot follow "
+                                                       "on an empty shard; keep W as a dim of its own")
             if s % cols == 0:
                 return j, None
             return None, ("splits the sharded columns of W across dims: each rank's columns would be re-cut; keep W "

@@ -24,6 +24,7 @@ from .base import HaloLayer
 from .credit_padding import CROSSFORMER_MODULES
 from .diffusers_layers import diffusers_adapter  # diffusers' Downsample2D (a pad of the global field), Timesteps
 from .longrange import DomainCrossFormerAttention
+from .mobilevit import mobilevit_adapter  # timm's MobileVitBlock: whole patches, ring attention over the tokens
 from .neighborhood import DomainNeighborhoodAttention2D
 from .smp_layers import smp_adapter  # smp's U-Net decoder: resizes to global level sizes
 from .spectral_layers import spectral_adapter  # torch-harmonics SHTs and SFNO's SpectralConvS2; neuralop SpectralConv
@@ -66,7 +67,8 @@ def adapter(module: nn.Module) -> Converter | None:
     made = spectral_adapter(module)  # spectral transforms (halo.nn.spectral_layers): by distributed transposes
     if made is not None:
         return made
-    return (swinv2_adapter(module) or swin_adapter(module) or timm_adapter(module) or smp_adapter(module)
+    return (swinv2_adapter(module) or swin_adapter(module) or mobilevit_adapter(module) or timm_adapter(module)
+            or smp_adapter(module)
             or diffusers_adapter(module) or sr_attention_adapter(module)
             or attention_adapter(module))  # attention over all tokens (halo.nn.attention_layers): ring attention
 
