@@ -56,6 +56,7 @@ from ..parallel.reduce import accumulation_dtype, all_reduce
 from ..plan.plans import Site, mark_whole, resolve, whole_source
 from .base import AxisPlan, HaloLayer
 from .conv import HaloConv2d
+from .maxvit import maxvit_adapter  # MaxViT's block and grid partition attention
 from .norm import DomainGroupNorm
 from .pad import halo_pad
 from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d
@@ -596,7 +597,7 @@ def timm_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | N
         return _head
     if _scaled(module):  # a learned per-channel scale or bias, by what it holds (after every named form above)
         return _keep if not module._modules else (lambda m, ctx: _twin(m))
-    return None
+    return maxvit_adapter(module)
 
 
 def _inherited_norm(kind: type) -> str | None:
