@@ -57,8 +57,8 @@ from .base import HaloLayer
 from .registry import public
 from .window import adopt_recognised, latitude_only
 
-__all__ = ["HaloPartitionAttention", "HaloPartitionedAttention", "RegroupPlan", "maxvit_adapter", "regroup",
-           "regroup_pieces", "ungroup"]
+__all__ = ["HaloPartitionAttention", "HaloPartitionedAttention", "RegroupPlan", "maxvit_adapter", "partition_plan",
+           "regroup", "regroup_pieces", "ungroup"]
 
 
 # -- the regroup: pure planning --------------------------------------------------------------------------------
@@ -148,6 +148,19 @@ def _plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], window: tuple[int
     return RegroupPlan(False, cg.group, me, True, sizes[me], windowed, window[0] if grid else 1, sends, recvs, op)
 
 
+def partition_plan(x: torch.Tensor, partition_size: tuple[int, int], grid: bool, dim: int = 1,
+                   group: Any | None = None, *, site: Any | None = None, op: str = "halo.nn.maxvit.partition_plan"
+                   ) -> RegroupPlan:
+    """The :class:`RegroupPlan` of a block (``grid=False``) or grid partition of ``partition_size`` on the shard
+    ``x``, whose rows are ``dim`` (1: channels-last ``(B, H_r, W, C)``; 2: ``(B, C, H_r, W)``; W follows it): the
+    extents agreed over ``group`` (or recalled), so that a field whose H or W the partition does not divide raises
+    the same ``ValueError`` on every rank."""
+    d = dim % x.dim() if x.dim() else dim
+    width = int(x.shape[d + 1]) if x.dim() == 4 and d + 1 < 4 else -1
+    size = tuple(int(s) for s in partition_size)
+    return resolve(x, group, op, _plan, (size, bool(grid), width, op), site=site, spec=(d,), split=False)
+
+
 # -- the regroup: the move and its adjoint -------------------------------------------------------------------------
 
 def _rows(t: torch.Tensor, dim: int, start: int, n: int, step: int) -> torch.Tensor:
@@ -179,7 +192,8 @@ def _move(x: torch.Tensor, plan: RegroupPlan, dim: int, to_windows: bool) -> tor
             s[dim] = n
             return x.new_empty(s)
 
-        sends = [(q, torch.cat([read(x, p) for p in ps], dim) if len(ps) > 1 else read(x, ps[0]).contiguous())
+        # (contiguous: torch.cat keeps a channels-last input's strides, which the wire does not take)
+        sends = [(q, (torch.cat([read(x, p) for p in ps], dim) if len(ps) > 1 else read(x, ps[0])).contiguous())
                  for q, ps in enumerate(outgoing) if q != me and ps]
         recvs = [(r, buffer(sum(p[2] for p in ps))) for r, ps in enumerate(incoming) if r != me and ps]
         posted = post(comm_group(plan.group), plan.op, sends, recvs)
@@ -257,6 +271,23 @@ def _reverse(windows: torch.Tensor, size: tuple[int, int], bhw: tuple[int, int, 
     return x if cl else x.permute(0, 3, 1, 2).contiguous()
 
 
+class _unwatched:  # noqa: N801 - a context manager, named like one
+    """Torch-function dispatch off while code runs on windows (timm's attention, the local partition of the
+    regrouped rows), so that halo's guard (a ``TorchFunctionMode`` on a converted model's first calls) does not take
+    them for fields: they are tokens of whole windows, never a field's rows (``halo.guard.trusted`` would still
+    refuse the views it follows, as for Swin V2's window attention in ``halo.nn.swinv2``). Under ``torch.compile``
+    no guard watches, and nothing is changed."""
+
+    def __enter__(self) -> None:
+        self.off = None if torch.compiler.is_compiling() else torch._C.DisableTorchFunction()
+        if self.off is not None:
+            self.off.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.off is not None:
+            self.off.__exit__(*exc)
+
+
 # -- modules --------------------------------------------------------------------------------------------------
 
 @public
@@ -282,13 +313,7 @@ class HaloPartitionedAttention(HaloLayer, nn.Module):
                     f"HaloPartitionedAttention ({self._halo_kind.__name__}): its dropout {', '.join(drops)} drops "
                     f"elements of windows, which each rank would draw differently from the unsharded model; set p "
                     f"to 0 for domain-parallel training (or call .eval())")
-        # Torch-function dispatch off while timm's forward runs on windows, so that halo's guard (a
-        # TorchFunctionMode on a converted model's first calls) does not take them for fields: they are tokens of
-        # whole windows, never a field's rows (halo.guard.trusted would still refuse the views it follows, as for
-        # Swin V2's window attention). Under torch.compile no guard watches, and nothing is changed.
-        if torch.compiler.is_compiling():
-            return self._halo_kind.forward(self, windows)
-        with torch._C.DisableTorchFunction():
+        with _unwatched():  # windows, not fields: the guard does not look inside (_unwatched)
             return self._halo_kind.forward(self, windows)
 
 
@@ -314,20 +339,22 @@ class HaloPartitionAttention(HaloLayer, nn.Module):
         cl, grid = self._halo_cl, not self.partition_block
         size = tuple(int(s) for s in self.partition_size)
         dim = 1 if cl else 2
-        width = int(x.shape[2] if cl else x.shape[3]) if x.dim() == 4 else -1
-        plan = resolve(x, self.group, name, _plan, (size, grid, width, name), site=self._halo_site, spec=(dim,),
-                       split=False)
+        plan = partition_plan(x, size, grid, dim, self.group, site=self._halo_site, op=name)
         if x.dim() != 4:
             raise ValueError(f"{name}: expected a 4-d shard ({'(B, H_local, W, C)' if cl else '(B, C, H_local, W)'}),"
                              f" got shape {tuple(x.shape)}")
+        width = x.shape[dim + 1]
         if plan.plain:  # one rank: timm's partition of the field
             windows = _partition(x, size, grid, grid, cl)
             return _reverse(self.attn(windows), size, (x.shape[0], x.shape[dim], width), grid, grid, cl)
         y = regroup(x, plan, dim)  # rows of whole windows, window after window: a block partition along H
-        rows = y.shape[dim]
-        windows = _partition(y, size, False, grid, cl)
-        out = self.attn(windows) if windows.shape[0] else windows  # a rank with no window attends to none
-        return ungroup(_reverse(out, size, (y.shape[0], rows, width), False, grid, cl), plan, dim)
+        with _unwatched():  # y holds windows (a rank may hold none), not the field's rows
+            windows = _partition(y, size, False, grid, cl)
+            out = self.attn(windows) if windows.shape[0] else windows  # a rank with no window attends to none
+            out = _reverse(out, size, (y.shape[0], y.shape[dim], width), False, grid, cl)
+        out = ungroup(out, plan, dim)
+        place(out, dim)  # the field's rows again, at dim (1 channels-last, 2 NCHW)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x + self.drop_path1(self.ls1(self._partition_attn(self.norm1(x))))
