@@ -11,11 +11,15 @@
   latter, timm's grid block run on each shard as it is (grid attention kept local: what halo must not do) differs
   from the unsharded one by more than 1e-3, so these comparisons can fail.
 - A whole timm ``MaxxVit`` built from ``MaxxVitCfg`` (3 stages of 'M' blocks: MBConv with SE and BatchNorm, block
-  windows 2 x 2, grid 3 x 2; 96 x 32 input), channels-last and NCHW attention, converted: logits, input gradient and
-  every parameter gradient equal the unsharded model's at P = 2 and P = 3 (at P = 3 the last stage's two grid windows
-  leave a rank without one); ``state_dict`` keys unchanged.
-- Refused on every rank alike, by name: rows not a multiple of the partition; a 'PM' block
-  (``ParallelPartitionAttention``); a latitude x longitude mesh; the attention's dropout in training.
+  windows 2 x 2, grid 3 x 2; 96 x 32 input), converted, with channels-last attention at P = 2 and 3, NCHW attention
+  at P = 3 and 'PM' blocks (``ParallelPartitionAttention``: block and grid side by side, 2 x 2) at P = 2: logits,
+  input gradient and every parameter gradient equal the unsharded model's (at P = 3 the last stage's two grid
+  windows leave a rank without one); ``state_dict`` keys unchanged; ``revert_domain_parallel`` puts timm's blocks
+  back. The layer pickles and its copy computes the same (a converted timm classifier does not: halo.nn.root's
+  global-pool hooks are local functions).
+- Refused on every rank alike, by name: rows not a multiple of the partition; CoAtNet's 'T' block
+  (``TransformerBlock2d``: attention over the whole field); a latitude x longitude mesh; the attention's dropout in
+  training.
 """
 
 import _thirdparty as tp
@@ -126,6 +130,8 @@ def _adjoint(rank: int, sizes: list[int], grid: bool) -> dict:
 
 
 def _run_block(rank: int, kind: str, grid: bool, sizes: list[int]) -> dict:
+    import pickle
+
     from halo.nn.maxvit import HaloPartitionAttention
 
     # the layer itself (a converted model's entry takes dim -2 of its input for H; this block is channels-last)
@@ -143,18 +149,22 @@ def _run_block(rank: int, kind: str, grid: bool, sizes: list[int]) -> dict:
     with torch.no_grad():  # timm's block on this shard as it is: what the conversion must not compute
         local_y = local(x.narrow(dim, lo, hi - lo)) if (hi - lo) % 3 == 0 else None
     want = ref(x).detach().narrow(dim, lo, hi - lo)
-    return {"y": y.detach(), "want": want, "g": xs.grad, "want_g": xr.grad.narrow(dim, lo, hi - lo),
+    twin = pickle.loads(pickle.dumps(block))  # the layer pickles (torch.save) and its copy computes the same
+    with torch.no_grad():
+        same = torch.equal(twin(xs.detach()), block(xs.detach()))  # (no_grad both: SDPA picks its kernel by it)
+    return {"y": y.detach(), "want": want, "halo": same, "g": xs.grad, "want_g": xr.grad.narrow(dim, lo, hi - lo),
             "p": _grads(block), "want_p": {n: p.grad for n, p in ref.named_parameters()},
             "local": None if local_y is None else float((local_y - want).abs().max()),
-            "halo": True}
+            }
 
 
-def _run_model(rank: int, world: int, nchw: bool) -> dict:
+def _run_model(rank: int, world: int, nchw: bool, block_type: str = "M") -> dict:
     import halo
-    from halo.nn import convert_to_domain_parallel
+    from halo.nn import convert_to_domain_parallel, revert_domain_parallel
     from halo.nn.maxvit import HaloPartitionAttention
 
-    ref, model = _model(nchw).train(), _model(nchw).train()
+    grid = (2, 2) if block_type == "PM" else (3, 2)  # a 'PM' block's window and grid are one size (timm asserts)
+    ref, model = (_model(nchw, block_type, grid=grid).train() for _ in range(2))
     keys = list(model.state_dict())
     convert_to_domain_parallel(model)
     g = torch.Generator().manual_seed(1)
@@ -165,10 +175,13 @@ def _run_model(rank: int, world: int, nchw: bool) -> dict:
     xs = halo.shard(x, -2).requires_grad_(True)
     y = model(xs)
     ((y * w).sum() * (1.0 if rank == 0 else 0.0)).backward()  # the logits are whole: rank 0 backpropagates them
-    return {"y": y.detach(), "want": ref(x).detach(), "g": halo.gather(xs.grad, -2), "want_g": xr.grad,
-            "p": _grads(model), "want_p": {n: p.grad for n, p in ref.named_parameters()},
-            "keys": list(model.state_dict()) == keys,
-            "layers": sum(isinstance(m, HaloPartitionAttention) for m in model.modules())}
+    out = {"y": y.detach(), "want": ref(x).detach(), "g": halo.gather(xs.grad, -2), "want_g": xr.grad,
+           "p": _grads(model), "want_p": {n: p.grad for n, p in ref.named_parameters()},
+           "keys": list(model.state_dict()) == keys,
+           "layers": sum(isinstance(m, HaloPartitionAttention) for m in model.modules())}
+    revert_domain_parallel(model)
+    out["halo"] = not any(isinstance(m, HaloPartitionAttention) for m in model.modules())
+    return out
 
 
 def _refusals(rank: int, world: int) -> dict:
@@ -190,7 +203,7 @@ def _refusals(rank: int, world: int) -> dict:
     rows = torch.randn(1, 8, 12, 4, dtype=torch.float64)
     # 80 rows: 20 after the stem and the first stage's stride, whole block windows of 2 rows, not grid windows of 3
     attempt("rows", lambda: _model(height=80).eval(), torch.randn(1, 3, 80, 32, dtype=torch.float64))
-    attempt("pm", lambda: _model(block_type="PM", grid=(2, 2)), image)
+    attempt("coatnet", lambda: _model(block_type="T"), image)
     attempt("drop", lambda: torch.nn.Sequential(_block("2d", True, drop=0.1)).train(), rows)
     attempt("mesh", lambda: torch.nn.Sequential(_block("2d", True)), rows, -2, halo.DomainMesh((1, world)))
     return out
@@ -218,7 +231,7 @@ def _cases(world: int) -> list[tuple]:
     cases = [("adjoint", sizes, grid) for grid in (False, True)]
     cases += [("block", kind, grid, sizes) for kind in ("cl", "2d") for grid in (False, True)]
     cases += [("block", "cl", True, [18 // world] * world)]  # shards of whole 3-row windows: timm's block runs on them
-    cases += [("model", False)] + ([("model", True)] if world == 3 else [])
+    cases += [("model", False), ("model", True) if world == 3 else ("model", False, "PM")]
     return cases + [("refused",)]
 
 
@@ -242,13 +255,13 @@ def test_maxvit_on_shards(world: int) -> None:
                 assert r == res[0], "every rank raises the same error"
             r = res[0]
             assert "20 rows" in r["rows"] and "3 rows" in r["rows"] and "grid partition" in r["rows"], r["rows"]
-            assert "ParallelPartitionAttention" in r["pm"], r["pm"]
+            assert "TransformerBlock2d" in r["coatnet"] and "whole field" in r["coatnet"], r["coatnet"]
             assert "attn_drop (p=0.1)" in r["drop"], r["drop"]
             assert "PartitionAttention2d" in r["mesh"] and "latitude x longitude" in r["mesh"], r["mesh"]
         else:
             assert all(r.get("halo", True) for r in res) and all(r.get("keys", True) for r in res), case
             if case[0] == "model":
-                assert res[0]["layers"] == 6, res[0]["layers"]
+                assert res[0]["layers"] == (3 if case[-1] == "PM" else 6), res[0]["layers"]
             for r in res:
                 assert _close(r["y"], r["want"], float(r["want"].abs().max())), case
                 assert _close(r["g"], r["want_g"], float(r["want_g"].abs().max())), case

@@ -21,11 +21,13 @@ inverse permutation (:class:`_RegroupFn`, dot-product tested in float64 in ``tes
 layer                         replaces (recognised by name and attributes)        split it needs / gives
 ============================  ==================================================  =============================
 ``HaloPartitionAttention``    timm ``PartitionAttentionCl`` (channels-last,       any; output split = input
-                              ``(B, H_r, W, C)``) and ``PartitionAttention2d``    split (a rank may hold no
-                              (``(B, C, H_r, W)``), ``partition_type`` 'block'    window: it attends to none)
-                              or 'grid'
-``HaloPartitionedAttention``  its ``attn`` (``AttentionCl`` / ``Attention2d``,    per window (no messages)
-                              timm's forward on windows)
+                              ``(B, H_r, W, C)``), ``PartitionAttention2d``       split (a rank may hold no
+                              (``(B, C, H_r, W)``), 'block' or 'grid' ('M'        window: it attends to none)
+                              blocks), ``ParallelPartitionAttention`` (both,
+                              concatenated over channels: 'PM' blocks)
+``HaloPartitionedAttention``  its ``attn`` (``attn_block``, ``attn_grid``:        per window (no messages)
+                              ``AttentionCl`` / ``Attention2d``, timm's forward
+                              on windows)
 ============================  ==================================================  =============================
 
 Bytes moved: a grid layer sends (and its backward sends again) about ``(1 - 1/P)`` of its input there and the same
@@ -34,9 +36,9 @@ balanced split that cuts windows only the rows of the cut windows.
 
 Refused, on every rank by name: H or W not a multiple of the partition (timm asserts on the global field), a
 latitude x longitude mesh (W sharded), dropout inside the attention (``attn_drop``/``proj_drop`` act on windows) in
-training with ``p > 0``, and MaxViT's other global layers: ``ParallelPartitionAttention`` ('PM' blocks) and the
-CoAtNet ``TransformerBlock2d`` attention over the whole feature map (``Attention2d`` with a relative position bias of
-the field's size). Parameter gradients on each rank are the contribution of its windows: the gradient sync sums them.
+training with ``p > 0``, and CoAtNet's ``TransformerBlock2d`` ('T' blocks: ``Attention2d`` over every token of the
+feature map with a relative position bias of the field's size). Parameter gradients on each rank are the
+contribution of its windows: the gradient sync sums them (a rank with no window has none for the attention).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from ..context import place
 from ..dist.comm import CommGroup, comm_group
 from ..dist.transport import post, wait
 from ..plan.partition import offsets, split_offsets
-from ..plan.plans import carry, resolve
+from ..plan.plans import Site, carry, resolve
 from .base import HaloLayer
 from .registry import public
 from .window import adopt_recognised, latitude_only
@@ -319,41 +321,59 @@ class HaloPartitionedAttention(HaloLayer, nn.Module):
 
 @public
 class HaloPartitionAttention(HaloLayer, nn.Module):
-    """timm's ``PartitionAttentionCl`` / ``PartitionAttention2d`` on an H-shard (module docstring):
-    ``x + drop_path1(ls1(partition_attn(norm1(x))))`` then ``x + drop_path2(ls2(mlp(norm2(x))))`` as timm, where
-    the partition attention regroups the rows into whole block or grid windows (:func:`regroup`), attends within
-    them (``attn``: a :class:`HaloPartitionedAttention` sharing timm's module's parameters) and moves the rows home
-    (:func:`ungroup`). Parameters, buffers and children are the block's."""
+    """timm's ``PartitionAttentionCl`` / ``PartitionAttention2d`` ('M' blocks) and ``ParallelPartitionAttention``
+    ('PM' blocks: block and grid attention side by side, their outputs concatenated over channels) on an H-shard
+    (module docstring): ``x + drop_path1(ls1(partition_attn(norm1(x))))`` then
+    ``x + drop_path2(ls2(mlp(norm2(x))))`` as timm, where each partition attention regroups the rows into whole
+    block or grid windows (:func:`regroup`), attends within them (``attn``, or ``attn_block`` and ``attn_grid``:
+    :class:`HaloPartitionedAttention` sharing timm's modules' parameters) and moves the rows home (:func:`ungroup`).
+    Parameters, buffers and children are the block's."""
 
     def __init__(self, block: nn.Module, *, group: Any | None = None) -> None:
+        self_attrs = ("partition_size", "norm1", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
+        parallel = type(block).__name__ == "ParallelPartitionAttention"
         adopt_recognised(self, block, "HaloPartitionAttention",
-                         ("partition_block", "partition_size", "norm1", "attn", "ls1", "drop_path1", "norm2", "mlp",
-                          "ls2", "drop_path2"))
-        self._halo_cl = type(block).__name__.endswith("Cl")  # channels-last (B, H, W, C), else (B, C, H, W)
-        if not isinstance(self._modules["attn"], HaloPartitionedAttention):
-            self._modules["attn"] = HaloPartitionedAttention(self._modules["attn"])
+                         self_attrs + (("attn_block", "attn_grid") if parallel else ("partition_block", "attn")))
+        self._halo_cl = parallel or type(block).__name__.endswith("Cl")  # (B, H, W, C), else (B, C, H, W)
+        #: (attention child, grid?) of each partition attention, in timm's order (its outputs are concatenated)
+        self._halo_parts = (("attn_block", False), ("attn_grid", True)) if parallel \
+            else (("attn", not block.partition_block),)
+        for attn, _ in self._halo_parts:
+            if not isinstance(self._modules[attn], HaloPartitionedAttention):
+                self._modules[attn] = HaloPartitionedAttention(self._modules[attn])
         self.halo_init(group)
+        self._halo_sites = tuple(Site() for _ in self._halo_parts)  # one plan each (grid and block differ)
 
-    def _partition_attn(self, x: torch.Tensor) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, attn: nn.Module, grid: bool, site: Site) -> torch.Tensor:
+        """One partition attention (block or grid windows) of the shard ``x``: the field's rows out."""
         name = "HaloPartitionAttention"
-        cl, grid = self._halo_cl, not self.partition_block
+        cl = self._halo_cl
         size = tuple(int(s) for s in self.partition_size)
         dim = 1 if cl else 2
-        plan = partition_plan(x, size, grid, dim, self.group, site=self._halo_site, op=name)
+        plan = partition_plan(x, size, grid, dim, self.group, site=site, op=name)
         if x.dim() != 4:
             raise ValueError(f"{name}: expected a 4-d shard ({'(B, H_local, W, C)' if cl else '(B, C, H_local, W)'}),"
                              f" got shape {tuple(x.shape)}")
         width = x.shape[dim + 1]
         if plan.plain:  # one rank: timm's partition of the field
             windows = _partition(x, size, grid, grid, cl)
-            return _reverse(self.attn(windows), size, (x.shape[0], x.shape[dim], width), grid, grid, cl)
+            return _reverse(attn(windows), size, (x.shape[0], x.shape[dim], width), grid, grid, cl)
         y = regroup(x, plan, dim)  # rows of whole windows, window after window: a block partition along H
         with _unwatched():  # y holds windows (a rank may hold none), not the field's rows
             windows = _partition(y, size, False, grid, cl)
-            out = self.attn(windows) if windows.shape[0] else windows  # a rank with no window attends to none
+            out = attn(windows) if windows.shape[0] else windows  # a rank with no window attends to none
             out = _reverse(out, size, (y.shape[0], y.shape[dim], width), False, grid, cl)
         out = ungroup(out, plan, dim)
         place(out, dim)  # the field's rows again, at dim (1 channels-last, 2 NCHW)
+        return out
+
+    def _partition_attn(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [self._attend(x, self._modules[attn], grid, site)
+                for (attn, grid), site in zip(self._halo_parts, self._halo_sites, strict=True)]
+        if len(outs) == 1:
+            return outs[0]
+        out = torch.cat(outs, dim=-1)  # ParallelPartitionAttention: [window, grid] over channels (channels-last)
+        place(out, 1)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -368,8 +388,6 @@ class HaloPartitionAttention(HaloLayer, nn.Module):
 # -- recognising timm's classes (halo.nn.timm_layers asks here) ------------------------------------------------------
 
 _REFUSED = {
-    "ParallelPartitionAttention": "its block and grid attentions in parallel ('PM' blocks) have no domain-parallel "
-                                  "form in halo yet (PartitionAttentionCl / PartitionAttention2d, 'M' blocks, have)",
     "TransformerBlock2d": "its Attention2d attends over every token of the feature map with a relative position "
                           "bias of the whole field (CoAtNet's 'T' blocks), which halo has no domain-parallel form of",
 }
@@ -382,10 +400,13 @@ def maxvit_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] |
     if kind.__module__ != "timm.models.maxxvit":
         return None
     mods = module._modules
-    if kind.__name__ in ("PartitionAttentionCl", "PartitionAttention2d") \
-            and {"norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2"} <= set(mods) \
-            and hasattr(module, "partition_block") and len(tuple(getattr(module, "partition_size", ()))) == 2 \
-            and all(hasattr(mods["attn"], a) for a in ("qkv", "proj", "num_heads", "dim_head")):
+    parallel = kind.__name__ == "ParallelPartitionAttention"
+    attns = ("attn_block", "attn_grid") if parallel else ("attn",)
+    if (parallel or kind.__name__ in ("PartitionAttentionCl", "PartitionAttention2d")) \
+            and {"norm1", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2", *attns} <= set(mods) \
+            and (parallel or hasattr(module, "partition_block")) \
+            and len(tuple(getattr(module, "partition_size", ()))) == 2 \
+            and all(hasattr(mods[a], b) for a in attns for b in ("qkv", "proj", "num_heads", "dim_head")):
         return latitude_only(lambda m, g: HaloPartitionAttention(m, group=g), "MaxViT partition attention layers")
     why = _REFUSED.get(kind.__name__)
     if why is None:
