@@ -12,7 +12,8 @@
   from the unsharded one by more than 1e-3, so these comparisons can fail.
 - A whole timm ``MaxxVit`` built from ``MaxxVitCfg`` (3 stages of 'M' blocks: MBConv with SE and BatchNorm, block
   windows 2 x 2, grid 3 x 2; 96 x 32 input), converted, with channels-last attention at P = 2 and 3, NCHW attention
-  at P = 3 and 'PM' blocks (``ParallelPartitionAttention``: block and grid side by side, 2 x 2) at P = 2: logits,
+  in MaxxViT's form (ConvNeXt conv blocks, the relative position MLP) at P = 3 and 'PM' blocks
+  (``ParallelPartitionAttention``: block and grid side by side, 2 x 2) at P = 2: logits,
   input gradient and every parameter gradient equal the unsharded model's (at P = 3 the last stage's two grid
   windows leave a rank without one); ``state_dict`` keys unchanged; ``revert_domain_parallel`` puts timm's blocks
   back. The layer pickles and its copy computes the same (a converted timm classifier does not: halo.nn.root's
@@ -81,17 +82,27 @@ def _block(kind: str, grid: bool, drop: float = 0.0) -> torch.nn.Module:
     return _tiny(cls(8, partition_type="grid" if grid else "block", cfg=cfg))
 
 
-def _model(nchw: bool = False, block_type: str = "M", height: int = 96, grid: tuple = (3, 2)) -> torch.nn.Module:
+def _model(nchw: bool = False, block_type: str = "M", height: int = 96, grid: tuple = (3, 2),
+           convnext: bool = False) -> torch.nn.Module:
+    """A tiny MaxViT ('M' blocks: MBConv, SE, BatchNorm; relative position bias) or, ``convnext``, MaxxViT's
+    form (ConvNeXt conv blocks with LayerNorm2d, the relative position MLP: its dropout set to 0)."""
     from timm.models.maxxvit import MaxxVit, MaxxVitCfg, MaxxVitConvCfg, MaxxVitTransformerCfg
 
+    conv = MaxxVitConvCfg(block_type="convnext") if convnext else \
+        MaxxVitConvCfg(expand_output=False, attn_ratio=0.25, act_layer="silu")
     cfg = MaxxVitCfg(
-        embed_dim=(16, 24, 32), depths=(1, 1, 1), block_type=(block_type,) * 3, stem_width=(8, 16),
-        conv_cfg=MaxxVitConvCfg(expand_output=False, attn_ratio=0.25, act_layer="silu"),
+        embed_dim=(16, 32, 64) if convnext else (16, 24, 32), depths=(1, 1, 1), block_type=(block_type,) * 3,
+        stem_width=(8, 16), conv_cfg=conv,
         transformer_cfg=MaxxVitTransformerCfg(expand_first=False, dim_head=8, window_size=(2, 2), grid_size=grid,
                                               norm_layer="layernorm2d", norm_layer_cl="layernorm",
-                                              use_nchw_attn=nchw))
+                                              use_nchw_attn=nchw, rel_pos_type="mlp" if convnext else "bias",
+                                              rel_pos_dim=16))
     torch.manual_seed(0)
-    return _tiny(MaxxVit(cfg, img_size=(height, 32), num_classes=5))
+    model = _tiny(MaxxVit(cfg, img_size=(height, 32), num_classes=5))
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0  # timm's RelPosMlp has a dropout of 0.125: halo refuses it in training (see _refusals)
+    return model
 
 
 def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -158,13 +169,13 @@ def _run_block(rank: int, kind: str, grid: bool, sizes: list[int]) -> dict:
             }
 
 
-def _run_model(rank: int, world: int, nchw: bool, block_type: str = "M") -> dict:
+def _run_model(rank: int, world: int, nchw: bool, block_type: str = "M", convnext: bool = False) -> dict:
     import halo
     from halo.nn import convert_to_domain_parallel, revert_domain_parallel
     from halo.nn.maxvit import HaloPartitionAttention
 
     grid = (2, 2) if block_type == "PM" else (3, 2)  # a 'PM' block's window and grid are one size (timm asserts)
-    ref, model = (_model(nchw, block_type, grid=grid).train() for _ in range(2))
+    ref, model = (_model(nchw, block_type, grid=grid, convnext=convnext).train() for _ in range(2))
     keys = list(model.state_dict())
     convert_to_domain_parallel(model)
     g = torch.Generator().manual_seed(1)
@@ -231,7 +242,7 @@ def _cases(world: int) -> list[tuple]:
     cases = [("adjoint", sizes, grid) for grid in (False, True)]
     cases += [("block", kind, grid, sizes) for kind in ("cl", "2d") for grid in (False, True)]
     cases += [("block", "cl", True, [18 // world] * world)]  # shards of whole 3-row windows: timm's block runs on them
-    cases += [("model", False), ("model", True) if world == 3 else ("model", False, "PM")]
+    cases += [("model", False), ("model", True, "M", True) if world == 3 else ("model", False, "PM")]
     return cases + [("refused",)]
 
 

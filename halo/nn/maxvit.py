@@ -129,6 +129,8 @@ def _plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], window: tuple[int
     (sizes,) = extents
     h = sum(sizes)
     kind = "grid" if grid else "window"
+    if width < 0:
+        raise ValueError(f"{op}: expected a 4-d shard, (B, H_local, W, C) channels-last or (B, C, H_local, W)")
     if window[0] <= 0 or h % window[0]:
         raise ValueError(f"{op}: the field's {h} rows along H (all ranks: {list(sizes)}) are not a multiple of the "
                          f"{kind} partition's {window[0]} rows, which timm requires of the global field; give the "
@@ -312,9 +314,9 @@ class HaloPartitionedAttention(HaloLayer, nn.Module):
                      if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
             if drops:
                 raise ValueError(
-                    f"HaloPartitionedAttention ({self._halo_kind.__name__}): its dropout {', '.join(drops)} drops "
-                    f"elements of windows, which each rank would draw differently from the unsharded model; set p "
-                    f"to 0 for domain-parallel training (or call .eval())")
+                    f"HaloPartitionedAttention ({self._halo_kind.__name__}): its dropout {', '.join(drops)} draws "
+                    f"per window (or per position-bias table), which each rank would draw differently from the "
+                    f"unsharded model; set p to 0 for domain-parallel training (or call .eval())")
         with _unwatched():  # windows, not fields: the guard does not look inside (_unwatched)
             return self._halo_kind.forward(self, windows)
 
