@@ -153,7 +153,7 @@ def _plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], window: tuple[int
 
 
 def partition_plan(x: torch.Tensor, partition_size: tuple[int, int], grid: bool, dim: int = 1,
-                   group: Any | None = None, *, site: Any | None = None, op: str = "halo.nn.maxvit.partition_plan"
+                   group: Any | None = None, *, site: Site | None = None, op: str = "halo.nn.maxvit.partition_plan"
                    ) -> RegroupPlan:
     """The :class:`RegroupPlan` of a block (``grid=False``) or grid partition of ``partition_size`` on the shard
     ``x``, whose rows are ``dim`` (1: channels-last ``(B, H_r, W, C)``; 2: ``(B, C, H_r, W)``; W follows it): the

@@ -36,6 +36,8 @@ and why each is exact on an H-shard:
   rank; any other random layer there is refused), and a model's
   ``flatten`` right after its global pool (MobileNetV3) flattens the whole result (it raises if given a field).
 
+- **MaxViT's block and grid partition attention** (``timm.models.maxxvit``): :mod:`halo.nn.maxvit`, asked last.
+
 Anything else timm has is left to the converter's usual rules (refused with a hint when halo cannot know it).
 On a latitude x longitude mesh every layer recognised here is refused (no 2-d form yet).
 """
