@@ -35,7 +35,6 @@ and why each is exact on an H-shard:
   on the whole tensor (their ``nn.Dropout``: :class:`WholeDropout`, which draws the unsharded model's mask on every
   rank; any other random layer there is refused), and a model's
   ``flatten`` right after its global pool (MobileNetV3) flattens the whole result (it raises if given a field).
-
 - **MaxViT's block and grid partition attention** (``timm.models.maxxvit``): :mod:`halo.nn.maxvit`, asked last.
 
 Anything else timm has is left to the converter's usual rules (refused with a hint when halo cannot know it).
