@@ -345,10 +345,11 @@ class HaloPartitionAttention(HaloLayer, nn.Module):
                 self._modules[attn] = HaloPartitionedAttention(self._modules[attn])
         self.halo_init(group)
         self._halo_sites = tuple(Site() for _ in self._halo_parts)  # one plan each (grid and block differ)
+        self._halo_path = type(block).__name__  # where it sits (the converter sets it): named in its errors
 
     def _attend(self, x: torch.Tensor, attn: nn.Module, grid: bool, site: Site) -> torch.Tensor:
         """One partition attention (block or grid windows) of the shard ``x``: the field's rows out."""
-        name = "HaloPartitionAttention"
+        name = f"HaloPartitionAttention at {self._halo_path}"
         cl = self._halo_cl
         size = tuple(int(s) for s in self.partition_size)
         dim = 1 if cl else 2
