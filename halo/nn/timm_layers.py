@@ -36,6 +36,7 @@ and why each is exact on an H-shard:
   rank; any other random layer there is refused), and a model's
   ``flatten`` right after its global pool (MobileNetV3) flattens the whole result (it raises if given a field);
   RepViT's head ``NormLinear`` keeps its ``BatchNorm1d`` for the model's whole mean (:class:`WholeBatchNorm1d`).
+- **MaxViT's block and grid partition attention** (``timm.models.maxxvit``): :mod:`halo.nn.maxvit`, asked last.
 
 Anything else timm has is left to the converter's usual rules (refused with a hint when halo cannot know it).
 On a latitude x longitude mesh every layer recognised here is refused (no 2-d form yet).
@@ -57,6 +58,7 @@ from ..parallel.reduce import accumulation_dtype, all_reduce
 from ..plan.plans import Site, mark_whole, resolve, whole_source
 from .base import AxisPlan, HaloLayer
 from .conv import HaloConv2d
+from .maxvit import maxvit_adapter  # MaxViT's block and grid partition attention
 from .norm import DomainGroupNorm
 from .pad import halo_pad
 from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d
@@ -635,7 +637,7 @@ def timm_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | N
         return _head
     if _scaled(module):  # a learned per-channel scale or bias, by what it holds (after every named form above)
         return _keep if not module._modules else (lambda m, ctx: _twin(m))
-    return None
+    return maxvit_adapter(module)
 
 
 def _inherited_norm(kind: type) -> str | None:
