@@ -41,8 +41,15 @@ DROP, SEED = 0.5, 3
 CASES = {"train": (), "ring": ("ring",), "eval": ("eval",), "head dropout": ("drop",), "per shard": ("local",)}
 
 
+def _load() -> None:
+    """timm alone, after the torchvision stand-in (tests/_thirdparty.py): the zoo's other packages would cost each
+    rank seconds more."""
+    tp._torchvision_schemas()
+    import timm.models.efficientformer  # noqa: F401
+
+
 def _build(drop: float = 0.0) -> nn.Module:
-    tp.load()
+    _load()
     from timm.models.efficientformer import EfficientFormer
 
     torch.manual_seed(0)
@@ -121,7 +128,7 @@ def _all(rank: int, world: int) -> dict:
     import halo
 
     os.environ["TRITON_INTERPRET"] = "0"  # the kernels' torch reference (Triton's interpreter: test_kernels.py)
-    tp.load()
+    _load()
     halo.initialize_domain_parallel(world, world)
     halo.set_timeout(60)
     out = {case: _one(rank, world, how) for case, how in CASES.items()}
@@ -221,7 +228,7 @@ def test_a_token_count_not_the_bias_tables_is_refused_on_every_rank():
 def test_the_layer_keeps_the_checkpoint_and_refuses_a_mesh():
     from types import SimpleNamespace
 
-    tp.load()
+    _load()
     from timm.models.efficientformer import Attention, Flat
 
     from halo.nn import DomainEfficientFormerAttention
