@@ -33,12 +33,23 @@ pytestmark = [pytest.mark.skipif(bool(_MISSING), reason=f"the zoo's packages are
 
 RTOL = 1e-9
 LOCAL_OFF = 1e-6
-ROWS = {2: 50, 3: 53}  # -> 25/27, 13/14, 7 rows of tokens
-WIDTH = 55  # -> 28, 14, 7 columns
-BAD_ROWS = 60  # -> 8 rows of tokens: 56, not the table's 49
+WIDTH = 55  # EfficientFormer: -> 28, 14, 7 columns
+WIDTH_V2 = 90  # EfficientFormerV2: -> 23, 12, 6 (3 after its stride-2 attention's conv), 3
+#: model -> rows per world size. EfficientFormer: 50 -> 25, 13, 7 rows of tokens; 53 -> 27, 14, 7. V2 (its
+#: stride-2 attention needs an even third stage, upsampled back): 61 -> 16, 8, 4 (2), 2; 85 -> 22, 11, 6 (3), 3
+ROWS = {"v1": {2: 50, 3: 53}, "v2": {2: 61, 3: 85}}
+BAD_ROWS = {"v1": 60, "v2": 97}  # v1: 8 rows of tokens, 56 not the table's 49; v2: a third stage of 7 rows, not 6
 DROP, SEED = 0.5, 3
-#: case -> what the ranks change: ("ring",) forces the ring, ("eval",), ("drop",) the head's dropout, ("local",)
-CASES = {"train": (), "ring": ("ring",), "eval": ("eval",), "head dropout": ("drop",), "per shard": ("local",)}
+#: (model, case) -> what the ranks change: "ring" forces the ring, "eval", "drop" the head's dropout, "local" the
+#: per-shard attention
+CASES = {("v1", "train"): (), ("v1", "ring"): ("ring",), ("v1", "eval"): ("eval",),
+         ("v1", "head dropout"): ("drop",), ("v1", "per shard"): ("local",),
+         ("v2", "train"): (), ("v2", "ring"): ("ring",), ("v2", "per shard"): ("local",)}
+ATTENTION = {"v1": ["DomainEfficientFormerAttention"],
+             "v2": ["DomainEfficientFormerV2Attention2d", "DomainEfficientFormerV2Attention2dDownsample"]}
+BIASES = {"v1": ["stages.1.blocks.2.token_mixer.attention_biases"],
+          "v2": ["stages.2.blocks.0.token_mixer.attention_biases", "stages.3.downsample.attn.attention_biases",
+                 "stages.3.blocks.0.token_mixer.attention_biases"]}
 
 
 def _load() -> None:
@@ -48,23 +59,32 @@ def _load() -> None:
     import timm.models.efficientformer  # noqa: F401
 
 
-def _build(drop: float = 0.0) -> nn.Module:
+def _build(model: str, world: int, drop: float = 0.0) -> nn.Module:
+    """Two stages of EfficientFormer (a Pooling block in each, then Flat and one MetaBlock1d), or four of V2 (its
+    stride-2 Attention2d in the third, Attention2dDownsample and an Attention2d in the fourth), built with the
+    input's size as V2's ``img_size`` (V1's bias table is 7 x 7, whatever it is given)."""
     _load()
     from timm.models.efficientformer import EfficientFormer
+    from timm.models.efficientformer_v2 import EfficientFormerV2
 
     torch.manual_seed(0)
-    model = EfficientFormer(depths=(1, 2), embed_dims=(8, 16), downsamples=(False, True), num_vit=1, num_classes=3,
-                            drop_rate=drop)
+    if model == "v1":
+        net = EfficientFormer(depths=(1, 2), embed_dims=(8, 16), downsamples=(False, True), num_vit=1,
+                              num_classes=3, drop_rate=drop)
+    else:
+        net = EfficientFormerV2(depths=(1, 1, 1, 1), embed_dims=(8, 16, 24, 32), img_size=(ROWS[model][world],
+                                WIDTH_V2), num_vit=1, num_classes=3, drop_rate=drop)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("attention_biases", "gamma")):  # timm's zeros and 1e-5: the attention would hide
+        for name, p in net.named_parameters():
+            # timm's zeros (the bias, V2's talking heads are near identity) and 1e-5: the attention would hide
+            if name.endswith(("attention_biases", "gamma")) or "talking_head" in name:
                 p.normal_(0.0, 1.0)
-    return model.double().train()
+    return net.double().train()
 
 
-def _input(world: int, rows: int | None = None) -> torch.Tensor:
-    return torch.randn(2, 3, rows or ROWS[world], WIDTH, dtype=torch.float64,
-                       generator=torch.Generator().manual_seed(1))
+def _input(model: str, world: int, rows: int | None = None) -> torch.Tensor:
+    return torch.randn(2, 3, rows or ROWS[model][world], WIDTH if model == "v1" else WIDTH_V2,
+                       dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
 
 def _weights(shape: torch.Size) -> torch.Tensor:
@@ -72,54 +92,62 @@ def _weights(shape: torch.Size) -> torch.Tensor:
 
 
 def _local(m: nn.Module, ctx) -> nn.Module:
-    """halo's layer with the ring replaced by SDPA over this rank's own keys and bias columns (per shard)."""
+    """halo's layer with the ring replaced by SDPA over this rank's own keys and their bias columns (per shard)."""
+    import torch.distributed as dist
+
     from halo.guard import trusted
-    from halo.nn import DomainEfficientFormerAttention
+    from halo.nn import DomainEfficientFormerAttention, DomainEfficientFormerV2Attention2d
 
     class LocalEfficientFormerAttention(DomainEfficientFormerAttention):
         def _attend(self, q, k, v, bias, first):
             with trusted():  # (else the guard of the first call would compute this SDPA by the ring)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[..., first:first + q.shape[-2]],
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[..., first:first + k.shape[-2]],
                                                       scale=self.scale)
 
-    return LocalEfficientFormerAttention(m, group=ctx.group)
+    class LocalEfficientFormerV2Attention2d(DomainEfficientFormerV2Attention2d):
+        def _attend(self, q, k, v, mask, first, scale):
+            with trusted():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., first:first + k.shape[-2]],
+                                                      scale=scale)
+
+    kind = LocalEfficientFormerAttention if type(m).__name__ == "Attention" else LocalEfficientFormerV2Attention2d
+    assert dist.is_initialized()
+    return kind(m, group=ctx.group)
 
 
-def _one(rank: int, world: int, how: tuple[str, ...], rows: int | None = None) -> dict:
+def _one(rank: int, world: int, model: str, how: tuple[str, ...], rows: int | None = None) -> dict:
     import halo
     import halo.nn.ring as ring
     from halo.nn import convert_to_domain_parallel
 
-    model = _build(DROP if "drop" in how else 0.0)
+    net = _build(model, world, DROP if "drop" in how else 0.0)
     if "eval" in how:
-        model.eval()
+        net.eval()
     custom = None
-    if "local" in how:
-        from timm.models.efficientformer import Attention
-
-        custom = {Attention: _local}
+    if "local" in how:  # (V2: its Attention2d, whose keys are its queries' grid)
+        custom = {type(m): _local for m in net.modules() if type(m).__name__ in ("Attention", "Attention2d")}
     saved = ring.GATHER_MAX_BYTES
     if "ring" in how:
         ring.GATHER_MAX_BYTES = 0  # every K/V goes round the ring (ring_sdpa reads it per plan)
     try:
-        keys = list(model.state_dict())
-        convert_to_domain_parallel(model, custom_converters=custom)
-        kinds = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
-        full = _input(world, rows)
+        keys = list(net.state_dict())
+        convert_to_domain_parallel(net, custom_converters=custom)
+        kinds = sorted({type(m).__name__ for m in net.modules() if "Attention" in type(m).__name__})
+        full = _input(model, world, rows)
         offs = split_offsets(full.shape[-2], world)
         x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
         if "drop" in how:
             torch.manual_seed(SEED)
-        out = model(x)
+        out = net(x)
         (out * _weights(out.shape)).sum().mul(1.0 if rank == 0 else 0.0).backward()  # whole: rank 0's counts once
         grad = halo.gather(x.grad)
     except Exception as exc:  # noqa: BLE001 - the parent asserts on it (and on every rank alike)
         return {"refused": f"{type(exc).__name__}: {exc}"}
     finally:
         ring.GATHER_MAX_BYTES = saved
-    return {"kinds": kinds, "out": out.detach(), "grad": grad, "keys": list(model.state_dict()) == keys,
-            "params": {n: p.grad for n, p in model.named_parameters()},
-            "buffers": {n: b.clone() for n, b in model.named_buffers() if b.is_floating_point()}}
+    return {"kinds": kinds, "out": out.detach(), "grad": grad, "keys": list(net.state_dict()) == keys,
+            "params": {n: p.grad for n, p in net.named_parameters()},
+            "buffers": {n: b.clone() for n, b in net.named_buffers() if b.is_floating_point()}}
 
 
 def _all(rank: int, world: int) -> dict:
@@ -131,9 +159,10 @@ def _all(rank: int, world: int) -> dict:
     _load()
     halo.initialize_domain_parallel(world, world)
     halo.set_timeout(60)
-    out = {case: _one(rank, world, how) for case, how in CASES.items()}
+    out = {case: _one(rank, world, case[0], how) for case, how in CASES.items()}
     if world == 3:
-        out["bad rows"] = _one(rank, world, (), rows=BAD_ROWS)
+        for model, rows in BAD_ROWS.items():
+            out[model, "bad rows"] = _one(rank, world, model, (), rows=rows)
     return out
 
 
@@ -146,21 +175,29 @@ def _results(world: int) -> list[dict]:
     return _RUNS[world]
 
 
-def _reference(world: int, how: tuple[str, ...]) -> dict:
+def _reference(model: str, world: int, how: tuple[str, ...]) -> dict:
     """The unsharded model; its head dropout drawing as halo's does in one process (tests/_modes.py)."""
     from _modes import WholeFieldDropout
 
-    model = _build(DROP if "drop" in how else 0.0)
+    net = _build(model, world, DROP if "drop" in how else 0.0)
     if "eval" in how:
-        model.eval()
+        net.eval()
     if "drop" in how:
-        model.head_drop = WholeFieldDropout(DROP)
+        net.head_drop = WholeFieldDropout(DROP)
         torch.manual_seed(SEED)
-    x = _input(world).requires_grad_(True)
-    out = model(x)
+    x = _input(model, world).requires_grad_(True)
+    out = net(x)
     (out * _weights(out.shape)).sum().backward()
-    return {"out": out.detach(), "grad": x.grad, "params": dict(model.named_parameters()),
-            "buffers": {n: b for n, b in model.named_buffers() if b.is_floating_point()}}
+    return {"out": out.detach(), "grad": x.grad, "params": dict(net.named_parameters()),
+            "buffers": {n: b for n, b in net.named_buffers() if b.is_floating_point()}}
+
+
+def _buffer_scale(buffers: dict[str, torch.Tensor], name: str) -> float:
+    """A running mean that is zero in exact arithmetic (V2's last norm, after BatchNorms) is ~1e-17 either way: its
+    rounding is relative to the spread of the data it averages (as tests/test_zoo_real.py)."""
+    scale = float(buffers[name].abs().max())
+    var = buffers.get(name.removesuffix("running_mean") + "running_var") if name.endswith("running_mean") else None
+    return max(scale, float(var.abs().max()) ** 0.5 if var is not None else 0.0) or 1.0
 
 
 def _differences(results: list[dict], ref: dict) -> dict[str, float]:
@@ -178,51 +215,55 @@ def _differences(results: list[dict], ref: dict) -> dict[str, float]:
         check(f"logits (rank {r})", res["out"], ref["out"], float(ref["out"].abs().max()))
         check(f"input grad (rank {r})", res["grad"], ref["grad"], float(ref["grad"].abs().max()))
         for n, b in ref["buffers"].items():
-            check(f"buffer {n} (rank {r})", res["buffers"].get(n), b, float(b.abs().max()) or 1.0)
+            check(f"buffer {n} (rank {r})", res["buffers"].get(n), b, _buffer_scale(ref["buffers"], n))
     pscale = max(float(p.grad.abs().max()) for p in ref["params"].values() if p.grad is not None)
     for n, p in ref["params"].items():
         grads = [res["params"][n] for res in results if res["params"][n] is not None]
         got = sum(grads) if grads else None
         check(f"param grad {n}", got, p.grad, pscale)
-        if n.endswith("attention_biases"):  # its own scale: the bias rows each rank's queries read
+        # their own scale: what the ring's mask and the talking heads carry (not talking_head1's bias: a constant
+        # per head added to every score of a row, which the softmax cancels: its gradient is 0 up to rounding)
+        if n.endswith("attention_biases") or "talking_head" in n and not n.endswith("talking_head1.bias"):
             check(f"param grad {n} (its own scale)", got, p.grad, float(p.grad.abs().max()))
     return bad
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case", [c for c in CASES if c != "per shard"])
-def test_efficientformer_is_exact(case, world):
-    results = [r[case] for r in _results(world)]
+@pytest.mark.parametrize(("model", "case"), [c for c in CASES if c[1] != "per shard"])
+def test_efficientformer_is_exact(model, case, world):
+    results = [r[model, case] for r in _results(world)]
     refused = [r.get("refused") for r in results]
     assert all(r is None for r in refused), refused
-    assert all(r["kinds"] == ["DomainEfficientFormerAttention"] for r in results), results[0]["kinds"]
+    assert all(r["kinds"] == ATTENTION[model] for r in results), results[0]["kinds"]
     assert all(r["keys"] for r in results), "the converted model's state_dict keys changed"
-    ref = _reference(world, CASES[case])
-    assert float(ref["params"]["stages.1.blocks.2.token_mixer.attention_biases"].grad.abs().max()) > 0
+    ref = _reference(model, world, CASES[model, case])
+    assert all(float(ref["params"][n].grad.abs().max()) > 0 for n in BIASES[model])
     bad = _differences(results, ref)
-    assert not bad, f"EfficientFormer ({case}) at P={world} is SILENTLY different from the unsharded model: {bad}"
+    assert not bad, f"{model} ({case}) at P={world} is SILENTLY different from the unsharded model: {bad}"
     if case == "head dropout":  # the dropout drew: without it the logits differ
-        assert not torch.allclose(ref["out"], _reference(world, ())["out"]), "the head's dropout changes nothing"
+        assert not torch.allclose(ref["out"], _reference(model, world, ())["out"]), "the dropout changes nothing"
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_per_shard_attention_differs(world):
-    """The same model with each rank attending to its own tokens only differs: the ring is what makes the test
-    above pass."""
-    results = [r["per shard"] for r in _results(world)]
+@pytest.mark.parametrize("model", list(ROWS))
+def test_per_shard_attention_differs(model, world):
+    """The same model with each rank attending to its own tokens only (V2: in its Attention2d) differs: the ring is
+    what makes the test above pass."""
+    results = [r[model, "per shard"] for r in _results(world)]
     assert all(r.get("refused") is None for r in results), results[0].get("refused")
-    assert all(r["kinds"] == ["LocalEfficientFormerAttention"] for r in results), results[0]["kinds"]
-    bad = _differences(results, _reference(world, ()))
-    assert bad and max(bad.values()) > LOCAL_OFF, f"P={world}: the per-shard form is not seen to differ"
+    assert all(any(k.startswith("Local") for k in r["kinds"]) for r in results), results[0]["kinds"]
+    bad = _differences(results, _reference(model, world, ()))
+    assert bad and max(bad.values()) > LOCAL_OFF, f"{model} at P={world}: the per-shard form is not seen to differ"
 
 
-def test_a_token_count_not_the_bias_tables_is_refused_on_every_rank():
-    refused = [r["bad rows"].get("refused") for r in _results(3)]
-    assert refused[0] is not None and len(set(refused)) == 1, refused
-    msg = refused[0]
-    assert "DomainEfficientFormerAttention (timm.models.efficientformer.Attention) at " \
-           "stages.1.blocks.2.token_mixer" in msg, msg
-    assert "built for 49 tokens" in msg and "got 56 over the domain group" in msg, msg
+def test_a_grid_not_the_bias_tables_is_refused_on_every_rank():
+    for model, want in (("v1", ("DomainEfficientFormerAttention (timm.models.efficientformer.Attention) at "
+                                "stages.1.blocks.2.token_mixer", "built for 49 tokens", "got 56 over the domain")),
+                        ("v2", ("DomainEfficientFormerV2Attention2d (timm.models.efficientformer_v2.Attention2d) at "
+                                "stages.2.blocks.0.token_mixer", "grid is built for (3, 3)", "got (4, 3) over the"))):
+        refused = [r[model, "bad rows"].get("refused") for r in _results(3)]
+        assert refused[0] is not None and len(set(refused)) == 1, refused
+        assert all(w in refused[0] for w in want), refused[0]
 
 
 def test_the_layer_keeps_the_checkpoint_and_refuses_a_mesh():

@@ -35,14 +35,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..parallel.reduce import all_reduce
 from ..plan.plans import Site, carry, resolve
 from .base import HaloLayer, adopt
 from .registry import public
 from .ring import latitude_only, place_like, ring_sdpa
 
-__all__ = ["DomainEfficientFormerAttention", "efficientformer_adapter"]
+__all__ = ["DomainEfficientFormerAttention", "DomainEfficientFormerV2Attention2d",
+           "DomainEfficientFormerV2Attention2dDownsample", "efficientformer_adapter"]
 
 _MODULE = "timm.models.efficientformer"
+_MODULE_V2 = "timm.models.efficientformer_v2"
+_ATTRS_V2 = ("q", "k", "v", "v_local", "proj", "act", "num_heads", "key_dim", "d", "dh", "scale", "resolution",
+             "attention_biases", "attention_bias_idxs")
 _ATTRS = ("qkv", "proj", "num_heads", "key_dim", "val_dim", "val_attn_dim", "scale", "attention_biases",
           "attention_bias_idxs")
 
@@ -104,9 +109,162 @@ class DomainEfficientFormerAttention(HaloLayer, nn.Module):
         return out
 
 
-def _is_timm(m: nn.Module, name: str, attrs: tuple[str, ...] = ()) -> bool:
+# -- EfficientFormerV2 ------------------------------------------------------------------------------------------------
+
+def _rows(cg: Any, extents: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
+    """This rank's first row and the global rows of a field (agreed extents of dim -2)."""
+    (sizes,) = extents
+    return sum(sizes[:cg.index]), sum(sizes)
+
+
+class _V2Layer(HaloLayer, nn.Module):
+    """What both V2 attentions share: the adopted state, the sites, the grid checks and the bias rows."""
+
+    _kind = ""
+
+    def _v2_init(self, attn: nn.Module, group: Any, attrs: tuple[str, ...]) -> None:
+        name = type(self).__name__
+        missing = [a for a in attrs if not hasattr(attn, a)]
+        if missing:
+            raise TypeError(f"{name} wraps timm's efficientformer_v2.{self._kind}; {type(attn).__module__}."
+                            f"{type(attn).__name__} lacks {missing}")
+        adopt(self, attn, name=name)
+        self.__dict__.pop("attention_bias_cache", None)  # the original's eval cache of the whole bias table
+        self.halo_init(group)
+        self._halo_path = ""
+        self._grid_sites = (Site(), Site())
+        self._ring_sites = (Site(), Site(), Site())
+
+    def _name(self) -> str:
+        return f"{type(self).__name__} ({_MODULE_V2}.{self._kind}) at {self._halo_path or 'its place'}"
+
+    def _grid(self, t: torch.Tensor, resolution: tuple[int, int], what: str, site: int) -> int:
+        """This rank's first token of the field ``t`` ``(B, C, h_r, w)`` (row-major tokens: its first row times
+        ``w``), after checking that the global grid is the one the layer's bias table was built for (timm fixes it
+        from ``img_size``): the same verdict on every rank."""
+        first, rows = resolve(t, self.group, self._name(), _rows, site=self._grid_sites[site], spec=(-2,))
+        if (rows, t.shape[-1]) != tuple(resolution):
+            raise ValueError(f"{self._name()}: its {what} grid is built for {tuple(resolution)} (timm's img_size "
+                             f"fixes it, with the position bias), got ({rows}, {t.shape[-1]}) over the domain group; "
+                             f"build the model with img_size= the input's size (the unsharded model fails there too)")
+        return first * t.shape[-1]
+
+    def _bias(self, first: int, n: int) -> torch.Tensor:
+        """The bias rows of this rank's ``n`` queries from token ``first``: ``(heads, n, N)``."""
+        return self.attention_biases[:, self.attention_bias_idxs[first:first + n]]
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, first: int,
+                scale: float) -> torch.Tensor:
+        """This rank's queries on every rank's keys (the ring), ``mask`` the rows of its queries."""
+        return ring_sdpa(q, k, v, attn_mask=mask, scale=scale, group=self.group, sites=self._ring_sites)
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(B, heads * c, h, w)`` as timm splits it (``reshape(B, heads, c, h * w)``) to tokens
+    ``(B, heads, h * w, c)``."""
+    b, _, h, w = t.shape
+    return t.reshape(b, heads, -1, h * w).transpose(-1, -2)
+
+
+@public
+class DomainEfficientFormerV2Attention2d(_V2Layer):
+    """timm's EfficientFormerV2 ``Attention2d`` on an H-shard ``(B, C, H_r, W)``: attention over all tokens of its
+    grid (after its stride-2 depthwise ``stride_conv`` where it has one, then bilinear ``upsample``), with the
+    position bias and the *talking heads*, exactly.
+
+    The talking heads are 1x1 convs over the heads of the ``N x N`` scores: ``talking_head1`` before the softmax,
+    ``talking_head2`` after it. Both fold into one ring attention per head (the reordering of sums, not an
+    approximation): with ``W1, b1`` and ``W2, b2`` their weights,
+
+    * head ``h``'s scores ``sum_g W1[h,g] (scale q_g . k_g + B_g) + b1[h]`` are one dot product of
+      ``q'_h = [W1[h,g] scale q_g]_g`` with the keys of every head side by side, ``[k_g]_g``, plus the mask
+      ``sum_g W1[h,g] B_g + b1[h]`` (this rank's bias rows): ``ring_sdpa`` with ``scale=1``;
+    * ``A_h = sum_g W2[h,g] P_g + b2[h]`` applied to ``V_h`` is ``sum_g W2[h,g] (P_g V_h) + b2[h] sum_j V_h[j]``:
+      the ring attention of head ``g`` over the values of every head side by side (``P_g [V_h]_h``), mixed by
+      ``W2``, plus ``b2`` times the column sums of ``V`` over all tokens (an all-reduce).
+
+    So K and V travel once for all heads (``heads * key_dim`` and ``heads * d`` wide, as the layer's own), and each
+    rank's scores are ``heads x n_r x N``. Children (``stride_conv``, ``q``, ``k``, ``v``, ``v_local``, ``proj``:
+    convs and BatchNorms; ``upsample``) are halo's (the converter converts them). State unchanged."""
+
+    _kind = "Attention2d"
+
+    def __init__(self, attn: nn.Module, *, group: Any | None = None) -> None:
+        super().__init__()
+        self._v2_init(attn, group, (*_ATTRS_V2, "talking_head1", "talking_head2", "stride_conv", "upsample"))
+
+    def extra_repr(self) -> str:
+        stride = "" if self.stride_conv is None else ", stride 2"
+        return f"num_heads={self.num_heads}, resolution={tuple(self.resolution)}{stride}, talking heads"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.num_heads
+        y = self.stride_conv(x) if self.stride_conv is not None else x
+        first = self._grid(y, self.resolution, "attention", 0)
+        b, _, h, w = y.shape
+        q, k = _heads(self.q(y), heads), _heads(self.k(y), heads)  # (B, heads, n, key_dim)
+        v = self.v(y)
+        v_local = self.v_local(v)
+        v = _heads(v, heads)  # (B, heads, n, d)
+        n = q.shape[-2]
+        w1, b1 = self.talking_head1.weight[:, :, 0, 0], self.talking_head1.bias
+        w2, b2 = self.talking_head2.weight[:, :, 0, 0], self.talking_head2.bias
+        q1 = torch.einsum("hg,bgnc->bhngc", w1 * self.scale, q).reshape(b, heads, n, -1)
+        k1 = k.transpose(1, 2).reshape(b, 1, k.shape[-2], -1)  # every head's keys side by side
+        v1 = v.transpose(1, 2).reshape(b, 1, v.shape[-2], -1)  # every head's values side by side
+        mask = torch.einsum("hg,gnm->hnm", w1, self._bias(first, n))
+        if b1 is not None:
+            mask = mask + b1[:, None, None]
+        o = self._attend(q1, k1, v1, mask.unsqueeze(0), first, 1.0)  # (B, g, n, heads * d): P_g [V_h]_h
+        out = torch.einsum("hg,bgnhd->bhnd", w2, o.reshape(b, heads, n, heads, self.d))
+        if b2 is not None:  # b2[h] times the sum of V_h over all tokens
+            out = out + b2[None, :, None, None] * all_reduce(v.sum(-2, keepdim=True), group=self.group)
+        out = out.transpose(-1, -2).reshape(b, self.dh, h, w) + v_local
+        if self.upsample is not None:
+            out = self.upsample(out)
+        out = self.proj(self.act(out))
+        carry(out, x)
+        return out
+
+
+@public
+class DomainEfficientFormerV2Attention2dDownsample(_V2Layer):
+    """timm's EfficientFormerV2 ``Attention2dDownsample`` on an H-shard ``(B, C, H_r, W)``: queries from the
+    stride-2 grid (``q``, a ``LocalGlobalQuery``: a strided depthwise conv plus a strided 1x1 pool, then a 1x1
+    ConvNorm), keys and values from the full grid, the bias rows of this rank's reduced queries (``N2 x N`` table),
+    by the ring (queries and keys counted apart: each rank holds its share of both grids). Children are halo's (the
+    converter converts them). State unchanged."""
+
+    _kind = "Attention2dDownsample"
+
+    def __init__(self, attn: nn.Module, *, group: Any | None = None) -> None:
+        super().__init__()
+        self._v2_init(attn, group, (*_ATTRS_V2, "resolution2", "out_dim"))
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, resolution={tuple(self.resolution)} -> {tuple(self.resolution2)}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.num_heads
+        self._grid(x, self.resolution, "key", 0)
+        qf = self.q(x)
+        first = self._grid(qf, self.resolution2, "query", 1)
+        b, _, h2, w2 = qf.shape
+        q, k = _heads(qf, heads), _heads(self.k(x), heads)
+        v = self.v(x)
+        v_local = self.v_local(v)
+        v = _heads(v, heads)
+        n = q.shape[-2]
+        o = self._attend(q, k, v, self._bias(first, n).unsqueeze(0), first, self.scale)  # (B, heads, n, d)
+        out = o.transpose(-1, -2).reshape(b, self.dh, h2, w2) + v_local
+        out = self.proj(self.act(out))
+        carry(out, x)
+        return out
+
+
+def _is_timm(m: nn.Module, name: str, attrs: tuple[str, ...] = (), module: str = _MODULE) -> bool:
     kind = type(m)
-    return kind.__module__ == _MODULE and kind.__name__ == name and all(hasattr(m, a) for a in attrs)
+    return kind.__module__ == module and kind.__name__ == name and all(hasattr(m, a) for a in attrs)
 
 
 def _keep(m: nn.Module, ctx: Any) -> nn.Module:
@@ -122,4 +280,10 @@ def efficientformer_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.
                              "EfficientFormer's attention over all tokens")
     if _is_timm(module, "Flat") and not module._modules and not module._parameters and not module._buffers:
         return latitude_only(_keep, "EfficientFormer's Flat (row-major tokens of the whole grid)")
+    if _is_timm(module, "Attention2d", _ATTRS_V2, _MODULE_V2):
+        return latitude_only(lambda m, ctx: DomainEfficientFormerV2Attention2d(m, group=ctx.group),
+                             "EfficientFormerV2's attention over all tokens")
+    if _is_timm(module, "Attention2dDownsample", _ATTRS_V2, _MODULE_V2):
+        return latitude_only(lambda m, ctx: DomainEfficientFormerV2Attention2dDownsample(m, group=ctx.group),
+                             "EfficientFormerV2's attention over all tokens")
     return None
