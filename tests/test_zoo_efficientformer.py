@@ -1,22 +1,30 @@
-"""timm's EfficientFormer as users run it (issue 32): the ``EfficientFormer`` class itself at tiny depths and widths
-(two stages, a ``Pooling`` block in each, then ``Flat`` and one ``MetaBlock1d`` whose ``Attention`` attends over all
-7 x 7 tokens with its position bias), converted with ``halo.nn.convert_to_domain_parallel``: the attention becomes
-``halo.nn.DomainEfficientFormerAttention`` (ring attention, the bias rows of the rank's queries as its mask).
+"""timm's EfficientFormer and EfficientFormerV2 as users run them (issue 32): the ``EfficientFormer`` and
+``EfficientFormerV2`` classes themselves at tiny depths and widths, converted with
+``halo.nn.convert_to_domain_parallel``. EfficientFormer: two stages, a ``Pooling`` block in each, then ``Flat`` and one
+``MetaBlock1d`` whose ``Attention`` attends over all 7 x 7 tokens with its position bias (it becomes
+``halo.nn.DomainEfficientFormerAttention``: ring attention, the bias rows of the rank's queries as its mask). V2: four
+stages, its stride-2 ``Attention2d`` with talking heads in the third, ``Attention2dDownsample`` and an ``Attention2d``
+in the fourth (``halo.nn.DomainEfficientFormerV2Attention2d`` / ``...Attention2dDownsample``), built with the input's
+size as ``img_size``.
 
-Each case runs on 2 and 3 gloo ranks in float64 at odd rows and width (50 or 53 rows x 55: the stem and the
-downsample halve them three times, to 7 x 7, split 4/3 and 3/2/2), against the unsharded model built from the same
-seed: the logits (whole on every rank: the head's mean over the tokens is the guard's domain mean), the input
-gradient, every parameter gradient (summed over the ranks) and the BatchNorm running statistics, within 1e-9 of the
-largest value of the quantity; ``attention_biases``'s gradient also within 1e-9 of its own largest value. The model's
-position bias and layer scales are drawn at random (timm starts them at 0 and 1e-5, under which the attention
-barely shows), so a wrong bias row or a per-shard softmax is seen. Cases: train mode with ring_sdpa's choice at this
-size (the gathered K/V), the ring itself, eval mode, the head's dropout at 0.5 (the unsharded mask of the whole
-pooled tensor on every rank, as tests/test_zoo_pvt.py checks for PVT), and the same model with the attention made
-per shard (each rank's own keys and bias columns), which must differ. A last stage whose token count is not the bias
-table's is refused on every rank alike, naming the layer. One launch per world size.
+Each case runs on 2 and 3 gloo ranks in float64 at odd rows (V1: 50 or 53 rows x 55, halved three times to 7 x 7,
+split 4/3 and 3/2/2; V2: 61 or 85 rows x 90, whose last stages have 2 or 3 rows), against the unsharded model built
+from the same seed: the logits (whole on every rank: the head's mean is the guard's domain mean), the input gradient,
+every parameter gradient (summed over the ranks), the BatchNorm running statistics, within 1e-9 of the largest value
+of the quantity; ``attention_biases``'s and the talking heads' gradients also within 1e-9 of their own largest value.
+The position biases, talking heads and layer scales are drawn at random (timm starts them at 0, near identity and
+1e-5, under which the attention barely shows), so a wrong bias row or a per-shard softmax is seen. Cases: train mode
+with ring_sdpa's choice at this size (the gathered K/V), the ring itself, eval mode and the head's dropout at 0.5 (V1;
+the unsharded mask of the whole pooled tensor on every rank, as tests/test_zoo_pvt.py checks for PVT), and the same
+models with the attention made per shard (each rank's own keys and bias columns), which must differ. A grid that is
+not the bias table's is refused on every rank alike, naming the layer; state_dict keys are kept and
+``revert_domain_parallel`` gives timm's modules back. One launch per world size (V2's ring, V1's eval and head
+dropout at P=3 only: the suite's time).
 """
 
 from __future__ import annotations
+
+import functools
 
 import _thirdparty as tp
 import pytest
@@ -45,6 +53,8 @@ DROP, SEED = 0.5, 3
 CASES = {("v1", "train"): (), ("v1", "ring"): ("ring",), ("v1", "eval"): ("eval",),
          ("v1", "head dropout"): ("drop",), ("v1", "per shard"): ("local",),
          ("v2", "train"): (), ("v2", "ring"): ("ring",), ("v2", "per shard"): ("local",)}
+#: the cases run at P=2 too (the suite's time: V2's ring, V1's eval and head dropout at P=3 only)
+AT_2 = (("v1", "train"), ("v1", "ring"), ("v1", "per shard"), ("v2", "train"), ("v2", "per shard"))
 ATTENTION = {"v1": ["DomainEfficientFormerAttention"],
              "v2": ["DomainEfficientFormerV2Attention2d", "DomainEfficientFormerV2Attention2dDownsample"]}
 BIASES = {"v1": ["stages.1.blocks.2.token_mixer.attention_biases"],
@@ -118,7 +128,7 @@ def _local(m: nn.Module, ctx) -> nn.Module:
 def _one(rank: int, world: int, model: str, how: tuple[str, ...], rows: int | None = None) -> dict:
     import halo
     import halo.nn.ring as ring
-    from halo.nn import convert_to_domain_parallel
+    from halo.nn import convert_to_domain_parallel, revert_domain_parallel
 
     net = _build(model, world, DROP if "drop" in how else 0.0)
     if "eval" in how:
@@ -145,9 +155,14 @@ def _one(rank: int, world: int, model: str, how: tuple[str, ...], rows: int | No
         return {"refused": f"{type(exc).__name__}: {exc}"}
     finally:
         ring.GATHER_MAX_BYTES = saved
-    return {"kinds": kinds, "out": out.detach(), "grad": grad, "keys": list(net.state_dict()) == keys,
-            "params": {n: p.grad for n, p in net.named_parameters()},
-            "buffers": {n: b.clone() for n, b in net.named_buffers() if b.is_floating_point()}}
+    result = {"kinds": kinds, "out": out.detach(), "grad": grad, "keys": list(net.state_dict()) == keys,
+              "params": {n: p.grad for n, p in net.named_parameters()},
+              "buffers": {n: b.clone() for n, b in net.named_buffers() if b.is_floating_point()}}
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    revert_domain_parallel(net)  # timm's modules back, with the state trained sharded
+    result["reverted"] = not any("Domain" in type(m).__name__ for m in net.modules()) and all(
+        torch.equal(v, state[k]) for k, v in net.state_dict().items())
+    return result
 
 
 def _all(rank: int, world: int) -> dict:
@@ -159,7 +174,7 @@ def _all(rank: int, world: int) -> dict:
     _load()
     halo.initialize_domain_parallel(world, world)
     halo.set_timeout(60)
-    out = {case: _one(rank, world, case[0], how) for case, how in CASES.items()}
+    out = {case: _one(rank, world, case[0], how) for case, how in CASES.items() if world == 3 or case in AT_2}
     if world == 3:
         for model, rows in BAD_ROWS.items():
             out[model, "bad rows"] = _one(rank, world, model, (), rows=rows)
@@ -176,8 +191,16 @@ def _results(world: int) -> list[dict]:
 
 
 def _reference(model: str, world: int, how: tuple[str, ...]) -> dict:
-    """The unsharded model; its head dropout drawing as halo's does in one process (tests/_modes.py)."""
+    """The unsharded model; its head dropout drawing as halo's does in one process (tests/_modes.py). Only "eval"
+    and "drop" change it: one per model, world size and those."""
+    return _unsharded(model, world, "eval" in how, "drop" in how)
+
+
+@functools.cache
+def _unsharded(model: str, world: int, evaluate: bool, drop: bool) -> dict:
     from _modes import WholeFieldDropout
+
+    how = ("eval",) * evaluate + ("drop",) * drop
 
     net = _build(model, world, DROP if "drop" in how else 0.0)
     if "eval" in how:
@@ -228,14 +251,15 @@ def _differences(results: list[dict], ref: dict) -> dict[str, float]:
     return bad
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize(("model", "case"), [c for c in CASES if c[1] != "per shard"])
+@pytest.mark.parametrize(("model", "case", "world"), [(*c, w) for w in (2, 3) for c in CASES
+                                                      if c[1] != "per shard" and (w == 3 or c in AT_2)])
 def test_efficientformer_is_exact(model, case, world):
     results = [r[model, case] for r in _results(world)]
     refused = [r.get("refused") for r in results]
     assert all(r is None for r in refused), refused
     assert all(r["kinds"] == ATTENTION[model] for r in results), results[0]["kinds"]
     assert all(r["keys"] for r in results), "the converted model's state_dict keys changed"
+    assert all(r["reverted"] for r in results), "revert_domain_parallel did not give timm's modules and the state"
     ref = _reference(model, world, CASES[model, case])
     assert all(float(ref["params"][n].grad.abs().max()) > 0 for n in BIASES[model])
     bad = _differences(results, ref)
@@ -260,7 +284,8 @@ def test_a_grid_not_the_bias_tables_is_refused_on_every_rank():
     for model, want in (("v1", ("DomainEfficientFormerAttention (timm.models.efficientformer.Attention) at "
                                 "stages.1.blocks.2.token_mixer", "built for 49 tokens", "got 56 over the domain")),
                         ("v2", ("DomainEfficientFormerV2Attention2d (timm.models.efficientformer_v2.Attention2d) at "
-                                "stages.2.blocks.0.token_mixer", "grid is built for (3, 3)", "got (4, 3) over the"))):
+                                "stages.2.blocks.0.token_mixer", "its input grid must be (6, 6)",
+                                "got (7, 6) over the domain group"))):
         refused = [r[model, "bad rows"].get("refused") for r in _results(3)]
         assert refused[0] is not None and len(set(refused)) == 1, refused
         assert all(w in refused[0] for w in want), refused[0]
@@ -294,3 +319,39 @@ def test_the_layer_keeps_the_checkpoint_and_refuses_a_mesh():
     with pytest.raises(ValueError, match=r"EfficientFormer's Flat \(row-major tokens of the whole grid\) on "
                                          r"latitude rows only"):
         efficientformer_adapter(Flat())(Flat(), mesh)
+    from timm.models.efficientformer_v2 import Attention2d, Attention2dDownsample
+
+    for v2 in (Attention2d(16, key_dim=4, num_heads=2), Attention2dDownsample(16, key_dim=4, num_heads=2)):
+        with pytest.raises(ValueError, match=f"efficientformer_v2.{type(v2).__name__}: halo converts "
+                                             f"EfficientFormerV2's attention over all tokens on latitude rows only"):
+            efficientformer_adapter(v2)(v2, mesh)
+
+
+def test_the_v2_layers_are_timms_in_one_process_and_refuse_an_odd_strided_grid():
+    """One process (the ring is SDPA): halo's V2 layers give timm's numbers (the talking heads folded into the
+    attention: a reordering of sums), keep the checkpoint, and refuse an input whose stride-2 grid cannot be
+    upsampled back to it (the residual sum would fail on some ranks only)."""
+    _load()
+    from timm.models.efficientformer_v2 import Attention2d, Attention2dDownsample
+
+    from halo.nn import DomainEfficientFormerV2Attention2d, DomainEfficientFormerV2Attention2dDownsample
+
+    torch.manual_seed(0)
+    layers = [(Attention2d(16, key_dim=4, num_heads=3, resolution=(6, 5)), (6, 5)),
+              (Attention2d(16, key_dim=4, num_heads=3, resolution=(6, 4), stride=2), (6, 4)),
+              (Attention2dDownsample(16, key_dim=4, num_heads=3, resolution=(7, 5), out_dim=12), (7, 5))]
+    for attn, grid in layers:
+        attn = attn.double()  # (in train mode: built so; timm's train() returns None)
+        with torch.no_grad():
+            for p in attn.parameters():
+                p.normal_(0.0, 0.5)
+        kind = DomainEfficientFormerV2Attention2d if type(attn) is Attention2d else \
+            DomainEfficientFormerV2Attention2dDownsample
+        layer = kind(attn)
+        assert list(layer.state_dict()) == list(attn.state_dict())
+        x = torch.randn(2, 16, *grid, dtype=torch.float64)
+        torch.testing.assert_close(layer(x), attn(x), rtol=0, atol=1e-12)
+    odd = Attention2d(16, key_dim=4, num_heads=2, resolution=(5, 4), stride=2).double()
+    with pytest.raises(ValueError, match=r"its input grid must be \(6, 4\) \(its stride-2 grid \(3, 2\) upsampled "
+                                         r"by 2.*got \(5, 4\)"):
+        DomainEfficientFormerV2Attention2d(odd)(torch.randn(1, 16, 5, 4, dtype=torch.float64))

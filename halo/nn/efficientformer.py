@@ -21,10 +21,24 @@ layers and the guard: the strided stem and downsample convs, BatchNorm (domain s
 over tokens (pointwise), the head's ``x.mean(dim=1)`` over the tokens (a mean over H: computed by the guard, whole
 on every rank) and its two classifiers on that whole result.
 
-Refused, by name and on every rank alike: a token count other than the bias table's (the unsharded model fails
-there too, with a shape error), ``Flat`` and the attention on a latitude x longitude mesh (a rank's tokens are then
-not contiguous in the global order; :func:`halo.nn.ring.latitude_only`), and a look-alike without the attributes
-read here.
+EfficientFormerV2 (``timm.models.efficientformer_v2``) keeps its fields ``(B, C, H, W)`` throughout; its
+attentions over all tokens of a grid are :class:`DomainEfficientFormerV2Attention2d` (``Attention2d``: in the third
+stage after a stride-2 depthwise ``stride_conv``, then upsampled back by ``upsample``, bilinear; with its *talking
+heads*, 1x1 convs over the heads of the scores before and after the softmax, folded exactly into one ring attention
+per head: see the class) and :class:`DomainEfficientFormerV2Attention2dDownsample` (``Attention2dDownsample``:
+queries from the stride-2 grid, keys and values from the full one). Their convs and BatchNorms (``q``, ``k``, ``v``,
+``v_local``, ``stride_conv``, ``proj``) and ``upsample`` are halo's, converted as children; the bias rows are those
+of this rank's queries, as above. timm fixes V2's grids (and bias tables) from ``img_size``.
+
+Refused, by name and on every rank alike: a grid other than the bias table's (the unsharded model fails there
+too, with a shape error; for V2's stride-2 attention also an input grid that its upsample does not give back, where
+the residual sum would fail on some ranks only), the layers here and ``Flat`` on a latitude x longitude mesh (a
+rank's tokens are then not contiguous in the global order; :func:`halo.nn.ring.latitude_only`), and a look-alike
+without the attributes read here.
+
+Cost: V1's attention is the ring's of the original; V2's talking heads make each head's queries ``heads * key_dim``
+wide and its output ``heads * d`` (the values of every head side by side), ``heads`` times the original's per head,
+with K and V sent once for all heads.
 """
 
 from __future__ import annotations
@@ -199,7 +213,19 @@ class DomainEfficientFormerV2Attention2d(_V2Layer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         heads = self.num_heads
-        y = self.stride_conv(x) if self.stride_conv is not None else x
+        y = x
+        if self.stride_conv is not None:
+            _, rows = resolve(x, self.group, self._name(), _rows, site=self._halo_site, spec=(-2,))
+            up = self.upsample.scale_factor if self.upsample is not None else 1
+            up = int(up[0] if isinstance(up, tuple) else up)  # (timm's: the stride, 2)
+            back = tuple(r * up for r in self.resolution)
+            if (rows, x.shape[-1]) != back:  # else the residual sum would fail on some ranks only
+                raise ValueError(f"{self._name()}: its input grid must be {back} (its stride-2 grid "
+                                 f"{tuple(self.resolution)} upsampled by {up}, timm's img_size fixes it), got "
+                                 f"({rows}, {x.shape[-1]}) over the domain group; build the model with img_size= the "
+                                 f"input's size, with an even grid at this stage (the unsharded model fails there "
+                                 f"too)")
+            y = self.stride_conv(x)
         first = self._grid(y, self.resolution, "attention", 0)
         b, _, h, w = y.shape
         q, k = _heads(self.q(y), heads), _heads(self.k(y), heads)  # (B, heads, n, key_dim)
