@@ -233,8 +233,10 @@ class DomainEfficientFormerV2Attention2d(_V2Layer):
         v_local = self.v_local(v)
         v = _heads(v, heads)  # (B, heads, n, d)
         n = q.shape[-2]
-        w1, b1 = self.talking_head1.weight[:, :, 0, 0], self.talking_head1.bias
-        w2, b2 = self.talking_head2.weight[:, :, 0, 0], self.talking_head2.bias
+        # (in q's and v's dtype: under autocast they are half, the heads' weights float32, and an einsum would
+        # promote; timm's 1x1 convs of the heads run in half there)
+        w1, b1 = self.talking_head1.weight[:, :, 0, 0].to(q.dtype), self.talking_head1.bias
+        w2, b2 = self.talking_head2.weight[:, :, 0, 0].to(v.dtype), self.talking_head2.bias
         q1 = torch.einsum("hg,bgnc->bhngc", w1 * self.scale, q).reshape(b, heads, n, -1)
         k1 = k.transpose(1, 2).reshape(b, 1, k.shape[-2], -1)  # every head's keys side by side
         v1 = v.transpose(1, 2).reshape(b, 1, v.shape[-2], -1)  # every head's values side by side
@@ -244,7 +246,7 @@ class DomainEfficientFormerV2Attention2d(_V2Layer):
         o = self._attend(q1, k1, v1, mask.unsqueeze(0), first, 1.0)  # (B, g, n, heads * d): P_g [V_h]_h
         out = torch.einsum("hg,bgnhd->bhnd", w2, o.reshape(b, heads, n, heads, self.d))
         if b2 is not None:  # b2[h] times the sum of V_h over all tokens
-            out = out + b2[None, :, None, None] * all_reduce(v.sum(-2, keepdim=True), group=self.group)
+            out = out + b2.to(v.dtype)[None, :, None, None] * all_reduce(v.sum(-2, keepdim=True), group=self.group)
         out = out.transpose(-1, -2).reshape(b, self.dh, h, w) + v_local
         if self.upsample is not None:
             out = self.upsample(out)
