@@ -16,8 +16,10 @@ The position biases, talking heads and layer scales are drawn at random (timm st
 1e-5, under which the attention barely shows), so a wrong bias row or a per-shard softmax is seen. Cases: train mode
 with ring_sdpa's choice at this size (the gathered K/V), the ring itself, eval mode and the head's dropout at 0.5 (V1;
 the unsharded mask of the whole pooled tensor on every rank, as tests/test_zoo_pvt.py checks for PVT), and the same
-models with the attention made per shard (each rank's own keys and bias columns), which must differ. A grid that is
-not the bias table's is refused on every rank alike, naming the layer; state_dict keys are kept and
+models with the attention made per shard after conversion (each rank's own keys and bias columns), which must
+differ. A grid that is
+not the bias table's is refused on every rank alike, naming the layer, and so is a V2 layer given by a custom
+converter with torch's convs inside; state_dict keys are kept and
 ``revert_domain_parallel`` gives timm's modules back. One launch per world size (V2's ring, V1's eval and head
 dropout at P=3 only: the suite's time).
 """
@@ -101,8 +103,10 @@ def _weights(shape: torch.Size) -> torch.Tensor:
     return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 
 
-def _local(m: nn.Module, ctx) -> nn.Module:
-    """halo's layer with the ring replaced by SDPA over this rank's own keys and their bias columns (per shard)."""
+def _make_local(net: nn.Module) -> None:
+    """halo's attention layers of the converted ``net`` with the ring replaced by SDPA over this rank's own keys and
+    their bias columns (per shard; V2: in its Attention2d, whose keys are its queries' grid). After conversion,
+    which converted their children (a custom converter's result is not entered)."""
     from halo.guard import trusted
     from halo.nn import DomainEfficientFormerAttention, DomainEfficientFormerV2Attention2d
 
@@ -118,8 +122,11 @@ def _local(m: nn.Module, ctx) -> nn.Module:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., first:first + k.shape[-2]],
                                                       scale=scale)
 
-    kind = LocalEfficientFormerAttention if type(m).__name__ == "Attention" else LocalEfficientFormerV2Attention2d
-    return kind(m, group=ctx.group)
+    for m in net.modules():
+        if type(m) is DomainEfficientFormerAttention:
+            m.__class__ = LocalEfficientFormerAttention
+        elif type(m) is DomainEfficientFormerV2Attention2d:
+            m.__class__ = LocalEfficientFormerV2Attention2d
 
 
 def _one(rank: int, world: int, model: str, how: tuple[str, ...], rows: int | None = None) -> dict:
@@ -130,15 +137,21 @@ def _one(rank: int, world: int, model: str, how: tuple[str, ...], rows: int | No
     net = _build(model, world, DROP if "drop" in how else 0.0)
     if "eval" in how:
         net.eval()
-    custom = None
-    if "local" in how:  # (V2: its Attention2d, whose keys are its queries' grid)
-        custom = {type(m): _local for m in net.modules() if type(m).__name__ in ("Attention", "Attention2d")}
     saved = ring.GATHER_MAX_BYTES
     if "ring" in how:
         ring.GATHER_MAX_BYTES = 0  # every K/V goes round the ring (ring_sdpa reads it per plan)
     try:
         keys = list(net.state_dict())
+        custom = None
+        if "custom" in how:  # the layer by a custom converter: the converter does not enter it (its children stay)
+            from timm.models.efficientformer_v2 import Attention2d
+
+            from halo.nn import DomainEfficientFormerV2Attention2d
+
+            custom = {Attention2d: lambda m, ctx: DomainEfficientFormerV2Attention2d(m, group=ctx.group)}
         convert_to_domain_parallel(net, custom_converters=custom)
+        if "local" in how:
+            _make_local(net)
         kinds = sorted({type(m).__name__ for m in net.modules() if "Attention" in type(m).__name__})
         full = _input(model, world, rows)
         offs = split_offsets(full.shape[-2], world)
@@ -175,6 +188,7 @@ def _all(rank: int, world: int) -> dict:
     if world == 3:
         for model, rows in BAD_ROWS.items():
             out[model, "bad rows"] = _one(rank, world, model, (), rows=rows)
+        out["v2", "custom"] = _one(rank, world, "v2", ("custom",))
     return out
 
 
@@ -352,3 +366,14 @@ def test_the_v2_layers_are_timms_in_one_process_and_refuse_an_odd_strided_grid()
     with pytest.raises(ValueError, match=r"its input grid must be \(6, 4\) \(its stride-2 grid \(3, 2\) upsampled "
                                          r"by 2.*got \(5, 4\)"):
         DomainEfficientFormerV2Attention2d(odd)(torch.randn(1, 16, 5, 4, dtype=torch.float64))
+
+
+def test_a_v2_layer_whose_children_are_torchs_is_refused_on_every_rank():
+    """Given by a custom converter (whose result the converter does not enter), halo's V2 attention has torch's
+    convs and BatchNorms inside: it refuses on its first call, naming them, rather than run them per shard."""
+    refused = [r["v2", "custom"].get("refused") for r in _results(3)]
+    assert refused[0] is not None and len(set(refused)) == 1, refused
+    assert "DomainEfficientFormerV2Attention2d (timm.models.efficientformer_v2.Attention2d) at " \
+           "stages.2.blocks.0.token_mixer: its children stride_conv.conv (Conv2d), stride_conv.bn (BatchNorm2d)" \
+           in refused[0], refused[0]
+    assert "are torch's own" in refused[0] and "convert_to_domain_parallel" in refused[0], refused[0]

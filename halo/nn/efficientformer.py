@@ -33,8 +33,10 @@ of this rank's queries, as above. timm fixes V2's grids (and bias tables) from `
 Refused, by name and on every rank alike: a grid other than the bias table's (the unsharded model fails there
 too, with a shape error; for V2's stride-2 attention also an input grid that its upsample does not give back, where
 the residual sum would fail on some ranks only), the layers here and ``Flat`` on a latitude x longitude mesh (a
-rank's tokens are then not contiguous in the global order; :func:`halo.nn.ring.latitude_only`), and a look-alike
-without the attributes read here.
+rank's tokens are then not contiguous in the global order; :func:`halo.nn.ring.latitude_only`), a V2 layer whose
+convs, norms or upsample are still torch's on more than one rank (built directly, or by a custom converter, whose
+result the converter does not enter: they would run on each shard alone), and a look-alike without the attributes
+read here.
 
 Cost: V1's attention is the ring's of the original; V2's talking heads make each head's queries ``heads * key_dim``
 wide and its output ``heads * d`` (the values of every head side by side), ``heads`` times the original's per head,
@@ -49,10 +51,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dist.comm import comm_group
 from ..parallel.reduce import all_reduce
 from ..plan.plans import Site, carry, resolve
 from .base import HaloLayer, adopt
-from .registry import public
+from .registry import is_pointwise_conv, public
 from .ring import latitude_only, place_like, ring_sdpa
 
 __all__ = ["DomainEfficientFormerAttention", "DomainEfficientFormerV2Attention2d",
@@ -152,6 +155,22 @@ class _V2Layer(HaloLayer, nn.Module):
     def _name(self) -> str:
         return f"{type(self).__name__} ({_MODULE_V2}.{self._kind}) at {self._halo_path or 'its place'}"
 
+    def _check_children(self) -> None:
+        """Refuse (once, on every rank alike: the modules are the same) children that act across rows and are still
+        torch's own: the layer leaves its convs, norms, pools and upsample to the converter, so one built directly
+        (or by a custom converter, whose result the converter does not enter) would run them on each shard alone."""
+        if "_children_checked" in self.__dict__:
+            return
+        if comm_group(self.group).size > 1:
+            torch_own = [f"{n} ({type(m).__name__})" for n, m in self.named_modules() if m is not self
+                         and not isinstance(m, HaloLayer) and isinstance(m, _ACROSS_ROWS)
+                         and not (isinstance(m, nn.Conv2d) and is_pointwise_conv(m))]
+            if torch_own:
+                raise ValueError(f"{self._name()}: its children {', '.join(torch_own)} are torch's own, which "
+                                 f"compute each shard alone; convert the model with halo.nn.convert_to_domain_parallel "
+                                 f"(it converts them), or convert them before the call")
+        self.__dict__["_children_checked"] = True
+
     def _grid(self, t: torch.Tensor, resolution: tuple[int, int], what: str, site: int) -> int:
         """This rank's first token of the field ``t`` ``(B, C, h_r, w)`` (row-major tokens: its first row times
         ``w``), after checking that the global grid is the one the layer's bias table was built for (timm fixes it
@@ -171,6 +190,10 @@ class _V2Layer(HaloLayer, nn.Module):
                 scale: float) -> torch.Tensor:
         """This rank's queries on every rank's keys (the ring), ``mask`` the rows of its queries."""
         return ring_sdpa(q, k, v, attn_mask=mask, scale=scale, group=self.group, sites=self._ring_sites)
+
+
+#: the children's layers that read other rows (a 1x1 stride-1 conv does not)
+_ACROSS_ROWS = (nn.Conv2d, nn.modules.batchnorm._BatchNorm, nn.AvgPool2d, nn.MaxPool2d, nn.Upsample)
 
 
 def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -212,6 +235,7 @@ class DomainEfficientFormerV2Attention2d(_V2Layer):
         return f"num_heads={self.num_heads}, resolution={tuple(self.resolution)}{stride}, talking heads"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_children()
         heads = self.num_heads
         y = x
         if self.stride_conv is not None:
@@ -273,6 +297,7 @@ class DomainEfficientFormerV2Attention2dDownsample(_V2Layer):
         return f"num_heads={self.num_heads}, resolution={tuple(self.resolution)} -> {tuple(self.resolution2)}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_children()
         heads = self.num_heads
         self._grid(x, self.resolution, "key", 0)
         qf = self.q(x)
