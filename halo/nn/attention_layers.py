@@ -54,6 +54,7 @@ from ..context import place
 from ..plan.plans import Site, carry, resolve
 from .base import HaloLayer, adopt
 from .dropout import DomainDropout
+from .efficientformer import efficientformer_adapter
 from .norm import DomainGroupNorm
 from .registry import converts, public
 from .ring import gather_tokens, latitude_only, place_like, ring_sdpa
@@ -352,12 +353,13 @@ def _is_diffusers_attention(m: nn.Module) -> bool:
 def attention_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | None:
     """The converter ``fn(module, ctx)`` of timm's or diffusers' attention class (recognised by name, module and
     attributes), else ``None`` (for ``halo.nn.adapters.adapter``). A diffusers ``Attention`` halo cannot compute
-    exactly is refused at conversion, naming why; on a latitude x longitude mesh both are refused."""
+    exactly is refused at conversion, naming why; on a latitude x longitude mesh both are refused. timm's
+    EfficientFormer attention (and its ``Flat``): :func:`halo.nn.efficientformer.efficientformer_adapter`."""
     if _is_timm_attention(module):
         return latitude_only(lambda m, ctx: DomainTimmAttention(m, group=ctx.group))
     if _is_diffusers_attention(module):
         return latitude_only(lambda m, ctx: DomainDiffusersAttention(m, group=ctx.group))
-    return None
+    return efficientformer_adapter(module)
 
 
 @public
