@@ -131,6 +131,7 @@ PROBES: dict[str, Callable[..., torch.Tensor]] = {
     "dropout": lambda make, xd: F.dropout(_x4(make, xd), 0.5, True),
     "alpha_dropout": lambda make, xd: F.alpha_dropout(_x4(make, xd), 0.5, True),
     "mean": lambda make, xd: torch.mean(_x4(make, xd), (-2, -1)),
+    "sum": lambda make, xd: torch.sum(_x4(make, xd), (-2, -1)),
 }
 
 

@@ -176,6 +176,19 @@ def _timm_mobilevit() -> nn.Module:
     return ByobNet(cfg, num_classes=3, in_chans=3)
 
 
+def _timm_mobilevitv2() -> nn.Module:
+    """MobileViT V2 at two blocks: linear self-attention (a softmax over all patches and a sum over them, which the
+    guard computes over the domain), ``GroupNorm1`` over the patches (``halo.nn.mobilevit``)."""
+    from timm.models.byobnet import ByobNet, ByoModelCfg
+    from timm.models.mobilevit import _inverted_residual_block, _mobilevitv2_block
+
+    cfg = ByoModelCfg(blocks=(_inverted_residual_block(d=1, c=8, s=1, br=2.0),
+                              _mobilevitv2_block(d=1, c=16, s=2, transformer_depth=1),
+                              _mobilevitv2_block(d=1, c=16, s=2, transformer_depth=1)),
+                      stem_chs=8, stem_type="3x3", stem_pool="", downsample="", act_layer="silu")
+    return ByobNet(cfg, num_classes=3, in_chans=3)
+
+
 # -- smp -----------------------------------------------------------------------------------------------------------
 
 _ENCODER = {"encoder_name": "tu-resnet18", "encoder_weights": None, "encoder_depth": 3,
@@ -275,6 +288,7 @@ ZOO: dict[str, Spec] = {
     # even rows at 1/4 and 1/8 (whole patches of 2 globally), split so that a rank's patch rows are cut: 48 rows are
     # 3 + 3 at 1/8 on 2 ranks, 80 are 7 + 7 + 6 at 1/4 on 3
     "timm.mobilevit": Spec(_timm_mobilevit, 3, W, {2: 48, 3: 80}),
+    "timm.mobilevitv2": Spec(_timm_mobilevitv2, 3, W, {2: 48, 3: 80}),
     "timm.swinv2": Spec(_timm_swinv2, 3, W, {2: 48, 3: 48}),
     "smp.Unet": Spec(_smp("Unet", decoder_channels=(16, 16, 16), decoder_attention_type="scse"), 3, W,
                      {2: 37, 3: 40}),

@@ -70,11 +70,12 @@ REFUSED = {
     "cat_h": (lambda m, x: torch.cat([x, x], dim=2)[:, :, ::2], "concatenates along H"),
     "split_h": (lambda m, x: torch.cat(x.split(2, dim=-2), dim=-2), "splits"),
     "slice_h": (lambda m, x: F.pad(x[:, :, 1:], (0, 0, 1, 0)), "indexes H"),
-    "sum_all": (lambda m, x: x / x.abs().sum(), "reduces over H"),
-    # (x / x.norm(): computed exactly over the domain since issue 32 item 6, tests/test_guard_rows.py)
+    "prod_all": (lambda m, x: x / x.abs().prod(), "reduces over H"),
+    # (x / x.norm(): computed exactly over the domain since issue 32 item 6, tests/test_guard_rows.py; sums and
+    # softmaxes over H too, tests/test_guard_exact.py)
     "norm_nuclear": (lambda m, x: x / x.norm(p="nuc", dim=(2, 3), keepdim=True), "reduces over H"),
     "sort_h": (lambda m, x: x.sort(dim=2)[0], "reduces over H"),
-    "softmax_h": (lambda m, x: F.softmax(x, dim=2), "normalises over H"),
+    "softmin_h": (lambda m, x: F.softmin(x, dim=2), "normalises over H"),
     # (F.avg_pool2d / F.max_pool2d: computed exactly since issue 32, tests/test_guard_exact.py; with its indices,
     # refused)
     "max_pool_indices": (lambda m, x: F.interpolate(F.max_pool2d(x, 2, return_indices=True)[0], size=x.shape[-2:]),
@@ -83,10 +84,10 @@ REFUSED = {
     "flatten_all": (lambda m, x: x.flatten(1).view(x.shape), "merges H"),
     "attention": (lambda m, x: (lambda t: (t @ t.transpose(1, 2)).softmax(-1) @ t)(
         x.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(x.shape), "multiplies over H"),
-    "tokens_sum": (lambda m, x: x * x.flatten(2).sum(-1)[..., None, None], "reduces over H"),
+    "tokens_amax": (lambda m, x: x * x.flatten(2).amax(-1)[..., None, None], "reduces over H"),
     "stack_then_amax_h": (lambda m, x: x * torch.stack([x, x], dim=-1).amax((2, 4))[:, :, None, :],
                           "reduces over H"),
-    "channels_last_sum": (lambda m, x: x * x.permute(0, 2, 3, 1).sum(1, keepdim=True).permute(0, 3, 1, 2),
+    "channels_last_std": (lambda m, x: x * x.permute(0, 2, 3, 1).std(1, keepdim=True).permute(0, 3, 1, 2),
                           "reduces over H"),
 }
 

@@ -66,10 +66,10 @@ DENIED = {
     "rand_like": (lambda m, x: x + torch.rand_like(x), "rand_like", "halo.random"),
     "unclassified": (lambda m, x: x + torch.trapezoid(x, dim=-1)[..., None], "trapezoid", "not an op halo has"),
     # H moved by an op the guard follows: a reduction over W, an index of W, x.mT
-    "mean_w_then_softmax_h": (lambda m, x: x * x.mean(-1).softmax(-1)[..., None], "softmax", "over H"),
+    "mean_w_then_logsumexp_h": (lambda m, x: x * x.mean(-1).logsumexp(-1)[..., None, None], "logsumexp", "over H"),
     "index_w_then_cumsum_h": (lambda m, x: x * x[..., 0].cumsum(-1)[..., None], "cumsum", "over H"),
-    "mt_then_softmax_h": (lambda m, x: x.mT.softmax(-1).mT, "softmax", "over H"),
-    "einsum_moves_h": (lambda m, x: x + torch.einsum("bchw->bcwh", x).sum(-1)[..., None, :], "sum", "over H"),
+    "mt_then_cumprod_h": (lambda m, x: x.mT.cumprod(-1).mT, "cumprod", "over H"),
+    "einsum_moves_h": (lambda m, x: x + torch.einsum("bchw->bcwh", x).amax(-1)[..., None, :], "amax", "over H"),
     "repeat_h": (lambda m, x: x.repeat(1, 1, 2, 1)[:, :, ::2], "repeat", "repeats H"),
     "setitem_h": (lambda m, x: _setitem(x, (slice(None), slice(None), 0), 0.0), "__setitem__", "indexes H"),
     "nearest_x2_add": (lambda m, x: _trusted_nearest_x2(m.pool(x)) + x, "add", "split differently"),

@@ -1,5 +1,5 @@
 """Functional ops on the sharded dim that halo computes exactly instead of refusing them (``halo.guard.reroute``):
-norms, means, resizes and (``F.max_pool2d`` / ``F.avg_pool2d``) pools.
+norms, means and sums, softmaxes, resizes and (``F.max_pool2d`` / ``F.avg_pool2d``) pools.
 
 Each op sits in the forward of a small block with conv children (so the field is a real shard), converted on 2 and
 3 gloo ranks at uneven rows (37: 19 + 18 and 13 + 12 + 12), float64. Every block is called three times: the first
@@ -64,6 +64,14 @@ EXACT = {
     "mean_all": lambda m, x: x + x.mean(),
     "mean_head": lambda m, x: x + m.lin(x.mean((2, 3))).view(x.shape[0], C, 1, 1),
     "mean_twice_one_line": lambda m, x: x - x.mean((2, 3), keepdim=True) + x[:, :1].mean(1, keepdim=True),
+    "sum_h": lambda m, x: x * x.sum(2, keepdim=True),
+    "sum_all": lambda m, x: x + torch.sum(x),
+    "sum_channels_last": lambda m, x: x * x.permute(0, 2, 3, 1).sum(1, keepdim=True).permute(0, 3, 1, 2),
+    "softmax_h": lambda m, x: x * F.softmax(x, dim=2) + x.softmax(-2),
+    "softmax_h_moved": lambda m, x: x + x.mT.log_softmax(-1).mT * torch.einsum("bchw->bcwh", x).sum(-1)[..., None, :],
+    # MobileViT V2's linear attention: a softmax over the tokens (H x W flattened) and the sum of the keys over them
+    "softmax_tokens_sum": lambda m, x: x + (x.flatten(2) * torch.log_softmax(x.flatten(2), -1).exp()).sum(
+        -1, keepdim=True)[..., None],
     "interp_size_bilinear": lambda m, x: x + F.interpolate(m.pool(x), size=x.shape[-2:], mode="bilinear"),
     "interp_size_nearest": lambda m, x: x * F.interpolate(m.pool(x), size=(x.size(2), x.size(3))),
     "interp_scale_bilinear": lambda m, x: x + m.pool(F.interpolate(x, scale_factor=2.0, mode="bilinear",
@@ -222,6 +230,7 @@ REFUSED = {
     "mean_kept_dims_differ": (lambda m, x: x[..., :1] * x[..., :x.shape[2] - 6].mean(2, keepdim=True).sum(-1, True),
                               "Tensor.mean", "disagree on the shape"),
     "mean_into_halo_layer": (lambda m, x: x * m.a(x.mean((2, 3), keepdim=True)), "", "is given the result of a mean"),
+    "sum_of_a_bool_field": (lambda m, x: x + (x > 0).sum(2, keepdim=True), "Tensor.sum", "halo sums floating fields"),
     "interp_size_not_a_field": (lambda m, x: F.interpolate(x, size=(x.shape[2] + 1, x.shape[3]))[..., :-1, :],
                                 "interpolate", "not the rows of one field"),
 }

@@ -33,7 +33,8 @@ def test_every_entry_has_a_kind_and_what_its_kind_needs():
         assert isinstance(p, Policy) and p.kind in kinds, f
         if p.kind == "exact":
             assert (p.rule is not None or p.check is not None) and callable(p.exact), f
-            assert p.how in ("norm", "mean", "vector_norm", "interpolate", "attention", "dropout", "pool"), f
+            assert p.how in ("norm", "mean", "vector_norm", "interpolate", "attention", "dropout", "pool", "sum",
+                             "softmax"), f
         if p.kind == "refuse":
             assert p.rule is not None or p.check is not None, f
         if p.kind == "pass":

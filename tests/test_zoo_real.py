@@ -50,6 +50,8 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "timm.fastvit": ("exact",),  # fastvit.Attention on (B, C, H, W): its F.scaled_dot_product_attention by ring_sdpa
     "timm.regnet": ("exact",),
     "timm.mobilevit": ("exact",),  # its MobileVitBlock: whole patch rows, ring attention (halo.nn.mobilevit)
+    # its LinearSelfAttention: a softmax over all patches and a sum over them, computed over the domain by the guard
+    "timm.mobilevitv2": ("exact",),
     "timm.repvit": ("exact",),  # its head's BatchNorm1d on the whole mean (halo.nn.timm_layers.WholeBatchNorm1d)
     # its Swin V2 blocks are halo.nn.swinv2's; its classifier head pools channels-last (NHWC) features with
     # FastAdaptiveAvgPool, which halo.nn.timm_layers does not convert (NCHW pools only): refused, naming it

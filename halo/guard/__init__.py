@@ -506,11 +506,19 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
         whole = False
         if entry.how == "dropout":  # on a field: refused (the rule); on a whole tensor: _whole_dropout
             return None
-        if entry.how == "mean":
+        if entry.how in ("mean", "sum"):
             dims = reroute.mean_dims(args, kwargs, x) if problem is not None else None
             if dims is None:
                 return None
             why = None if h in dims[0] else "it does not reduce over H"
+            if why is None and entry.how == "sum" and not (x.is_floating_point() or x.is_complex()) \
+                    and kwargs.get("dtype") is None:
+                why = f"a sum of a {x.dtype} field (halo sums floating fields)"
+        elif entry.how == "softmax":
+            if problem is None:
+                return None
+            form = reroute.softmax_form(func, args, kwargs, x)
+            why = form if isinstance(form, str) else None if form[0] == h else "it does not normalise over H"
         elif entry.how == "vector_norm":
             if problem is None:
                 return None
@@ -549,8 +557,10 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 action = reroute.Attention(gid)
             elif entry.how == "pool":
                 action = reroute.finish_pool(func, args, kwargs, x, gid)
-            elif entry.how == "mean":
-                action = reroute.finish_mean(x, h, *dims, self.cg, gid)
+            elif entry.how in ("mean", "sum"):
+                action = reroute.finish_mean(x, h, *dims, self.cg, gid, entry.how)
+            elif entry.how == "softmax":
+                action = reroute.Softmax(*form, gid)
             elif entry.how == "interpolate":
                 action = reroute.finish_interpolate(args, kwargs, x, whole, self.sized, self.cg, gid, op_name(func))
             else:
@@ -563,6 +573,8 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             return (func(*args, **kwargs),)
         out = action(args, kwargs)
         self.recorder.record(module, key, ordinal, action)
+        if entry.how == "softmax":  # this rank's rows of the normalised field: H where its input held it
+            self._carry((x, self._field(x)), out)
         if entry.after == "sdpa":  # this rank's rows of the attention's output: a field's tokens, as the query's
             self._sdpa_follow(args, kwargs, out)
         return (out,)

@@ -23,8 +23,8 @@ op (function or tensor method)                         refused when
 ``cat``, ``split``, ``chunk``, ``narrow``, indexing,   along H (a slice of H that is not the whole of it); a
                                                        ``cat`` of fields split differently (rows differ)
 ``index_select``, ``select``, ``unbind``, ...
-reductions (``sum``, ``max``, ``std``, ``softmax``,    over H, or over everything (``mean``: computed, below)
-``cumsum``, ``sort``, ...)
+reductions (``max``, ``std``, ``prod``, ``cumsum``,    over H, or over everything (``mean``, ``sum`` of a
+``sort``, ...)                                          floating field, ``softmax``: computed, below)
 ``view`` / ``reshape`` / ``flatten``                   H is merged with an earlier dim (with later ones, as
                                                        ``flatten(2)`` makes tokens, it is tracked)
 ``matmul`` / ``@`` / ``bmm``                           H is contracted or becomes a second token dim (attention)
@@ -59,7 +59,8 @@ a custom ``torch.autograd.Function``                   applied to a field (an ou
 *anything else*                                        always (default deny: an op halo has not classified)
 =====================================================  ===========================================================
 
-``F.group_norm``, ``instance_norm``, ``batch_norm`` and ``layer_norm`` (no weight), ``mean``, the vector norms
+``F.group_norm``, ``instance_norm``, ``batch_norm`` and ``layer_norm`` (no weight), ``mean``, ``sum`` (of a
+floating field), ``softmax`` and ``log_softmax`` over H (:func:`halo.nn.softmax.domain_softmax`), the vector norms
 (``torch.norm``, ``Tensor.norm``, ``torch.linalg.vector_norm``, ``linalg.norm`` of vectors), ``F.interpolate`` and
 ``F.scaled_dot_product_attention`` whose query, key and value hold fields' tokens (by
 :func:`halo.nn.ring.ring_sdpa`: masks with the global key dim, ``is_causal`` in global positions) are ``exact``:
@@ -80,6 +81,7 @@ import torch.nn.functional as F
 from ..nn.norm import domain_var_mean, domain_vector_norm
 from ..nn.pool import halo_pool
 from ..nn.ring import ring_sdpa
+from ..nn.softmax import domain_softmax
 from ..nn.upsample import halo_interpolate
 from ..parallel.reduce import all_reduce
 from ..plan.plans import TensorMap, whole_source
@@ -791,4 +793,7 @@ _add([F.instance_norm], Policy("exact", _instance_norm, how="norm", exact=domain
 _add([F.batch_norm], Policy("exact", _batch_norm, how="norm", exact=domain_var_mean))
 _add([F.layer_norm], Policy("exact", _layer_norm, how="norm", exact=domain_var_mean))
 _add([torch.mean, T.mean], Policy("exact", _reduce(), after="reduce", how="mean", exact=all_reduce))
+_add([torch.sum, T.sum], Policy("exact", _reduce(), after="reduce", how="sum", exact=all_reduce))
+_add([F.softmax, F.log_softmax, T.softmax, T.log_softmax, torch.softmax, torch.log_softmax],
+     Policy("exact", _softmax, how="softmax", exact=domain_softmax))
 _add([F.interpolate, F.upsample], Policy("exact", interpolate_rule, how="interpolate", exact=halo_interpolate))

@@ -58,13 +58,14 @@ from ..autocast import cast_as_torch
 from ..dist.comm import CommGroup, all_gather_object, group_by_id, group_id
 from ..nn.norm import domain_var_mean, domain_vector_norm  # the exact functionals: the layers sit below the guard
 from ..nn.ring import ring_sdpa
+from ..nn.softmax import domain_softmax
 from ..nn.upsample import SUPPORTED_MODES, halo_interpolate
 from ..plan.partition import split_sizes
 from ..plan.plans import Site, guarded_epochs, mark_whole, shard_sizes
 from ..plan.plans import state as plans_state
 from ._policy import POLICY
 
-__all__ = ["WHOLE_MEAN", "WHOLE_NORM", "Recorder", "calling_module", "install", "site_key", "state",
+__all__ = ["WHOLE_MEAN", "WHOLE_NORM", "WHOLE_SUM", "Recorder", "calling_module", "install", "site_key", "state",
            "uninstall", "user_frame"]
 
 T = torch.Tensor
@@ -89,6 +90,8 @@ def state() -> context.Watch:
 
 #: The source of the mark a mean over H computed here leaves on its (whole) result.
 WHOLE_MEAN = "a mean over H computed over the domain (halo.guard.reroute)"
+#: ... a sum over H ...
+WHOLE_SUM = "a sum over H computed over the domain (halo.guard.reroute)"
 #: ... and a vector norm over H.
 WHOLE_NORM = "a vector norm over H computed over the domain (halo.guard.reroute)"
 #: A tensor computed in a guarded call from whole ones only (``mean * 2.0``): whole too, marked only in that call
@@ -254,26 +257,63 @@ class LayerNorm(NamedTuple):
 
 
 class Mean(NamedTuple):
-    """``mean`` over dims that include H: the global mean, whole on every rank (the plain all-reduce adjoint: each
-    rank's consumers use it on their own rows, and their partial gradients add up)."""
+    """``mean`` (``op="sum"``: ``sum``, of a floating field) over dims that include H: the global mean (sum), whole
+    on every rank (the plain all-reduce adjoint: each rank's consumers use it on their own rows, and their partial
+    gradients add up)."""
 
     dims: tuple[int, ...]
     keepdim: bool
     count: int
     gid: int
+    op: str = "mean"
 
     def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
         from ..parallel.reduce import accumulation_dtype, all_reduce
 
         x, dtype = args[0], kwargs.get("dtype")
         if dtype is None:
-            x = cast_as_torch("mean", x)  # torch's dtype under autocast (the input's, on CPU and CUDA)
+            x = cast_as_torch(self.op, x)  # torch's dtype under autocast (mean: the input's; sum: float32 on CUDA)
         acc = accumulation_dtype(dtype or x.dtype)
         local = x.sum(dim=self.dims, keepdim=self.keepdim, dtype=acc)
-        out = (all_reduce(local, group=group_by_id(self.gid).group) / self.count).to(dtype or x.dtype)
+        out = all_reduce(local, group=group_by_id(self.gid).group)
+        out = (out / self.count if self.count != 1 else out).to(dtype or x.dtype)
         if not torch.compiler.is_compiling():
-            mark_whole(out, WHOLE_MEAN)
+            mark_whole(out, WHOLE_MEAN if self.op == "mean" else WHOLE_SUM)
         return out
+
+
+#: softmax and log-softmax, as the guard sees them; ``F.softmax`` takes ``_stacklevel`` before its ``dtype``
+_LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax)
+_F_SOFTMAX = (F.softmax, F.log_softmax)
+
+
+def softmax_form(func: Any, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[int, bool] | str:
+    """``(dim, log)`` of a softmax call over H, or why halo does not compute it here."""
+    d = _arg(args, kwargs, 1, "dim")
+    if d is None:
+        return "an implicit dim (dim=None: torch's legacy choice)"
+    if not (x.is_floating_point() or _arg(args, kwargs, 3 if func in _F_SOFTMAX else 2, "dtype") is not None):
+        return f"a {x.dtype} input"
+    return int(d) % x.dim(), func in _LOG_SOFTMAX
+
+
+class Softmax(NamedTuple):
+    """``F.softmax`` / ``F.log_softmax`` (their ``torch`` and ``Tensor`` forms) over H:
+    :func:`halo.nn.softmax.domain_softmax`, this rank's rows of the global normalisation (a field, as its input)."""
+
+    dim: int
+    log: bool
+    gid: int
+
+    def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        x = args[0]
+        d = _arg(args, kwargs, 1, "dim")
+        if d is None or int(d) % x.dim() != self.dim:
+            raise ValueError(f"halo computes this softmax over dim {self.dim} (H) at this call site, as its first "
+                             f"call did; this call normalises over dim {d}: keep one dim per call site")
+        dtype = kwargs.get("dtype", args[3] if len(args) > 3 and isinstance(args[3], torch.dtype) else
+                           args[2] if len(args) > 2 and isinstance(args[2], torch.dtype) else None)
+        return domain_softmax(x, self.dim, log=self.log, dtype=dtype, group=group_by_id(self.gid).group)
 
 
 class VectorNorm(NamedTuple):
@@ -544,7 +584,10 @@ def mean_dims(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple[int, ..
     return dims, bool(_arg(args, kwargs, 2, "keepdim", False))
 
 
-def finish_mean(x: torch.Tensor, h: int, dims: tuple[int, ...], keepdim: bool, cg: CommGroup, gid: int) -> Mean:
+def finish_mean(x: torch.Tensor, h: int, dims: tuple[int, ...], keepdim: bool, cg: CommGroup, gid: int,
+                op: str = "mean") -> Mean:
+    if op == "sum":
+        return Mean(dims, keepdim, 1, gid, "sum")
     sizes = _sizes(x, h, cg, "Tensor.mean")
     count = math.prod(int(x.shape[d]) for d in dims if d != h) * sum(sizes)
     return Mean(dims, keepdim, count, gid)
@@ -800,7 +843,7 @@ def refuse_whole_mean(module: torch.nn.Module, args: tuple, names: dict[int, str
             f"mask on each rank, a conv exchange the copies as rows): apply the layer to the mean or pool's result "
             f"itself (a dropout then draws the unsharded model's mask), or compute on this tensor with pointwise ops "
             f"and torch's own layers")
-    if source in (WHOLE_MEAN, WHOLE_NORM) and not getattr(module, "_halo_takes_whole", False):
+    if source in (WHOLE_MEAN, WHOLE_SUM, WHOLE_NORM) and not getattr(module, "_halo_takes_whole", False):
         raise ValueError(
             f"{what} is given the result of a mean over H "
             f"(computed over the whole domain, whole and the same on every rank), but it is a halo layer that takes "

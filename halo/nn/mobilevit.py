@@ -43,10 +43,11 @@ from ..plan.partition import offsets
 from ..plan.plans import Site, carry, resolve
 from .base import HaloLayer, adopt
 from .longrange import RegroupPlan, regroup, regroup_plan
+from .norm import DomainGroupNorm
 from .registry import public
 from .ring import latitude_only
 
-__all__ = ["DomainMobileVitBlock", "mobilevit_adapter"]
+__all__ = ["DomainMobileVitBlock", "DomainMobileVitV2Block", "mobilevit_adapter"]
 
 _ATTRS = ("conv_kxk", "conv_1x1", "transformer", "norm", "conv_proj", "conv_fusion", "patch_size", "patch_area")
 
@@ -126,10 +127,70 @@ class DomainMobileVitBlock(HaloLayer, nn.Module):
         return y
 
 
+_ATTRS_V2 = ("conv_kxk", "conv_1x1", "transformer", "norm", "conv_proj", "patch_size", "patch_area")
+
+
+@public
+class DomainMobileVitV2Block(HaloLayer, nn.Module):
+    """timm's ``MobileVitV2Block`` on an H-shard ``(B, C, H_r, W)``: the unfold to ``(B, C, P, N_r)`` of this rank's
+    whole patch rows (regrouped as :class:`DomainMobileVitBlock`'s), the patches' tokens at dim -1 for the guard.
+    Its ``LinearTransformerBlock`` blocks are torch's and timm's own code on them, exact through the guard: their
+    ``GroupNorm1`` a domain group norm (sums over the domain), ``LinearSelfAttention``'s softmax over the tokens and
+    its sum of the keys over them domain reductions (``halo.guard.reroute``), its 1x1 convs pointwise. A global H
+    that is not whole patches (timm resizes the whole map first) is refused, naming the rows; ``coreml_exportable``
+    (``F.unfold``) too."""
+
+    def __init__(self, block: nn.Module, *, group: Any | None = None) -> None:
+        super().__init__()
+        missing = [a for a in _ATTRS_V2 if not hasattr(block, a)]
+        if missing:
+            raise TypeError(f"DomainMobileVitV2Block adopts timm's MobileVitV2Block; {type(block).__name__} lacks "
+                            f"{missing}")
+        adopt(self, block, name="DomainMobileVitV2Block")
+        self.halo_init(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        name = "DomainMobileVitV2Block"
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected a (B, C, H_local, W) shard, got shape {tuple(x.shape)}")
+        if getattr(self, "coreml_exportable", False):
+            raise ValueError(f"{name}: coreml_exportable (F.unfold of the map) is not computed on shards; build the "
+                             f"model without it")
+        patch_h, patch_w = self.patch_size
+        b, _, h, w = x.shape
+        if w % patch_w:
+            raise ValueError(f"{name}: {w} columns are not a multiple of the patch width {patch_w}; timm then resizes "
+                             f"the whole map (bilinear, align_corners=True), which halo does not compute on shards")
+        for m in (*self.transformer.modules(), *self.norm.modules()):  # their group norms see the tokens last
+            if isinstance(m, DomainGroupNorm):
+                m.__dict__["_halo_tokens_last"] = True
+        x = self.conv_1x1(self.conv_kxk(x))
+        plan = resolve(x, self.group, name, _patch_plan, (int(patch_h), name), site=self._halo_site, spec=(-2,),
+                       allow_empty=True)
+        y = x if plan.to is None else regroup(x, plan.to)
+        c, h = y.shape[1], y.shape[2]
+        n_h, n_w = h // patch_h, w // patch_w
+        with trusted():  # timm's unfold, of whole patch rows
+            t = y.reshape(b, c, n_h, patch_h, n_w, patch_w).permute(0, 1, 3, 5, 2, 4).reshape(b, c, self.patch_area,
+                                                                                              n_h * n_w)
+        place(t, t.dim() - 1)  # (B, C, P, N_r): the tokens, in global order, hold the sharded rows
+        t = self.norm(self.transformer(t))
+        with trusted():  # timm's fold
+            t = t.reshape(b, c, patch_h, patch_w, n_h, n_w).permute(0, 1, 4, 2, 5, 3)
+            y = t.reshape(b, c, n_h * patch_h, n_w * patch_w)
+        carry(y, x)
+        y = y if plan.back is None else regroup(y, plan.back)
+        return self.conv_proj(y)
+
+
 def mobilevit_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | None:
-    """The converter of timm's ``MobileVitBlock`` (by name, module and attributes), else ``None``."""
+    """The converter of timm's ``MobileVitBlock`` and ``MobileVitV2Block`` (by name, module and attributes), else
+    ``None``."""
     kind = type(module)
-    if kind.__name__ == "MobileVitBlock" and kind.__module__ == "timm.models.mobilevit" \
-            and all(hasattr(module, a) for a in _ATTRS) and not module._parameters and not module._buffers:
+    if kind.__module__ != "timm.models.mobilevit" or module._parameters or module._buffers:
+        return None
+    if kind.__name__ == "MobileVitBlock" and all(hasattr(module, a) for a in _ATTRS):
         return latitude_only(lambda m, ctx: DomainMobileVitBlock(m, group=ctx.group))
+    if kind.__name__ == "MobileVitV2Block" and all(hasattr(module, a) for a in _ATTRS_V2):
+        return latitude_only(lambda m, ctx: DomainMobileVitV2Block(m, group=ctx.group))
     return None

@@ -492,6 +492,11 @@ class DomainGroupNorm(_DomainNorm, nn.GroupNorm):
         self._init(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.__dict__.get("_halo_tokens_last"):  # (B, C, P, N_r): the sharded tokens last (MobileViT V2's
+            return self._forward(x.transpose(-2, -1)).transpose(-2, -1)  # patches); its statistics are the same
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = _plan(self, x, "DomainGroupNorm")
         if x.dim() < 4:
             raise ValueError(f"DomainGroupNorm: expected (B, C, ..., H_local, W), got shape {tuple(x.shape)}")

@@ -17,9 +17,37 @@ from torch import nn
 
 from ..autocast import cast_as_torch
 from .base import HaloLayer
-from .registry import converts
+from .registry import converts, public
 
-__all__ = ["DomainLogSoftmax", "DomainSoftmax"]
+__all__ = ["DomainLogSoftmax", "DomainSoftmax", "domain_softmax"]
+
+
+@public
+def domain_softmax(x: torch.Tensor, dim: int, *, log: bool = False, dtype: torch.dtype | None = None,
+                   group: object | None = None) -> torch.Tensor:
+    """``softmax`` (``log=True``: ``log_softmax``) over ``dim``, the dim of ``x`` that is split over ``group`` (a
+    field's rows, or tokens that hold them): the unsharded op's numbers on this rank's part. The global maximum (an
+    all-reduce; a shift the result does not depend on, so no gradient flows through it) and the global sum of the
+    exponentials (an all-reduce with its plain adjoint, which makes the backward exact: every rank's share of
+    ``sum(g * y)`` reaches every rank). bf16 / fp16 are computed in float32 and returned in their dtype (torch's
+    own kernel accumulates so); under autocast the dtype is torch's (:func:`halo.autocast.cast_as_torch`). A rank
+    holding none of the dim takes part with an empty share. What the guard computes for ``F.softmax`` and
+    ``F.log_softmax`` over H (:mod:`halo.guard.reroute`)."""
+    from ..parallel.reduce import accumulation_dtype, all_reduce
+
+    x = cast_as_torch("log_softmax" if log else "softmax", x) if dtype is None else x.to(dtype)
+    out_dtype = x.dtype
+    x = x.to(accumulation_dtype(x.dtype))
+    d = dim % x.dim()
+    with torch.no_grad():
+        shape = [1 if i == d else s for i, s in enumerate(x.shape)]
+        local = x.amax(d, keepdim=True) if x.shape[d] else x.new_full(shape, float("-inf"))
+        m = all_reduce(local, "max", group=group)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf: torch's NaN comes out as torch's
+    z = x - m
+    total = all_reduce(torch.exp(z).sum(d, keepdim=True), group=group)
+    out = z - torch.log(total) if log else torch.exp(z) / total
+    return out.to(out_dtype)
 
 
 def _check(module: nn.Module, x: torch.Tensor) -> None:
