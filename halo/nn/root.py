@@ -25,7 +25,8 @@ from ..plan import entry, plans
 from ..plan.plans import enter_root, exit_root
 from . import pool
 
-__all__ = ["RootConfig", "drop_root", "global_pool", "guard_whole", "make_root", "rooted", "set_grid"]
+__all__ = ["RootConfig", "RootMethod", "drop_root", "entry_methods", "global_pool", "guard_whole", "make_root",
+           "rooted", "set_grid"]
 
 
 def global_pool(m: nn.Module, domain_size: int) -> bool:
@@ -137,6 +138,48 @@ def make_root(model: nn.Module, group: Any, grid: tuple[int, int] | None, w_shar
     if not had:
         model.register_forward_pre_hook(enter_root, with_kwargs=True)
         model.register_forward_hook(exit_root, with_kwargs=True, always_call=True)
+    for name in entry_methods(model):
+        model.__dict__[name] = RootMethod(model, name)
+
+
+def entry_methods(model: nn.Module) -> list[str]:
+    """The model's other entries: the methods of its class named ``forward_*`` (timm's ``forward_features``,
+    ``forward_head``, ``forward_intermediates``, ...), which users call instead of ``model(x)``."""
+    return [n for n in dir(type(model)) if n.startswith("forward_") and callable(getattr(type(model), n, None))
+            and not isinstance(type(model).__dict__.get(n), (staticmethod, classmethod))]
+
+
+class RootMethod:
+    """A converted model's other entry (:func:`entry_methods`), as an instance attribute: called from outside the
+    model's forward, it is a call of the model (the hooks' :func:`halo.plan.plans.enter_root` / ``exit_root`` around
+    it, under an epoch of its own: its first call guarded), so the ops of its code that ``forward`` never runs (timm's
+    ``forward_intermediates`` reshapes with the shard's rows) are checked, not run unguarded. Inside the forward (or
+    compiled), the method as it is. Picklable, and copied with the model (``copy.deepcopy``)."""
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        self.model, self.name = model, name
+        self.entry = _Entry()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        fn = getattr(type(model), self.name).__get__(model)
+        if torch.compiler.is_compiling() or plans.state().depth:
+            return fn(*args, **kwargs)
+        enter_root(model, args, kwargs, method=self.name)
+        out = None
+        try:
+            out = self.entry(fn, *args, **kwargs)
+        finally:
+            exit_root(model, args, kwargs, out)
+        return out
+
+
+class _Entry(nn.Module):
+    """A :class:`RootMethod`'s call as a module's forward: the functional ops its code calls directly (a mean over
+    H in ``forward_head``) are computed exactly at their sites, which the guard's reroute records on a module."""
+
+    def forward(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
 
 
 def _check_grid(grid: Any, op: str) -> tuple[int, int]:
@@ -199,6 +242,8 @@ def drop_root(model: nn.Module) -> None:
         model.__class__ = unrooted
     if model.__dict__.pop("_halo_root", None) is None:
         return
+    for name in [n for n, v in model.__dict__.items() if isinstance(v, RootMethod)]:
+        del model.__dict__[name]
     for hooks, fn in ((model._forward_pre_hooks, enter_root), (model._forward_hooks, exit_root)):
         for key in [k for k, h in hooks.items() if h is fn]:
             del hooks[key]

@@ -740,8 +740,11 @@ def _watch_backward(module: torch.nn.Module, output: Any) -> None:
 
 
 @torch._dynamo.disable  # a hook: dynamo runs a disabled hook outside the graph even under fullgraph=True
-def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-    """Forward pre-hook of a converted model: start (or, inside another converted model, join) its step's epoch."""
+def enter_root(module: torch.nn.Module, args: Any, kwargs: Any, method: str | None = None) -> None:
+    """Forward pre-hook of a converted model: start (or, inside another converted model, join) its step's epoch.
+    ``method``: another entry of the model called from outside its forward (``halo.nn.root``: timm's
+    ``forward_features``, ...), whose epoch is its own (a pure function of the inputs' and the method's name): its
+    first call is guarded, not taken for one of ``forward``'s calls on the same inputs."""
     st = _state()
     if st.depth:
         st.depth += 1
@@ -774,6 +777,8 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         entry.judge(table[:, 6:], seen, module, config, cg, op)  # the same error on every rank, or the grid learned
         epoch = _intern(("entry", cg.ranks, tuple(table[:, :3].ravel().tolist())))
         entry.agreed(module, seen, st.token, epoch)
+    if method is not None:
+        epoch = _intern(("method", method, epoch))
     if module.__dict__.get("_halo_data_parallel") != "fsdp-all":  # (fsdp-all: shards differ within a domain group)
         from .replicated import periodic_check
 
