@@ -41,6 +41,15 @@ def _psp(m, x):
     return x + F.interpolate(m.psp(x), size=(h, w), mode="bilinear", align_corners=True)
 
 
+def _linear_attention(m, x):
+    """Linear attention over a field's tokens (EfficientViT's LiteMLA, CoaT's factorised attention): a softmax of
+    the keys over all tokens, their product with the values contracting the tokens (H: a domain sum, whole), the
+    queries times that (local)."""
+    t = x.flatten(2).transpose(1, 2)  # (B, N_r, C)
+    kv = torch.bmm(t.softmax(1).transpose(1, 2), t)  # (B, C, C)
+    return x + (t @ kv.softmax(-1)).transpose(1, 2).reshape(x.shape)
+
+
 def _fpn(m, x):
     """smp FPN's merge: a nearest x2 upsampling added to the level above (37 rows: 18 -> 9 -> 18; at 2 ranks the
     shards' own x2 would hold 10 + 8 rows, the level above 9 + 9)."""
@@ -72,6 +81,8 @@ EXACT = {
     # MobileViT V2's linear attention: a softmax over the tokens (H x W flattened) and the sum of the keys over them
     "softmax_tokens_sum": lambda m, x: x + (x.flatten(2) * torch.log_softmax(x.flatten(2), -1).exp()).sum(
         -1, keepdim=True)[..., None],
+    "linear_attention": _linear_attention,
+    "contract_h_rmatmul": lambda m, x: x * x.__rmatmul__(x.transpose(-1, -2)).mean(-1)[:, :, None, :],
     "interp_size_bilinear": lambda m, x: x + F.interpolate(m.pool(x), size=x.shape[-2:], mode="bilinear"),
     "interp_size_nearest": lambda m, x: x * F.interpolate(m.pool(x), size=(x.size(2), x.size(3))),
     "interp_scale_bilinear": lambda m, x: x + m.pool(F.interpolate(x, scale_factor=2.0, mode="bilinear",

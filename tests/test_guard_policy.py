@@ -34,7 +34,7 @@ def test_every_entry_has_a_kind_and_what_its_kind_needs():
         if p.kind == "exact":
             assert (p.rule is not None or p.check is not None) and callable(p.exact), f
             assert p.how in ("norm", "mean", "vector_norm", "interpolate", "attention", "dropout", "pool", "sum",
-                             "softmax"), f
+                             "softmax", "contract"), f
         if p.kind == "refuse":
             assert p.rule is not None or p.check is not None, f
         if p.kind == "pass":

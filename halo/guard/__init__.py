@@ -514,6 +514,11 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             if why is None and entry.how == "sum" and not (x.is_floating_point() or x.is_complex()) \
                     and kwargs.get("dtype") is None:
                 why = f"a sum of a {x.dtype} field (halo sums floating fields)"
+        elif entry.how == "contract":
+            if problem is None:
+                return None
+            a, b = (args[1], args[0]) if func is T.__rmatmul__ else (args[0], args[1] if len(args) > 1 else None)
+            why = reroute.contract_form(a, b, h_dim(a, self.dims), h_dim(b, self.dims))
         elif entry.how == "softmax":
             if problem is None:
                 return None
@@ -561,6 +566,8 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 action = reroute.finish_mean(x, h, *dims, self.cg, gid, entry.how)
             elif entry.how == "softmax":
                 action = reroute.Softmax(*form, gid)
+            elif entry.how == "contract":
+                action = reroute.Contract(func is T.__rmatmul__, gid)
             elif entry.how == "interpolate":
                 action = reroute.finish_interpolate(args, kwargs, x, whole, self.sized, self.cg, gid, op_name(func))
             else:

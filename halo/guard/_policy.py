@@ -27,7 +27,9 @@ reductions (``max``, ``std``, ``prod``, ``cumsum``,    over H, or over everythin
 ``sort``, ...)                                          floating field, ``softmax``: computed, below)
 ``view`` / ``reshape`` / ``flatten``                   H is merged with an earlier dim (with later ones, as
                                                        ``flatten(2)`` makes tokens, it is tracked)
-``matmul`` / ``@`` / ``bmm``                           H is contracted or becomes a second token dim (attention)
+``matmul`` / ``@`` / ``bmm``                           H becomes a second token dim (attention), or one operand
+                                                       contracts its H with no H in the other's (contracting both
+                                                       fields' H, ``k.mT @ v``: computed, below)
 ``F.layer_norm`` / ``rms_norm``                        ``normalized_shape`` covers H, with a weight or bias
                                                        (``rms_norm``: always)
 ``F.group_norm``, ``instance_norm``, ``batch_norm``    their statistics include H and their input does not hold H
@@ -60,7 +62,9 @@ a custom ``torch.autograd.Function``                   applied to a field (an ou
 =====================================================  ===========================================================
 
 ``F.group_norm``, ``instance_norm``, ``batch_norm`` and ``layer_norm`` (no weight), ``mean``, ``sum`` (of a
-floating field), ``softmax`` and ``log_softmax`` over H (:func:`halo.nn.softmax.domain_softmax`), the vector norms
+floating field), ``softmax`` and ``log_softmax`` over H (:func:`halo.nn.softmax.domain_softmax`), a ``matmul`` that
+contracts two fields' H (``k.transpose(-1, -2) @ v``, linear attention's: the local product summed over the domain,
+whole on every rank), the vector norms
 (``torch.norm``, ``Tensor.norm``, ``torch.linalg.vector_norm``, ``linalg.norm`` of vectors), ``F.interpolate`` and
 ``F.scaled_dot_product_attention`` whose query, key and value hold fields' tokens (by
 :func:`halo.nn.ring.ring_sdpa`: masks with the global key dim, ``is_causal`` in global positions) are ``exact``:
@@ -712,7 +716,8 @@ _add([torch.permute, T.permute, torch.transpose, T.transpose, torch.movedim, T.m
       T.reshape, torch.reshape, torch.flatten, T.flatten, T.view_as, T.reshape_as, T.unflatten, torch.unflatten],
      Policy("follow", after="layout"))
 _add([torch.stack], Policy("follow", after="stack"))
-_add([torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__, torch.bmm, T.bmm], Policy("refuse", check="_matmul"))
+_add([torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__, torch.bmm, T.bmm],
+     Policy("exact", check="_matmul", how="contract", exact=all_reduce))  # (contracting H: a domain sum, below)
 _add([torch.baddbmm, T.baddbmm], Policy("refuse", check="_baddbmm"))
 _add([torch.einsum], Policy("follow", check="_einsum", after="einsum"))
 _add([F.scaled_dot_product_attention],  # over a field's tokens: ring attention (halo.nn.ring.ring_sdpa)

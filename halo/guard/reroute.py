@@ -282,6 +282,36 @@ class Mean(NamedTuple):
         return out
 
 
+class Contract(NamedTuple):
+    """``a @ b`` (``matmul``, ``bmm``; ``rmatmul``: ``b.__rmatmul__(a)``) contracting both fields' H (``a``'s last
+    dim, ``b``'s dim -2: linear attention's ``k.transpose(-1, -2) @ v``): each rank's product over its own rows,
+    summed over the domain (the plain all-reduce adjoint), whole on every rank."""
+
+    rmatmul: bool
+    gid: int
+
+    def __call__(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        from ..parallel.reduce import all_reduce
+
+        a, b = (args[1], args[0]) if self.rmatmul else (args[0], args[1])
+        out = all_reduce(torch.matmul(a, b), group=group_by_id(self.gid).group)
+        if not torch.compiler.is_compiling():
+            mark_whole(out, WHOLE_SUM)
+        return out
+
+
+def contract_form(a: Any, b: Any, ha: int | None, hb: int | None) -> str | None:
+    """Why ``a @ b`` (``a``'s H at ``ha``, ``b``'s at ``hb``) is no contraction of both fields' H (``None``: it is)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 3 and b.dim() >= 3):
+        return "an operand of fewer than 3 dims"
+    if ha == a.dim() - 1 and hb == b.dim() - 2:
+        return None
+    if ha == a.dim() - 2 and hb == b.dim() - 1:
+        return ("H becomes a second token dim: attention over all tokens; use F.scaled_dot_product_attention, which "
+                "halo computes by ring attention")
+    return "only one operand's H is contracted (a field times a tensor that is not split alike)"
+
+
 #: softmax and log-softmax, as the guard sees them; ``F.softmax`` takes ``_stacklevel`` before its ``dtype``
 _LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax)
 _F_SOFTMAX = (F.softmax, F.log_softmax)
