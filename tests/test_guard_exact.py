@@ -242,6 +242,9 @@ REFUSED = {
                               "Tensor.mean", "disagree on the shape"),
     "mean_into_halo_layer": (lambda m, x: x * m.a(x.mean((2, 3), keepdim=True)), "", "is given the result of a mean"),
     "sum_of_a_bool_field": (lambda m, x: x + (x > 0).sum(2, keepdim=True), "Tensor.sum", "halo sums floating fields"),
+    # a matrix of the shard's size (as if it were the rows of a field): a sum over the ranks would be silently wrong
+    "contract_with_a_shard_sized_eye": (lambda m, x: (x.mT @ torch.eye(x.shape[2], dtype=x.dtype).expand(
+        x.shape[0], C, -1, -1)).mT, "Tensor.matmul", "not a field made by halo"),
     "interp_size_not_a_field": (lambda m, x: F.interpolate(x, size=(x.shape[2] + 1, x.shape[3]))[..., :-1, :],
                                 "interpolate", "not the rows of one field"),
 }

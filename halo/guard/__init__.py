@@ -518,7 +518,8 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             if problem is None:
                 return None
             a, b = (args[1], args[0]) if func is T.__rmatmul__ else (args[0], args[1] if len(args) > 1 else None)
-            why = reroute.contract_form(a, b, h_dim(a, self.dims), h_dim(b, self.dims))
+            why = reroute.contract_form(a, b, h_dim(a, self.dims), h_dim(b, self.dims),
+                                        self.made.get(a) is not None and self.made.get(b) is not None)
         elif entry.how == "softmax":
             if problem is None:
                 return None

@@ -300,11 +300,18 @@ class Contract(NamedTuple):
         return out
 
 
-def contract_form(a: Any, b: Any, ha: int | None, hb: int | None) -> str | None:
-    """Why ``a @ b`` (``a``'s H at ``ha``, ``b``'s at ``hb``) is no contraction of both fields' H (``None``: it is)."""
+def contract_form(a: Any, b: Any, ha: int | None, hb: int | None, made: bool) -> str | None:
+    """Why ``a @ b`` (``a``'s H at ``ha``, ``b``'s at ``hb``) is no contraction of both fields' H (``None``: it is).
+    ``made``: both are fields halo's layers made (or computed from such), so that neither is a tensor built from a
+    shard's size (``torch.eye(x.shape[-2])``), which a sum over the ranks would take for rows of a field."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 3 and b.dim() >= 3):
         return "an operand of fewer than 3 dims"
     if ha == a.dim() - 1 and hb == b.dim() - 2:
+        if a.shape[-1] != b.shape[-2]:
+            return f"the contracted dims differ on this rank ({a.shape[-1]} and {b.shape[-2]} rows)"
+        if not made:
+            return ("an operand is not a field made by halo's layers (or computed from one): it may not hold the "
+                    "rows of the other's")
         return None
     if ha == a.dim() - 2 and hb == b.dim() - 1:
         return ("H becomes a second token dim: attention over all tokens; use F.scaled_dot_product_attention, which "
