@@ -1,8 +1,8 @@
 """The guard knows where halo's attention layers leave the sharded rows: a channels-last Swin or NATTEN output has
 them at dim 1, ``rows_to_columns`` output is sharded along W. A mean over the real sharded dim after them is
 computed over the whole domain (``halo.guard.reroute``: its result whole on every rank; taking dim -2 for H would have
-passed it per shard: silently wrong), one over the unsharded dim runs on the shard; both are exact. A sum over the
-sharded dim is refused on every rank."""
+passed it per shard: silently wrong), and so is a sum; one over the unsharded dim runs on the shard; all are exact. A
+maximum over the sharded dim is refused on every rank."""
 
 import os
 
@@ -23,7 +23,9 @@ class SwinHead(nn.Module):
 
     def forward(self, x):
         y = self.body(x)  # (B, H, W, C) channels-last
-        return y.sum(-self.dim) if self.dim < 0 else y.mean(self.dim)
+        if self.dim < 0:  # -1: a sum over dim 1 (computed over the domain); -3: a maximum over it (refused)
+            return y.sum(1) if self.dim == -1 else y.amax(1)
+        return y.mean(self.dim)
 
 
 class NattenHead(nn.Module):
@@ -51,11 +53,11 @@ class AxialHead(nn.Module):
         return rows_to_columns(self.inp(x)).mean(self.dim)  # sharded along W now: a mean over H is local
 
 
-#: (head, dim, allowed): a mean over the sharded dim (Swin, NATTEN: 1; axial: -1) is computed exactly, whole on
-#: every rank; a sum over it (SwinHead with -1: a sum over dim 1) is refused
-CASES = [(SwinHead, 1, True), (SwinHead, 2, True), (SwinHead, -1, False), (NattenHead, 1, True),
-         (NattenHead, 2, True), (AxialHead, -1, True), (AxialHead, -2, True)]
-WHOLE = {(SwinHead, 1), (NattenHead, 1), (AxialHead, -1)}  # the mean over the sharded dim: whole on every rank
+#: (head, dim, allowed): a mean or a sum over the sharded dim (Swin, NATTEN: 1; axial: -1) is computed exactly,
+#: whole on every rank; a maximum over it (SwinHead with -3: over dim 1) is refused
+CASES = [(SwinHead, 1, True), (SwinHead, 2, True), (SwinHead, -1, True), (SwinHead, -3, False),
+         (NattenHead, 1, True), (NattenHead, 2, True), (AxialHead, -1, True), (AxialHead, -2, True)]
+WHOLE = {(SwinHead, 1), (SwinHead, -1), (NattenHead, 1), (AxialHead, -1)}  # over the sharded dim: whole everywhere
 
 
 def _ranks(rank, world, kind, dim):
