@@ -69,6 +69,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import operator
 import os
 import sys
 import warnings
@@ -575,10 +576,14 @@ def _constant(v: Any) -> Any:
     int symbolic once it has seen it change at one place: a size at a model's second input shape (``dynamic=None``,
     the default), every size under ``dynamic=True`` or ``mark_dynamic``, an int handed from frame to frame across a
     graph break (a site id); and a float (``specialize_float`` is off: an ``nn.Upsample``'s scale factor under
-    ``dynamic=True``). ``guard_scalar`` specializes it (dynamo guards on its value), so each shape compiles its own
-    graph with its own plans, instead of failing ("assume_constant_result argument conversion failed") or, without
-    ``fullgraph``, breaking the graph at every layer's plan and agreeing there."""
-    if isinstance(v, (int, float)):  # (a SymInt or SymFloat too, where dynamo traces this)
+    ``dynamic=True``). ``operator.index`` and ``guard_scalar`` specialize it (dynamo guards on its value), so each
+    shape compiles its own graph with its own plans, instead of failing ("assume_constant_result argument
+    conversion failed") or, without ``fullgraph``, breaking the graph at every layer's plan and agreeing there. A
+    dim marked with ``torch._dynamo.mark_dynamic`` is refused by torch then (its ``ConstraintViolationError`` names
+    the dim and the plan call that specialized it); ``maybe_mark_dynamic`` is not."""
+    if isinstance(v, int):  # (a SymInt too, where dynamo traces this; an int subclass: an int of its value)
+        return v if isinstance(v, bool) else operator.index(v)
+    if isinstance(v, float):  # (a SymFloat too)
         return guard_scalar(v)
     if isinstance(v, (tuple, list)):
         items = [_constant(e) for e in v]
