@@ -112,7 +112,7 @@ def _traced_state(name: str, factory: Callable[[], T]) -> T:
 
 @torch._dynamo.assume_constant_result
 def _fill(name: str, factory: Callable[[], Any], seen: bool) -> bool:
-    """Run at trace time: where the trace did not ``seen`` the slot (empty then, or filled after dynamo read the
+    """Run at trace time: where the trace has not ``seen`` the slot (empty then, or filled after dynamo read the
     slots), make the state if there is none and trace the frame again (dynamo's ``RestartAnalysis``: the next trace
     reads the slots afresh; once per state and frame, ``fullgraph=True`` too). The branch is in here, so that both
     traces take the same path through the traced code (dynamo checks that a restarted trace does)."""
