@@ -95,6 +95,35 @@ def state(name: str, factory: Callable[[], T]) -> T:
     return slot
 
 
+@torch.compiler.substitute_in_graph(state)
+def _traced_state(name: str, factory: Callable[[], T]) -> T:
+    """What dynamo traces for :func:`state` (``substitute_in_graph``: eager runs the plain lookup).
+
+    A user's first call of a model is often ``torch.compile(model)(x)``, so a state may first be asked for while
+    dynamo traces. Its factory cannot run in the graph (dynamo cannot make a ``WeakKeyDictionary``; and a state
+    made by the graph would be made again at each run from what the trace saw: one salt for every context), and a
+    trace that read the slot empty would guard on its being empty, though it is filled by the time the graph runs
+    (by the trace, or by code dynamo runs at trace time: a plan's ``assume_constant_result``). So a trace that does
+    not see the slot has it filled for real and starts over (:func:`_fill`): the graph reads the slot filled and
+    guards on that, as for a state made before the call."""
+    _fill(name, factory, name in _CURRENT.ctx._slots)
+    return _CURRENT.ctx._slots[name]
+
+
+@torch._dynamo.assume_constant_result
+def _fill(name: str, factory: Callable[[], Any], seen: bool) -> bool:
+    """Run at trace time: where the trace has not ``seen`` the slot (empty then, or filled after dynamo read the
+    slots), make the state if there is none and trace the frame again (dynamo's ``RestartAnalysis``: the next trace
+    reads the slots afresh; once per state and frame, ``fullgraph=True`` too). The branch is in here, so that both
+    traces take the same path through the traced code (dynamo checks that a restarted trace does)."""
+    if not seen:
+        slots = _CURRENT.ctx._slots
+        if name not in slots:
+            slots[name] = factory()
+        raise torch._dynamo.exc.RestartAnalysis(restart_reason=f"halo: the context's {name!r} state was made")
+    return True
+
+
 def reset() -> None:
     """Reset the context in use (:meth:`HaloContext.reset`)."""
     _CURRENT.ctx.reset()

@@ -69,6 +69,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import operator
 import os
 import sys
 import warnings
@@ -79,6 +80,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from .. import context
 from ..dist.comm import CommGroup, HaloCommError, comm_group, gather_words, unsharded_default
@@ -566,6 +568,29 @@ def _traced(epoch: int, site: int, local: tuple, group: Any, op: str, make: Call
     return plan
 
 
+def _constant(v: Any) -> Any:
+    """``v`` (a number, or tuples and lists of them) with every symbolic number in it a plain one, under
+    ``torch.compile``.
+
+    A plan is a function of sizes and arguments, and :func:`_traced` takes them as constants; but dynamo makes an
+    int symbolic once it has seen it change at one place: a size at a model's second input shape (``dynamic=None``,
+    the default), every size under ``dynamic=True`` or ``mark_dynamic``, an int handed from frame to frame across a
+    graph break (a site id); and a float (``specialize_float`` is off: an ``nn.Upsample``'s scale factor under
+    ``dynamic=True``). ``operator.index`` and ``guard_scalar`` specialize it (dynamo guards on its value), so each
+    shape compiles its own graph with its own plans, instead of failing ("assume_constant_result argument
+    conversion failed") or, without ``fullgraph``, breaking the graph at every layer's plan and agreeing there. A
+    dim marked with ``torch._dynamo.mark_dynamic`` is refused by torch then (its ``ConstraintViolationError`` names
+    the dim and the plan call that specialized it); ``maybe_mark_dynamic`` is not."""
+    if isinstance(v, int):  # (a SymInt too, where dynamo traces this; an int subclass: an int of its value)
+        return v if isinstance(v, bool) else operator.index(v)
+    if isinstance(v, float):  # (a SymFloat too)
+        return guard_scalar(v)
+    if isinstance(v, (tuple, list)):
+        items = [_constant(e) for e in v]
+        return type(v)(items) if type(v) in (tuple, list) else type(v)(*items)  # (a NamedTuple: its fields)
+    return v
+
+
 def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple = (), *, site: Site | None = None,
             spec: tuple = (-2,), grad: bool = True, allow_empty: bool = False,
             coords: tuple[tuple[int, ...], ...] | None = None, replicated: bool = False,
@@ -619,7 +644,8 @@ def resolve(x: torch.Tensor, group: Any, op: str, make: Callable, extra: tuple =
     else:
         site_key = 0
     if compiling:  # (plain arguments into the constant-result function; the call's objects are made inside it)
-        return _traced(epoch, site_key, local, group, op, make, extra, specs, coords, allow_empty, split)
+        return _traced(*_constant((epoch, site_key, local)), group, op, make, *_constant((extra, specs, coords)),
+                       allow_empty, split)
     try:  # (_call, inlined: the hot path of a recalled plan)
         call = _interned(group, op, make, extra, specs, coords, allow_empty, split)
     except TypeError:
