@@ -31,28 +31,49 @@ def _net() -> nn.Module:
                          nn.Conv2d(4, 2, 3, padding=1)).double()
 
 
+def _net2d() -> nn.Module:
+    """A latitude x longitude block's convs: zeros (edge sides dead), circular (every side live: the corners wrap),
+    dilated (p = 2 on both axes)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GELU(),
+                         nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular"), nn.Tanh(),
+                         nn.Conv2d(4, 3, 3, padding=2, dilation=2), nn.GELU(),
+                         nn.Conv2d(3, 2, (3, 5), padding=(1, 2))).double()
+
+
 def _net3d() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv3d(2, 3, 3, padding=1, padding_mode="reflect"), nn.GELU(),
                          nn.Conv3d(3, 2, 3, padding=1)).double()
 
 
-#: per layout: the net, the full input's shape, the mesh (None: latitude rows), the convs (each patched)
-LAYOUTS = {"rows": (_net, (B, 3, H, W), None, 3), "mesh": (_net, (B, 3, H, W), (3, 1), 3),
-           "3d": (_net3d, (B, 2, 3, H, 6), None, 2)}
+#: per layout: the net, the full input's shape, the mesh (None: latitude rows), the convs (each patched), the
+#: halo-rows exchanges per conv (2-d: the H rows, the W columns, the corners)
+LAYOUTS = {"rows": (_net, (B, 3, H, W), None, 3, 1), "mesh": (_net, (B, 3, H, W), (3, 1), 3, 1),
+           "3d": (_net3d, (B, 2, 3, H, 6), None, 2, 1)}
+#: on 4 ranks: H and W both sharded, odd extents (23 rows as 12 + 11, 19 columns as 10 + 9)
+LAYOUTS_2D = {"mesh2d": (_net2d, (B, 3, H, 19), (2, 2), 4, 3)}
 
 
 def _op_names(gm) -> list[str]:
-    """The halo ops a graph calls, directly or inside ``with_effects`` (AOT's form of an effectful op)."""
+    """The halo ops a graph calls, directly or inside ``with_effects`` (AOT's form of an effectful op), in graph
+    order, each with the tensor dim it exchanges (``halo::exchange_halos@3``; bare for ``order_after``)."""
     names = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        for t in (node.target, *node.args):
+        args = list(node.args)
+        for i, t in enumerate((node.target, *args)):
             name = getattr(t, "name", None)
             if isinstance(t, torch._ops.OpOverload) and callable(name) and name().startswith("halo::"):
-                names.append(name())
+                rest = args[i:]  # the op's own arguments: (x, order, ex_id, dim, ...)
+                dim = rest[3] if len(rest) > 3 and isinstance(rest[3], int) else None
+                names.append(name() if dim is None else f"{name()}@{dim}")
     return names
+
+
+def _count(names: list[str], op: str) -> int:
+    return sum(n.split("@")[0] == op for n in names)
 
 
 def _counting_backend(seen: dict):
@@ -82,45 +103,53 @@ def _model_on_rank(rank, world, layout):
     from halo.nn import convert_to_domain_parallel
     from halo.plan.partition import local_range
 
-    net, shape, mesh_shape, _ = LAYOUTS[layout]
+    net, shape, mesh_shape, _, _ = {**LAYOUTS, **LAYOUTS_2D}[layout]
     full = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref = net()
     xf = full.clone().requires_grad_(True)
     yf = ref(xf)
     g = torch.randn(yf.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     (yf * g).sum().backward()
-    h0, h1 = local_range(H, world, rank)
     if mesh_shape is None:
         model = convert_to_domain_parallel(net(), halo.initialize_domain_parallel(world, world))
-        group = None
+        group, at = None, (rank, 0)
     else:
         mesh = halo.DomainMesh(mesh_shape, periodic=(False, True))
         model = convert_to_domain_parallel(net(), mesh=mesh)
-        group = mesh.domain_group
+        group, at = mesh.domain_group, (mesh.axis_rank(0), mesh.axis_rank(1))
+    h0, h1 = local_range(H, (mesh_shape or (world,))[0], at[0])
+    w0, w1 = local_range(shape[-1], mesh_shape[1], at[1]) if mesh_shape else (0, shape[-1])
+
+    def block(t):
+        return t[..., h0:h1, w0:w1]
     seen: dict = {}
     torch._dynamo.reset()  # each layout its own graphs: static shapes (halo's plans are baked in per shape)
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(model, fullgraph=True, backend=_counting_backend(seen), dynamic=False)
     errs = []
     for _ in range(2):  # the second call reuses the graph
-        x = full[..., h0:h1, :].clone().requires_grad_(True)
+        x = block(full).clone().requires_grad_(True)
         y = compiled(x)
         yd = y.detach()
-        (y * g[..., h0:h1, :]).sum().backward()
+        (y * block(g)).sum().backward()
         grads = [p.grad.clone() for p in model.parameters()]
         for t in grads:
             dist.all_reduce(t, group=group)
         model.zero_grad(set_to_none=True)
-        errs.append(max([float((yd - yf[..., h0:h1, :]).abs().max()),
-                         float((x.grad - xf.grad[..., h0:h1, :]).abs().max())] +
+        errs.append(max([float((yd - block(yf)).abs().max()),
+                         float((x.grad - block(xf.grad)).abs().max())] +
                         [float((a - b.grad).abs().max()) for a, b in zip(grads, ref.parameters(), strict=True)]))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    return errs, {k: sorted(v) for k, v in seen.items()}, graphs
+    return errs, seen, graphs
 
 
 def _runs_on_rank(rank, world):
     return {**{layout: _model_on_rank(rank, world, layout) for layout in LAYOUTS},
             "adjoint": _adjoint_on_rank(rank, world)}
+
+
+def _runs_2d_on_rank(rank, world):
+    return {layout: _model_on_rank(rank, world, layout) for layout in LAYOUTS_2D}
 
 
 _RUNS: dict = {}
@@ -132,6 +161,12 @@ def _results():
     return _RUNS["aot_eager"]
 
 
+def _results_2d():
+    if "2d" not in _RUNS:
+        _RUNS["2d"] = run_on_ranks(_runs_2d_on_rank, 4, timeout=240)
+    return _RUNS["2d"]
+
+
 # aot_eager only (~15 s for the file): inductor's cold compile costs ~100 s a launch on 2 cores; the inductor run of
 # tests/test_compile.py takes this path too (its 3x3 convs) and counts it there.
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -140,11 +175,35 @@ def test_compiled_patch_path_equals_unsharded(layout):
         errs, seen, graphs = res[layout]
         assert max(errs) < TOL, (rank, errs)
         # The patch path, counted: one halo-rows exchange per conv, no extended-shard exchange either way.
-        ops = {"dynamo": "halo::exchange_halos", "fw": "halo::exchange_halos", "bw": "halo::exchange_halos_adjoint"}
-        for key, op in ops.items():
-            assert seen[key].count(op) == LAYOUTS[layout][3], (rank, key, seen)
-            assert not {"halo::exchange", "halo::exchange_adjoint"} & set(seen[key]), (rank, key, seen)
+        _check_counts(rank, seen, LAYOUTS[layout][3])
         assert graphs == 1, (rank, graphs)  # one graph, reused by the second call
+
+
+_OPS = {"dynamo": "halo::exchange_halos", "fw": "halo::exchange_halos", "bw": "halo::exchange_halos_adjoint"}
+
+
+def _check_counts(rank, seen, count):
+    for key, op in _OPS.items():
+        assert _count(seen[key], op) == count, (rank, key, seen)
+        assert not {"halo::exchange", "halo::exchange_adjoint"} & {n.split("@")[0] for n in seen[key]}, \
+            (rank, key, seen)
+
+
+# H and W sharded (a (2, 2) mesh): three halo-rows exchanges a conv (rows along H, columns and then the corners
+# along W), none of the extended shard's, so a fallback to pad-then-conv fails the count; and the same sequence of
+# exchanges on every rank, forward and backward (messages of a group are told apart by their order alone).
+@pytest.mark.parametrize("layout", list(LAYOUTS_2D))
+def test_compiled_patch_2d_equals_unsharded(layout):
+    results = [res[layout] for res in _results_2d()]
+    _, _, _, convs, per_conv = LAYOUTS_2D[layout]
+    for rank, (errs, seen, graphs) in enumerate(results):
+        assert max(errs) < TOL, (rank, errs)
+        _check_counts(rank, seen, convs * per_conv)
+        assert graphs == 1, (rank, graphs)
+        for key in _OPS:
+            assert seen[key] == results[0][1][key], (rank, key, seen[key], results[0][1][key])
+        assert [n for n in seen["fw"] if "@" in n][:3] == ["halo::exchange_halos@2", "halo::exchange_halos@3",
+                                                         "halo::exchange_halos@3"], (rank, seen["fw"])
 
 
 def _adjoint_on_rank(rank, world):

@@ -417,13 +417,18 @@ class _HaloConvNd(_HaloConvMixin):
         plan = plans[0]
         # A mesh axis of one rank (plain: the conv pads it itself) leaves the H axis alone exchanged: the 1-D path.
         h_only = not plan.plain and all(p.plain for p in plans[1:])
-        if len(plans) == 2 and all(p.patch and not p.plain for p in plans) \
-                and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if len(plans) == 2 and all(p.patch and not p.plain for p in plans) and not (compiling and plan.rolled):
             # Compute-then-patch on both axes (halo.nn.patch2d): the block's conv while rows and columns travel.
+            # Compiled, as plain ops and halo::exchange_halos; across a pole (a PoleExchanger, whose roll's adjoint
+            # the halo-rows op cannot express) a compiled graph pads.
             weight, bias = _cast(self.weight, cast), _cast(self.bias, cast)
             with _no_autocast(xb, cast):
-                y = patch_conv_2d(xb, weight, bias, plan.ex, plans[1].ex, (plan.patch, plans[1].patch),
-                                  self.dilation, self.groups, ex_c=plans[1].corners)
+                if compiling:
+                    y = self._patch_compiled_2d(xb, weight, bias, plans)
+                else:
+                    y = patch_conv_2d(xb, weight, bias, plan.ex, plans[1].ex, (plan.patch, plans[1].patch),
+                                      self.dilation, self.groups, ex_c=plans[1].corners)
         elif h_only and plan.patch and not plan.rolled and (self.overlap is not None or patch_pays(xb)):
             # The Function computes in the dtype torch's conv would under autocast: its inputs are cast here, by
             # autograd-visible casts (so every gradient comes back in its input's own dtype), and autocast is off
@@ -457,6 +462,44 @@ class _HaloConvNd(_HaloConvMixin):
         n, b = y.shape[-2], x.shape[0]
         for i, side in enumerate(plan.live):  # out of place, zero-extended: no clone of the gradient in backward
             y = y + F.pad(taps.narrow(0, i * b, b), (0, 0, 0, n - p) if side == 0 else (0, 0, n - p, 0))
+        return y
+
+    def _patch_compiled_2d(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           plans: tuple) -> torch.Tensor:
+        """Compute-then-patch of a latitude x longitude block as a compiled graph sees it (:mod:`halo.nn.patch2d`'s
+        arithmetic, in the form of :meth:`_patch_compiled`): the conv of the block with zero padding ``(p_h, p_w)``,
+        plus the convs of the halo bands (``p_h`` rows, the corners included) and of the halo columns (``p_w``
+        columns, the block's rows only) added onto the output's border. Three ``halo::exchange_halos``: the H rows
+        and the W columns of the block, then the corners, the W exchange of the live H rows (a diagonal neighbour's
+        rows travel H, then W, as in pad-then-conv; the W plan applies to any tensor of the block's columns). Per
+        axis its sides stacked along the batch dim with the whole kernel (one launch per axis): a band is ``p_h``
+        halo rows and ``2 p_h`` zero rows (``2p = d(k-1)``), a column strip ``p_w`` columns and ``2 p_w`` zeros,
+        zero-padded by ``p_h`` in H like the main conv (the corners are the bands'). Autograd gives the backward
+        (the ops' adjoints, in the reverse order on every rank: corners, columns, rows); no extended copy of the
+        block either way."""
+        (ph, pw), (live_h, live_w) = (plans[0].patch, plans[1].patch), (plans[0].live, plans[1].live)
+        y = F.conv2d(x, weight, bias, 1, (ph, pw), self.dilation, self.groups)
+        rows = exchange_halos(x, plans[0].ex, (ph, ph), 2)  # every rank posts all three (its peers wait for them)
+        cols = exchange_halos(x, plans[1].ex, (pw, pw), 3)
+        b, (n, m) = x.shape[0], y.shape[-2:]
+        if live_h:  # the same on every rank of a W line (they share their latitude position): so are the corners
+            band_rows = rows if len(live_h) == 2 else rows.narrow(2, live_h[0] * ph, ph)
+            corners = exchange_halos(band_rows, plans[1].corners, (pw, pw), 3)
+            bands = torch.cat([corners.narrow(3, 0, pw), band_rows, corners.narrow(3, pw, pw)], 3)
+            zeros = bands.new_zeros((b, bands.shape[1], 2 * ph, bands.shape[3]))
+            strips = torch.cat([torch.cat([bands.narrow(2, i * ph, ph), zeros] if side == 0 else
+                                          [zeros, bands.narrow(2, i * ph, ph)], 2)
+                                for i, side in enumerate(live_h)], 0)
+            taps = F.conv2d(strips, weight, None, 1, 0, self.dilation, self.groups)
+            for i, side in enumerate(live_h):  # out of place, zero-extended (as the 1-D form)
+                y = y + F.pad(taps.narrow(0, i * b, b), (0, 0, 0, n - ph) if side == 0 else (0, 0, n - ph, 0))
+        if live_w:
+            zeros = cols.new_zeros((*cols.shape[:3], 2 * pw))
+            strips = torch.cat([torch.cat([cols.narrow(3, side * pw, pw), zeros] if side == 0 else
+                                          [zeros, cols.narrow(3, side * pw, pw)], 3) for side in live_w], 0)
+            taps = F.conv2d(strips, weight, None, 1, (ph, 0), self.dilation, self.groups)
+            for i, side in enumerate(live_w):
+                y = y + F.pad(taps.narrow(0, i * b, b), (0, m - pw) if side == 0 else (m - pw, 0))
         return y
 
     def _conv(self, x: torch.Tensor, padding: Sequence[int], weight: torch.Tensor | None = None,
