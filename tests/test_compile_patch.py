@@ -14,6 +14,7 @@ three boundaries.
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from halo.testing import run_on_ranks
 
@@ -41,6 +42,28 @@ def _net2d() -> nn.Module:
                          nn.Conv2d(3, 2, (3, 5), padding=(1, 2))).double()
 
 
+def _net_pole() -> nn.Module:
+    """Convs converted with ``boundary="pole"`` (latitude across the poles, longitude circular): p = 1 and 2."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"), nn.GELU(),
+                         nn.Conv2d(4, 2, 3, padding=2, dilation=2, padding_mode="circular")).double()
+
+
+def _pole_forward(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``net`` on the whole field with every conv's rows across the pole the mirrored rows (1, 2, ...) rolled by
+    W/2, the longitudes padded circularly (tests/test_pole_patch.py's reference)."""
+    for m in net:
+        if isinstance(m, nn.Conv2d):
+            (ph, pw), n, w = m.padding, x.shape[-2], x.shape[-1]
+            north = x.narrow(-2, 1, ph).flip(-2).roll(w // 2, -1)
+            south = x.narrow(-2, n - 1 - ph, ph).flip(-2).roll(w // 2, -1)
+            x = F.pad(torch.cat([north, x, south], -2), (pw, pw, 0, 0), mode="circular")
+            x = F.conv2d(x, m.weight, m.bias, 1, 0, m.dilation)
+        else:
+            x = m(x)
+    return x
+
+
 def _net3d() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv3d(2, 3, 3, padding=1, padding_mode="reflect"), nn.GELU(),
@@ -52,7 +75,8 @@ def _net3d() -> nn.Module:
 LAYOUTS = {"rows": (_net, (B, 3, H, W), None, 3, 1), "mesh": (_net, (B, 3, H, W), (3, 1), 3, 1),
            "3d": (_net3d, (B, 2, 3, H, 6), None, 2, 1)}
 #: on 4 ranks: H and W both sharded, odd extents (23 rows as 12 + 11, 19 columns as 10 + 9)
-LAYOUTS_2D = {"mesh2d": (_net2d, (B, 3, H, 19), (2, 2), 4, 3)}
+#: across the poles (18 columns: even, to roll by 9): a fourth exchange a conv, the roll of the rows across the pole
+LAYOUTS_2D = {"mesh2d": (_net2d, (B, 3, H, 19), (2, 2), 4, 3), "pole": (_net_pole, (B, 3, H, 18), (2, 2), 2, 4)}
 
 
 def _op_names(gm) -> list[str]:
@@ -107,7 +131,7 @@ def _model_on_rank(rank, world, layout):
     full = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref = net()
     xf = full.clone().requires_grad_(True)
-    yf = ref(xf)
+    yf = _pole_forward(ref, xf) if layout == "pole" else ref(xf)
     g = torch.randn(yf.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     (yf * g).sum().backward()
     if mesh_shape is None:
@@ -115,7 +139,7 @@ def _model_on_rank(rank, world, layout):
         group, at = None, (rank, 0)
     else:
         mesh = halo.DomainMesh(mesh_shape, periodic=(False, True))
-        model = convert_to_domain_parallel(net(), mesh=mesh)
+        model = convert_to_domain_parallel(net(), mesh=mesh, boundary="pole" if layout == "pole" else None)
         group, at = mesh.domain_group, (mesh.axis_rank(0), mesh.axis_rank(1))
     h0, h1 = local_range(H, (mesh_shape or (world,))[0], at[0])
     w0, w1 = local_range(shape[-1], mesh_shape[1], at[1]) if mesh_shape else (0, shape[-1])
@@ -202,8 +226,8 @@ def test_compiled_patch_2d_equals_unsharded(layout):
         assert graphs == 1, (rank, graphs)
         for key in _OPS:
             assert seen[key] == results[0][1][key], (rank, key, seen[key], results[0][1][key])
-        assert [n for n in seen["fw"] if "@" in n][:3] == ["halo::exchange_halos@2", "halo::exchange_halos@3",
-                                                         "halo::exchange_halos@3"], (rank, seen["fw"])
+        first = ["halo::exchange_halos@2"] + ["halo::exchange_halos@3"] * (per_conv - 1)  # rows, [roll,] W
+        assert [n for n in seen["fw"] if "@" in n][:per_conv] == first, (rank, seen["fw"])
 
 
 def _adjoint_on_rank(rank, world):

@@ -64,6 +64,7 @@ from ._registry import (
     exchange_spec,
     exchanger_id,
     get_exchanger,
+    pole_spec,
     pole_step,
 )
 from .exchanger import Exchanger, like_format, memory_format, post_messages
@@ -99,6 +100,7 @@ __all__ = [
     "halo_exchange_",
     "halo_exchange_2d",
     "halo_exchange_async",
+    "pole_spec",
     "pole_step",
     "set_timeout",
     "set_validation",

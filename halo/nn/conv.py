@@ -418,10 +418,9 @@ class _HaloConvNd(_HaloConvMixin):
         # A mesh axis of one rank (plain: the conv pads it itself) leaves the H axis alone exchanged: the 1-D path.
         h_only = not plan.plain and all(p.plain for p in plans[1:])
         compiling = torch.compiler.is_compiling()
-        if len(plans) == 2 and all(p.patch and not p.plain for p in plans) and not (compiling and plan.rolled):
-            # Compute-then-patch on both axes (halo.nn.patch2d): the block's conv while rows and columns travel.
-            # Compiled, as plain ops and halo::exchange_halos; across a pole (a PoleExchanger, whose roll's adjoint
-            # the halo-rows op cannot express) a compiled graph pads.
+        if len(plans) == 2 and all(p.patch and not p.plain for p in plans):
+            # Compute-then-patch on both axes (halo.nn.patch2d): the block's conv while rows and columns travel
+            # (compiled: plain ops and halo::exchange_halos).
             weight, bias = _cast(self.weight, cast), _cast(self.bias, cast)
             with _no_autocast(xb, cast):
                 if compiling:
@@ -475,11 +474,18 @@ class _HaloConvNd(_HaloConvMixin):
         axis its sides stacked along the batch dim with the whole kernel (one launch per axis): a band is ``p_h``
         halo rows and ``2 p_h`` zero rows (``2p = d(k-1)``), a column strip ``p_w`` columns and ``2 p_w`` zeros,
         zero-padded by ``p_h`` in H like the main conv (the corners are the bands'). Autograd gives the backward
-        (the ops' adjoints, in the reverse order on every rank: corners, columns, rows); no extended copy of the
-        block either way."""
+        (the ops' adjoints, in one order on every rank: corners, columns, roll, rows); no extended copy of the block
+        either way."""
         (ph, pw), (live_h, live_w) = (plans[0].patch, plans[1].patch), (plans[0].live, plans[1].live)
         y = F.conv2d(x, weight, bias, 1, (ph, pw), self.dilation, self.groups)
-        rows = exchange_halos(x, plans[0].ex, (ph, ph), 2)  # every rank posts all three (its peers wait for them)
+        pole = plans[0].pole
+        rows = exchange_halos(x, plans[0].ex if pole is None else pole.h, (ph, ph), 2)  # every rank posts them all
+        if pole is not None and (pole.top or pole.bottom):  # alike on a W line (one latitude position)
+            top, bottom = pole.top, pole.bottom
+            strip = torch.cat([rows.narrow(2, 0, top), rows.narrow(2, 2 * ph - bottom, bottom)], 2)
+            rolled = exchange_halos(strip, pole.roll, (0, x.shape[3]), 3)
+            rows = torch.cat([rolled.narrow(2, 0, top), rows.narrow(2, top, 2 * ph - top - bottom),
+                              rolled.narrow(2, top, bottom)], 2)
         cols = exchange_halos(x, plans[1].ex, (pw, pw), 3)
         b, (n, m) = x.shape[0], y.shape[-2:]
         if live_h:  # the same on every rank of a W line (they share their latitude position): so are the corners
