@@ -7,8 +7,12 @@ additions are plain ops the compiler sees. A few 3x3 convs (one circular in W) o
 on latitude rows, on a (3, 1) mesh (its W axis plain), and two 3-d convs (one reflect-padded): forward, input and
 parameter gradients equal the unsharded model's, and the graphs are counted — dynamo's graph holds one
 ``halo::exchange_halos`` per conv and no ``halo::exchange``, AOT's backward one adjoint per conv — so the test fails
-if the path falls back. The op pair is also checked on its own: ``<A x, y> == <x, A^T y>`` summed over 3 ranks, for
-three boundaries.
+if the path falls back. On a (2, 2) mesh (H and W sharded, 23 x 19: uneven both ways) four convs (zeros, circular,
+dilated, 3x5) compute-then-patch on both axes: three ``halo::exchange_halos`` a conv (the H rows, the W columns,
+then the corners: the W exchange of the H rows), four across a pole (``boundary="pole"``, 23 x 18, against the
+unsharded pole reference: the rows across the pole rolled by W/2, a fourth exchange on the W group), counted, and
+in one order on every rank both ways. The op pair is also checked on its own: ``<A x, y> == <x, A^T y>`` summed
+over 3 ranks, for three boundaries.
 """
 
 import pytest

@@ -36,7 +36,10 @@ On a latitude x longitude mesh the plan is per axis (:meth:`HaloLayer.axis_plans
 kernel, stride, dilation and padding, one agreement for both): the same two ways, on both axes — compute-then-patch
 of the block (:mod:`halo.nn.patch2d`: the H and W exchanges behind the block's conv, the corners a second W hop),
 or pad-then-conv (H, then W of the H-extended block: corners right). Across a pole with W sharded the H exchange
-is a :func:`halo.exchange.pole_step` (the mirrored rows rolled by W/2 by the W ranks), either way.
+is a :func:`halo.exchange.pole_step` (the mirrored rows rolled by W/2 by the W ranks), either way. Under
+``torch.compile`` both forms of compute-then-patch are plain ops around ``halo::exchange_halos`` (the 1-D one
+exchange a conv, the 2-d three: rows, columns, corners; four across a pole: the roll), whose adjoints autograd
+chains for the backward (:meth:`_HaloConvNd._patch_compiled`, :meth:`_HaloConvNd._patch_compiled_2d`).
 
 Measured with benchmarks/conv_overhead.py (2 gloo ranks, 361 x 720 split in two, 3x3, fp32, fwd + bwd inside a
 converted model, input from an activation; 2-core VM, 2026-11-30; benchmarks/RESULTS.md): compute-then-patch
