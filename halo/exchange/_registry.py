@@ -34,7 +34,7 @@ from ..plan.plans import device_tensor, hold
 from .exchanger import Exchanger
 
 __all__ = ["ExchangeRef", "ExchangeSpec", "LIVE_CAP", "PoleExchanger", "PoleSpec", "SPECS_CAP", "exchange_ref",
-           "exchange_spec", "exchanger_id", "get_exchanger", "pole_spec", "pole_step", "pooled_bytes"]
+           "exchange_spec", "exchanger_id", "get_exchanger", "pole_step", "pooled_bytes"]
 
 
 class ExchangeSpec(NamedTuple):
@@ -227,14 +227,6 @@ def pole_step(ex_id: int, w_group: Any, w_sizes: Sequence[int], w_dim: int) -> i
     state = _state()
     pole = PoleSpec(h, roll, top, bottom, (spec.dim, w_dim))
     return _ref(state, pole, (state.by_id[h], state.by_id[roll])).id  # (its steps held with it)
-
-
-def pole_spec(ex_id: int) -> PoleSpec | None:
-    """The steps of exchange ``ex_id`` if it is a :func:`pole_step` (the latitude exchange with the mirror
-    boundary, the roll, the rows across each pole), else ``None``: for a compiled layer, which runs the two steps as
-    ops of its graph."""
-    ref = _lookup(ex_id)
-    return ref.spec if ref.parts else None
 
 
 class PoleExchanger:

@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 from ..context import made
 from ..dist.comm import CommGroup, comm_group
 from ..dist.mesh import DomainMesh, group_attribute, mesh_2d, mesh_coords
-from ..exchange import PoleSpec, exchange, like_format, pole_spec, pole_step
+from ..exchange import exchange, like_format, pole_step
 from ..plan.plans import Site, carry, resolve
 
 __all__ = ["AxisPlan", "HaloLayer", "adopt", "mesh_layout", "mesh_of", "run_axes", "set_mesh"]
@@ -82,8 +82,6 @@ class AxisPlan:
     #: by a second exchange on the W group (a :class:`~halo.exchange.PoleExchanger`, whose ``halos`` hold them),
     #: so a layer that posts other messages on the W group must post them in one order on every rank.
     rolled: bool = dataclasses.field(default=False, kw_only=True)
-    #: With ``rolled``: its two steps (:func:`halo.exchange.pole_spec`), for a compiled graph that runs them as ops.
-    pole: PoleSpec | None = dataclasses.field(default=None, kw_only=True)
 
 
 def _one_axis(cg: CommGroup, extents: tuple[tuple[int, ...], ...], make: Callable, dim: int,
@@ -102,7 +100,7 @@ def _mesh_axes(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tupl
     if isinstance(h, AxisPlan) and not h.plain and h.ex >= 0:
         ex = pole_step(h.ex, groups[1], tuple(extents[1]), plans[1].dim if isinstance(plans[1], AxisPlan) else dims[1])
         if ex != h.ex:
-            plans[0] = dataclasses.replace(h, ex=ex, rolled=True, pole=pole_spec(ex))
+            plans[0] = dataclasses.replace(h, ex=ex, rolled=True)
     return tuple(plans)
 
 

@@ -37,9 +37,10 @@ kernel, stride, dilation and padding, one agreement for both): the same two ways
 of the block (:mod:`halo.nn.patch2d`: the H and W exchanges behind the block's conv, the corners a second W hop),
 or pad-then-conv (H, then W of the H-extended block: corners right). Across a pole with W sharded the H exchange
 is a :func:`halo.exchange.pole_step` (the mirrored rows rolled by W/2 by the W ranks), either way. Under
-``torch.compile`` both forms of compute-then-patch are plain ops around ``halo::exchange_halos`` (the 1-D one
-exchange a conv, the 2-d three: rows, columns, corners; four across a pole: the roll), whose adjoints autograd
-chains for the backward (:meth:`_HaloConvNd._patch_compiled`, :meth:`_HaloConvNd._patch_compiled_2d`).
+``torch.compile`` both forms of compute-then-patch are plain ops around one custom op a conv (the 1-D
+``halo::exchange_halos``; the 2-d ``halo::exchange_halos_2d``: rows, columns and corners, the rows across a pole
+rolled), whose adjoint autograd chains for the backward (:meth:`_HaloConvNd._patch_compiled`,
+:meth:`_HaloConvNd._patch_compiled_2d`).
 
 Measured with benchmarks/conv_overhead.py (2 gloo ranks, 361 x 720 split in two, 3x3, fp32, fwd + bwd inside a
 converted model, input from an activation; 2-core VM, 2026-11-30; benchmarks/RESULTS.md): compute-then-patch
@@ -67,7 +68,7 @@ from torch import nn
 
 from ..autocast import policy_device, result_dtype
 from ..dist.comm import CommGroup
-from ..exchange import exchange_halos, exchanger_id, get_exchanger
+from ..exchange import exchange_halos, exchange_halos_2d, exchanger_id, get_exchanger
 from ..kernels.reference import alloc_like as kernels_alloc_like
 from ..plan.geometry import conv_row_plan, conv_transpose_row_plan
 from ..plan.partition import check_boundary, split_sizes
@@ -423,7 +424,7 @@ class _HaloConvNd(_HaloConvMixin):
         compiling = torch.compiler.is_compiling()
         if len(plans) == 2 and all(p.patch and not p.plain for p in plans):
             # Compute-then-patch on both axes (halo.nn.patch2d): the block's conv while rows and columns travel
-            # (compiled: plain ops and halo::exchange_halos).
+            # (compiled: plain ops and halo::exchange_halos_2d).
             weight, bias = _cast(self.weight, cast), _cast(self.bias, cast)
             with _no_autocast(xb, cast):
                 if compiling:
@@ -471,34 +472,22 @@ class _HaloConvNd(_HaloConvMixin):
         """Compute-then-patch of a latitude x longitude block as a compiled graph sees it (:mod:`halo.nn.patch2d`'s
         arithmetic, in the form of :meth:`_patch_compiled`): the conv of the block with zero padding ``(p_h, p_w)``,
         plus the convs of the halo bands (``p_h`` rows, the corners included) and of the halo columns (``p_w``
-        columns, the block's rows only) added onto the output's border. Three ``halo::exchange_halos``: the H rows
-        and the W columns of the block, then the corners, the W exchange of the live H rows (a diagonal neighbour's
-        rows travel H, then W, as in pad-then-conv; the W plan applies to any tensor of the block's columns). Per
-        axis its sides stacked along the batch dim with the whole kernel (one launch per axis): a band is ``p_h``
-        halo rows and ``2 p_h`` zero rows (``2p = d(k-1)``), a column strip ``p_w`` columns and ``2 p_w`` zeros,
-        zero-padded by ``p_h`` in H like the main conv (the corners are the bands'). Autograd gives the backward
-        (the ops' adjoints, in one order on every rank: corners, columns, roll, rows); no extended copy of the block
-        either way."""
+        columns, the block's rows only) added onto the output's border. One ``halo::exchange_halos_2d`` gives the
+        rows, the columns and the corners (the W exchange of the rows: a diagonal neighbour's rows travel H, then W,
+        as in pad-then-conv; across a pole the rows are the pole step's, rolled), in patch2d's order and sync points.
+        Per axis its live sides stacked along the batch dim with the whole kernel (one launch per axis): a band is
+        ``p_h`` halo rows and ``2 p_h`` zero rows (``2p = d(k-1)``), a column strip ``p_w`` columns and ``2 p_w``
+        zeros, zero-padded by ``p_h`` in H like the main conv (the corners are the bands'). Autograd gives the
+        backward (the op's adjoint); no extended copy of the block either way."""
         (ph, pw), (live_h, live_w) = (plans[0].patch, plans[1].patch), (plans[0].live, plans[1].live)
         y = F.conv2d(x, weight, bias, 1, (ph, pw), self.dilation, self.groups)
-        pole = plans[0].pole
-        rows = exchange_halos(x, plans[0].ex if pole is None else pole.h, (ph, ph), 2)  # every rank posts them all
-        if pole is not None and (pole.top or pole.bottom):  # alike on a W line (one latitude position)
-            top, bottom = pole.top, pole.bottom
-            strip = torch.cat([rows.narrow(2, 0, top), rows.narrow(2, 2 * ph - bottom, bottom)], 2)
-            rolled = exchange_halos(strip, pole.roll, (0, x.shape[3]), 3)
-            rows = torch.cat([rolled.narrow(2, 0, top), rows.narrow(2, top, 2 * ph - top - bottom),
-                              rolled.narrow(2, top, bottom)], 2)
-        cols = exchange_halos(x, plans[1].ex, (pw, pw), 3)
+        rows, cols, corners = exchange_halos_2d(x, plans[0].ex, plans[1].ex, plans[1].corners, (ph, pw))
         b, (n, m) = x.shape[0], y.shape[-2:]
-        if live_h:  # the same on every rank of a W line (they share their latitude position): so are the corners
-            band_rows = rows if len(live_h) == 2 else rows.narrow(2, live_h[0] * ph, ph)
-            corners = exchange_halos(band_rows, plans[1].corners, (pw, pw), 3)
-            bands = torch.cat([corners.narrow(3, 0, pw), band_rows, corners.narrow(3, pw, pw)], 3)
+        if live_h:
+            bands = torch.cat([corners.narrow(3, 0, pw), rows, corners.narrow(3, pw, pw)], 3)
             zeros = bands.new_zeros((b, bands.shape[1], 2 * ph, bands.shape[3]))
-            strips = torch.cat([torch.cat([bands.narrow(2, i * ph, ph), zeros] if side == 0 else
-                                          [zeros, bands.narrow(2, i * ph, ph)], 2)
-                                for i, side in enumerate(live_h)], 0)
+            strips = torch.cat([torch.cat([bands.narrow(2, side * ph, ph), zeros] if side == 0 else
+                                          [zeros, bands.narrow(2, side * ph, ph)], 2) for side in live_h], 0)
             taps = F.conv2d(strips, weight, None, 1, 0, self.dilation, self.groups)
             for i, side in enumerate(live_h):  # out of place, zero-extended (as the 1-D form)
                 y = y + F.pad(taps.narrow(0, i * b, b), (0, 0, 0, n - ph) if side == 0 else (0, 0, n - ph, 0))
