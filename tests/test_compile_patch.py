@@ -178,7 +178,36 @@ def _runs_on_rank(rank, world):
 
 
 def _runs_2d_on_rank(rank, world):
-    return {layout: _model_on_rank(rank, world, layout) for layout in LAYOUTS_2D}
+    return {**{layout: _model_on_rank(rank, world, layout) for layout in LAYOUTS_2D},
+            "adjoint": _adjoint_2d_on_rank(rank, world)}
+
+
+def _adjoint_2d_on_rank(rank, world):
+    """``<A x, y>`` and ``<x, A^T y>`` (summed over the mesh) of ``halo::exchange_halos_2d`` (its three outputs
+    together), per boundary pair (H, W); p = (2, 1), a 16 x 10 field on (2, 2)."""
+    import torch.distributed as dist
+
+    import halo
+    from halo.exchange import exchange_halos_2d
+    from halo.nn.patch2d import plan_patch_2d
+    from halo.plan.partition import split_sizes
+
+    mesh = halo.DomainMesh((2, 2), periodic=(False, True))
+    sizes = (split_sizes(16, 2), split_sizes(10, 2))
+    groups = (mesh.axis_group(0), mesh.axis_group(1))
+    gen = torch.Generator().manual_seed(20 + rank)
+    out = {}
+    for boundaries in (("zeros", "zeros"), ("reflect", "circular"), ("pole", "circular")):
+        plan = plan_patch_2d(groups, sizes, (5, 3), (1, 1), boundaries)
+        x = torch.randn(2, 3, sizes[0][mesh.axis_rank(0)], sizes[1][mesh.axis_rank(1)], dtype=torch.float64,
+                        generator=gen).requires_grad_(True)
+        ax = exchange_halos_2d(x, plan.ex_h, plan.ex_w, plan.ex_c, plan.pad)
+        ys = [torch.randn(t.shape, dtype=torch.float64, generator=gen) for t in ax]
+        (aty,) = torch.autograd.grad(ax, x, ys)
+        dots = torch.stack([sum((a * y).sum() for a, y in zip(ax, ys, strict=True)), (x * aty).sum()])
+        dist.all_reduce(dots, group=mesh.domain_group)
+        out[boundaries] = (float(dots[0]), float(dots[1]))
+    return out
 
 
 _RUNS: dict = {}
@@ -264,3 +293,9 @@ def test_exchange_halos_adjoint_dot_product():
         for boundary, (ax_y, x_aty, same) in res["adjoint"].items():
             assert abs(ax_y - x_aty) <= 1e-12 * max(abs(ax_y), 1.0), (rank, boundary, ax_y, x_aty)
             assert same, (rank, boundary)
+
+
+def test_exchange_halos_2d_adjoint_dot_product():
+    for rank, res in enumerate(_results_2d()):
+        for boundaries, (ax_y, x_aty) in res["adjoint"].items():
+            assert abs(ax_y - x_aty) <= 1e-12 * max(abs(ax_y), 1.0), (rank, boundaries, ax_y, x_aty)

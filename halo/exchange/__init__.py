@@ -13,6 +13,8 @@ Layers (primitive -> autograd.Function / custom op -> public function)::
     halo::exchange (custom op)  the same under torch.compile: opaque to dynamo, extended shape from the plan
                                 (halo.exchange._ops, with the order tokens every communicating op reads);
     halo::exchange_halos        the halo rows alone (compute-then-patch under torch.compile: exchange_halos)
+    halo::exchange_halos_2d     a block's rows, columns and corners at once (the 2-d compute-then-patch under
+                                torch.compile: exchange_halos_2d)
     halo_exchange / _ / _async / _2d    group resolution, agreed validation (halo.plan.plans), halo -> needs
 
 This module is the one import users and layers need: it re-exports the names of the three below it.
