@@ -291,7 +291,7 @@ def exchange_halos_2d_adjoint_op(g_rows: torch.Tensor, g_cols: torch.Tensor, g_c
     the corner adjoint before the W adjoint; a pole's roll adjoint, on the W group, in the H adjoint's start)."""
     h, w, c = get_exchanger(ex_h), get_exchanger(ex_w), get_exchanger(ex_c)
     b, ch, _, m = g_rows.shape
-    g_band = g_rows.contiguous().clone()  # this call's own: the corners' gradients are added into it in place
+    g_band = g_rows.clone(memory_format=torch.contiguous_format)  # own: the corners' gradients are added in place
     g_corners = g_corners.contiguous()
     c.finish_adjoint(c.start_adjoint(g_corners.narrow(3, 0, pw), g_corners.narrow(3, pw, pw), g_band), g_band,
                      g_band)
