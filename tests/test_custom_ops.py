@@ -138,7 +138,7 @@ def test_communicating_ops_are_ordered_effects() -> None:
     import halo.nn  # noqa: F401 - registers halo::group_norm
 
     for op in ("halo::exchange", "halo::exchange_adjoint", "halo::exchange_halos", "halo::exchange_halos_adjoint",
-               "halo::all_reduce", "halo::replicated_sum",
+               "halo::exchange_halos_2d", "halo::exchange_halos_2d_adjoint", "halo::all_reduce", "halo::replicated_sum",
                "halo::group_norm", "halo::group_norm_backward"):
         assert _get_effect(op) is not None, op
 

@@ -7,7 +7,8 @@ and its norms, pools, upsampling and dropout take the block's global rows and co
 unsharded model in the same process, from the same parameters (tests/_modes.py's loop and verdict: forward, input
 gradient, parameter gradients summed over the domain, BatchNorm's buffers, dtypes and memory format): float64,
 bf16 autocast, channels_last, both checkpointings, gradient accumulation, no_grad, and ``torch.compile``
-(aot_eager; compiled, a conv runs pad-then-conv) on 2x2; the eager cells on 2x3 (6 ranks) too.
+(aot_eager; compiled, the stride-1 convs compute-then-patch as ops of the graph) on 2x2; the eager cells on 2x3
+(6 ranks) too.
 """
 
 from __future__ import annotations

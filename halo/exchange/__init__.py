@@ -13,6 +13,8 @@ Layers (primitive -> autograd.Function / custom op -> public function)::
     halo::exchange (custom op)  the same under torch.compile: opaque to dynamo, extended shape from the plan
                                 (halo.exchange._ops, with the order tokens every communicating op reads);
     halo::exchange_halos        the halo rows alone (compute-then-patch under torch.compile: exchange_halos)
+    halo::exchange_halos_2d     a block's rows, columns and corners at once (the 2-d compute-then-patch under
+                                torch.compile: exchange_halos_2d)
     halo_exchange / _ / _async / _2d    group resolution, agreed validation (halo.plan.plans), halo -> needs
 
 This module is the one import users and layers need: it re-exports the names of the three below it.
@@ -46,6 +48,7 @@ from ..plan.plans import carry, resolve, set_validation
 from ._ops import (
     backward_order_token,
     communicating,
+    exchange_halos_2d_op,
     exchange_halos_op,
     exchange_op,
     order_after,
@@ -91,6 +94,7 @@ __all__ = [
     "communicating",
     "exchange",
     "exchange_halos",
+    "exchange_halos_2d",
     "exchange_ref",
     "exchange_spec",
     "exchanger_id",
@@ -150,6 +154,20 @@ def exchange_halos(x: torch.Tensor, ex_id: int, halos: tuple[int, int], dim: int
     out = exchange_halos_op(x, order, ex_id, dim % x.dim(), int(halos[0]), int(halos[1]))
     if torch.compiler.is_compiling():
         order_after(order, out)
+    return out
+
+
+def exchange_halos_2d(x: torch.Tensor, ex_h: int, ex_w: int, ex_c: int,
+                      pads: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The halos of a latitude x longitude block ``x`` (``(B, C, h, w)``) on both axes, with autograd: ``(rows,
+    cols, corners)``, the ``p_h`` rows before and after it along H (exchange ``ex_h``, a :func:`pole_step` across a
+    pole), the ``p_w`` columns before and after it along W (``ex_w``), and the corners, the W exchange ``ex_c`` of
+    the rows (``pads = (p_h, p_w)``). The ``halo::exchange_halos_2d`` custom op: the 2-d compute-then-patch's
+    exchange as one compile-visible op (two sync points each way, as eager's), ordered as every communicating op."""
+    order = order_token(x.device)
+    out = exchange_halos_2d_op(x, order, int(ex_h), int(ex_w), int(ex_c), int(pads[0]), int(pads[1]))
+    if torch.compiler.is_compiling():
+        order_after(order, out[2])
     return out
 
 

@@ -2,7 +2,8 @@
 
 Under ``torch.compile`` an exchange is opaque to dynamo: :func:`exchange_op` (its extended shape from the plan, in
 the input's memory format, as the fake kernel says) and :func:`exchange_adjoint_op`; compute-then-patch's halo rows
-alone (:func:`exchange_halos_op`, :func:`exchange_halos_adjoint_op`: a compiled ``HaloConv2d``'s). Every
+alone (:func:`exchange_halos_op`, :func:`exchange_halos_adjoint_op`: a compiled ``HaloConv2d``'s; on a latitude x
+longitude block both axes' and the corners at once, :func:`exchange_halos_2d_op` and its adjoint). Every
 communicating custom op of halo (here, the norms' and the reductions') is declared an ordered effect and reads the
 device's order token (:func:`order_communication`, :func:`order_token`, :func:`order_after`), so no compiler pass
 drops, repeats or reorders messages; checkpointed regions save them (:func:`communicating`).
@@ -19,8 +20,9 @@ from ..dist import transport
 from ._registry import get_exchanger
 from .exchanger import memory_format
 
-__all__ = ["backward_order_token", "communicating", "exchange_adjoint_op", "exchange_halos_adjoint_op",
-           "exchange_halos_op", "exchange_op", "order_after", "order_communication", "order_devices", "order_token"]
+__all__ = ["backward_order_token", "communicating", "exchange_adjoint_op", "exchange_halos_2d_adjoint_op",
+           "exchange_halos_2d_op", "exchange_halos_adjoint_op", "exchange_halos_op", "exchange_op", "order_after",
+           "order_communication", "order_devices", "order_token"]
 
 
 def _strided_like(t: torch.Tensor, shape: Sequence[int], fmt: torch.memory_format) -> torch.Tensor:
@@ -239,6 +241,94 @@ def _halos_backward(ctx, grad: torch.Tensor):
 exchange_halos_op.register_autograd(_halos_backward, setup_context=_halos_setup)
 
 
+# -- both axes of a latitude x longitude block at once (the 2-d compute-then-patch under torch.compile) -------------
+
+def _joined(parts: tuple[torch.Tensor, torch.Tensor], dim: int, fmt: torch.memory_format) -> torch.Tensor:
+    """``parts`` (halo views into pooled receive buffers) side by side along ``dim`` in a fresh tensor of ``fmt``."""
+    a, b = parts
+    shape = list(a.shape)
+    shape[dim] += b.shape[dim]
+    out = torch.empty(shape, dtype=a.dtype, device=a.device, memory_format=fmt)
+    out.narrow(dim, 0, a.shape[dim]).copy_(a)
+    out.narrow(dim, a.shape[dim], b.shape[dim]).copy_(b)
+    return out
+
+
+@torch.library.custom_op("halo::exchange_halos_2d", mutates_args=())
+def exchange_halos_2d_op(x: torch.Tensor, order: torch.Tensor, ex_h: int, ex_w: int, ex_c: int, ph: int,
+                         pw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The halos of a block ``x`` (``(B, C, h, w)``) on both axes: ``(rows, cols, corners)``, the ``p_h`` rows
+    before and after it (``(B, C, 2 p_h, w)``, of H exchange ``ex_h``: a :func:`pole_step` across a pole, its rows
+    rolled), the ``p_w`` columns before and after it (``(B, C, h, 2 p_w)``, W exchange ``ex_w``) and the corners,
+    the W exchange ``ex_c`` of ``rows`` (``(B, C, 2 p_h, 2 p_w)``). In eager patch2d's order: the H and W
+    exchanges posted at once (two groups; two sync points in all, not three), the W one waited on before the
+    corners are posted (one message on the W group at a time). Fresh outputs in ``x``'s memory format."""
+    h, w, c = get_exchanger(ex_h), get_exchanger(ex_w), get_exchanger(ex_c)
+    fmt = memory_format(x)
+    pend_h, pend_w = h.start(x), w.start(x)
+    rows = _joined(h.halos(x, pend_h), 2, fmt)
+    cols = _joined(w.halos(x, pend_w), 3, fmt)
+    corners = _joined(c.halos(rows, c.start(rows)), 3, fmt)
+    return rows, cols, corners
+
+
+@exchange_halos_2d_op.register_fake
+def _(x: torch.Tensor, order: torch.Tensor, ex_h: int, ex_w: int, ex_c: int, ph: int,
+      pw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, ch, n, m = x.shape
+    fmt = memory_format(x)
+    return tuple(torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+                 for shape in ((b, ch, 2 * ph, m), (b, ch, n, 2 * pw), (b, ch, 2 * ph, 2 * pw)))
+
+
+@torch.library.custom_op("halo::exchange_halos_2d_adjoint", mutates_args=())
+def exchange_halos_2d_adjoint_op(g_rows: torch.Tensor, g_cols: torch.Tensor, g_corners: torch.Tensor,
+                                 order: torch.Tensor, ex_h: int, ex_w: int, ex_c: int, ph: int,
+                                 pw: int) -> torch.Tensor:
+    """The adjoint of ``halo::exchange_halos_2d``: ``x``'s gradient from its halos' (fresh, contiguous; zero but
+    on the rows and columns this rank sent). The corners' gradients go back along W first and what returns is added
+    onto the H rows' gradients, which then go back along H while the columns' go back along W (eager's order:
+    the corner adjoint before the W adjoint; a pole's roll adjoint, on the W group, in the H adjoint's start)."""
+    h, w, c = get_exchanger(ex_h), get_exchanger(ex_w), get_exchanger(ex_c)
+    b, ch, _, m = g_rows.shape
+    g_band = g_rows.clone(memory_format=torch.contiguous_format)  # own: the corners' gradients are added in place
+    g_corners = g_corners.contiguous()
+    c.finish_adjoint(c.start_adjoint(g_corners.narrow(3, 0, pw), g_corners.narrow(3, pw, pw), g_band), g_band,
+                     g_band)
+    gx = g_rows.new_zeros((b, ch, g_cols.shape[2], m))
+    g_cols = g_cols.contiguous()
+    pend_h = h.start_adjoint(g_band.narrow(2, 0, ph), g_band.narrow(2, ph, ph), gx)
+    pend_w = w.start_adjoint(g_cols.narrow(3, 0, pw), g_cols.narrow(3, pw, pw), gx)
+    w.finish_adjoint(pend_w, gx, gx)
+    h.finish_adjoint(pend_h, gx, gx)
+    return gx
+
+
+@exchange_halos_2d_adjoint_op.register_fake
+def _(g_rows: torch.Tensor, g_cols: torch.Tensor, g_corners: torch.Tensor, order: torch.Tensor, ex_h: int,
+      ex_w: int, ex_c: int, ph: int, pw: int) -> torch.Tensor:
+    b, ch, _, m = g_rows.shape
+    return g_rows.new_empty((b, ch, g_cols.shape[2], m))
+
+
+def _halos_2d_setup(ctx, inputs, output) -> None:
+    x, order, *args = inputs
+    ctx.order, ctx.args, ctx.shapes = order, tuple(args), tuple(tuple(t.shape) for t in output)
+
+
+def _halos_2d_backward(ctx, g_rows, g_cols, g_corners):
+    like = next(g for g in (g_rows, g_cols, g_corners) if g is not None)
+    g_rows, g_cols, g_corners = (like.new_zeros(shape) if g is None else g
+                                 for g, shape in zip((g_rows, g_cols, g_corners), ctx.shapes, strict=True))
+    order = backward_order_token(ctx.order, like)
+    gx = exchange_halos_2d_adjoint_op(g_rows, g_cols, g_corners, order, *ctx.args)
+    order_after(order, gx)
+    return gx, None, None, None, None, None, None
+
+
+exchange_halos_2d_op.register_autograd(_halos_2d_backward, setup_context=_halos_2d_setup)
+
+
 def order_communication(*ops: Any) -> None:
     """Declare communicating custom ops *ordered* side effects under ``torch.compile``.
 
@@ -332,5 +422,6 @@ def _save_communication_in_tagged_nodes(wrap: Any) -> None:
     wrap.TagActivationCheckpoint.tag_nodes = staticmethod(tag_nodes)
 
 
-order_communication(exchange_op, exchange_adjoint_op, exchange_halos_op, exchange_halos_adjoint_op)
+order_communication(exchange_op, exchange_adjoint_op, exchange_halos_op, exchange_halos_adjoint_op,
+                    exchange_halos_2d_op, exchange_halos_2d_adjoint_op)
 _save_communication_in_checkpoints()

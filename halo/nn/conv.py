@@ -36,7 +36,11 @@ On a latitude x longitude mesh the plan is per axis (:meth:`HaloLayer.axis_plans
 kernel, stride, dilation and padding, one agreement for both): the same two ways, on both axes — compute-then-patch
 of the block (:mod:`halo.nn.patch2d`: the H and W exchanges behind the block's conv, the corners a second W hop),
 or pad-then-conv (H, then W of the H-extended block: corners right). Across a pole with W sharded the H exchange
-is a :func:`halo.exchange.pole_step` (the mirrored rows rolled by W/2 by the W ranks), either way.
+is a :func:`halo.exchange.pole_step` (the mirrored rows rolled by W/2 by the W ranks), either way. Under
+``torch.compile`` both forms of compute-then-patch are plain ops around one custom op a conv (the 1-D
+``halo::exchange_halos``; the 2-d ``halo::exchange_halos_2d``: rows, columns and corners, the rows across a pole
+rolled), whose adjoint autograd chains for the backward (:meth:`_HaloConvNd._patch_compiled`,
+:meth:`_HaloConvNd._patch_compiled_2d`).
 
 Measured with benchmarks/conv_overhead.py (2 gloo ranks, 361 x 720 split in two, 3x3, fp32, fwd + bwd inside a
 converted model, input from an activation; 2-core VM, 2026-11-30; benchmarks/RESULTS.md): compute-then-patch
@@ -64,7 +68,7 @@ from torch import nn
 
 from ..autocast import policy_device, result_dtype
 from ..dist.comm import CommGroup
-from ..exchange import exchange_halos, exchanger_id, get_exchanger
+from ..exchange import exchange_halos, exchange_halos_2d, exchanger_id, get_exchanger
 from ..kernels.reference import alloc_like as kernels_alloc_like
 from ..plan.geometry import conv_row_plan, conv_transpose_row_plan
 from ..plan.partition import check_boundary, split_sizes
@@ -417,13 +421,17 @@ class _HaloConvNd(_HaloConvMixin):
         plan = plans[0]
         # A mesh axis of one rank (plain: the conv pads it itself) leaves the H axis alone exchanged: the 1-D path.
         h_only = not plan.plain and all(p.plain for p in plans[1:])
-        if len(plans) == 2 and all(p.patch and not p.plain for p in plans) \
-                and not torch.compiler.is_compiling():
-            # Compute-then-patch on both axes (halo.nn.patch2d): the block's conv while rows and columns travel.
+        compiling = torch.compiler.is_compiling()
+        if len(plans) == 2 and all(p.patch and not p.plain for p in plans):
+            # Compute-then-patch on both axes (halo.nn.patch2d): the block's conv while rows and columns travel
+            # (compiled: plain ops and halo::exchange_halos_2d).
             weight, bias = _cast(self.weight, cast), _cast(self.bias, cast)
             with _no_autocast(xb, cast):
-                y = patch_conv_2d(xb, weight, bias, plan.ex, plans[1].ex, (plan.patch, plans[1].patch),
-                                  self.dilation, self.groups, ex_c=plans[1].corners)
+                if compiling:
+                    y = self._patch_compiled_2d(xb, weight, bias, plans)
+                else:
+                    y = patch_conv_2d(xb, weight, bias, plan.ex, plans[1].ex, (plan.patch, plans[1].patch),
+                                      self.dilation, self.groups, ex_c=plans[1].corners)
         elif h_only and plan.patch and not plan.rolled and (self.overlap is not None or patch_pays(xb)):
             # The Function computes in the dtype torch's conv would under autocast: its inputs are cast here, by
             # autograd-visible casts (so every gradient comes back in its input's own dtype), and autocast is off
@@ -457,6 +465,39 @@ class _HaloConvNd(_HaloConvMixin):
         n, b = y.shape[-2], x.shape[0]
         for i, side in enumerate(plan.live):  # out of place, zero-extended: no clone of the gradient in backward
             y = y + F.pad(taps.narrow(0, i * b, b), (0, 0, 0, n - p) if side == 0 else (0, 0, n - p, 0))
+        return y
+
+    def _patch_compiled_2d(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           plans: tuple) -> torch.Tensor:
+        """Compute-then-patch of a latitude x longitude block as a compiled graph sees it (:mod:`halo.nn.patch2d`'s
+        arithmetic, in the form of :meth:`_patch_compiled`): the conv of the block with zero padding ``(p_h, p_w)``,
+        plus the convs of the halo bands (``p_h`` rows, the corners included) and of the halo columns (``p_w``
+        columns, the block's rows only) added onto the output's border. One ``halo::exchange_halos_2d`` gives the
+        rows, the columns and the corners (the W exchange of the rows: a diagonal neighbour's rows travel H, then W,
+        as in pad-then-conv; across a pole the rows are the pole step's, rolled), in patch2d's order and sync points.
+        Per axis its live sides stacked along the batch dim with the whole kernel (one launch per axis): a band is
+        ``p_h`` halo rows and ``2 p_h`` zero rows (``2p = d(k-1)``), a column strip ``p_w`` columns and ``2 p_w``
+        zeros, zero-padded by ``p_h`` in H like the main conv (the corners are the bands'). Autograd gives the
+        backward (the op's adjoint); no extended copy of the block either way."""
+        (ph, pw), (live_h, live_w) = (plans[0].patch, plans[1].patch), (plans[0].live, plans[1].live)
+        y = F.conv2d(x, weight, bias, 1, (ph, pw), self.dilation, self.groups)
+        rows, cols, corners = exchange_halos_2d(x, plans[0].ex, plans[1].ex, plans[1].corners, (ph, pw))
+        b, (n, m) = x.shape[0], y.shape[-2:]
+        if live_h:
+            bands = torch.cat([corners.narrow(3, 0, pw), rows, corners.narrow(3, pw, pw)], 3)
+            zeros = bands.new_zeros((b, bands.shape[1], 2 * ph, bands.shape[3]))
+            strips = torch.cat([torch.cat([bands.narrow(2, side * ph, ph), zeros] if side == 0 else
+                                          [zeros, bands.narrow(2, side * ph, ph)], 2) for side in live_h], 0)
+            taps = F.conv2d(strips, weight, None, 1, 0, self.dilation, self.groups)
+            for i, side in enumerate(live_h):  # out of place, zero-extended (as the 1-D form)
+                y = y + F.pad(taps.narrow(0, i * b, b), (0, 0, 0, n - ph) if side == 0 else (0, 0, n - ph, 0))
+        if live_w:
+            zeros = cols.new_zeros((*cols.shape[:3], 2 * pw))
+            strips = torch.cat([torch.cat([cols.narrow(3, side * pw, pw), zeros] if side == 0 else
+                                          [zeros, cols.narrow(3, side * pw, pw)], 3) for side in live_w], 0)
+            taps = F.conv2d(strips, weight, None, 1, (ph, 0), self.dilation, self.groups)
+            for i, side in enumerate(live_w):
+                y = y + F.pad(taps.narrow(0, i * b, b), (0, m - pw) if side == 0 else (m - pw, 0))
         return y
 
     def _conv(self, x: torch.Tensor, padding: Sequence[int], weight: torch.Tensor | None = None,
