@@ -17,8 +17,7 @@
   (``ParallelPartitionAttention``: block and grid side by side, 2 x 2) at P = 2: logits,
   input gradient and every parameter gradient equal the unsharded model's (at P = 3 the last stage's two grid
   windows leave a rank without one); ``state_dict`` keys unchanged; ``revert_domain_parallel`` puts timm's blocks
-  back. The layer pickles and its copy computes the same (a converted timm classifier does not: halo.nn.root's
-  global-pool hooks are local functions).
+  back. The layer pickles and its copy computes the same (whole converted models: tests/test_pickle_converted.py).
 - Refused on every rank alike, by name: rows not a multiple of the partition; CoAtNet's 'T' block
   (``TransformerBlock2d``: attention over the whole field); a latitude x longitude mesh; the attention's dropout in
   training.
