@@ -1,14 +1,16 @@
 """A converted model pickles whole (``torch.save(model)``, ``pickle``) and deep-copies (an EMA copy), and each copy
 computes exactly what the original computes, on 2 gloo ranks in float64.
 
-Models: a conv + ``nn.AdaptiveAvgPool2d(1)`` + ``nn.Linear`` classifier (the pool's result is whole on every rank:
-``halo.nn.root.guard_whole`` hooks its tail) and timm's ``ResNet`` (``SelectAdaptivePool2d`` head), 69 rows (uneven
-shards at every level). Copies made before the first call (deepcopy) and after it (pickle, deepcopy, torch.save):
-logits, input gradient and every parameter gradient bitwise equal to the original's, which equals the unsharded
-model (1e-10: sums in another order). The hooks survive the copy, not just the pickling: a copy of a model that
-feeds a global pool's result to a halo conv still refuses it, naming the conv's path. A pickled model's parameters
-keep halo's gradient-provenance mark but (torch never serializes hooks) not the hook: the sync must put it back, so
-that a local loss in a later step is refused on the loaded model as on the original.
+Models, converted with an explicit domain group: a conv + ``nn.AdaptiveAvgPool2d(1)`` + ``nn.Linear`` classifier
+(the pool's result is whole on every rank: ``halo.nn.root.guard_whole`` hooks its tail) and timm's ``ResNet``
+(``SelectAdaptivePool2d`` head), 69 rows (uneven shards at every level); CREDIT's CrossFormer with its earth
+padding and final interpolation (halo's ``TensorPadding`` and a forward hook, both holding the group), 64 rows.
+Copies made before the first call (deepcopy) and after it (pickle, deepcopy, torch.save): output, input gradient
+and every parameter gradient bitwise equal to the original's, which equals the unsharded model (1e-10: sums in
+another order). The hooks survive the copy, not just the pickling: a copy of a model that feeds a global pool's
+result to a halo conv still refuses it, naming the conv's path. A pickled model's parameters keep halo's
+gradient-provenance mark but (torch never serializes hooks) not the hook: the sync must put it back, so that a
+local loss in a later step is refused on the loaded model as on the original.
 """
 
 import copy
@@ -23,7 +25,7 @@ from torch import nn
 
 from halo.testing import run_on_ranks
 
-_MISSING = [p for p in tp.missing() if p in ("timm", "torchvision")]
+_MISSING = [p for p in tp.missing() if p in ("timm", "torchvision", "miles-credit")]
 pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"needs {_MISSING} (tests/_thirdparty.py)")
 
 RTOL = 1e-10  # against the unsharded model: float64 sums in another order; copies vs original: bitwise
@@ -62,40 +64,64 @@ def _saved(model: nn.Module) -> nn.Module:
     return torch.load(buf, weights_only=False)
 
 
+def _crossformer() -> nn.Module:
+    """CREDIT's CrossFormer with its TensorPadding (halo swaps in its own) and the final interpolation (run by
+    halo in a forward hook): both hold the domain group."""
+    from credit.models.wxformer.crossformer import CrossFormer
+
+    return CrossFormer(image_height=64, image_width=32, frames=1, channels=1, surface_channels=2,
+                       input_only_channels=0, levels=1, dim=(4, 8, 16, 32), depth=(1, 1, 1, 1), dim_head=4,
+                       global_window_size=(2, 1, 1, 1), local_window_size=2,
+                       cross_embed_kernel_sizes=((4, 8), (2, 4), (2, 4), (2, 4)), cross_embed_strides=(2, 2, 2, 2),
+                       use_spectral_norm=False, interp=True,
+                       padding_conf={"activate": True, "mode": "earth", "pad_lat": [16, 16], "pad_lon": [16, 16]})
+
+
 def _run(model: nn.Module, x: torch.Tensor, w: torch.Tensor, rank: int) -> tuple:
     import halo
 
     model.zero_grad(set_to_none=True)
     xs = halo.shard(x, -2).requires_grad_(True)
     y = model(xs)
-    ((y * w).sum() * (1.0 if rank == 0 else 0.0)).backward()  # the logits are whole: rank 0 backpropagates them
+    if y.shape == w.shape:  # logits, whole on every rank: rank 0 backpropagates them
+        ((y * w).sum() * (1.0 if rank == 0 else 0.0)).backward()
+    else:  # a field's shard
+        (y * halo.shard(w, -2)).sum().backward()
+        y = halo.gather(y.detach(), -2)
     grads = {}
     for n, p in model.named_parameters():  # summed over the domain group: the model's gradient
-        g = p.grad.clone()
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)  # (a parameter no rank used)
         torch.distributed.all_reduce(g)
         grads[n] = g
     return y.detach(), halo.gather(xs.grad, -2), grads
 
 
-def _copies(rank: int, world: int, name: str) -> dict:
+def _copies(rank: int, world: int, name: str, manager) -> dict:
     import halo
     from halo.nn import convert_to_domain_parallel
 
-    build = Classifier if name == "classifier" else tp._timm_resnet
+    build = {"classifier": Classifier, "resnet": tp._timm_resnet, "crossformer": _crossformer}[name]
     torch.manual_seed(0)
     ref = build().double().eval()
     torch.manual_seed(0)
-    model = convert_to_domain_parallel(build().double().eval())
+    model = convert_to_domain_parallel(build().double().eval(), manager)  # (the explicit group: it must pickle)
     early = copy.deepcopy(model)  # an EMA copy made right after the conversion, before any call
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, 3, 69, 32, dtype=torch.float64, generator=g)
-    w = torch.randn(1, 3, dtype=torch.float64, generator=g)
+    if name == "crossformer":
+        x = torch.randn(1, 3, 1, 64, 32, dtype=torch.float64, generator=g)
+        w = torch.randn(ref(x).shape, dtype=torch.float64, generator=g)
+    else:
+        x = torch.randn(1, 3, 69, 32, dtype=torch.float64, generator=g)
+        w = torch.randn(1, 3, dtype=torch.float64, generator=g)
     xr = x.clone().requires_grad_(True)
     (ref(xr) * w).sum().backward()
-    want = (ref(x).detach(), xr.grad, {n: p.grad for n, p in ref.named_parameters()})
+    want = (ref(x).detach(), xr.grad,
+            {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in ref.named_parameters()})
     got = _run(model, x, w, rank)
     copies = {"deepcopy before a call": early, "pickle": pickle.loads(pickle.dumps(model)),
               "deepcopy": copy.deepcopy(model), "torch.save": _saved(model)}
+    if name == "crossformer":  # (the slowest: the copies that hold the group as the classifiers' do are enough)
+        copies = {k: copies[k] for k in ("deepcopy before a call", "torch.save")}
     same = {}
     for what, twin in copies.items():
         y, gx, gp = _run(twin, x, w, rank)
@@ -149,14 +175,14 @@ def _worker(rank: int, world: int) -> dict:
     tp._torchvision_schemas()
     manager = halo.initialize_domain_parallel(world, world)
     halo.set_timeout(60)
-    return {"classifier": _copies(rank, world, "classifier"), "resnet": _copies(rank, world, "resnet"),
+    return {name: _copies(rank, world, name, manager) for name in ("classifier", "resnet", "crossformer")} | {
             "refusal": _refusal(rank, world), "provenance": _provenance(rank, world, manager)}
 
 
 def test_converted_models_pickle_and_copy_exactly() -> None:
     runs = run_on_ranks(_worker, 2, timeout=120)
     for r in runs:
-        for name in ("classifier", "resnet"):
+        for name in ("classifier", "resnet", "crossformer"):
             assert all(r[name]["same"].values()), (name, r[name]["same"])
             assert all(r[name]["close"]), (name, r[name]["close"])
         assert r["refusal"] is not None and r["refusal"].startswith("proj (Halo") \
