@@ -17,7 +17,8 @@
   (``ParallelPartitionAttention``: block and grid side by side, 2 x 2) at P = 2: logits,
   input gradient and every parameter gradient equal the unsharded model's (at P = 3 the last stage's two grid
   windows leave a rank without one); ``state_dict`` keys unchanged; ``revert_domain_parallel`` puts timm's blocks
-  back. The layer pickles and its copy computes the same (whole converted models: tests/test_pickle_converted.py).
+  back; the converted model (at P = 2) pickles and its copy computes the same logits. The layer pickles and its copy
+  computes the same.
 - Refused on every rank alike, by name: rows not a multiple of the partition; CoAtNet's 'T' block
   (``TransformerBlock2d``: attention over the whole field); a latitude x longitude mesh; the attention's dropout in
   training.
@@ -194,6 +195,8 @@ def _run_block(rank: int, kind: str, grid: bool, sizes: list[int]) -> dict:
 
 
 def _run_model(rank: int, world: int, nchw: bool, block_type: str = "M", convnext: bool = False) -> dict:
+    import pickle
+
     import halo
     from halo.nn import convert_to_domain_parallel, revert_domain_parallel
     from halo.nn.maxvit import HaloPartitionAttention
@@ -214,6 +217,10 @@ def _run_model(rank: int, world: int, nchw: bool, block_type: str = "M", convnex
            "p": _grads(model), "want_p": {n: p.grad for n, p in ref.named_parameters()},
            "keys": list(model.state_dict()) == keys,
            "layers": sum(isinstance(m, HaloPartitionAttention) for m in model.modules())}
+    if world == 2 and block_type == "M":  # a whole converted classifier (global pool hooks, head dropout) pickles
+        twin = pickle.loads(pickle.dumps(model))
+        with torch.no_grad():
+            out["pickled"] = torch.equal(twin(xs.detach()), model(xs.detach()))
     revert_domain_parallel(model)
     out["halo"] = not any(isinstance(m, HaloPartitionAttention) for m in model.modules())
     return out
@@ -295,7 +302,7 @@ def test_maxvit_on_shards(world: int) -> None:
             assert "attn_drop (p=0.1)" in r["drop"], r["drop"]
             assert "PartitionAttention2d" in r["mesh"] and "latitude x longitude" in r["mesh"], r["mesh"]
         else:
-            assert all(r.get("halo", True) for r in res) and all(r.get("keys", True) for r in res), case
+            assert all(r.get("halo", True) and r.get("keys", True) and r.get("pickled", True) for r in res), case
             if case[0] == "model":
                 assert res[0]["layers"] == (3 if case[-1] == "PM" else 6), res[0]["layers"]
             for r in res:

@@ -2,9 +2,10 @@
 computes exactly what the original computes, on 2 gloo ranks in float64.
 
 Models, converted with an explicit domain group: a conv + ``nn.AdaptiveAvgPool2d(1)`` + ``nn.Linear`` classifier
-(the pool's result is whole on every rank: ``halo.nn.root.guard_whole`` hooks its tail) and timm's ``ResNet``
-(``SelectAdaptivePool2d`` head), 69 rows (uneven shards at every level); CREDIT's CrossFormer with its earth
-padding and final interpolation (halo's ``TensorPadding`` and a forward hook, both holding the group), 64 rows.
+(the pool's result is whole on every rank: ``halo.nn.root.guard_whole`` hooks its tail), timm's ``ClassifierHead``
+with a dropout (halo's ``WholeDropout``, holding the group) and timm's ``ResNet``, 69 rows (uneven shards at every
+level); CREDIT's CrossFormer with its earth padding and final interpolation (halo's ``TensorPadding`` and a forward
+hook, both holding the group), 64 rows.
 Copies made before the first call (deepcopy) and after it (pickle, deepcopy, torch.save): output, input gradient
 and every parameter gradient bitwise equal to the original's, which equals the unsharded model (1e-10: sums in
 another order). The hooks survive the copy, not just the pickling: a copy of a model that feeds a global pool's
@@ -64,6 +65,14 @@ def _saved(model: nn.Module) -> nn.Module:
     return torch.load(buf, weights_only=False)
 
 
+def _head() -> nn.Module:
+    """timm's ``ClassifierHead`` after a conv: its ``SelectAdaptivePool2d`` and the dropout halo makes a
+    ``WholeDropout`` (which holds the domain group)."""
+    from timm.layers.classifier import ClassifierHead
+
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), ClassifierHead(8, 3, pool_type="avg", drop_rate=0.1))
+
+
 def _crossformer() -> nn.Module:
     """CREDIT's CrossFormer with its TensorPadding (halo swaps in its own) and the final interpolation (run by
     halo in a forward hook): both hold the domain group."""
@@ -100,7 +109,7 @@ def _copies(rank: int, world: int, name: str, manager) -> dict:
     import halo
     from halo.nn import convert_to_domain_parallel
 
-    build = {"classifier": Classifier, "resnet": tp._timm_resnet, "crossformer": _crossformer}[name]
+    build = {"classifier": Classifier, "head": _head, "resnet": tp._timm_resnet, "crossformer": _crossformer}[name]
     torch.manual_seed(0)
     ref = build().double().eval()
     torch.manual_seed(0)
@@ -175,14 +184,14 @@ def _worker(rank: int, world: int) -> dict:
     tp._torchvision_schemas()
     manager = halo.initialize_domain_parallel(world, world)
     halo.set_timeout(60)
-    return {name: _copies(rank, world, name, manager) for name in ("classifier", "resnet", "crossformer")} | {
+    return {name: _copies(rank, world, name, manager) for name in ("classifier", "head", "resnet", "crossformer")} | {
             "refusal": _refusal(rank, world), "provenance": _provenance(rank, world, manager)}
 
 
 def test_converted_models_pickle_and_copy_exactly() -> None:
     runs = run_on_ranks(_worker, 2, timeout=120)
     for r in runs:
-        for name in ("classifier", "resnet", "crossformer"):
+        for name in ("classifier", "head", "resnet", "crossformer"):
             assert all(r[name]["same"].values()), (name, r[name]["same"])
             assert all(r[name]["close"]), (name, r[name]["close"])
         assert r["refusal"] is not None and r["refusal"].startswith("proj (Halo") \
