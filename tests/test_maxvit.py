@@ -1,9 +1,10 @@
 """timm's MaxViT on latitude shards (``halo.nn.maxvit``) against timm's own classes (``timm.models.maxxvit``), float64.
 
-- Pure: the regroup's pieces are a permutation of the rows onto whole windows (block and grid, uneven shards, a
-  rank with no row, a rank with no window), checked row by row against timm's partition order.
+- Pure: every rank's plan of the regroup (``halo.nn.longrange`` plans from ``halo.nn.maxvit``'s window order),
+  applied row by row as its messages would, moves the rows onto whole windows in timm's partition order (block and
+  grid, uneven shards, a rank with no row, a rank with no window), and the plan back returns every row home.
 - The regroup on 2 and 3 ranks (H = 12 uneven, windows of 3 rows): gathered, it is the global rows in window order;
-  ``ungroup`` undoes it bitwise; and the dot-product test of the adjoint, <R x, y> = <x, R^T y> summed over ranks,
+  the plan back undoes it bitwise; and the dot-product test of the adjoint, <R x, y> = <x, R^T y> summed over ranks,
   with R^T the autograd backward.
 - timm's ``PartitionAttentionCl`` and ``PartitionAttention2d``, block and grid, on uneven shards (H = 12: 7 + 5 and
   5 + 4 + 3, windows of 3 rows: cut by the shards) and a grid block on shards of whole windows (H = 18: 9 + 9,
@@ -16,8 +17,8 @@
   (``ParallelPartitionAttention``: block and grid side by side, 2 x 2) at P = 2: logits,
   input gradient and every parameter gradient equal the unsharded model's (at P = 3 the last stage's two grid
   windows leave a rank without one); ``state_dict`` keys unchanged; ``revert_domain_parallel`` puts timm's blocks
-  back. The layer pickles and its copy computes the same (a converted timm classifier does not: halo.nn.root's
-  global-pool hooks are local functions).
+  back; the converted model (at P = 2) pickles and its copy computes the same logits. The layer pickles and its copy
+  computes the same.
 - Refused on every rank alike, by name: rows not a multiple of the partition; CoAtNet's 'T' block
   (``TransformerBlock2d``: attention over the whole field); a latitude x longitude mesh; the attention's dropout in
   training.
@@ -27,7 +28,6 @@ import _thirdparty as tp
 import pytest
 import torch
 
-from halo.nn.maxvit import regroup_pieces
 from halo.plan.partition import offsets, split_offsets
 from halo.testing import run_on_ranks
 
@@ -46,22 +46,46 @@ def _order(h: int, window: int, grid: bool) -> list[int]:
 
 # -- pure -----------------------------------------------------------------------------------------------------------
 
+def _apply(plans: list, data: list[list[int]]) -> list[list[int]]:
+    """Every rank's regroup plan applied to ``data[r]`` (rank r's rows) as the messages would: a sender's rows for
+    a peer pair up, in order, with the rows the peer places them at. Each output row is filled exactly once."""
+    out: list[list] = [[None] * p.rows_out for p in plans]
+    for q, p in enumerate(plans):
+        moves = [(q, s, d) for s, d in zip(p.own_src, p.own_dst, strict=True)]
+        for r, rows in p.recvs:
+            if r != q:
+                sent = dict(plans[r].sends)[q]
+                assert len(sent) == len(rows), (r, q)
+                moves += [(r, s, d) for s, d in zip(sent, rows, strict=True)]
+        for r, s, d in moves:
+            assert out[q][d] is None, (q, d)  # every target row filled once
+            out[q][d] = data[r][s]
+    assert all(v is not None for rows in out for v in rows)
+    return out
+
+
 @pytest.mark.parametrize("sizes", [[12], [7, 5], [5, 4, 3], [4, 0, 8], [1, 1, 1, 9], [3, 3, 3, 3]])
 @pytest.mark.parametrize("grid", [False, True])
-def test_regroup_pieces_are_the_window_permutation(sizes: list[int], grid: bool) -> None:
-    window, h = 3, sum(sizes)
-    win_off, pieces = regroup_pieces(sizes, window, grid)
-    assert win_off == tuple(split_offsets(h // window, len(sizes)))
-    step = window if grid else 1
+def test_regroup_plan_is_the_window_permutation(sizes: list[int], grid: bool) -> None:
+    from halo.dist.comm import CommGroup
+    from halo.nn.maxvit import _plan
+
+    window, h, parts = 3, sum(sizes), len(sizes)
+    plans = [_plan(CommGroup(None, parts, r, tuple(range(parts))), (tuple(sizes),), (window, 2), grid, 4, 1, "t")
+             for r in range(parts)]
+    if parts == 1:
+        assert plans[0].plain  # one rank: timm's own partition
+        return
+    if plans[0].to is None:  # shards of whole block windows: they stay, and that is window order already
+        assert not grid and all(o % window == 0 for o in offsets(sizes)) and _order(h, window, grid) == list(range(h))
+        return
     offs = offsets(sizes)
-    target = {q: [None] * ((win_off[q + 1] - win_off[q]) * window) for q in range(len(sizes))}
-    for r in range(len(sizes)):
-        for q in range(len(sizes)):
-            for s0, t0, n in pieces[r][q]:
-                for j in range(n):
-                    assert target[q][t0 + j * step] is None  # every target row filled once
-                    target[q][t0 + j * step] = offs[r] + s0 + j
-    assert [row for q in range(len(sizes)) for row in target[q]] == _order(h, window, grid)
+    rows = [list(range(offs[r], offs[r + 1])) for r in range(parts)]
+    there = _apply([p.to for p in plans], rows)
+    win_off = split_offsets(h // window, parts)
+    assert [len(t) for t in there] == [(win_off[q + 1] - win_off[q]) * window for q in range(parts)]  # balanced
+    assert [row for t in there for row in t] == _order(h, window, grid)
+    assert _apply([p.back for p in plans], there) == rows
 
 
 # -- the ranks ------------------------------------------------------------------------------------------------------
@@ -120,15 +144,16 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _adjoint(rank: int, sizes: list[int], grid: bool) -> dict:
     import torch.distributed as dist
 
-    from halo.nn.maxvit import partition_plan, regroup, ungroup
+    from halo.nn.longrange import regroup
+    from halo.nn.maxvit import partition_plan
 
     lo, hi = offsets(sizes)[rank], offsets(sizes)[rank + 1]
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, sum(sizes), 4, 3, dtype=torch.float64, generator=g)
     xs = x[:, lo:hi].clone().requires_grad_(True)
     plan = partition_plan(xs, (3, 2), grid, 1)
-    rx = regroup(xs, plan, 1)
-    back = ungroup(rx, plan, 1)
+    rx = regroup(xs, plan.to)
+    back = regroup(rx, plan.back)
     y = torch.randn(rx.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
     (rty,) = torch.autograd.grad(rx, xs, y)
     dots = torch.stack([(rx * y).sum(), (xs * rty).sum()]).detach()
@@ -136,7 +161,7 @@ def _adjoint(rank: int, sizes: list[int], grid: bool) -> dict:
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, rx.detach())
     rows = torch.cat(parts, 1)  # every rank's windows in rank order: the global rows in window order
-    return {"moved": plan.moved, "dots": dots.tolist(), "back": torch.equal(back, xs),
+    return {"moved": plan.to is not None, "dots": dots.tolist(), "back": torch.equal(back, xs),
             "rows": torch.equal(rows, x[:, _order(sum(sizes), 3, grid)])}
 
 
@@ -170,6 +195,8 @@ def _run_block(rank: int, kind: str, grid: bool, sizes: list[int]) -> dict:
 
 
 def _run_model(rank: int, world: int, nchw: bool, block_type: str = "M", convnext: bool = False) -> dict:
+    import pickle
+
     import halo
     from halo.nn import convert_to_domain_parallel, revert_domain_parallel
     from halo.nn.maxvit import HaloPartitionAttention
@@ -190,6 +217,10 @@ def _run_model(rank: int, world: int, nchw: bool, block_type: str = "M", convnex
            "p": _grads(model), "want_p": {n: p.grad for n, p in ref.named_parameters()},
            "keys": list(model.state_dict()) == keys,
            "layers": sum(isinstance(m, HaloPartitionAttention) for m in model.modules())}
+    if world == 2 and block_type == "M":  # a whole converted classifier (global pool hooks, head dropout) pickles
+        twin = pickle.loads(pickle.dumps(model))
+        with torch.no_grad():
+            out["pickled"] = torch.equal(twin(xs.detach()), model(xs.detach()))
     revert_domain_parallel(model)
     out["halo"] = not any(isinstance(m, HaloPartitionAttention) for m in model.modules())
     return out
@@ -271,7 +302,7 @@ def test_maxvit_on_shards(world: int) -> None:
             assert "attn_drop (p=0.1)" in r["drop"], r["drop"]
             assert "PartitionAttention2d" in r["mesh"] and "latitude x longitude" in r["mesh"], r["mesh"]
         else:
-            assert all(r.get("halo", True) for r in res) and all(r.get("keys", True) for r in res), case
+            assert all(r.get("halo", True) and r.get("keys", True) and r.get("pickled", True) for r in res), case
             if case[0] == "model":
                 assert res[0]["layers"] == (3 if case[-1] == "PM" else 6), res[0]["layers"]
             for r in res:

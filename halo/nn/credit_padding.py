@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dist.mesh import GroupRef, group_attribute
 from ..exchange import exchange
 from ..plan.plans import Site, carry, resolve
 from .pad import pad_plan
@@ -35,6 +36,8 @@ class TensorPadding:
     padded field, so the layers after it see the same rows as on one device. ``unpad`` crops back, re-split. Both
     are exact and differentiable (halo exchanges); with one rank (or no torch.distributed) they are CREDIT's code.
     """
+
+    group = group_attribute()  # (a GroupRef: the model pickles and deep-copies with the padding in it)
 
     def __init__(self, mode: str = "earth", pad_lat: Any = (40, 40), pad_lon: Any = (40, 40), *,
                  group: Any | None = None, **kwargs: Any) -> None:
@@ -100,7 +103,7 @@ def _interp_hook(module: nn.Module, args: Any, output: Any) -> Any:
     ``(B, C, H, W)`` result before the ``unsqueeze(2)``, as :func:`halo.nn.halo_interpolate` on the shards."""
     site = module.__dict__["_halo_interp_site"]
     y = halo_interpolate(output.squeeze(2), size=(module.image_height, module.image_width), mode="bilinear",
-                         group=module.__dict__["_halo_interp_group"], site=site)
+                         group=module.__dict__["_halo_interp_group"].group, site=site)
     return y.unsqueeze(2)
 
 
@@ -113,7 +116,7 @@ def swap_tensor_padding(model: nn.Module, group: Any | None) -> None:
         if is_crossformer(module) and module.use_interp and not module.use_post_block \
                 and "_halo_interp" not in module.__dict__:
             module.__dict__["_halo_interp_site"] = Site()
-            module.__dict__["_halo_interp_group"] = group
+            module.__dict__["_halo_interp_group"] = GroupRef(group)  # (pickles as the default group, as layers')
             module.__dict__["_halo_interp"] = module.register_forward_hook(_interp_hook)
             module.use_interp = False
         for name, value in list(vars(module).items()):

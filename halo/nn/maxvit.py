@@ -10,12 +10,12 @@ of whole block windows already is such a layout (no message). W stays whole on e
 timm does (consecutive columns for block windows, strided for grid windows). The relative position bias is per
 window position, the same for every window, so nothing about it depends on which rank holds a window.
 
-The regroup is a permutation of rows moved by point-to-point messages (``halo.dist.transport``: any sizes, bounded
-waits naming the peers): what rank ``r`` sends rank ``q`` is a list of *pieces*, each a run of consecutive source
-rows that lands on target rows in arithmetic progression (step 1 for block windows, ``g`` for grid windows, whose
-rows are interleaved), concatenated into one message per pair. The plan (the pieces) is a pure function of the
-agreed extents, learned once per global shape (``halo.plan.plans.resolve``). Its backward is its adjoint, the
-inverse permutation (:class:`_RegroupFn`, dot-product tested in float64 in ``tests/test_maxvit.py``).
+The regroup is :func:`halo.nn.longrange.regroup`, the project's one planned permutation of global rows: its
+``source`` is the global rows in window order (:func:`window_rows`), its output split the balanced split of whole
+windows, and the way back is the inverse plan. Its messages are point-to-point (``halo.dist.transport``: any sizes,
+bounded waits naming the peers), one per pair of ranks that share rows; its backward is the inverse permutation
+(dot-product tested in float64 in ``tests/test_maxvit.py``). The plans are a pure function of the agreed extents,
+learned once per global shape (``halo.plan.plans.resolve``).
 
 ============================  ==================================================  =============================
 layer                         replaces (recognised by name and attributes)        split it needs / gives
@@ -51,79 +51,41 @@ import torch
 from torch import nn
 
 from ..context import place
-from ..dist.comm import CommGroup, comm_group
-from ..dist.transport import post, wait
-from ..plan.partition import offsets, split_offsets
+from ..dist.comm import CommGroup
+from ..plan.partition import offsets, split_sizes
 from ..plan.plans import Site, carry, resolve
 from .base import HaloLayer
+from .longrange import RegroupPlan, regroup, regroup_plan
 from .registry import public
 from .window import adopt_recognised, latitude_only
 
-__all__ = ["HaloPartitionAttention", "HaloPartitionedAttention", "RegroupPlan", "maxvit_adapter", "partition_plan",
-           "regroup", "regroup_pieces", "ungroup"]
+__all__ = ["HaloPartitionAttention", "HaloPartitionedAttention", "PartitionPlan", "maxvit_adapter", "partition_plan",
+           "window_rows"]
 
 
-# -- the regroup: pure planning --------------------------------------------------------------------------------
+# -- the regroup: planning (the move is halo.nn.longrange.regroup) ------------------------------------------------
 
-def _window_of(row: int, height: int, window: int, grid: bool) -> tuple[int, int]:
-    """``(window k, position i)`` of a global row: block ``row = k * window + i``; grid ``row = i * (H / window) + k``
-    (timm's ``window_partition`` / ``grid_partition`` along H)."""
-    if grid:
-        return row % (height // window), row // (height // window)
-    return row // window, row % window
-
-
-def regroup_pieces(sizes: tuple[int, ...] | list[int], window: int, grid: bool
-                   ) -> tuple[tuple[int, ...], tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]]:
-    """The regroup of rows split as ``sizes`` into whole windows of ``window`` rows (module docstring).
-
-    Returns ``(win_off, pieces)``: rank ``q`` holds windows ``[win_off[q], win_off[q + 1])`` (balanced), and
-    ``pieces[r][q]`` are the runs ``(s0, t0, n)`` that rank ``r`` sends rank ``q``: its local rows ``[s0, s0 + n)``
-    land on ``q``'s target rows ``t0, t0 + step, ...`` (step 1 for block windows, ``window`` for grid ones). Pure:
-    ``O(H)`` once per shape."""
-    parts, h = len(sizes), sum(sizes)
-    nwin = h // window
-    win_off = tuple(split_offsets(nwin, parts))
-    offs = offsets(sizes)
-    step = window if grid else 1
-    owner = [q for q in range(parts) for _ in range(win_off[q + 1] - win_off[q])]
-    table: list[list[list[list[int]]]] = [[[] for _ in range(parts)] for _ in range(parts)]
-    for r in range(parts):
-        last: tuple[int, int, int] | None = None  # (q, next source row, next target row) of the open run
-        for s in range(sizes[r]):
-            k, i = _window_of(offs[r] + s, h, window, grid)
-            q = owner[k]
-            t = (k - win_off[q]) * window + i
-            if last is not None and last == (q, s, t):
-                table[r][q][-1][2] += 1
-            else:
-                table[r][q].append([s, t, 1])
-            last = (q, s + 1, t + step)
-    pieces = tuple(tuple(tuple(tuple(p) for p in table[r][q]) for q in range(parts)) for r in range(parts))
-    return win_off, pieces
+def window_rows(height: int, window: int, grid: bool) -> list[int]:
+    """The global rows in window order, window ``k`` after window ``k - 1``, positions ``i`` within each: block
+    windows take row ``k * window + i``, grid windows row ``i * (H / window) + k`` (timm's ``window_partition`` /
+    ``grid_partition`` along H). The regroup's ``source``: its output row ``p`` is input row ``window_rows(...)[p]``."""
+    n = height // window
+    return [i * n + k if grid else k * window + i for k in range(n) for i in range(window)]
 
 
 @dataclasses.dataclass(frozen=True)
-class RegroupPlan:
-    """A partition attention's call as planned for this rank: ``plain`` (one rank: timm's computation), else
-    ``moved`` (whether rows travel; a shard of whole block windows keeps its rows), this rank's ``rows`` before and
-    ``windowed`` rows after the regroup, the target ``step`` and the pieces it sends (``sends[q]``) and receives
-    (``recvs[r]``), as :func:`regroup_pieces` gives them."""
+class PartitionPlan:
+    """A partition attention's call as planned for this rank: ``plain`` (one rank: timm's computation), else the
+    regroup ``to`` this rank's whole windows (windows balanced over the ranks, stored window after window) and
+    ``back`` (its inverse), both ``None`` where the shards already hold whole windows (no message)."""
 
     plain: bool
-    group: Any = None
-    me: int = 0
-    moved: bool = False
-    rows: int = 0
-    windowed: int = 0
-    step: int = 1
-    sends: tuple = ()
-    recvs: tuple = ()
-    op: str = ""
+    to: RegroupPlan | None = None
+    back: RegroupPlan | None = None
 
 
 def _plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], window: tuple[int, int], grid: bool, width: int,
-          op: str) -> RegroupPlan:
+          dim: int, op: str) -> PartitionPlan:
     """Pure and agreed (every rank raises alike): H and W must be multiples of the partition, as timm asserts on
     the global field."""
     (sizes,) = extents
@@ -139,101 +101,26 @@ def _plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], window: tuple[int
         raise ValueError(f"{op}: the field's {width} columns along W are not a multiple of the {kind} partition's "
                          f"{window[1]} columns, which timm requires")
     if cg.size == 1:
-        return RegroupPlan(True)
-    offs = offsets(sizes)
-    whole = not grid and all(o % window[0] == 0 for o in offs)
-    if whole or window[0] == 1:  # shards of whole windows (a grid window of one row is a row): no message
-        return RegroupPlan(False, cg.group, cg.index, False, sizes[cg.index], sizes[cg.index], 1, (), (), op)
-    win_off, pieces = regroup_pieces(sizes, window[0], grid)
-    me = cg.index
-    windowed = (win_off[me + 1] - win_off[me]) * window[0]
-    sends = pieces[me]
-    recvs = tuple(pieces[r][me] for r in range(cg.size))
-    return RegroupPlan(False, cg.group, me, True, sizes[me], windowed, window[0] if grid else 1, sends, recvs, op)
+        return PartitionPlan(True)
+    g = window[0]
+    if g == 1 or not grid and all(o % g == 0 for o in offsets(sizes)):
+        return PartitionPlan(False)  # shards of whole windows (a grid window of one row is a row): no message
+    blocks = [g * n for n in split_sizes(h // g, cg.size)]
+    to = regroup_plan(cg, dim, sizes, blocks, window_rows(h, g, grid), op)
+    return PartitionPlan(False, to, dataclasses.replace(to.inverse(), op=f"{op} (back)"))
 
 
 def partition_plan(x: torch.Tensor, partition_size: tuple[int, int], grid: bool, dim: int = 1,
                    group: Any | None = None, *, site: Site | None = None, op: str = "halo.nn.maxvit.partition_plan"
-                   ) -> RegroupPlan:
-    """The :class:`RegroupPlan` of a block (``grid=False``) or grid partition of ``partition_size`` on the shard
+                   ) -> PartitionPlan:
+    """The :class:`PartitionPlan` of a block (``grid=False``) or grid partition of ``partition_size`` on the shard
     ``x``, whose rows are ``dim`` (1: channels-last ``(B, H_r, W, C)``; 2: ``(B, C, H_r, W)``; W follows it): the
     extents agreed over ``group`` (or recalled), so that a field whose H or W the partition does not divide raises
     the same ``ValueError`` on every rank."""
     d = dim % x.dim() if x.dim() else dim
     width = int(x.shape[d + 1]) if x.dim() == 4 and d + 1 < 4 else -1
     size = tuple(int(s) for s in partition_size)
-    return resolve(x, group, op, _plan, (size, bool(grid), width, op), site=site, spec=(d,), split=False)
-
-
-# -- the regroup: the move and its adjoint -------------------------------------------------------------------------
-
-def _rows(t: torch.Tensor, dim: int, start: int, n: int, step: int) -> torch.Tensor:
-    """Rows ``start, start + step, ...`` (``n`` of them) of ``t`` along ``dim``: a view."""
-    if step == 1:
-        return t.narrow(dim, start, n)
-    return t[(slice(None),) * dim + (slice(start, start + step * (n - 1) + 1, step),)]
-
-
-def _move(x: torch.Tensor, plan: RegroupPlan, dim: int, to_windows: bool) -> torch.Tensor:
-    """The permutation (no autograd): rows -> windows where ``to_windows``, else windows -> rows (its inverse)."""
-    with torch._C.DisableTorchFunction():  # a layout move the guard must not follow as ops on H
-        step = plan.step
-        if to_windows:  # read contiguous source runs, write strided target runs
-            out_rows, outgoing, incoming = plan.windowed, plan.sends, plan.recvs
-            read = lambda t, p: _rows(t, dim, p[0], p[2], 1)  # noqa: E731 - a piece as its sender holds it
-            write = lambda t, p: _rows(t, dim, p[1], p[2], step)  # noqa: E731 - where it lands
-        else:  # the same pieces backwards: read strided target runs, write contiguous source runs
-            out_rows, outgoing, incoming = plan.rows, plan.recvs, plan.sends
-            read = lambda t, p: _rows(t, dim, p[1], p[2], step)  # noqa: E731
-            write = lambda t, p: _rows(t, dim, p[0], p[2], 1)  # noqa: E731
-        shape = list(x.shape)
-        shape[dim] = out_rows
-        out = x.new_empty(shape)
-        me = plan.me
-
-        def buffer(n: int) -> torch.Tensor:
-            s = list(x.shape)
-            s[dim] = n
-            return x.new_empty(s)
-
-        # (contiguous: torch.cat keeps a channels-last input's strides, which the wire does not take)
-        sends = [(q, (torch.cat([read(x, p) for p in ps], dim) if len(ps) > 1 else read(x, ps[0])).contiguous())
-                 for q, ps in enumerate(outgoing) if q != me and ps]
-        recvs = [(r, buffer(sum(p[2] for p in ps))) for r, ps in enumerate(incoming) if r != me and ps]
-        posted = post(comm_group(plan.group), plan.op, sends, recvs)
-        for p in outgoing[me]:  # own pieces while the messages travel
-            write(out, p).copy_(read(x, p))
-        wait(posted)
-        for r, buf in recvs:
-            at = 0
-            for p in incoming[r]:
-                write(out, p).copy_(buf.narrow(dim, at, p[2]))
-                at += p[2]
-        return out
-
-
-class _RegroupFn(torch.autograd.Function):
-    """Forward: rows -> whole windows (or back). Backward: the opposite move, the permutation's exact adjoint."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: RegroupPlan, dim: int, to_windows: bool) -> torch.Tensor:
-        ctx.plan, ctx.dim, ctx.to_windows = plan, dim, to_windows
-        return _move(x, plan, dim, to_windows)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _move(grad.contiguous(), ctx.plan, ctx.dim, not ctx.to_windows), None, None, None
-
-
-def regroup(x: torch.Tensor, plan: RegroupPlan, dim: int) -> torch.Tensor:
-    """This rank's rows (along ``dim``) -> the rows of its whole windows, window after window (autograd: the
-    inverse move). The identity where the plan moves nothing."""
-    return _RegroupFn.apply(x, plan, dim, True) if plan.moved else x
-
-
-def ungroup(y: torch.Tensor, plan: RegroupPlan, dim: int) -> torch.Tensor:
-    """The inverse of :func:`regroup`: the rows of this rank's windows back to its own rows of the field."""
-    return _RegroupFn.apply(y, plan, dim, False) if plan.moved else y
+    return resolve(x, group, op, _plan, (size, bool(grid), width, d, op), site=site, spec=(d,), split=False)
 
 
 # -- local partitions (timm's, on rows that are whole windows) -----------------------------------------------------
@@ -327,8 +214,9 @@ class HaloPartitionAttention(HaloLayer, nn.Module):
     ('PM' blocks: block and grid attention side by side, their outputs concatenated over channels) on an H-shard
     (module docstring): ``x + drop_path1(ls1(partition_attn(norm1(x))))`` then
     ``x + drop_path2(ls2(mlp(norm2(x))))`` as timm, where each partition attention regroups the rows into whole
-    block or grid windows (:func:`regroup`), attends within them (``attn``, or ``attn_block`` and ``attn_grid``:
-    :class:`HaloPartitionedAttention` sharing timm's modules' parameters) and moves the rows home (:func:`ungroup`).
+    block or grid windows (:func:`halo.nn.longrange.regroup`), attends within them (``attn``, or ``attn_block`` and
+    ``attn_grid``: :class:`HaloPartitionedAttention` sharing timm's modules' parameters) and moves the rows home (the
+    inverse regroup).
     Parameters, buffers and children are the block's."""
 
     def __init__(self, block: nn.Module, *, group: Any | None = None) -> None:
@@ -361,12 +249,12 @@ class HaloPartitionAttention(HaloLayer, nn.Module):
         if plan.plain:  # one rank: timm's partition of the field
             windows = _partition(x, size, grid, grid, cl)
             return _reverse(attn(windows), size, (x.shape[0], x.shape[dim], width), grid, grid, cl)
-        y = regroup(x, plan, dim)  # rows of whole windows, window after window: a block partition along H
+        y = x if plan.to is None else regroup(x, plan.to)  # whole windows, one after another: blocks along H
         with _unwatched():  # y holds windows (a rank may hold none), not the field's rows
             windows = _partition(y, size, False, grid, cl)
             out = attn(windows) if windows.shape[0] else windows  # a rank with no window attends to none
             out = _reverse(out, size, (y.shape[0], y.shape[dim], width), False, grid, cl)
-        out = ungroup(out, plan, dim)
+        out = out if plan.back is None else regroup(out, plan.back)
         place(out, dim)  # the field's rows again, at dim (1 channels-last, 2 NCHW)
         return out
 

@@ -44,58 +44,74 @@ def guard_whole(model: nn.Module, tails: list[nn.Module], domain_size: int) -> N
     the layers that split rows: the modules after the pool in its Sequential run as torch's own on the whole
     tensor (and must get one); kept pointwise modules pass the mark on; a halo layer given a whole tensor raises
     (it would take the copies for shards). Nothing is installed in a model without a global pool; under
-    ``torch.compile`` the hooks do nothing."""
+    ``torch.compile`` the hooks do nothing. The hooks are module-level (:class:`_ExpectWhole`, :func:`_pass_on`,
+    :class:`_RefuseWhole`, each knowing its module's path), so the model pickles, ``torch.save``-s whole and
+    deep-copies, and a copy's errors name its own modules."""
     for handle in model.__dict__.pop("_halo_whole_hooks", []):  # converting again: install afresh
         handle.remove()
     if not any(global_pool(m, domain_size) for m in model.modules()):
         return
     handles = model.__dict__.setdefault("_halo_whole_hooks", [])
     tail_ids = {id(m) for m in tails}
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    for name, m in model.named_modules():
+        if m is model:
+            continue
+        if id(m) in tail_ids:
+            handles.append(m.register_forward_pre_hook(_ExpectWhole(name)))
+            handles.append(m.register_forward_hook(_pass_on))
+        elif "_halo_site" in m.__dict__ and not isinstance(m, (pool.HaloAdaptiveAvgPool2d,
+                                                                 pool.HaloAdaptiveMaxPool2d)) \
+                and not getattr(m, "_halo_takes_whole", False):  # (DomainDropout: draws a whole tensor's mask)
+            handles.append(m.register_forward_pre_hook(_RefuseWhole(name)))
+        elif next(m.children(), None) is None and "_halo_site" not in m.__dict__:
+            handles.append(m.register_forward_hook(_pass_on))  # a kept pointwise layer: whole in, whole out
 
-    def expect_whole(module, args):
+
+class _ExpectWhole:
+    """Forward pre-hook of a module after a global pool in its Sequential (kept as torch's own): its input must be
+    the pool's whole result."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # the module's path in the converted model, for the error
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling() or not args:
             return
         if plans.whole_source(args[0]) is None and isinstance(args[0], torch.Tensor):
             raise ValueError(
-                f"{names.get(id(module), type(module).__name__)} ({type(module).__name__}) follows a global pool "
-                f"in an nn.Sequential, so halo keeps it as torch's own layer on the pool's result (whole on every "
-                f"rank), but its input is not that result (the Sequential's forward does not chain its modules in "
-                f"order?): move it out of that Sequential")
+                f"{self.name} ({type(module).__name__}) follows a global pool in an nn.Sequential, so halo keeps it "
+                f"as torch's own layer on the pool's result (whole on every rank), but its input is not that result "
+                f"(the Sequential's forward does not chain its modules in order?): move it out of that Sequential")
 
-    def pass_on(module, args, output):
-        if torch.compiler.is_compiling() or not args:
-            return
-        source = plans.whole_source(args[0])
-        if source is not None:
-            for t in output if isinstance(output, tuple) else (output,):
-                if isinstance(t, torch.Tensor):
-                    plans.mark_whole(t, source)
 
-    def refuse_whole(module, args):
+def _pass_on(module: nn.Module, args: tuple, output: Any) -> None:
+    """Forward hook of a kept module (after the pool, or pointwise): a whole input makes a whole output."""
+    if torch.compiler.is_compiling() or not args:
+        return
+    source = plans.whole_source(args[0])
+    if source is not None:
+        for t in output if isinstance(output, tuple) else (output,):
+            if isinstance(t, torch.Tensor):
+                plans.mark_whole(t, source)
+
+
+class _RefuseWhole:
+    """Forward pre-hook of a halo layer that splits rows: a global pool's whole result is refused (the layer would
+    take the ranks' copies for shards of a field)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling() or not args:
             return
         source = plans.whole_source(args[0])
         if source is not None:
             raise ValueError(
-                f"{names.get(id(module), type(module).__name__)} ({type(module).__name__}) is given the result of a "
-                f"global pool ({source}), which is whole and the same on every rank; this layer would take the "
-                f"ranks' copies for shards of a field. Put the pool and the layers that use its result in one "
-                f"nn.Sequential (halo then keeps those layers as torch's own), or use the result only in pointwise "
-                f"ops (as squeeze-excitation does)")
-
-    for m in model.modules():
-        if m is model:
-            continue
-        if id(m) in tail_ids:
-            handles.append(m.register_forward_pre_hook(expect_whole))
-            handles.append(m.register_forward_hook(pass_on))
-        elif "_halo_site" in m.__dict__ and not isinstance(m, (pool.HaloAdaptiveAvgPool2d,
-                                                                 pool.HaloAdaptiveMaxPool2d)) \
-                and not getattr(m, "_halo_takes_whole", False):  # (DomainDropout: draws a whole tensor's mask)
-            handles.append(m.register_forward_pre_hook(refuse_whole))
-        elif next(m.children(), None) is None and "_halo_site" not in m.__dict__:
-            handles.append(m.register_forward_hook(pass_on))  # a kept pointwise layer: whole in, whole out
+                f"{self.name} ({type(module).__name__}) is given the result of a global pool ({source}), which is "
+                f"whole and the same on every rank; this layer would take the ranks' copies for shards of a field. "
+                f"Put the pool and the layers that use its result in one nn.Sequential (halo then keeps those "
+                f"layers as torch's own), or use the result only in pointwise ops (as squeeze-excitation does)")
 
 
 @dataclass(frozen=True)

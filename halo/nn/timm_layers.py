@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dist.mesh import group_attribute
 from ..parallel.reduce import accumulation_dtype, all_reduce
 from ..plan.plans import Site, mark_whole, resolve, whole_source
 from .base import AxisPlan, HaloLayer
@@ -468,6 +469,8 @@ class WholeDropout(nn.Module):
     ``DomainDropout`` makes for a global pool's own result). It is no halo layer (no ``_halo_site``): the guard's
     rule that refuses a halo layer given a tensor computed from a whole result does not apply to it, since its
     place in the head, not a mark on the tensor, says the tensor is whole. No state (as ``nn.Dropout``)."""
+
+    group = group_attribute()  # (a GroupRef: the model pickles and deep-copies, as halo's layers do)
 
     def __init__(self, m: nn.Dropout, *, group: Any | None = None) -> None:
         super().__init__()

@@ -143,8 +143,7 @@ def _finish(task: int) -> None:
 def watch(params: Iterable[torch.Tensor]) -> None:
     """Put the provenance hook on each parameter that requires grad (once per parameter)."""
     for p in params:
-        if not isinstance(p, torch.Tensor) or not p.requires_grad or not p.is_leaf \
-                or getattr(p, "_halo_grad_watch", False):
+        if not isinstance(p, torch.Tensor) or not p.requires_grad or not p.is_leaf or _watched(p):
             continue
         ref = weakref.ref(p)
 
@@ -154,11 +153,20 @@ def watch(params: Iterable[torch.Tensor]) -> None:
             if q is not None and task >= 0:
                 _arrived(q, task)
 
-        p.register_hook(hook)
+        handle = p.register_hook(hook)
         try:
-            p._halo_grad_watch = True
+            p._halo_grad_watch = handle.id
         except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes: hooked, unmarked
             pass
+
+
+def _watched(p: torch.Tensor) -> bool:
+    """Whether ``p`` has its provenance hook: the mark is the hook's key among ``p``'s backward hooks. Torch never
+    serializes a tensor's hooks, but a pickled parameter (``torch.save`` of a whole model) keeps its attributes: a
+    mark alone would leave a loaded model's parameters unwatched for good."""
+    key = getattr(p, "_halo_grad_watch", None)
+    hooks = p._backward_hooks
+    return type(key) is int and hooks is not None and key in hooks
 
 
 def _names(params: list[torch.Tensor], names: Callable[[], list[str]], bad: list[int]) -> str:
