@@ -347,45 +347,51 @@ def test_compiled_sht_model_equals_eager():
 
 class ModeFilter(nn.Module):
     """User code between the transforms, as FNO-style models write it: per-mode work on the columns layout (whole
-    frequency rows, this rank's modes), then (``reduce_w``) a reduction over the sharded modes, which is wrong."""
+    frequency rows, this rank's modes), or (``reduce``) a reduction over the sharded modes: a sum, which the guard
+    computes over the domain (whole on every rank), or a maximum, which it refuses."""
 
-    def __init__(self, reduce_w: bool) -> None:
+    def __init__(self, reduce: str | None) -> None:
         super().__init__()
-        self.reduce_w = reduce_w
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from halo.nn import spectral as S
 
         spec = S.rfft2(x, layout="columns")
         h, w = spec.shape[-2], x.shape[-1]  # the global H: whole in the columns layout (x.shape[-2] is a shard's)
-        if self.reduce_w:
+        if self.reduce == "sum":
             return spec.abs().sum(-1, keepdim=True)  # over the modes: sharded in this layout
+        if self.reduce == "amax":
+            return spec.abs().amax(-1, keepdim=True)
         keep = torch.ones_like(spec.real)
         keep[..., h // 4: h - h // 4, :] = 0  # latitudinal truncation: whole rows here, so local
         return S.irfft2(spec * keep, s=(h, w), layout="columns")
 
 
-def _guarded(rank: int, world: int, reduce_w: bool) -> float:
+def _guarded(rank: int, world: int, reduce: str | None) -> float:
     import halo
     from halo.nn import convert_to_domain_parallel
     from halo.nn.convert import INSIDE
 
     halo.initialize_domain_parallel(world, world)
     full = torch.randn(1, 2, 37, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    model = convert_to_domain_parallel(ModeFilter(reduce_w), custom_converters={ModeFilter: INSIDE})
+    model = convert_to_domain_parallel(ModeFilter(reduce), custom_converters={ModeFilter: INSIDE})
     out = model(_shard(full, rank, world))
     spec = torch.fft.rfft2(full)
+    if reduce == "sum":  # whole on every rank
+        return rel(out, spec.abs().sum(-1, keepdim=True))
     spec[..., 37 // 4: 37 - 37 // 4, :] = 0
     return rel(out, _shard(torch.fft.irfft2(spec, s=(37, 8)), rank, world))
 
 
 def test_guard_passes_per_mode_work_on_columns_and_refuses_a_reduction_over_the_sharded_modes():
-    for err in run_on_ranks(_guarded, 2, False, timeout=120):
-        assert err < TOL, err
-    outs = run_on_ranks_outcomes(_guarded, 2, True, timeout=120, pg_timeout=60)
+    for reduce in (None, "sum"):
+        for err in run_on_ranks(_guarded, 2, reduce, timeout=120):
+            assert err < TOL, (reduce, err)
+    outs = run_on_ranks_outcomes(_guarded, 2, "amax", timeout=120, pg_timeout=60)
     assert all(kind == "error" for kind, _ in outs), outs
     firsts = {msg.splitlines()[0] for _, msg in outs}
-    assert len(firsts) == 1 and "sum" in firsts.pop(), outs
+    assert len(firsts) == 1 and "amax" in firsts.pop(), outs
 
 
 # -- refusals: the same error on every rank -------------------------------------------------------------------------
