@@ -15,6 +15,7 @@ from .check import check_equivalence
 from .dist import (
     DomainMesh,
     DomainParallelManager,
+    HaloCollectiveMismatch,
     HaloCommError,
     destroy_domain_parallel,
     get_domain_parallel_manager,
@@ -43,6 +44,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "DomainMesh",
+    "HaloCollectiveMismatch",
     "HaloCommError",
     "check_equivalence",
     "DomainParallelManager",

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 PACKAGES = {"timm": "timm", "segmentation_models_pytorch": "segmentation-models-pytorch",
-            "diffusers": "diffusers", "credit": "miles-credit", "torchvision": "torchvision"}
+            "diffusers": "diffusers", "credit": "miles-credit", "torchvision": "torchvision", "monai": "monai"}
 
 _LIB: list[Any] = []  # the stand-in's torch.library.Library (kept alive: dropping it removes the schemas)
 
@@ -223,6 +223,34 @@ def _unet2d_call(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x, t).sample
 
 
+def _unet2d_cond() -> nn.Module:
+    """Stable Diffusion's U-Net class, tiny: self- and cross-attention (``Transformer2DModel``) at the full-size level,
+    in the mid block and on the way up."""
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(sample_size=None, in_channels=3, out_channels=3, block_out_channels=(8, 8),
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), layers_per_block=1,
+                                norm_num_groups=4, attention_head_dim=4, cross_attention_dim=8)
+
+
+def _unet2d_cond_call(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The timesteps and a text context (5 tokens), the same on every rank."""
+    t = torch.tensor([3, 11], dtype=torch.long)[: x.shape[0]]
+    context = torch.randn(x.shape[0], 5, 8, dtype=x.dtype, generator=torch.Generator().manual_seed(7))
+    return model(x, t, encoder_hidden_states=context).sample
+
+
+# -- MONAI ---------------------------------------------------------------------------------------------------------
+
+def _monai(kind: str, **kw: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import monai.networks.nets as nets
+
+        return getattr(nets, kind)(spatial_dims=2, in_channels=3, out_channels=2, **kw)
+    return build
+
+
 # -- NCAR CREDIT ---------------------------------------------------------------------------------------------------
 
 def _credit_crossformer() -> nn.Module:
@@ -309,6 +337,18 @@ ZOO: dict[str, Spec] = {
                                   custom=_TIMESTEPS),
     "diffusers.UNet2DModel+attention": Spec(_unet2d(True), 3, W, {2: 38, 3: 40}, _unet2d_call,
                                   custom=_TIMESTEPS),
+    # 40 rows on 3 ranks are 14 + 13 + 13: its forward passes the upsamplers a size on the odd shards only (it tests
+    # sample.shape % 2); halo makes every rank pass it (halo.nn.diffusers_layers)
+    "diffusers.UNet2DConditionModel": Spec(_unet2d_cond, 3, W, {2: 38, 3: 40}, _unet2d_cond_call,
+                                           custom=_TIMESTEPS),
+    # MONAI's 2-d nets; 36 and 40 rows halve twice (the unsharded models need that), unevenly split at each level
+    "monai.UNet": Spec(_monai("UNet", channels=(8, 16, 32), strides=(2, 2), num_res_units=1), 3, W, {2: 36, 3: 40}),
+    "monai.BasicUNet": Spec(_monai("BasicUNet", features=(4, 4, 8, 8, 8, 4)), 3, 32, {2: 48, 3: 48}),
+    "monai.DynUNet": Spec(_monai("DynUNet", kernel_size=[3, 3, 3], strides=[1, 2, 2], upsample_kernel_size=[2, 2],
+                                 filters=[4, 8, 8]), 3, W, {2: 36, 3: 40}),
+    "monai.SegResNet": Spec(_monai("SegResNet", init_filters=4, blocks_down=(1, 1, 1), blocks_up=(1, 1),
+                                   norm=("GROUP", {"num_groups": 2})), 3, W, {2: 36, 3: 40}),
+    "monai.AttentionUnet": Spec(_monai("AttentionUnet", channels=(4, 8, 8), strides=(2, 2)), 3, W, {2: 36, 3: 40}),
     "credit.crossformer": Spec(_credit_crossformer, 3, 32, {2: 64, 3: 96}, frames=1),
     "credit.unet": Spec(_credit_unet, 3, W, {2: 37, 3: 40}, frames=1),
     # Swin V2 windows must stay whole on each rank: 48 rows split evenly into whole windows on 2 and 3 ranks

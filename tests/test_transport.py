@@ -376,3 +376,50 @@ def test_host_buffers_are_bounded():
         for width in range(transport.HOST_BUFFERS_CAP + 10):
             transport._host_buffers(cg, width)  # noqa: SLF001 - the bound of a private table
         assert len(transport._state().host_buffers) == transport.HOST_BUFFERS_CAP
+
+
+# -- (d) ranks in different host collectives: the same clear error on every rank, the group still usable --------------
+
+def _parted(rank, world):
+    import torch.distributed as dist
+
+    from halo.dist import comm, transport
+
+    cg = comm.comm_group(dist.group.WORLD)
+    comm.set_timeout(20)
+    out = {}
+    long_row = list(range(rank, rank + transport.FRAME_WORDS + 5))  # longer than a frame: a second gather
+    out["long"] = transport.gather_words(long_row, cg, "the test's long row").tolist()
+    for case in ("object", "length"):
+        try:
+            if case == "object":  # rank 0 agrees on a row while the others exchange objects
+                if rank == 0:
+                    transport.gather_words([7, 8, 9], cg, "the test's row")
+                else:
+                    transport.all_gather_object({"rank": rank}, cg, "the test's objects")
+            else:  # the same verb, rows of other lengths (one of them past the frame)
+                transport.gather_words([1] * (2 if rank else transport.FRAME_WORDS + 1), cg, "the test's rows")
+            out[case] = "no error"
+        except transport.HaloCollectiveMismatch as exc:
+            out[case] = str(exc)
+    out["after"] = transport.all_gather_object(rank, cg, "after")  # nothing half-sent: the group still works
+    return out
+
+
+def test_ranks_in_different_host_collectives_raise_alike():
+    """A forward that branches on a shard's own rows sends ranks into different agreements: gloo aborts the process
+    on a size mismatch (and could misread equal sizes). Framed host gathers make it one named error on every rank."""
+    world = 3
+    runs = run_on_ranks(_parted, world, timeout=120)
+    from halo.dist import transport
+
+    n = transport.FRAME_WORDS + 5
+    for rank, res in enumerate(runs):
+        assert res["long"] == [list(range(r, r + n)) for r in range(world)], rank
+        assert "group rank 0: an agreement of 3 words, group rank 1: an exchange of objects" in res["object"], res
+        assert f"group rank 0: an agreement of {transport.FRAME_WORDS + 1} words, group rank 1: an agreement of 2 " \
+               f"words" in res["length"], res
+        assert "branches on a shard's own size" in res["object"]
+        assert res["after"] == list(range(world))
+    # the same words on every rank (each names its own call first: "the test's row" / "the test's objects")
+    assert len({r["object"].split(": ", 1)[1] for r in runs}) == 1

@@ -68,6 +68,13 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "smp.Linknet": ("exact",),
     "diffusers.UNet2DModel": ("exact",),
     "diffusers.UNet2DModel+attention": ("exact",),  # its mid-block Attention: ring attention (halo.nn.attention_layers)
+    # its Transformer2DModel: self-attention by ring attention, cross-attention to the whole context local
+    "diffusers.UNet2DConditionModel": ("exact",),
+    "monai.UNet": ("exact",),
+    "monai.BasicUNet": ("exact",),
+    "monai.DynUNet": ("exact",),
+    "monai.SegResNet": ("exact",),
+    "monai.AttentionUnet": ("exact",),
     "credit.crossformer": ("exact",),
     "credit.unet": ("exact",),  # CREDIT's smp U-Net: its decoder resizes to global level sizes (halo.nn.smp_layers)
     "credit.swin": ("exact",),  # CREDIT's Swin V2 (halo.nn.swinv2): windows whole on each rank at 48 rows

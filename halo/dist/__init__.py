@@ -9,7 +9,7 @@ initializers.
 =================  ===============================================================================================
 """
 
-from .comm import CommGroup, HaloCommError, comm_group, get_timeout, set_timeout
+from .comm import CommGroup, HaloCollectiveMismatch, HaloCommError, comm_group, get_timeout, set_timeout
 from .groups import ParallelMode, ProcessGroupInitializer
 from .mesh import (
     DomainAxis,
@@ -26,6 +26,7 @@ __all__ = [
     "DomainAxis",
     "DomainMesh",
     "DomainParallelManager",
+    "HaloCollectiveMismatch",
     "HaloCommError",
     "ParallelMode",
     "ProcessGroupInitializer",

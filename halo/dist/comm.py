@@ -41,6 +41,7 @@ import torch.distributed as dist
 from .. import context
 from . import transport
 from .transport import (
+    HaloCollectiveMismatch,
     HaloCommError,
     abandoned,
     all_gather_host,
@@ -58,6 +59,7 @@ __all__ = [
     "CommGroup",
     "HAS_SORT_RANKS",
     "abandoned",
+    "HaloCollectiveMismatch",
     "HaloCommError",
     "all_gather_host",
     "all_gather_object",

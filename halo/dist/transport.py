@@ -78,6 +78,7 @@ __all__ = [
     "ABANDONED_CAP",
     "BufferPool",
     "HOST_BUFFERS_CAP",
+    "HaloCollectiveMismatch",
     "HaloCommError",
     "Posted",
     "abandoned",
@@ -116,6 +117,13 @@ HOST_BUFFERS_CAP = 64
 class HaloCommError(RuntimeError):
     """A message of an exchange (or of an agreement or reduction) failed or timed out: a peer died, stalls, or
     called a different collective. The process group is not usable afterwards; tear it down."""
+
+
+class HaloCollectiveMismatch(ValueError):
+    """The ranks of a group reached different host collectives at the same point of their programs (their code
+    took different paths: typically a branch on a shard's own shape, ``x.shape``, that differs between ranks).
+    Raised alike on every rank of the group; the group is still usable (nothing was left half-sent)."""
+
 
 
 @dataclasses.dataclass
@@ -566,12 +574,56 @@ def all_gather_host(local: torch.Tensor, table: torch.Tensor, cg: Any, what: str
     return table
 
 
+#: A host gather's frame: every :func:`gather_words` call sends exactly this many int64 words first (a header of 3:
+#: :data:`_FRAME`, the call's kind, its length; then up to ``FRAME_WORDS - 3`` words of its own, zero-padded), so
+#: ranks that reached different host collectives (a branch on a shard's own shape) exchange equal byte counts and
+#: each sees the others' headers: the same :class:`HaloCollectiveMismatch` on every rank, not gloo aborting the
+#: process on a size mismatch (or a message misread). Longer rows follow in a second gather once every header agrees.
+FRAME_WORDS = 48
+_FRAME = 0x48414C4F  # "HALO"
+#: the kinds of host gathers (the frame's second word)
+WORDS, OBJECT = 1, 2
+
+
+def _mismatch(table: np.ndarray, cg: Any, what: str) -> HaloCollectiveMismatch:
+    kinds = {WORDS: "an agreement", OBJECT: "an exchange of objects"}
+    calls = []
+    for f, k, n in table[:, :3]:
+        if f != _FRAME:
+            calls.append("a collective not halo's")
+        else:
+            calls.append(kinds.get(int(k), "another collective") + (f" of {int(n)} words" if int(k) == WORDS else ""))
+    ranks = ", ".join(f"group rank {r}: {c}" for r, c in enumerate(calls))
+    return HaloCollectiveMismatch(
+        f"{what}: the ranks of the domain group reached different collectives at this point ({ranks}): their "
+        f"programs took different paths. A forward that branches on a shard's own size (x.shape, x.size()) "
+        f"does this: each rank sees its own rows, not the field's. Take the decision from what is the same on "
+        f"every rank (the global size: the model's input size, or a size passed in)")
+
+
 @eager_only  # never traced into a graph (module docstring)
-def gather_words(words: Sequence[int], cg: Any, what: str) -> np.ndarray:
+def gather_words(words: Sequence[int], cg: Any, what: str, kind: int = WORDS) -> np.ndarray:
     """Every rank's row of ``len(words)`` int64 words, in group order (an array ``(size, len(words))``): one
     all-gather on the host group into buffers made once per (group, width), written and read through numpy (no
-    tensor built from Python data, nothing a device waits for). Agreements on one group run one at a time."""
-    local, table = _host_buffers(cg, len(words))
+    tensor built from Python data, nothing a device waits for). Agreements on one group run one at a time.
+
+    Framed (:data:`FRAME_WORDS`): every call sends the same byte count first, so ranks in different calls raise
+    :class:`HaloCollectiveMismatch` alike instead of crashing the process group; a row longer than the frame
+    takes a second gather, after every rank's header said the same length."""
+    n = len(words)
+    body = FRAME_WORDS - 3
+    local, table = _host_buffers(cg, FRAME_WORDS)
+    frame = local.numpy()
+    frame[:3] = (_FRAME, kind, n)
+    frame[3:3 + min(n, body)] = words[:body]
+    frame[3 + min(n, body):] = 0
+    _all_gather_host(local, table, cg, what)
+    rows = table.numpy()
+    if not ((rows[:, 0] == _FRAME) & (rows[:, 1] == kind) & (rows[:, 2] == n)).all():
+        raise _mismatch(rows, cg, what)
+    if n <= body:
+        return rows[:, 3:3 + n].copy()
+    local, table = _host_buffers(cg, n)
     local.numpy()[:] = words
     _all_gather_host(local, table, cg, what)
     return table.numpy().copy()
@@ -588,7 +640,7 @@ def all_gather_object(obj: Any, cg: Any, what: str = "all_gather_object") -> lis
     names the caller in that error.
     """
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sizes = _gather_words((len(payload),), cg, what)[:, 0]
+    sizes = _gather_words((len(payload),), cg, what, OBJECT)[:, 0]
     width = max(int(sizes.max()), 1)
     local = torch.zeros(width, dtype=torch.uint8)
     local.numpy()[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)

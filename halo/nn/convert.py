@@ -32,6 +32,7 @@ from ..parallel.marks import watch_model
 from ..plan.replicated import check_replicated
 from .adapters import adapter
 from .credit_padding import TensorPadding, swap_tensor_padding, unswap_tensor_padding
+from .diffusers_layers import unpin_upsample_sizes
 from .registry import Entry, entries, entry_of, is_pointwise_conv, public
 from .root import drop_root, global_pool, guard_whole, make_root, rooted
 from .swinv2 import unswap_models
@@ -394,6 +395,7 @@ def revert_domain_parallel(model: nn.Module) -> nn.Module:
     drop_root(model)
     unswap_tensor_padding(model)
     unswap_models(model)  # CREDIT's Swin and FuXi models: their class back
+    unpin_upsample_sizes(model)  # diffusers' conditional U-Nets: their num_upsamplers back
     for handle in model.__dict__.pop("_halo_whole_hooks", []):
         handle.remove()
     from ..guard.reroute import uninstall  # (at call time: the guard imports the layers, whose face imports this)

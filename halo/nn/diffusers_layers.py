@@ -23,6 +23,15 @@ recognises, and why each is exact on an H-shard:
   timesteps, never on a field, and hold nothing per row; kept as they are (their forward still runs under the
   guard, which watches every op on a field).
 
+- **The conditional U-Nets' upsample sizes** (``UNet2DConditionModel``, ``UNet3DConditionModel``, ... : a model
+  with ``num_upsamplers``): their forward passes each upsampler the skip's size only when the input's rows are not a
+  multiple of ``2 ** num_upsamplers`` (``sample.shape[-2:]``). On a shard that test reads the shard's rows, so some
+  ranks pass a size and others do not (at 40 rows on 3 ranks: 14, 13, 13) and their programs part. Passing the
+  skip's size is what the unsharded model computes in either case (where the rows are a multiple, the skip holds
+  exactly twice the rows below it, and nearest x2 to it is the scale factor's result), so halo makes every rank pass
+  it: ``num_upsamplers`` is set so that the test always holds (the original is kept and put back by
+  ``revert_domain_parallel``); the guard then resizes each upsample to the skip's global rows.
+
 Latitude rows only: on a latitude x longitude mesh the converter refuses what this module recognises.
 """
 
@@ -40,7 +49,7 @@ from ..parallel.reduce import domain_mean
 from ..plan.plans import Site
 from .pad import halo_pad
 
-__all__ = ["DomainDownsample2D", "DomainVectorQuantizer", "diffusers_adapter"]
+__all__ = ["DomainDownsample2D", "DomainVectorQuantizer", "diffusers_adapter", "unpin_upsample_sizes"]
 
 
 def _diffusers(kind: type) -> bool:
@@ -150,8 +159,37 @@ def _last_dim_norm(module: nn.Module) -> bool:
             and set(module._parameters) <= {"weight", "bias"} and len(tuple(getattr(module, "dim", ()))) == 1)
 
 
-def diffusers_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | None:
+#: where a conditional U-Net's own ``num_upsamplers`` is kept while it is converted
+_UPSAMPLERS = "_halo_num_upsamplers"
+#: ``2 ** 62`` exceeds any extent: ``dim % 2 ** num_upsamplers != 0`` for every rank's rows (>= 1)
+_ALWAYS = 62
+
+
+def _sized_unet(module: nn.Module) -> bool:
+    count = module.__dict__.get(_UPSAMPLERS, module.__dict__.get("num_upsamplers"))
+    return _diffusers(type(module)) and type(count) is int and count > 0
+
+
+def _pin_upsample_sizes(m: nn.Module, ctx: Any) -> None:
+    """Every rank passes its upsamplers the skip's size (module docstring); the model's children are converted as
+    usual (``None``)."""
+    if _UPSAMPLERS not in m.__dict__:
+        m.__dict__[_UPSAMPLERS] = m.num_upsamplers
+    m.num_upsamplers = _ALWAYS
+    return None
+
+
+def unpin_upsample_sizes(model: nn.Module) -> None:
+    """Every conditional U-Net's own ``num_upsamplers`` back (``revert_domain_parallel`` calls this)."""
+    for m in model.modules():
+        if _UPSAMPLERS in m.__dict__:
+            m.num_upsamplers = m.__dict__.pop(_UPSAMPLERS)
+
+
+def diffusers_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module | None] | None:
     """The converter of a diffusers layer halo knows (module docstring), or ``None``."""
+    if _sized_unet(module):
+        return _pin_upsample_sizes
     if _is_downsample(module):
         return lambda m, ctx: _twin_as(DomainDownsample2D, m, ctx.group)
     if _is_quantizer(module):
