@@ -251,6 +251,15 @@ def _monai(kind: str, **kw: Any) -> Callable[[], nn.Module]:
     return build
 
 
+def _unetr() -> nn.Module:
+    """A 2-d UNETR for an 80 x 32 grid: 16 x 16 patches, 5 x 2 of them, a 12-block ViT (its 3rd, 6th, 9th hidden
+    states feed the decoder)."""
+    from monai.networks.nets import UNETR
+
+    return UNETR(in_channels=3, out_channels=2, img_size=(80, 32), spatial_dims=2, feature_size=4, hidden_size=16,
+                 mlp_dim=32, num_heads=2, proj_type="conv")
+
+
 # -- NCAR CREDIT ---------------------------------------------------------------------------------------------------
 
 def _credit_crossformer() -> nn.Module:
@@ -348,6 +357,8 @@ ZOO: dict[str, Spec] = {
                                  filters=[4, 8, 8]), 3, W, {2: 36, 3: 40}),
     "monai.SegResNet": Spec(_monai("SegResNet", init_filters=4, blocks_down=(1, 1, 1), blocks_up=(1, 1),
                                    norm=("GROUP", {"num_groups": 2})), 3, W, {2: 36, 3: 40}),
+    # 5 patch rows: 3 + 2 on 2 ranks, 2 + 2 + 1 on 3, each cut by the split of the 80 image rows (40 + 40, 27 + 27 + 26)
+    "monai.UNETR": Spec(_unetr, 3, 32, {2: 80, 3: 80}),
     "monai.AttentionUnet": Spec(_monai("AttentionUnet", channels=(4, 8, 8), strides=(2, 2)), 3, W, {2: 36, 3: 40}),
     "credit.crossformer": Spec(_credit_crossformer, 3, 32, {2: 64, 3: 96}, frames=1),
     "credit.unet": Spec(_credit_unet, 3, W, {2: 37, 3: 40}, frames=1),

@@ -75,6 +75,8 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "monai.DynUNet": ("exact",),
     "monai.SegResNet": ("exact",),
     "monai.AttentionUnet": ("exact",),
+    # its ViT: the position table's rows of each rank's patches, ring attention (halo.nn.monai_layers)
+    "monai.UNETR": ("exact",),
     "credit.crossformer": ("exact",),
     "credit.unet": ("exact",),  # CREDIT's smp U-Net: its decoder resizes to global level sizes (halo.nn.smp_layers)
     "credit.swin": ("exact",),  # CREDIT's Swin V2 (halo.nn.swinv2): windows whole on each rank at 48 rows
@@ -121,6 +123,19 @@ def _weights(shape: torch.Size, i: int) -> torch.Tensor:
     return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2 + i))
 
 
+def _plain(m: torch.nn.Module) -> dict:
+    """A module's plain attributes (numbers, strings, tuples of them): what ``revert_domain_parallel`` must give back
+    as they were (halo pins some while converted: diffusers' ``num_upsamplers``)."""
+    return {k: v for k, v in m.__dict__.items()
+            if not k.startswith("_halo") and isinstance(v, (bool, int, float, str, tuple, type(None)))}
+
+
+def _shadows(m: torch.nn.Module) -> list[str]:
+    """Instance attributes that hide a method of the module's class (halo's ``proj_feat`` for UNETR, if left)."""
+    return [k for k, v in m.__dict__.items() if callable(getattr(type(m), k, None)) and callable(v)
+            and not k.startswith("_") and not isinstance(v, torch.nn.Module)]
+
+
 def _one(rank: int, world: int, name: str, hint: tuple[str, str] | None = None) -> dict:
     import halo
     from halo.nn import convert_to_domain_parallel, revert_domain_parallel
@@ -128,6 +143,7 @@ def _one(rank: int, world: int, name: str, hint: tuple[str, str] | None = None) 
     spec = tp.SPECS[name]
     model = _build(spec)
     keys, types = list(model.state_dict()), [type(m) for m in model.modules()]
+    plain = [_plain(m) for m in model.modules()]
     converters = spec.converters()
     if hint is not None:  # a refusal's hint, followed: {T: None} or {T: INSIDE} for the class it names
         from halo.nn.convert import INSIDE
@@ -166,7 +182,8 @@ def _one(rank: int, world: int, name: str, hint: tuple[str, str] | None = None) 
     state = {k: v.clone() for k, v in model.state_dict().items()}
     revert_domain_parallel(model)  # the torch modules back, with the state trained sharded
     result["reverted"] = [type(m) for m in model.modules()] == types and all(
-        torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        torch.equal(v, state[k]) for k, v in model.state_dict().items()) and [
+        _plain(m) for m in model.modules()] == plain and not any(_shadows(m) for m in model.modules())
     return result
 
 

@@ -1,12 +1,12 @@
 """Third-party layers halo converts, recognised by name: the converter's table for classes it cannot import.
 
 The registry (``halo.nn.registry``) maps torch's own classes, which halo imports, to their halo forms. timm,
-torchvision, NATTEN, segmentation_models_pytorch, diffusers and NCAR CREDIT are optional: halo never imports them, so
-their layers are recognised here by class name, defining module and the attributes the halo form reads (a look-alike
-without them is not taken for the real one and goes through the converter's usual refusals). :func:`adapter`
+torchvision, NATTEN, segmentation_models_pytorch, diffusers, MONAI and NCAR CREDIT are optional: halo never imports
+them, so their layers are recognised here by class name, defining module and the attributes the halo form reads (a
+look-alike without them is not taken for the real one and goes through the converter's usual refusals). :func:`adapter`
 returns the converter ``fn(module, ctx)`` (``ctx`` a :class:`halo.nn.target.ConvertContext`) or ``None``. The larger
 families keep their recognisers beside their layers (``swinv2_adapter``, ``swin_adapter``, ``timm_adapter``,
-``smp_adapter``, ``diffusers_adapter``, ``sr_attention_adapter``); this module asks each in turn.
+``smp_adapter``, ``diffusers_adapter``, ``monai_adapter``, ``sr_attention_adapter``); this module asks each in turn.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .credit_padding import CROSSFORMER_MODULES
 from .diffusers_layers import diffusers_adapter  # diffusers' Downsample2D (a pad of the global field), Timesteps
 from .longrange import DomainCrossFormerAttention
 from .mobilevit import mobilevit_adapter  # timm's MobileVitBlock: whole patches, ring attention over the tokens
+from .monai_layers import monai_adapter  # MONAI's ViT patch embedding, SABlock and UNETR's proj_feat
 from .neighborhood import DomainNeighborhoodAttention2D
 from .smp_layers import smp_adapter  # smp's U-Net decoder: resizes to global level sizes
 from .spectral_layers import spectral_adapter  # torch-harmonics SHTs and SFNO's SpectralConvS2; neuralop SpectralConv
@@ -69,7 +70,7 @@ def adapter(module: nn.Module) -> Converter | None:
         return made
     return (swinv2_adapter(module) or swin_adapter(module) or mobilevit_adapter(module) or timm_adapter(module)
             or smp_adapter(module)
-            or diffusers_adapter(module) or sr_attention_adapter(module)
+            or diffusers_adapter(module) or monai_adapter(module) or sr_attention_adapter(module)
             or attention_adapter(module))  # attention over all tokens (halo.nn.attention_layers): ring attention
 
 

@@ -33,6 +33,7 @@ from ..plan.replicated import check_replicated
 from .adapters import adapter
 from .credit_padding import TensorPadding, swap_tensor_padding, unswap_tensor_padding
 from .diffusers_layers import unpin_upsample_sizes
+from .monai_layers import unpin_proj_feat
 from .registry import Entry, entries, entry_of, is_pointwise_conv, public
 from .root import drop_root, global_pool, guard_whole, make_root, rooted
 from .swinv2 import unswap_models
@@ -396,6 +397,7 @@ def revert_domain_parallel(model: nn.Module) -> nn.Module:
     unswap_tensor_padding(model)
     unswap_models(model)  # CREDIT's Swin and FuXi models: their class back
     unpin_upsample_sizes(model)  # diffusers' conditional U-Nets: their num_upsamplers back
+    unpin_proj_feat(model)  # MONAI UNETR: its own proj_feat back
     for handle in model.__dict__.pop("_halo_whole_hooks", []):
         handle.remove()
     from ..guard.reroute import uninstall  # (at call time: the guard imports the layers, whose face imports this)
