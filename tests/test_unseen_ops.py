@@ -132,6 +132,7 @@ def test_flex_attention_refused(world):
     outcomes = run_on_ranks_outcomes(_run, world, "flex", False, timeout=120)
     first = _refused_everywhere(outcomes, "torch.nn.attention.flex_attention", "test_unseen_ops.py")
     assert "refuses it on every rank" in first
+    assert "halo.nn.domain_flex_attention" in first  # the exact form (tests/test_flex_attention.py)
 
 
 def test_flex_attention_compiled_in_forward_refused():

@@ -226,9 +226,12 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
             blind = _blind(sys._getframe(1))
             if blind is not None and self._any_field(args, kwargs):
                 what, at = blind
-                note = self._verdict(func, f"{_UNSEEN}; attention over all tokens needs a halo attention layer "
-                                     "(window or neighbourhood attention: halo.nn) or a gather first", at,
-                                     checked=False)
+                hint = ("; call halo.nn.domain_flex_attention instead (flex_attention's semantics over the "
+                        "domain's tokens, with your score_mod and block mask, exact forward and backward)"
+                        if what.endswith("flex_attention") else
+                        "; attention over all tokens needs a halo attention layer (window or neighbourhood "
+                        "attention: halo.nn) or a gather first")
+                note = self._verdict(func, f"{_UNSEEN}{hint}", at, checked=False)
                 if note is not None:
                     raise ValueError(refusal_message((note[0], note[1], note[2], what)))
         if self.tainted._items:
