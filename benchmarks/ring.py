@@ -8,6 +8,8 @@ impl       what
 =========  ==============================================================================================
 ring       ``ring_sdpa(..., variant="ring")``: K/V blocks around the ring, online softmax, exact
 gathered   ``ring_sdpa(..., variant="gathered")``: all-gather of K/V, SDPA, reduce-scatter of dK/dV, exact
+flex       ``halo.nn.domain_flex_attention`` (no score_mod): K and V gathered, this rank's rows of the dense
+           scores (flex_attention's eager semantics), exact; on 1 rank: the same code unsharded
 local      ``F.scaled_dot_product_attention`` on the shard alone: wrong (attends within the shard), the
            floor of the compute on one rank's queries without any message
 full       (1 rank) SDPA on all ``N`` tokens: the unsharded layer
@@ -50,7 +52,7 @@ def _rss_kb() -> int:
 
 def _sent(impl: str, sizes: list[int], rank: int, row: int) -> int:
     p = len(sizes)
-    if p == 1 or impl in ("local", "full"):
+    if p == 1 or impl in ("local", "full"):  # (flex: the gathered variant's bytes, K and V in two gathers)
         return 0
     if impl == "ring":
         fwd = sum(sizes[(rank - s) % p] for s in range(p - 1)) * row
@@ -61,6 +63,7 @@ def _sent(impl: str, sizes: list[int], rank: int, row: int) -> int:
 
 def _bench(rank: int, world: int, impl: str, n: int, heads: int, dim: int, iters: int) -> dict:
     import halo
+    from halo.nn.flex import domain_flex_attention
     from halo.nn.ring import ring_sdpa
     from halo.plan.partition import split_sizes
     from halo.plan.plans import Site
@@ -76,6 +79,8 @@ def _bench(rank: int, world: int, impl: str, n: int, heads: int, dim: int, iters
     def step() -> None:
         if impl in ("local", "full"):
             o = F.scaled_dot_product_attention(q, k, v)
+        elif impl == "flex":
+            o = domain_flex_attention(q, k, v, group=manager.domain_group)
         else:
             o = ring_sdpa(q, k, v, group=manager.domain_group, variant=impl, sites=sites)
         o.backward(g)
@@ -113,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'N':>6}{'ranks':>6}{'impl':>10}{'ms':>10}{'sent MB/rank':>14}{'peak MB/rank':>14}")
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        runs = [(1, "full")] + [(w, impl) for w in (int(s) for s in args.worlds.split(","))
-                                for impl in ("ring", "gathered", "local")]
+        runs = [(1, "full"), (1, "flex")] + [(w, impl) for w in (int(s) for s in args.worlds.split(","))
+                                             for impl in ("ring", "gathered", "flex", "local")]
         for world, impl in runs:
             res = run_on_ranks(_bench, world, impl, n, args.heads, args.dim, args.iters, timeout=900)
             ms = max(r["ms"] for r in res)

@@ -161,6 +161,14 @@ def _timm_repvit() -> nn.Module:
     return RepVit(in_chans=3, embed_dim=(8, 16), depth=(1, 1), num_classes=3, distillation=True)
 
 
+def _timm_coat() -> nn.Module:
+    """CoaT-Lite, tiny: a class token per stage beside the patch tokens (refused: it belongs to no rank's rows)."""
+    import timm
+
+    return timm.create_model("coat_lite_tiny", pretrained=False, num_classes=4, embed_dims=[8, 8, 8, 8],
+                             serial_depths=[1, 1, 1, 1], num_heads=2, mlp_ratios=[2, 2, 2, 2], img_size=64)
+
+
 def _timm_mobilevit() -> nn.Module:
     """MobileViT at two MobileViT blocks (patches of 2 x 2 at 1/4 and 1/8): their attention over all patches is
     ring attention, their patch rows regrouped whole where a split cuts a patch (``halo.nn.mobilevit``)."""
@@ -193,6 +201,15 @@ def _timm_mobilevitv2() -> nn.Module:
 
 _ENCODER = {"encoder_name": "tu-resnet18", "encoder_weights": None, "encoder_depth": 3,
             "layers": (1, 1, 1, 1), "stem_width": 8, "channels": (8, 8, 8, 8)}
+
+
+def _smp_dpt() -> nn.Module:
+    """smp's DPT on timm's ViT-Tiny (class token and position table: refused)."""
+    import segmentation_models_pytorch as smp
+
+    return smp.DPT(encoder_name="tu-vit_tiny_patch16_224", encoder_weights=None, encoder_depth=4,
+                   decoder_intermediate_channels=(8, 8, 8, 8), decoder_fusion_channels=8, classes=2,
+                   dynamic_img_size=True)
 
 
 def _smp(kind: str, **kw: Any) -> Callable[[], nn.Module]:
@@ -327,6 +344,7 @@ ZOO: dict[str, Spec] = {
     "timm.mobilevit": Spec(_timm_mobilevit, 3, W, {2: 48, 3: 80}),
     "timm.mobilevitv2": Spec(_timm_mobilevitv2, 3, W, {2: 48, 3: 80}),
     "timm.swinv2": Spec(_timm_swinv2, 3, W, {2: 48, 3: 48}),
+    "timm.coat": Spec(_timm_coat, 3, 64, {2: 64, 3: 64}),  # refused at conversion: its class tokens
     "smp.Unet": Spec(_smp("Unet", decoder_channels=(16, 16, 16), decoder_attention_type="scse"), 3, W,
                      {2: 37, 3: 40}),
     # 40 rows at P=2 too: at 37 the unsharded model itself fails (levels 19 -> 10, upsampled to 20 against 19)
@@ -340,6 +358,7 @@ ZOO: dict[str, Spec] = {
     # its FPA block pools the 1/8 map three more times: at least one row a rank at 1/64, 8 columns at 1/8
     "smp.PAN": Spec(_smp("PAN", decoder_channels=8, encoder_output_stride=16), 3, 64, {2: 136, 3: 200}),
     "smp.Linknet": Spec(_smp("Linknet"), 3, W, {2: 40, 3: 40}),
+    "smp.DPT": Spec(_smp_dpt, 3, 64, {2: 64, 3: 64}),  # refused at conversion: its ViT's class token
     # an even H: the U-Net halves it once and doubles it back, so an odd H (37 -> 19 -> 38) fails the skip's cat in
     # the unsharded model itself; 38 rows are 19 + 19, then 10 + 9 at the halved level (uneven), 40 are 14 + 13 + 13
     "diffusers.UNet2DModel": Spec(_unet2d(False), 3, W, {2: 38, 3: 40}, _unet2d_call,

@@ -53,6 +53,8 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     # its LinearSelfAttention: a softmax over all patches and a sum over them, computed over the domain by the guard
     "timm.mobilevitv2": ("exact",),
     "timm.repvit": ("exact",),  # its head's BatchNorm1d on the whole mean (halo.nn.timm_layers.WholeBatchNorm1d)
+    # a class token per stage: refused by name
+    "timm.coat": ("(cls_token1, cls_token2, cls_token3, cls_token4)",),
     # its Swin V2 blocks are halo.nn.swinv2's; its classifier head pools channels-last (NHWC) features with
     # FastAdaptiveAvgPool, which halo.nn.timm_layers does not convert (NCHW pools only): refused, naming it
     "timm.swinv2": ("exact", "head.global_pool.pool (timm.layers.adaptive_avgmax_pool.FastAdaptiveAvgPool)"),
@@ -66,6 +68,9 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "smp.PSPNet": ("exact",),  # its whole (or sharded) pooled map resized to the global size (halo.guard.reroute)
     "smp.PAN": ("exact",),  # its FPABlock resizes to fractions of the global rows (halo.nn.smp_layers.HaloFPABlock)
     "smp.Linknet": ("exact",),
+    # a ViT encoder with a class token (a token of the whole field, attending to every patch) and a position table
+    # it resizes to the grid: refused by name (the hint it offers, followed, is refused too: test below)
+    "smp.DPT": ("(cls_token, pos_embed)",),
     "diffusers.UNet2DModel": ("exact",),
     "diffusers.UNet2DModel+attention": ("exact",),  # its mid-block Attention: ring attention (halo.nn.attention_layers)
     # its Transformer2DModel: self-attention by ring attention, cross-attention to the whole context local
