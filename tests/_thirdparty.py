@@ -378,6 +378,8 @@ ZOO: dict[str, Spec] = {
                                    norm=("GROUP", {"num_groups": 2})), 3, W, {2: 36, 3: 40}),
     # 5 patch rows: 3 + 2 on 2 ranks, 2 + 2 + 1 on 3, each cut by the split of the 80 image rows (40 + 40, 27 + 27 + 26)
     "monai.UNETR": Spec(_unetr, 3, 32, {2: 80, 3: 80}),
+    "monai.BasicUNetPlusPlus": Spec(_monai("BasicUNetPlusPlus", features=(4, 4, 8, 8, 8, 4)), 3, 32, {2: 48, 3: 48}),
+    "monai.HighResNet": Spec(_monai("HighResNet"), 3, W, {2: 37, 3: 40}),  # dilated convs, ChannelPad
     "monai.AttentionUnet": Spec(_monai("AttentionUnet", channels=(4, 8, 8), strides=(2, 2)), 3, W, {2: 36, 3: 40}),
     "credit.crossformer": Spec(_credit_crossformer, 3, 32, {2: 64, 3: 96}, frames=1),
     "credit.unet": Spec(_credit_unet, 3, W, {2: 37, 3: 40}, frames=1),

@@ -80,6 +80,8 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "monai.DynUNet": ("exact",),
     "monai.SegResNet": ("exact",),
     "monai.AttentionUnet": ("exact",),
+    "monai.BasicUNetPlusPlus": ("exact",),
+    "monai.HighResNet": ("exact",),  # its ChannelPad kept (pointwise: halo.nn.monai_layers)
     # its ViT: the position table's rows of each rank's patches, ring attention (halo.nn.monai_layers)
     "monai.UNETR": ("exact",),
     "credit.crossformer": ("exact",),

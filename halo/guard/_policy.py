@@ -704,7 +704,8 @@ _METADATA = _funcs(
     "is_contiguous is_floating_point is_complex is_signed element_size data_ptr get_device register_hook "
     "untyped_storage pin_memory is_pinned dim_order __len__ __repr__ __format__ __bool__ __float__ __int__ "
     "__index__ __hash__ item __deepcopy__ __reduce_ex__ __setstate__ copy_ fill_ zero_ expand expand_as broadcast_to "
-    "new_zeros new_ones new_empty new_full new_tensor zeros_like ones_like empty_like full_like", torch, T)
+    "new_zeros new_ones new_empty new_full new_tensor zeros_like ones_like empty_like full_like as_tensor asarray",
+    torch, T)
 _GETTERS = {getattr(T, name).__get__ for name in (
     "shape dtype device ndim requires_grad is_cuda is_cpu is_mps is_xpu is_meta is_sparse is_quantized is_nested "
     "is_mkldnn grad grad_fn data layout names is_leaf output_nr _version itemsize nbytes retains_grad real imag "

@@ -23,6 +23,9 @@ this rank's tokens as its patch rows (the same permutation); its encoders and de
 instance norms, the ``cat`` of the skips) are halo's layers, whose outputs are the balanced split of each level's
 global rows, so the skips pair up. ``revert_domain_parallel`` takes the model's own ``proj_feat`` back.
 
+MONAI's ``ChannelPad`` (HighResNet's residual branch: zero channels padded on, or a 1x1 conv) is pointwise in
+latitude and kept.
+
 Refused, by name and on every rank: ``proj_type="perceptron"`` (an einops rearrange of pixels into patches), a
 token count other than the position table's (the unsharded model fails there too), an ``attn_mask``, causal
 attention, a relative position embedding, ``save_attn``, ``attention_dtype``, a class token
@@ -202,4 +205,13 @@ def monai_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module | N
         return latitude_only(_unetr, "UNETR's tokens read back into fields")
     if _monai(module, "ViT", ("patch_embedding", "blocks", "norm")):
         return _vit
+    if _monai(module, "ChannelPad", ("project", "pad")) and not module._parameters and not module._buffers:
+        return _channel_pad
     return None
+
+
+def _channel_pad(m: nn.Module, ctx: Any) -> nn.Module | None:
+    """MONAI's ``ChannelPad`` (HighResNet's residual branch): zero channels padded on (``F.pad`` of the channel dim
+    only) or a 1x1 conv: pointwise in latitude. With the conv, its child converts as usual (``None``); its forward
+    is kept and watched by the guard."""
+    return None if m.project is not None else m
