@@ -169,6 +169,19 @@ def _timm_coat() -> nn.Module:
                              serial_depths=[1, 1, 1, 1], num_heads=2, mlp_ratios=[2, 2, 2, 2], img_size=64)
 
 
+def _timm_mixer(kind: str) -> Callable[[], nn.Module]:
+    """MLP-Mixer, ResMLP and gMLP (timm's ``MlpMixer`` with their blocks), tiny: an ``nn.Linear`` over the tokens
+    (token mixing, gMLP's spatial gating) that must be refused, not run on a shard's tokens."""
+    def build() -> nn.Module:
+        from timm.layers import GatedMlp
+        from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
+
+        blocks = {"mixer": {}, "resmlp": {"block_layer": ResBlock, "norm_layer": Affine, "mlp_ratio": 4},
+                  "gmlp": {"block_layer": SpatialGatingBlock, "mlp_layer": GatedMlp, "mlp_ratio": 6}}[kind]
+        return MlpMixer(num_classes=4, img_size=64, patch_size=16, num_blocks=1, embed_dim=16, **blocks)
+    return build
+
+
 def _timm_mobilevit() -> nn.Module:
     """MobileViT at two MobileViT blocks (patches of 2 x 2 at 1/4 and 1/8): their attention over all patches is
     ring attention, their patch rows regrouped whole where a split cuts a patch (``halo.nn.mobilevit``)."""
@@ -345,6 +358,9 @@ ZOO: dict[str, Spec] = {
     "timm.mobilevitv2": Spec(_timm_mobilevitv2, 3, W, {2: 48, 3: 80}),
     "timm.swinv2": Spec(_timm_swinv2, 3, W, {2: 48, 3: 48}),
     "timm.coat": Spec(_timm_coat, 3, 64, {2: 64, 3: 64}),  # refused at conversion: its class tokens
+    "timm.mixer": Spec(_timm_mixer("mixer"), 3, 64, {2: 64, 3: 64}),  # refused: a Linear over the tokens
+    "timm.gmlp": Spec(_timm_mixer("gmlp"), 3, 64, {2: 64, 3: 64}),
+    "timm.resmlp": Spec(_timm_mixer("resmlp"), 3, 64, {2: 64, 3: 64}),
     "smp.Unet": Spec(_smp("Unet", decoder_channels=(16, 16, 16), decoder_attention_type="scse"), 3, W,
                      {2: 37, 3: 40}),
     # 40 rows at P=2 too: at 37 the unsharded model itself fails (levels 19 -> 10, upsampled to 20 against 19)

@@ -53,6 +53,12 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     # its LinearSelfAttention: a softmax over all patches and a sum over them, computed over the domain by the guard
     "timm.mobilevitv2": ("exact",),
     "timm.repvit": ("exact",),  # its head's BatchNorm1d on the whole mean (halo.nn.timm_layers.WholeBatchNorm1d)
+    # token mixing: an nn.Linear over the tokens (x.transpose(1, 2)), refused at the call although torch's own
+    # module makes it (it would fail with a shape error on each shard, or mix a shard's tokens only)
+    "timm.mixer": ("multiplies over H (the sharded dim is the last one, which F.linear contracts)",),
+    "timm.gmlp": ("multiplies over H (the sharded dim is the last one, which F.linear contracts)",),
+    # ResMLP's Affine is unknown (its hint {Affine: None}, followed, reaches the token Linear: refused)
+    "timm.resmlp": ("blocks.0.norm1 (timm.models.mlp_mixer.Affine)",),
     # a class token per stage: refused by name
     "timm.coat": ("(cls_token1, cls_token2, cls_token3, cls_token4)",),
     # its Swin V2 blocks are halo.nn.swinv2's; its classifier head pools channels-last (NHWC) features with

@@ -377,9 +377,13 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 return exact[0]
         watch = h is not None or entry.check is not None
         frame = user_frame(3) if watch else None
-        if frame is None and rule is linear_rule and self.w_sharded and watch and torch_module_call(3):
-            # a kept nn.Linear on a latitude x longitude mesh (custom_converters={nn.Linear: None}): on a field's
-            # last dim, W, it mixes the sharded columns; checked although torch's own module makes the call
+        if frame is None and rule is linear_rule and watch and torch_module_call(3) \
+                and (self.w_sharded or (h is not None and isinstance(x, torch.Tensor) and h == x.dim() - 1
+                                        and not reroute.halo_called(3))):
+            # a kept nn.Linear given a field whose last dim is sharded: W on a latitude x longitude mesh
+            # (custom_converters={nn.Linear: None}), or H itself (MLP-Mixer's token mixing, x.transpose(1, 2) of
+            # its tokens, called from user code, not from a halo layer's): it mixes the sharded rows; checked although
+            # torch's own module makes the call
             frame = sys._getframe(2)
         if frame is None:  # not a field, or torch's / halo's own code: run it (and follow H through it)
             out = func(*args, **kwargs)
