@@ -182,6 +182,29 @@ def _timm_mixer(kind: str) -> Callable[[], nn.Module]:
     return build
 
 
+def _lite_mla_attn(self: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """EfficientViT's ``LiteMLA._attn`` in its inputs' dtype: timm's casts to float32 (``q.float()``), whose
+    rounding would hide a difference of 1e-7 from the float64 comparison."""
+    kv = k.transpose(-1, -2) @ v
+    out = q @ kv
+    return out[..., :-1] / (out[..., -1:] + self.eps)
+
+
+def _timm_efficientvit() -> nn.Module:
+    """MIT's EfficientViT-B0 (timm ``efficientvit_mit``): linear attention over all tokens (``k^T @ v``, contracting
+    them: the guard's domain sum), multi-scale aggregation convs, a ``ClassifierHead`` whose conv and BatchNorm run on
+    the field before its pool. Its attention kept in float64 (``_lite_mla_attn``)."""
+    import types
+
+    import timm
+
+    model = timm.create_model("efficientvit_b0", pretrained=False, num_classes=4)
+    for m in model.modules():
+        if type(m).__name__ == "LiteMLA":
+            m._attn = types.MethodType(_lite_mla_attn, m)
+    return model
+
+
 def _timm_mobilevit() -> nn.Module:
     """MobileViT at two MobileViT blocks (patches of 2 x 2 at 1/4 and 1/8): their attention over all patches is
     ring attention, their patch rows regrouped whole where a split cuts a patch (``halo.nn.mobilevit``)."""
@@ -358,6 +381,8 @@ ZOO: dict[str, Spec] = {
     "timm.mobilevitv2": Spec(_timm_mobilevitv2, 3, W, {2: 48, 3: 80}),
     "timm.swinv2": Spec(_timm_swinv2, 3, W, {2: 48, 3: 48}),
     "timm.coat": Spec(_timm_coat, 3, 64, {2: 64, 3: 64}),  # refused at conversion: its class tokens
+    # 64 rows halve five times: 1 row a rank at 1/32 on 2 ranks; 96 on 3 (the head's BatchNorm over 1-row shards)
+    "timm.efficientvit": Spec(_timm_efficientvit, 3, 64, {2: 64, 3: 96}),
     "timm.mixer": Spec(_timm_mixer("mixer"), 3, 64, {2: 64, 3: 64}),  # refused: a Linear over the tokens
     "timm.gmlp": Spec(_timm_mixer("gmlp"), 3, 64, {2: 64, 3: 64}),
     "timm.resmlp": Spec(_timm_mixer("resmlp"), 3, 64, {2: 64, 3: 64}),

@@ -53,6 +53,9 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     # its LinearSelfAttention: a softmax over all patches and a sum over them, computed over the domain by the guard
     "timm.mobilevitv2": ("exact",),
     "timm.repvit": ("exact",),  # its head's BatchNorm1d on the whole mean (halo.nn.timm_layers.WholeBatchNorm1d)
+    # its ClassifierHead's in_conv (a conv and a BatchNorm before the pool) converts: it was taken for a timm head
+    # whose layers all follow the pool and kept, so its BatchNorm ran on each shard (silently 0.06-0.9 off in train)
+    "timm.efficientvit": ("exact",),
     # token mixing: an nn.Linear over the tokens (x.transpose(1, 2)), refused at the call although torch's own
     # module makes it (it would fail with a shape error on each shard, or mix a shard's tokens only)
     "timm.mixer": ("multiplies over H (the sharded dim is the last one, which F.linear contracts)",),

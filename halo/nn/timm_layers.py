@@ -546,6 +546,13 @@ class DomainFlatten(nn.Flatten):
         return super().forward(x)
 
 
+#: the modules whose classifier heads pool first (their forward starts with ``self.global_pool(x)``): only these are
+#: taken for heads whose other layers run on the pooled, whole result. A head of the same name elsewhere may compute
+#: on the field before its pool (EfficientViT's ``ClassifierHead``: a conv and a BatchNorm, ``in_conv``): it converts
+#: by the usual rules, its pool recognised on its own.
+_HEADS = ("timm.layers.classifier", "timm.models.inception_next", "timm.models.hgnet")
+
+
 def _head(m: nn.Module, ctx: Any) -> nn.Module:
     """A timm classifier head: its global pool made halo's, everything after it torch's own on the whole result."""
     for name, child in m._modules.items():
@@ -634,7 +641,8 @@ def timm_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | N
         return _norm_linear
     if _squeeze_excite(module):
         return lambda m, ctx: DomainSqueezeExcite(m, group=ctx.group)
-    if name in ("ClassifierHead", "NormMlpClassifierHead", "MlpClassifierHead") and not _own_state(module) \
+    if name in ("ClassifierHead", "NormMlpClassifierHead", "MlpClassifierHead") and kind.__module__ in _HEADS \
+            and not _own_state(module) \
             and type(module._modules.get("global_pool")).__name__ == "SelectAdaptivePool2d" \
             and _select_pool(module.global_pool):
         return _head
