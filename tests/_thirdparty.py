@@ -205,6 +205,14 @@ def _timm_efficientvit() -> nn.Module:
     return model
 
 
+def _timm(name: str, **kw: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import timm
+
+        return timm.create_model(name, pretrained=False, num_classes=4, **kw)
+    return build
+
+
 def _timm_mobilevit() -> nn.Module:
     """MobileViT at two MobileViT blocks (patches of 2 x 2 at 1/4 and 1/8): their attention over all patches is
     ring attention, their patch rows regrouped whole where a split cuts a patch (``halo.nn.mobilevit``)."""
@@ -383,6 +391,12 @@ ZOO: dict[str, Spec] = {
     "timm.coat": Spec(_timm_coat, 3, 64, {2: 64, 3: 64}),  # refused at conversion: its class tokens
     # 64 rows halve five times: 1 row a rank at 1/32 on 2 ranks; 96 on 3 (the head's BatchNorm over 1-row shards)
     "timm.efficientvit": Spec(_timm_efficientvit, 3, 64, {2: 64, 3: 96}),
+    # ECA's Conv1d over the channels of the global mean (halo.nn.timm_layers._eca); FocalNet's global context (a mean
+    # over H and W in its modulation); VoVNet's eSE; MixNet's mixed kernel sizes
+    "timm.eca_resnet": Spec(_timm("eca_resnet33ts"), 3, WT, TIMM_ROWS),
+    "timm.focalnet": Spec(_timm("focalnet_tiny_srf"), 3, WT, {2: 64, 3: 96}),
+    "timm.vovnet": Spec(_timm("ese_vovnet19b_dw"), 3, WT, TIMM_ROWS),
+    "timm.mixnet": Spec(_timm("mixnet_s"), 3, WT, TIMM_ROWS),
     "timm.mixer": Spec(_timm_mixer("mixer"), 3, 64, {2: 64, 3: 64}),  # refused: a Linear over the tokens
     "timm.gmlp": Spec(_timm_mixer("gmlp"), 3, 64, {2: 64, 3: 64}),
     "timm.resmlp": Spec(_timm_mixer("resmlp"), 3, 64, {2: 64, 3: 64}),

@@ -56,6 +56,10 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     # its ClassifierHead's in_conv (a conv and a BatchNorm before the pool) converts: it was taken for a timm head
     # whose layers all follow the pool and kept, so its BatchNorm ran on each shard (silently 0.06-0.9 off in train)
     "timm.efficientvit": ("exact",),
+    "timm.eca_resnet": ("exact",),  # its ECA's Conv1d runs on the whole global mean (it was refused as a window)
+    "timm.focalnet": ("exact",),
+    "timm.vovnet": ("exact",),
+    "timm.mixnet": ("exact",),
     # token mixing: an nn.Linear over the tokens (x.transpose(1, 2)), refused at the call although torch's own
     # module makes it (it would fail with a shape error on each shard, or mix a shard's tokens only)
     "timm.mixer": ("multiplies over H (the sharded dim is the last one, which F.linear contracts)",),

@@ -576,6 +576,18 @@ def _head(m: nn.Module, ctx: Any) -> nn.Module:
     return t
 
 
+def _eca(m: nn.Module, ctx: Any) -> nn.Module:
+    """timm's ECA (``EcaModule``, ``CecaModule``): a 1-d conv over the *channels* of the global mean
+    (``x.mean((2, 3)).view(B, 1, C)``: the guard computes the mean over the domain, whole on every rank), so its
+    ``Conv1d`` runs as torch's on that whole tensor; its forward is kept and watched by the guard."""
+    t = _twin(m)
+    for name in ("conv", "conv2"):
+        child = t._modules.get(name)
+        if child is not None:
+            t._modules[name] = _kept(child)
+    return t
+
+
 def _size(ctx: Any) -> int:
     from ..dist.comm import comm_group
 
@@ -641,6 +653,9 @@ def timm_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | N
         return _norm_linear
     if _squeeze_excite(module):
         return lambda m, ctx: DomainSqueezeExcite(m, group=ctx.group)
+    if name in ("EcaModule", "CecaModule") and kind.__module__ == "timm.layers.eca" and not _own_state(module) \
+            and isinstance(module._modules.get("conv"), nn.Conv1d):
+        return _eca
     if name in ("ClassifierHead", "NormMlpClassifierHead", "MlpClassifierHead") and kind.__module__ in _HEADS \
             and not _own_state(module) \
             and type(module._modules.get("global_pool")).__name__ == "SelectAdaptivePool2d" \
