@@ -213,6 +213,13 @@ def _timm(name: str, **kw: Any) -> Callable[[], nn.Module]:
     return build
 
 
+def _timm_focalnet() -> nn.Module:
+    """FocalNet, tiny: one block a stage, 16 channels (its focal modulation's global context: a mean over H, W)."""
+    from timm.models.focalnet import FocalNet
+
+    return FocalNet(depths=(1, 1, 1, 1), embed_dim=16, num_classes=4)
+
+
 def _timm_mobilevit() -> nn.Module:
     """MobileViT at two MobileViT blocks (patches of 2 x 2 at 1/4 and 1/8): their attention over all patches is
     ring attention, their patch rows regrouped whole where a split cuts a patch (``halo.nn.mobilevit``)."""
@@ -394,7 +401,7 @@ ZOO: dict[str, Spec] = {
     # ECA's Conv1d over the channels of the global mean (halo.nn.timm_layers._eca); FocalNet's global context (a mean
     # over H and W in its modulation); VoVNet's eSE; MixNet's mixed kernel sizes
     "timm.eca_resnet": Spec(_timm("eca_resnet33ts"), 3, WT, TIMM_ROWS),
-    "timm.focalnet": Spec(_timm("focalnet_tiny_srf"), 3, WT, {2: 64, 3: 96}),
+    "timm.focalnet": Spec(_timm_focalnet, 3, WT, {2: 64, 3: 96}),
     "timm.vovnet": Spec(_timm("ese_vovnet19b_dw"), 3, WT, TIMM_ROWS),
     "timm.mixnet": Spec(_timm("mixnet_s"), 3, WT, TIMM_ROWS),
     "timm.mixer": Spec(_timm_mixer("mixer"), 3, 64, {2: 64, 3: 64}),  # refused: a Linear over the tokens
