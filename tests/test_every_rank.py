@@ -149,7 +149,8 @@ def test_one_row_shard_broadcasting_over_a_field_is_refused_on_every_rank(world,
     rank sees two row counts above 1), the unsharded op raises; the guard must refuse it on every rank."""
     results = _run(world, "broadcast", rows)
     assert all("must match the size" in r["unsharded"]["error"] for r in results), results
-    _same_error_everywhere(results, "self.conv(x) + x", "split differently")
+    _same_error_everywhere(results, "self.conv(x) + x", "split differently",
+                           f"global extents along H differ ({rows - 1} vs {rows} rows), so the unsharded model raises")
 
 
 class _BroadcastW(nn.Module):

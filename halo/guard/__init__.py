@@ -81,6 +81,7 @@ from ._policy import (
     W,
     broadcasts,
     get_arg,
+    global_extents,
     h_dim,
     interpolate_rule,
     linear_rule,
@@ -686,6 +687,9 @@ class SpatialGuard(Follower, Marks, TorchFunctionMode):
                 notes = [(text, *n[1:]) for n in notes]
         else:
             notes = [(problem, where(frame, self.names), name, rows, cols)]
+        if not self.w_sharded and any(n[0] for n in notes) and len({n[2] for n in notes}) == 1:
+            extra = global_extents([n[3] for n in notes])  # (the unsharded model's own error? latitude rows only)
+            notes = [(n[0] + extra if n[0] else n[0], *n[1:]) for n in notes]
         if len({n[2] for n in notes}) > 1:
             raise ValueError(
                 "halo guard: the ranks of the domain group called different torch functions at the same point of "

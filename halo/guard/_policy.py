@@ -92,8 +92,8 @@ from ..plan.plans import TensorMap, whole_source
 from ..random import dropout as random_dropout
 
 __all__ = ["H", "POLICY", "W", "Axis", "Policy", "broadcasts", "dims_arg", "field_of", "get_arg", "getitem_rule",
-           "h_dim", "interpolate_rule", "linear_rule", "merge_dims", "merge_fastest", "policy", "row_masks",
-           "split_differently", "torch_raised", "whole_interpolate_rule"]
+           "global_extents", "h_dim", "interpolate_rule", "linear_rule", "merge_dims", "merge_fastest", "policy",
+           "row_masks", "split_differently", "torch_raised", "whole_interpolate_rule"]
 
 
 # -- the axis a rule is written for --------------------------------------------------------------------------------
@@ -404,6 +404,20 @@ def split_differently(rows: list[int], a: Axis = H, made: list[bool] | None = No
                 f"not the same ones; resize with nn.Upsample in the model (its output is split like the others), or "
                 f"make {a.name} divisible by the ranks at every level")
     return None
+
+
+def global_extents(per_rank: list[list[int] | None], a: Axis = H) -> str:
+    """What a refused pointwise op on fields adds when its operands' *global* extents along ``a`` differ (each
+    operand's rows summed over the ranks; one of 1 row on every rank broadcasts and is left out): the unsharded
+    model raises there too, so the model does not run at this input size, sharded or not; else ``""``."""
+    if not per_rank or any(r is None for r in per_rank) or len({len(r) for r in per_rank}) != 1:
+        return ""
+    totals = [sum(col) for col in zip(*per_rank, strict=True) if any(v != 1 for v in col)]
+    if len(set(totals)) < 2:
+        return ""
+    return (f"; its operands' global extents along {a.name} differ ({' vs '.join(map(str, sorted(set(totals))))} "
+            f"{a.unit}), so the unsharded model raises here too: this input size does not fit the model (pick one "
+            f"its down- and upsampling levels divide)")
 
 
 def torch_raised(exc: Exception) -> str:
