@@ -1,17 +1,18 @@
 """The modes matrix, part two: attention layers, a 3-d conv, dropout and shard/gather, in every mode users train in.
 
 ``tests/test_modes.py`` runs the common 2-d layer kinds through every mode; this file runs the same modes on
-``AttnNet``, which holds the layer kinds that file lacks: a shifted Swin window-attention block
-(``halo.nn.window``), NATTEN neighbourhood attention with dilation and a relative position bias
-(``halo.nn.neighborhood``), CrossFormer's short- and long-distance attention (``halo.nn.longrange``: the long one
-regroups rows across ranks), a 3-d conv (``HaloConv3d``) and halo's dropout. The layers are the structural copies the
-layer tests use (``test_swin``, ``test_neighborhood``, ``test_longrange``: timm's, NATTEN's and CREDIT's names and
-attributes, recognised by the converter). The converted model is wrapped in ``halo.shard`` (granularity 8 = patch 2
-x window 4: windows never straddle ranks) and ``halo.gather``, so the modes also run through shard and gather
-(autograd, memory format, dtype, compile); the loss is then replicated (counted once) and the input gradient is the
-whole field's. The 56 x 16 input is 28 x 8 after the patch embedding, whose rows the block split keeps: 16 + 12 on
-2 ranks, 12 + 8 + 8 on 3 (uneven, whole 4-row windows); the 3-d conv's output is the balanced split (14 + 14,
-10 + 9 + 9), which is why it has no residual around it (a block split plus a balanced one do not add).
+``AttnNet``, which holds the layer kinds that file lacks: a shifted Swin window-attention block (``halo.nn.window``),
+NATTEN neighbourhood attention with dilation and a relative position bias (``halo.nn.neighborhood``), CrossFormer's
+short- and long-distance attention (``halo.nn.longrange``: the long one regroups rows across ranks),
+``nn.MultiheadAttention`` over all tokens (ring attention: ``halo.nn.attention_layers``), a 3-d conv (``HaloConv3d``)
+and halo's dropout. The Swin, NATTEN and CrossFormer layers are the structural copies the layer tests use
+(``test_swin``, ``test_neighborhood``, ``test_longrange``: timm's, NATTEN's and CREDIT's names and attributes,
+recognised by the converter). The converted model is wrapped in ``halo.shard`` (granularity 8 = patch 2 x window 4:
+windows never straddle ranks) and ``halo.gather``, so the modes also run through shard and gather (autograd, memory
+format, dtype, compile); the loss is then replicated (counted once) and the input gradient is the whole field's. The 56
+x 16 input is 28 x 8 after the patch embedding, whose rows the block split keeps: 16 + 12 on 2 ranks, 12 + 8 + 8 on 3
+(uneven, whole 4-row windows); the 3-d conv's output is the balanced split (14 + 14, 10 + 9 + 9), which is why it has no
+residual around it (a block split plus a balanced one do not add).
 Dropout masks are compared through the outputs, as in test_modes.py (the reference's dropout draws halo's masks
 for the whole field).
 Everything is compared with the unsharded model in the same mode, in the same process, from the same parameters:
@@ -54,7 +55,8 @@ WS = G // P  # the attention windows, at the patch grid (28 x 8)
 
 class AttnNet(nn.Module):
     """(B, 2, 56, 16): patch embedding (2) -> Swin block (shifted, window 4) -> CrossFormer short and long (window 4)
-    -> NATTEN (kernel 3, dilation 2, rpb) -> 3-d conv on (B, 2, 4, 28, 8) -> dropout -> conv."""
+    -> multi-head attention over all 224 tokens (ring attention) -> NATTEN (kernel 3, dilation 2, rpb) -> 3-d conv on
+    (B, 2, 4, 28, 8) -> dropout -> conv."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,6 +67,7 @@ class AttnNet(nn.Module):
         self.na = NeighborhoodAttention2D(d, 2, 3, dilation=2, rel_pos_bias=True)
         self.short = CrossAttention(d, "short", WS, dim_head=4)
         self.long = CrossAttention(d, "long", WS, dim_head=4)
+        self.glob = nn.MultiheadAttention(d, 2, batch_first=True)  # over all tokens: ring attention
         self.c3 = nn.Conv3d(2, 2, 3, padding=1)
         self.drop = nn.Dropout(0.25)
         self.out = nn.Conv2d(d, C, 3, padding=1)
@@ -74,6 +77,9 @@ class AttnNet(nn.Module):
         a = self.swin(a.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # timm's (B, H, W, C) layout
         a = self.short(a) + a
         a = self.long(a) + a
+        b, d, h, w = a.shape
+        t = a.flatten(2).transpose(1, 2)  # (B, tokens, d), the tokens row-major: this rank's rows' tokens
+        a = (t + self.glob(t, t, t, need_weights=False)[0]).transpose(1, 2).reshape(b, d, h, w)
         t = a.permute(0, 2, 3, 1)  # NATTEN's layout
         a = (self.na(t) + t).permute(0, 3, 1, 2)
         # No residual around the conv: a conv's output is the balanced split, not the input's block split.

@@ -587,7 +587,11 @@ def _constant(v: Any) -> Any:
         return guard_scalar(v)
     if isinstance(v, (tuple, list)):
         items = [_constant(e) for e in v]
-        return type(v)(items) if type(v) in (tuple, list) else type(v)(*items)  # (a NamedTuple: its fields)
+        if isinstance(v, list):
+            return items
+        # (a NamedTuple: its fields. Not ``type(v) in (tuple, list)``: dynamo cannot guard on the type of a tuple
+        # an earlier plan returned, e.g. ring_sdpa's query sizes, and fails with an internal NotImplementedError)
+        return type(v)(*items) if hasattr(v, "_fields") else tuple(items)
     return v
 
 
