@@ -37,7 +37,7 @@ def _step(fn, x: torch.Tensor, g: torch.Tensor, params) -> None:
 def bench_rank(rank: int, world: int, sizes, reps: int, mesh_shape=None, backend: str = "inductor") -> list[dict]:
     import halo
     from halo.nn import convert_to_domain_parallel
-    from halo.nn.conv import HaloConv2d
+    from halo.nn.conv import DomainConv2d
     from halo.plan.partition import split_sizes
     from halo.tools.bench import median, paired_ratio, time_iterations
 
@@ -55,7 +55,7 @@ def bench_rank(rank: int, world: int, sizes, reps: int, mesh_shape=None, backend
         patch = convert(copy.deepcopy(net))
         pad = convert(copy.deepcopy(net))
         for m in pad.modules():
-            if isinstance(m, HaloConv2d):
+            if isinstance(m, DomainConv2d):
                 m.overlap = False
         models = {"eager-patch": patch, "eager-pad": pad,
                   "compiled-patch": torch.compile(patch, fullgraph=True, backend=backend, dynamic=False),

@@ -27,7 +27,7 @@ nccl2   two ranks on the one GPU with real NCCL (a different ``NCCL_HOSTID`` per
         simulated on a newer torch), ``check_equivalence`` on CUDA (float64), 16 sync-free steady steps (p2p
         exchanges, GroupNorm and loss all-reduces, the replicated-state check at steps 8 and 16), and the forward +
         backward with its p2p messages captured in a CUDA graph vs eager
-conv    HaloConv2d (compute-then-patch, pole boundary, 1 rank) vs ``nn.Conv2d`` fwd + bwd at 181 and 721 rows x 1440,
+conv    DomainConv2d (compute-then-patch, pole boundary, 1 rank) vs ``nn.Conv2d`` fwd + bwd at 181 and 721 rows x 1440,
         bf16, 64 / 256 channels, eager and graph-replayed (device time per call; the ratio reported, not judged)
 ======  =========================================================================================================
 
@@ -735,12 +735,12 @@ def rank_worker(dry: bool, out: Path) -> int:
     return 0 if all(v.get("ok") for v in report.values() if isinstance(v, dict)) else 1
 
 
-# -- part: HaloConv2d vs nn.Conv2d -------------------------------------------------------------------------------------
+# -- part: DomainConv2d vs nn.Conv2d -----------------------------------------------------------------------------------
 
 def part_conv(dry: bool) -> dict:
     import torch
 
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
 
     device = _device(dry)
     _init_one(device)
@@ -755,20 +755,20 @@ def part_conv(dry: bool) -> dict:
             def run(h: int = h, c: int = c) -> dict:
                 torch.manual_seed(0)
                 conv = torch.nn.Conv2d(c, c, 3, padding=(1, 1), padding_mode="circular").to(device, dtype)
-                layer = HaloConv2d(conv, boundary="pole")
+                layer = DomainConv2d(conv, boundary="pole")
                 x = torch.randn(1, c, h, width, device=device, dtype=dtype, requires_grad=True)
                 g = torch.randn(1, c, h, width, device=device, dtype=dtype)
                 res: dict[str, Any] = {"ok": True}
-                for name, fn in (("nn.Conv2d", conv), ("HaloConv2d", layer)):
+                for name, fn in (("nn.Conv2d", conv), ("DomainConv2d", layer)):
                     def call(fn: Any = fn) -> None:
                         x.grad = None
                         fn(x).backward(g)
 
                     res[name] = time_calls(call, n, device)
                 key = "eager_device_ms" if device.type == "cuda" else "eager_wall_ms"
-                res["ratio_eager"] = round(res["HaloConv2d"][key] / res["nn.Conv2d"][key], 3)
+                res["ratio_eager"] = round(res["DomainConv2d"][key] / res["nn.Conv2d"][key], 3)
                 if device.type == "cuda":
-                    res["ratio_graph"] = round(res["HaloConv2d"]["graph_device_ms"]
+                    res["ratio_graph"] = round(res["DomainConv2d"]["graph_device_ms"]
                                                / res["nn.Conv2d"]["graph_device_ms"], 3)
                 return res
 

@@ -16,7 +16,7 @@
 #   nccl2      75 s   2 ranks on the one GPU, real NCCL (NCCL_HOSTID per rank, NCCL_IB_DISABLE=1, loopback):
 #                     host groups, torch-version paths (2.11's and the current one's), check_equivalence on CUDA,
 #                     16 sync-free steady steps, p2p inside a captured graph
-#   conv       40 s   HaloConv2d vs nn.Conv2d at 181 / 721 rows x 1440, bf16, 64 / 256 ch, eager and graph-replayed
+#   conv       40 s   DomainConv2d vs nn.Conv2d at 181 / 721 rows x 1440, bf16, 64 / 256 ch, eager and graph-replayed
 #   total     370 s   (+ packing the archive after each part)
 #
 # Results: the runner keeps only a few files, so everything (per-part json, logs, rank logs) is written to a work

@@ -307,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = benchmark_parser(__doc__)
     parser.add_argument("--steps", type=int, default=None, help="exchange steps (default 10000)")
-    parser.add_argument("--conv-steps", type=int, default=None, help="HaloConv2d steps (default 1000; 0: none)")
+    parser.add_argument("--conv-steps", type=int, default=None, help="DomainConv2d steps (default 1000; 0: none)")
     parser.add_argument("--reps", type=int, default=None, help="validation timing repetitions")
     parser.add_argument("--timeout", type=float, default=1800.0)
     a = parser.parse_args(argv)

@@ -40,7 +40,7 @@ def _bench(rank, world, shape, window, heads, iters):
     from test_swin import SwinTransformerBlock
 
     import halo
-    from halo.nn import HaloSwinTransformerBlock
+    from halo.nn import DomainSwinTransformerBlock
     from halo.nn.window import roll_needs
     from halo.plan.partition import offsets, plan_exchange, split_sizes
     from halo.tools.bench import gather_times
@@ -50,7 +50,7 @@ def _bench(rank, world, shape, window, heads, iters):
     b, h, w, c = shape
     torch.manual_seed(0)
     ref = SwinTransformerBlock(c, (h, w), num_heads=heads, window_size=window, shift_size=window // 2)
-    block = HaloSwinTransformerBlock(copy.deepcopy(ref)) if world > 1 else ref
+    block = DomainSwinTransformerBlock(copy.deepcopy(ref)) if world > 1 else ref
     sizes = split_sizes(h, world, window)
     offs = offsets(sizes)
     full = torch.randn(b, h, w, c)

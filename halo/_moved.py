@@ -49,7 +49,44 @@ MOVED: dict[str, str] = {
     "halo.transport": "halo.dist.transport",
 }
 
-__all__ = ["MOVED"]
+#: old public class name -> new (halo.nn's layers took one prefix, ``Domain``; the old names resolve, one release)
+RENAMED: dict[str, str] = {
+    "HaloAdaptiveAvgPool2d": "DomainAdaptiveAvgPool2d",
+    "HaloAdaptiveMaxPool2d": "DomainAdaptiveMaxPool2d",
+    "HaloAvgPool2d": "DomainAvgPool2d",
+    "HaloAvgPool3d": "DomainAvgPool3d",
+    "HaloConv2d": "DomainConv2d",
+    "HaloConv2dSame": "DomainConv2dSame",
+    "HaloConv3d": "DomainConv3d",
+    "HaloConvTranspose2d": "DomainConvTranspose2d",
+    "HaloConvTranspose3d": "DomainConvTranspose3d",
+    "HaloCreditPatchEmbed": "DomainCreditPatchEmbed",
+    "HaloCubeEmbedding": "DomainCubeEmbedding",
+    "HaloFPABlock": "DomainFPABlock",
+    "HaloLPPool2d": "DomainLPPool2d",
+    "HaloLayer": "DomainLayer",
+    "HaloMaxPool2d": "DomainMaxPool2d",
+    "HaloMaxPool3d": "DomainMaxPool3d",
+    "HaloPad2d": "DomainPad2d",
+    "HaloPad3d": "DomainPad3d",
+    "HaloPartitionAttention": "DomainPartitionAttention",
+    "HaloPartitionedAttention": "DomainPartitionedAttention",
+    "HaloPatchEmbed": "DomainPatchEmbed",
+    "HaloPatchMerging": "DomainPatchMerging",
+    "HaloPixelShuffle": "DomainPixelShuffle",
+    "HaloPixelUnshuffle": "DomainPixelUnshuffle",
+    "HaloSegformerDecoder": "DomainSegformerDecoder",
+    "HaloSwinTransformerBlock": "DomainSwinTransformerBlock",
+    "HaloSwinV2Block": "DomainSwinV2Block",
+    "HaloUTransformer": "DomainUTransformer",
+    "HaloUnetDecoder": "DomainUnetDecoder",
+    "HaloUnetDecoderBlock": "DomainUnetDecoderBlock",
+    "HaloUpsample": "DomainUpsample",
+    "HaloWindowAttention": "DomainWindowAttention",
+    "HaloWindowAttentionV2": "DomainWindowAttentionV2",
+}
+
+__all__ = ["MOVED", "RENAMED"]
 
 
 class _Alias(importlib.abc.Loader):

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from halo.nn.base import AxisPlan, HaloLayer, adopt, finish
+from halo.nn.base import AxisPlan, DomainLayer, adopt, finish
 from halo.testing import run_on_ranks
 
 
@@ -27,7 +27,7 @@ def _make(cg, sizes, dim, arg, tag):
     return _Plan(cg.size == 1, dim=dim, sizes=sizes, arg=arg * 10 + tag)
 
 
-class _Probe(HaloLayer, nn.Module):
+class _Probe(DomainLayer, nn.Module):
     """A layer written against the base alone: its plan says what ``make`` saw."""
 
     def __init__(self, group=None, mesh=None):
@@ -86,14 +86,14 @@ class _Custom(nn.Conv2d):
 ])
 def test_adopt_refuses_what_it_cannot_make_halo_aware(src, kind, words):
     with pytest.raises(kind, match=words):
-        adopt(nn.Conv2d.__new__(nn.Conv2d), src, nn.Conv2d, "HaloConv2d")
+        adopt(nn.Conv2d.__new__(nn.Conv2d), src, nn.Conv2d, "DomainConv2d")
 
 
 def test_adopt_refuses_a_parametrized_layer():
     conv = nn.Conv2d(2, 2, 3)
     parametrize.register_parametrization(conv, "weight", nn.Identity())
     with pytest.raises(TypeError, match="parametrized"):
-        adopt(nn.Conv2d.__new__(nn.Conv2d), conv, nn.Conv2d, "HaloConv2d")
+        adopt(nn.Conv2d.__new__(nn.Conv2d), conv, nn.Conv2d, "DomainConv2d")
 
 
 def test_finish_keeps_channels_last_and_carries_the_epoch():
@@ -111,11 +111,11 @@ def test_finish_keeps_channels_last_and_carries_the_epoch():
 
 def test_a_compiled_layer_bakes_its_per_axis_plans_in():
     """The plans are frozen dataclasses returned through ``assume_constant_result``: fullgraph compiles."""
-    from halo.nn.shuffle import HaloPixelShuffle, HaloPixelUnshuffle
+    from halo.nn.shuffle import DomainPixelShuffle, DomainPixelUnshuffle
 
     x = torch.randn(1, 8, 6, 4)
-    for layer, ref in ((HaloPixelShuffle(nn.PixelShuffle(2)), nn.PixelShuffle(2)),
-                       (HaloPixelUnshuffle(nn.PixelUnshuffle(2)), nn.PixelUnshuffle(2))):
+    for layer, ref in ((DomainPixelShuffle(nn.PixelShuffle(2)), nn.PixelShuffle(2)),
+                       (DomainPixelUnshuffle(nn.PixelUnshuffle(2)), nn.PixelUnshuffle(2))):
         assert torch.equal(torch.compile(layer, backend="eager", fullgraph=True)(x), ref(x))
 
 
@@ -132,14 +132,14 @@ def _probe_ranks(rank, world, rows):
     lo, hi = local_range(rows, world, rank)
     (plan,) = _Probe(group=dist.group.WORLD)(full[..., lo:hi, :].clone())
     # a layer built on the base alone (pixel shuffle): torch's forward and backward, bitwise, on uneven rows
-    from halo.nn.shuffle import HaloPixelShuffle
+    from halo.nn.shuffle import DomainPixelShuffle
 
     xf = torch.randn(2, 8, rows, 5, dtype=torch.float64, requires_grad=True)
     gy = torch.randn(2, 2, 2 * rows, 10, dtype=torch.float64)
     ref = nn.PixelShuffle(2)(xf)
     ref.backward(gy)
     xs = halo.shard(xf.detach(), dim=-2, group=dist.group.WORLD).requires_grad_(True)
-    out = HaloPixelShuffle(nn.PixelShuffle(2), group=dist.group.WORLD)(xs)
+    out = DomainPixelShuffle(nn.PixelShuffle(2), group=dist.group.WORLD)(xs)
     out.backward(halo.shard(gy, dim=-2, group=dist.group.WORLD))
     g = dist.group.WORLD
     return {"plan": (plan.plain, plan.dim, plan.sizes, plan.arg), "out": halo.gather(out.detach(), dim=-2, group=g),

@@ -376,9 +376,9 @@ class BiasConv(nn.Conv2d):
 def _broken_converter(module, ctx):
     import torch.distributed as dist
 
-    from halo.nn.conv import HaloConv2d
+    from halo.nn.conv import DomainConv2d
 
-    conv = HaloConv2d(module, group=ctx.group)
+    conv = DomainConv2d(module, group=ctx.group)
     if dist.get_rank(ctx.group) == 0:
         conv.bias.register_hook(lambda g: g + 1e-6)
     return conv
@@ -665,7 +665,7 @@ FUXI_SAMPLE = (2, 3, 2, 48, 16)  # (B, C, T, H, W): FuXi's two frames of 3 chann
 
 def _fuxi(broken: bool) -> nn.Module:
     """CREDIT's FuXi (tests/_thirdparty.py); ``broken``: the LayerNorm inside its cube embedding (kept as torch's by
-    halo's ``HaloCubeEmbedding``, which runs it on a (B, C, T, H, W) field instead of FuXi's (B, tokens, C)) scaled
+    halo's ``DomainCubeEmbedding``, which runs it on a (B, C, T, H, W) field instead of FuXi's (B, tokens, C)) scaled
     by the share of the tokens it sees: 1 unsharded, ~1/P on a shard (a local-factor bug inside a halo layer)."""
     import _thirdparty as tp
 
@@ -699,7 +699,7 @@ def test_fuxi_windows_and_cube_tokens_are_no_false_alarm(world):
     """FuXi is exact (tests/test_zoo_real.py): check_equivalence says so at P=2 and P=3. Its Swin V2 attention works
     on a rank's windows of every sample as one block, and its cube embedding's LayerNorm on a 5-d field instead of
     FuXi's token rows; those intermediates are not the reference's tensors, and are left out only because the halo
-    layer that holds them (``HaloSwinV2Block``, ``HaloCubeEmbedding``) matches the reference at its output. With
+    layer that holds them (``DomainSwinV2Block``, ``DomainCubeEmbedding``) matches the reference at its output. With
     the bug inside the cube embedding (P=2), the difference is reported where it arises, naming that LayerNorm."""
     pytest.importorskip("credit")
     variants = (False, True) if world == 2 else (False,)

@@ -43,14 +43,14 @@ import torch._dynamo.testing
 import halo
 from halo import context
 from halo.nn import DomainDropout, DomainDropPath
-from halo.nn.shuffle import HaloPixelShuffle, HaloPixelUnshuffle
+from halo.nn.shuffle import DomainPixelShuffle, DomainPixelUnshuffle
 
 out = {"fresh": list(context.current().names())}
 
 def shuffles(tag):
     x = torch.randn(1, 8, 6, 4)
     counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
-    layers = (HaloPixelShuffle(nn.PixelShuffle(2)), HaloPixelUnshuffle(nn.PixelUnshuffle(2)))
+    layers = (DomainPixelShuffle(nn.PixelShuffle(2)), DomainPixelUnshuffle(nn.PixelUnshuffle(2)))
     refs = (nn.PixelShuffle(2), nn.PixelUnshuffle(2))
     compiled = [torch.compile(layer, backend=counter, fullgraph=True) for layer in layers]
     equal = [torch.equal(c(x), ref(x)) for _ in range(3) for c, ref in zip(compiled, refs)]

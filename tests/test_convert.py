@@ -91,9 +91,9 @@ def test_tied_module_and_batchnorm_subclass_convert_exactly(world):
     results = run_on_ranks(_run, world, Tied, timeout=120)
     out, grad, params = _reference(Tied, results[0]["wts"])
     for r in results:
-        assert r["types"]["conv"] == r["types"]["again"] == "HaloConv2d", r["types"]
+        assert r["types"]["conv"] == r["types"]["again"] == "DomainConv2d", r["types"]
         assert r["types"]["bn"] == "DomainBatchNormAct2d" and r["types"]["bn.act"] == "SiLU", r["types"]
-        assert r["types"]["up"] == r["types"]["near"] == "HaloUpsample", r["types"]
+        assert r["types"]["up"] == r["types"]["near"] == "DomainUpsample", r["types"]
         assert r["keys"]
         assert torch.allclose(r["out"], out, rtol=0, atol=1e-12), (r["out"] - out).abs().max()
         assert torch.allclose(r["grad"], grad, rtol=0, atol=1e-12), (r["grad"] - grad).abs().max()
@@ -126,7 +126,7 @@ class Pad(nn.Module):
 
 def _refusals(rank, world):
     import halo
-    from halo.nn import HaloConv2d, convert_to_domain_parallel
+    from halo.nn import DomainConv2d, convert_to_domain_parallel
     from halo.nn.convert import INSIDE
 
     m = halo.initialize_domain_parallel(world, world)
@@ -145,7 +145,7 @@ def _refusals(rank, world):
     root = convert_to_domain_parallel(Scaled(), m, custom_converters={Scaled: INSIDE})
     out["root_inside"] = (type(root).__name__, type(root.conv).__name__)
     out["root_kept"] = [type(convert_to_domain_parallel(layer, m)).__name__
-                        for layer in (nn.ReLU(), HaloConv2d(nn.Conv2d(3, 3, 3)))]
+                        for layer in (nn.ReLU(), DomainConv2d(nn.Conv2d(3, 3, 3)))]
     twice = convert_to_domain_parallel(convert_to_domain_parallel(nn.Sequential(nn.Conv2d(3, 3, 3)), m), m)
     out["idempotent"] = type(twice[0]).__name__
     return out
@@ -163,10 +163,10 @@ def test_subclasses_and_blocks_with_own_state_are_refused_with_a_way_out():
         assert "the model itself is a Conv2d, which halo replaces" in r["root_conv"], r["root_conv"]
         assert "the model (test_convert.Pad) is not a layer halo knows" in r["root_unknown"], r["root_unknown"]
         assert "the model (test_convert.Scaled) has parameters or buffers of its own" in r["root_state"]
-        assert r["root_inside"] == ("Scaled", "HaloConv2d")
-        assert r["root_kept"] == ["ReLU", "HaloConv2d"]
-        assert r["inside"] == ("Scaled", "HaloConv2d")
-        assert r["idempotent"] == "HaloConv2d"
+        assert r["root_inside"] == ("Scaled", "DomainConv2d")
+        assert r["root_kept"] == ["ReLU", "DomainConv2d"]
+        assert r["inside"] == ("Scaled", "DomainConv2d")
+        assert r["idempotent"] == "DomainConv2d"
 
 
 PADS = [nn.ZeroPad2d((1, 2, 3, 0)), nn.ZeroPad2d((0, 0, -2, 1)), nn.ConstantPad2d((2, 1, 1, 2), 0.0),
@@ -214,7 +214,7 @@ def test_padding_and_softmax_modules_are_exact_or_refused(world):
         (gx,) = torch.autograd.grad((y * results[0][0][i][3]).sum(), x)  # the same weights on every rank
         for out, errors in results:
             kind, got, grad, _ = out[i]
-            want_kind = "HaloPad2d" if i < len(PADS) else {"Softmax": "DomainSoftmax", "LogSoftmax":
+            want_kind = "DomainPad2d" if i < len(PADS) else {"Softmax": "DomainSoftmax", "LogSoftmax":
                                                               "DomainLogSoftmax"}.get(type(layer).__name__, "Softmax2d")
             assert kind == want_kind, (i, kind)
             if i < len(PADS):  # rows are copied: bitwise
@@ -243,7 +243,7 @@ def _periodic_net():
 
 def _periodic(rank, world):
     import halo
-    from halo.nn import HaloPad2d, convert_to_domain_parallel
+    from halo.nn import DomainPad2d, convert_to_domain_parallel
 
     manager = halo.initialize_domain_parallel(world, world)
     try:
@@ -253,8 +253,8 @@ def _periodic(rank, world):
         refused = str(e)
 
     def periodic(m, ctx):
-        return nn.Sequential(HaloPad2d(nn.CircularPad2d((2, 2, 0, 0)), group=ctx.group),
-                             HaloPad2d(nn.ZeroPad2d((0, 0, 2, 2)), group=ctx.group))
+        return nn.Sequential(DomainPad2d(nn.CircularPad2d((2, 2, 0, 0)), group=ctx.group),
+                             DomainPad2d(nn.ZeroPad2d((0, 0, 2, 2)), group=ctx.group))
 
     net = convert_to_domain_parallel(_periodic_net(), manager, custom_converters={PeriodicPad: periodic})
     full = torch.randn(2, 2, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -344,7 +344,8 @@ def _check_layers(name, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_pixel_shuffle_and_unshuffle_are_exact(world):
     types = _check_layers("Shuffles", world)
-    assert (types["up"], types["up3"], types["down"]) == ("HaloPixelShuffle", "HaloPixelShuffle", "HaloPixelUnshuffle")
+    assert (types["up"], types["up3"], types["down"]) == ("DomainPixelShuffle", "DomainPixelShuffle",
+                                                          "DomainPixelUnshuffle")
 
 
 class Pangu3d(nn.Module):
@@ -365,7 +366,7 @@ class Pangu3d(nn.Module):
 @pytest.mark.parametrize("world", [2, 3])
 def test_conv_transpose3d_is_exact(world):
     types = _check_layers("Pangu3d", world)
-    assert types["recover"] == types["up"] == "HaloConvTranspose3d"
+    assert types["recover"] == types["up"] == "DomainConvTranspose3d"
 
 
 # -- a layer kind of the user's own, registered with @converts in this file and nothing else -----------------------

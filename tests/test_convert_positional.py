@@ -83,7 +83,7 @@ def _rank(rank, world, kind):
 @pytest.mark.parametrize("kind", ["manager", "mesh1", "group"])
 def test_rows_target_in_the_second_position(kind, world):
     for out in run_on_ranks(_rank, world, kind, timeout=180):
-        assert out["converted"] == "HaloConv2d", out
+        assert out["converted"] == "DomainConv2d", out
         for key in ("forward", "input grad", "param grads"):
             assert out[key] < 1e-12, (kind, world, out)
 
@@ -92,7 +92,7 @@ def test_rows_target_in_the_second_position(kind, world):
 def test_latitude_longitude_mesh_in_the_second_position(kind):
     """Before issue 22 a mesh in the manager's place failed with AttributeError 'shard_dim'."""
     for out in run_on_ranks(_rank, 4, kind, timeout=180):
-        assert out["converted"] == "HaloConv2d", out
+        assert out["converted"] == "DomainConv2d", out
         for key in ("forward", "input grad", "param grads"):
             assert out[key] < 1e-12, (kind, out)
 

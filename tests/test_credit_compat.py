@@ -48,9 +48,9 @@ def _batches(h, n):
 
 def _periodic(m):
     """A one-argument factory, as CREDIT's are; it keeps the wrapper (and so the state-dict keys)."""
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
 
-    m.conv = HaloConv2d(m.conv)
+    m.conv = DomainConv2d(m.conv)
     return m
 
 

@@ -65,14 +65,14 @@ def test_halo_nn_exports_exactly_the_registry():
     assert list(layer_modules()) == found
     missing = [n for n in found if f"halo.nn.{n}" not in __import__("sys").modules]
     assert not missing, missing
-    # the public layers: every class exported is a torch module, and a HaloLayer (halo.nn.base) but for these three,
+    # the public layers: every class exported is a torch module, and a DomainLayer (halo.nn.base) but for these three,
     # which hold halo layers rather than being one (issue 31 counted 6): the list can only shrink
-    from halo.nn.base import HaloLayer
+    from halo.nn.base import DomainLayer
 
     classes = {n: o for n, o in exports().items() if inspect.isclass(o)}
     assert all(issubclass(o, __import__("torch").nn.Module) for o in classes.values())
-    others = {n for n, o in classes.items() if not issubclass(o, HaloLayer)}
-    assert others <= {"DomainSelectAdaptivePool2d", "DomainSqueezeExcite", "HaloLPPool2d"}, others
+    others = {n for n, o in classes.items() if not issubclass(o, DomainLayer)}
+    assert others <= {"DomainSelectAdaptivePool2d", "DomainSqueezeExcite", "DomainLPPool2d"}, others
 
 
 def test_the_converters_tables_are_the_registry():
@@ -91,10 +91,10 @@ def test_the_converters_tables_are_the_registry():
     # no registered class is also in the converter's lists of kept or refused layers
     assert not set(table) & (set(convert.POINTWISE) | set(convert.GLOBAL)), set(table) & set(convert.GLOBAL)
     twins = functional_twins()
-    assert twins[nn.functional.pixel_unshuffle] is halo.nn.HaloPixelUnshuffle
-    assert twins[nn.functional.max_pool2d] is halo.nn.HaloMaxPool2d
+    assert twins[nn.functional.pixel_unshuffle] is halo.nn.DomainPixelUnshuffle
+    assert twins[nn.functional.max_pool2d] is halo.nn.DomainMaxPool2d
     assert twin_hint(nn.functional.pixel_shuffle) == ("use nn.PixelShuffle in the model (converted exactly, to "
-                                                      "halo.nn.HaloPixelShuffle)")
+                                                      "halo.nn.DomainPixelShuffle)")
     assert twin_hint(nn.functional.gelu) is None
     assert set(twins.values()) <= {e.halo_class for e in table.values()}
     assert {f for e in table.values() for f in e.functional} == set(twins)
@@ -109,9 +109,9 @@ def test_the_registry_refuses_a_second_claim():
     class Other(nn.Module):
         pass
 
-    with pytest.raises(ValueError, match="PixelShuffle is converted by HaloPixelShuffle already, not also by Other"):
+    with pytest.raises(ValueError, match="PixelShuffle is converted by DomainPixelShuffle already, not also by Other"):
         converts(nn.PixelShuffle)(Other)
-    with pytest.raises(ValueError, match="pixel_shuffle is the functional twin of HaloPixelShuffle already"):
+    with pytest.raises(ValueError, match="pixel_shuffle is the functional twin of DomainPixelShuffle already"):
         converts(nn.Identity, functional=(nn.functional.pixel_shuffle,))(Other)
     with pytest.raises(TypeError, match="functional= takes a tuple of torch functions"):
         converts(nn.Identity, functional=nn.functional.gelu)
@@ -134,7 +134,7 @@ def test_the_docs_lists_of_layers_are_generated_from_the_registry():
     assert all(f"`halo.nn.{n}`" in listed for n in exports() if n not in converted)
     modules = hook.modules_table()
     assert all(f"`halo/nn/{n}.py`" in modules for n in layer_modules())
-    assert "| `nn.ReflectionPad3d` | `HaloPad3d` | yes |" in table and halo.nn.HaloPad3d
+    assert "| `nn.ReflectionPad3d` | `DomainPad3d` | yes |" in table and halo.nn.DomainPad3d
     # the API reference shows every public name at its definition (halo.nn's names come from the registry at import)
     blocks = hook.reference_blocks()
     assert all(f"::: {obj.__module__}.{name}\n" in blocks + "\n" for name, obj in exports().items())

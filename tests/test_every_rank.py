@@ -14,8 +14,8 @@ The mechanism of the zoo's diffusers ``UNet2DModel`` at P=2 (tests/test_zoo_real
 - an op torch itself refuses on one rank only (the same cat with an odd W: W 5 -> 3 -> 6 differs on every rank,
   H only on rank 1): the guard used to run the op before the ranks agreed on it, so rank 0 raised torch's error
   alone; the op's error must become that rank's part of the agreement (needs /tmp/briefs/B_guard.patch);
-- a layer given a tensor of another number of dims on one rank only (``HaloConv2d``, a global adaptive pool on a
-  latitude x longitude mesh; ``DomainGroupNorm``, ``HaloPad2d``, ``HaloPixelShuffle``, ``halo_interpolate`` with
+- a layer given a tensor of another number of dims on one rank only (``DomainConv2d``, a global adaptive pool on a
+  latitude x longitude mesh; ``DomainGroupNorm``, ``DomainPad2d``, ``DomainPixelShuffle``, ``halo_interpolate`` with
   /tmp/briefs/B_prechecks.patch): the layer's shape checks run after the agreement, so every rank raises the same
   ``ValueError`` naming the ranks and shapes (before, the odd rank raised alone and the others waited).
 
@@ -261,11 +261,11 @@ def _ndim_case(rank, world, layer):
     os.environ["TRITON_INTERPRET"] = "0"
     import halo
     from halo.nn import (
+        DomainAdaptiveAvgPool2d,
+        DomainConv2d,
         DomainGroupNorm,
-        HaloAdaptiveAvgPool2d,
-        HaloConv2d,
-        HaloPad2d,
-        HaloPixelShuffle,
+        DomainPad2d,
+        DomainPixelShuffle,
         halo_interpolate,
     )
 
@@ -275,13 +275,13 @@ def _ndim_case(rank, world, layer):
     good = torch.randn(1, 4, 5, 4, dtype=torch.float64)  # 5 + 5 rows: the balanced split of 10
     bad = {"1-d": torch.randn(5, dtype=torch.float64), "3-d": good[0], "5-d": good[None]}[_BAD[layer][0]]
     module = {
-        "conv": lambda: HaloConv2d(nn.Conv2d(4, 4, 3, padding=1).double()),
+        "conv": lambda: DomainConv2d(nn.Conv2d(4, 4, 3, padding=1).double()),
         "norm": lambda: DomainGroupNorm(nn.GroupNorm(2, 4).double()),
-        "pad": lambda: HaloPad2d(nn.ZeroPad2d(1)),
-        "shuffle": lambda: HaloPixelShuffle(nn.PixelShuffle(2)),
+        "pad": lambda: DomainPad2d(nn.ZeroPad2d(1)),
+        "shuffle": lambda: DomainPixelShuffle(nn.PixelShuffle(2)),
         "interpolate": lambda: lambda t: halo_interpolate(t, scale_factor=2.0),
         # a global pool of blocks of a latitude x longitude mesh
-        "mesh_global_pool": lambda: HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d(1), mesh=halo.DomainMesh((1, world))),
+        "mesh_global_pool": lambda: DomainAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d(1), mesh=halo.DomainMesh((1, world))),
     }[layer]()
     x = bad if rank == 0 else good
     return _outcome(lambda: module(x).shape)
@@ -309,9 +309,9 @@ def test_a_shape_one_rank_alone_gets_wrong_is_refused_on_every_rank(layer):
 
 def test_one_process_shape_errors_are_unchanged():
     """Without peers the same checks raise the same errors (here: the agreement of one rank)."""
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
 
-    conv = HaloConv2d(nn.Conv2d(2, 2, 3, padding=1))
+    conv = DomainConv2d(nn.Conv2d(2, 2, 3, padding=1))
     with pytest.raises(ValueError, match="dim -2 is out of range for a 1-d tensor"):
         conv(torch.randn(5))
     with pytest.raises(ValueError, match="expected 2 input channels"):

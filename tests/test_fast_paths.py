@@ -36,7 +36,7 @@ def _size1_ranks(rank, world, shape):
 
     import halo.nn.conv as conv_mod
     from halo.dist.mesh import DomainMesh
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
 
     mesh = DomainMesh(shape, periodic=(False, True))
     calls = _count_patches(conv_mod)
@@ -54,7 +54,7 @@ def _size1_ranks(rank, world, shape):
         (h0, h1) = local_range(23, mesh.axis_size(0), mesh.axis_rank(0))
         x = full[..., h0:h1, :].clone().requires_grad_(True)
         before = calls["patch"]
-        y = HaloConv2d(conv, mesh=mesh)(x)
+        y = DomainConv2d(conv, mesh=mesh)(x)
         (y * g[..., h0:h1, :]).sum().backward()
         pg = [p.grad.clone() for p in conv.parameters()]
         for t in pg:
@@ -80,7 +80,7 @@ def _launch_ranks(rank, world):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import halo
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
 
     class Convs(TorchDispatchMode):
         def __init__(self):
@@ -98,7 +98,7 @@ def _launch_ranks(rank, world):
     conv = nn.Conv2d(3, 4, 3, padding=1).double()
     full = torch.randn(1, 3, 23, 9, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     (h0, h1) = local_range(23, world, rank)
-    layer = HaloConv2d(conv, group=manager.domain_group)
+    layer = DomainConv2d(conv, group=manager.domain_group)
     x = full[..., h0:h1, :].clone().requires_grad_(True)
     layer(x).sum().backward()  # the first call plans
     x.grad = None

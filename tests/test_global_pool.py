@@ -162,7 +162,7 @@ def test_global_pools_convert_exactly(name, world):
     for r in results:
         assert r["keys"]
         if name == "Net":
-            assert r["types"]["se.avgpool"] == "HaloAdaptiveAvgPool2d", r["types"]
+            assert r["types"]["se.avgpool"] == "DomainAdaptiveAvgPool2d", r["types"]
             assert r["types"]["aspp_pool.2"] == "BatchNorm2d", r["types"]  # after the pool: torch's own
             assert r["types"]["bn"] == "DomainBatchNorm2d", r["types"]
         assert torch.allclose(r["out"], out, rtol=0, atol=1e-12), (r["out"] - out).abs().max()
@@ -374,7 +374,7 @@ MESH_CASES = {(1, 3): [(1, "whole"), ((2, 1), "whole"), ((4, 2), "whole"), ((1, 
 
 def _mesh_pools(rank, world, shape):
     import halo
-    from halo.nn import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d
+    from halo.nn import DomainAdaptiveAvgPool2d, DomainAdaptiveMaxPool2d
     from halo.plan.partition import local_range
 
     mesh = halo.DomainMesh(shape)
@@ -385,7 +385,7 @@ def _mesh_pools(rank, world, shape):
     for size, path in MESH_CASES[shape]:
         for kind in ("avg", "max"):
             pool = nn.AdaptiveAvgPool2d(size) if kind == "avg" else nn.AdaptiveMaxPool2d(size, return_indices=True)
-            layer = (HaloAdaptiveAvgPool2d if kind == "avg" else HaloAdaptiveMaxPool2d)(pool, mesh=mesh)
+            layer = (DomainAdaptiveAvgPool2d if kind == "avg" else DomainAdaptiveMaxPool2d)(pool, mesh=mesh)
             x = full[..., h0:h1, w0:w1].clone().requires_grad_(True)
             try:
                 y = layer(x)
@@ -492,7 +492,7 @@ def test_a_halo_layer_given_a_tensor_computed_from_a_whole_mean_is_refused_on_ev
         errors = {r[how] for r in results}
         assert len(errors) == 1 and None not in errors, (how, errors)
         (text,) = errors
-        layer = "conv3 (HaloConv2d)" if how == "conv" else "drop (DomainDropout)"
+        layer = "conv3 (DomainConv2d)" if how == "conv" else "drop (DomainDropout)"
         assert f"{layer} is given a tensor computed from a whole result only" in text, (how, text)
 
 

@@ -1,14 +1,14 @@
 """Inputs a user cut wrongly: refused on every rank with the same error naming what was expected and what came, or
 computed exactly; never silently different (docs/design.md invariants 1, 4 and 8).
 
-- A hand-made shard that is not the balanced split (25 + 23 rows of 48 into ``HaloConv2d``, in both conv paths:
+- A hand-made shard that is not the balanced split (25 + 23 rows of 48 into ``DomainConv2d``, in both conv paths:
   compute-then-patch and ``overlap=False``; ``torch.chunk``'s 31, 31, 31, 28 of 121 on 4 ranks): the same
   ``ValueError`` on every rank naming the split expected and the one got. A split of whole blocks
   (``halo.shard(..., granularity=g)``) is still taken, and exact where the conv path computes it.
 - One rank dropping a row at step 2 of a converted model: rank 0 dropping one gives 23 + 24, not a balanced split:
   refused on every rank; rank 1 dropping one gives 24 + 23, the balanced split of 47 rows: computed exactly (equal to
   the unsharded model on the 47-row field, forward and input gradient).
-- ``boundary="pole"`` with an odd number of longitudes: refused on every rank by a converted conv, a ``HaloConv2d``
+- ``boundary="pole"`` with an odd number of longitudes: refused on every rank by a converted conv, a ``DomainConv2d``
   built with ``boundary="pole"`` and ``halo_exchange`` alike (a converted conv used to roll by ``W // 2``); an even W
   is exact against the unsharded pole padding.
 - Pure: :func:`halo.plan.partition.split_granularity` for balanced, block and hand-made splits.
@@ -52,12 +52,12 @@ def test_split_granularity_is_exact():
 
 def _unbalanced(rank, world, n, cut, overlap):
     import halo
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
 
     halo.initialize_domain_parallel(world, world)
     halo.set_timeout(20)
     torch.manual_seed(0)
-    conv = HaloConv2d(nn.Conv2d(2, 3, 3, padding=1).double(), overlap=overlap)
+    conv = DomainConv2d(nn.Conv2d(2, 3, 3, padding=1).double(), overlap=overlap)
     x = torch.randn(1, 2, n, 8, dtype=torch.float64)
     parts = x.split(cut, dim=-2) if isinstance(cut, list) else x.chunk(world, dim=-2)
     return _error(lambda: conv(parts[rank].clone()))
@@ -68,7 +68,7 @@ def test_hand_made_split_is_refused_in_both_conv_paths(overlap):
     errors = run_on_ranks(_unbalanced, 2, 48, [25, 23], overlap, timeout=60)
     assert all(e is not None for e in errors), errors
     assert len(set(errors)) == 1, errors
-    assert errors[0].startswith("ValueError: HaloConv2d:"), errors[0]
+    assert errors[0].startswith("ValueError: DomainConv2d:"), errors[0]
     assert "[25, 23]" in errors[0] and "balanced split [24, 24]" in errors[0], errors[0]
 
 
@@ -81,12 +81,12 @@ def test_torch_chunk_split_is_refused_on_every_rank():
 
 def _block_split(rank, world, overlap):
     import halo
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
 
     halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)
     plain = nn.Conv2d(2, 3, 3, padding=1).double()
-    conv = HaloConv2d(plain, overlap=overlap)
+    conv = DomainConv2d(plain, overlap=overlap)
     x = torch.randn(1, 2, 48, 8, dtype=torch.float64)
     xs = halo.shard(x, granularity=16)  # 32 + 16 rows: a balanced split of whole blocks of 16
     y = halo.gather(conv(xs))
@@ -149,7 +149,7 @@ def test_rank_dropping_a_row_is_refused_on_every_rank(dropper):
 
 def _pole(rank, world, width):
     import halo
-    from halo.nn import HaloConv2d, convert_to_domain_parallel
+    from halo.nn import DomainConv2d, convert_to_domain_parallel
 
     halo.initialize_domain_parallel(world, world)
     halo.set_timeout(20)
@@ -159,13 +159,13 @@ def _pole(rank, world, width):
     plain = nn.Conv2d(2, 3, 3, padding=1).double()
     out = {}
     out["convert"] = _error(lambda: convert_to_domain_parallel(nn.Sequential(plain), boundary="pole")(xs))
-    out["layer"] = _error(lambda: HaloConv2d(plain, boundary="pole")(xs))
+    out["layer"] = _error(lambda: DomainConv2d(plain, boundary="pole")(xs))
     out["exchange"] = _error(lambda: halo.halo_exchange(xs, 1, boundary="pole"))
     if width % 2 == 0:  # exact: the rows across the pole (row 1 mirrored), rolled by W/2
         top = x[..., 1:2, :].roll(width // 2, dims=-1)
         bottom = x[..., -2:-1, :].roll(width // 2, dims=-1)
         want = F.conv2d(torch.cat([top, x, bottom], dim=-2), plain.weight, plain.bias, padding=(0, 1))
-        got = halo.gather(HaloConv2d(plain, boundary="pole")(xs))
+        got = halo.gather(DomainConv2d(plain, boundary="pole")(xs))
         out["err"] = float((got - want).abs().max())
     return out
 

@@ -1,4 +1,4 @@
-"""``nn.LPPool2d`` on shards (``halo.nn.HaloLPPool2d``): converted by ``convert_to_domain_parallel`` and equal to
+"""``nn.LPPool2d`` on shards (``halo.nn.DomainLPPool2d``): converted by ``convert_to_domain_parallel`` and equal to
 torch's layer on the whole field, forward and backward (input and the conv's parameter gradients), float64, on 2
 and 3 ranks with uneven rows, for several norms (1.5, 2, 3, inf), kernels, strides and ceil_mode."""
 
@@ -31,14 +31,14 @@ def _field() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _on_rank(rank: int, world: int) -> list:
     import halo
-    from halo.nn import HaloLPPool2d, convert_to_domain_parallel, revert_domain_parallel
+    from halo.nn import DomainLPPool2d, convert_to_domain_parallel, revert_domain_parallel
 
     manager = halo.initialize_domain_parallel(world, world)
     offs = split_offsets(H, world)
     out = []
     for cfg in CONFIGS:
         model = convert_to_domain_parallel(_model(cfg), manager)
-        assert isinstance(model[2], HaloLPPool2d), type(model[2])
+        assert isinstance(model[2], DomainLPPool2d), type(model[2])
         assert list(model.state_dict()) == list(_model(cfg).state_dict())
         full, gen = _field()
         x = full[..., offs[rank]:offs[rank + 1], :].clone().requires_grad_(True)
@@ -73,10 +73,10 @@ def test_lppool2d_converted_equals_torch(world: int) -> None:
 
 
 def test_halo_lppool2d_refuses_another_layer() -> None:
-    from halo.nn import HaloLPPool2d
+    from halo.nn import DomainLPPool2d
 
-    with pytest.raises(TypeError, match="HaloLPPool2d wraps an nn.LPPool2d, got AvgPool2d"):
-        HaloLPPool2d(nn.AvgPool2d(2))
+    with pytest.raises(TypeError, match="DomainLPPool2d wraps an nn.LPPool2d, got AvgPool2d"):
+        DomainLPPool2d(nn.AvgPool2d(2))
 
 
 def _on_mesh(rank: int, world: int) -> list:

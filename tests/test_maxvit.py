@@ -168,10 +168,10 @@ def _adjoint(rank: int, sizes: list[int], grid: bool) -> dict:
 def _run_block(rank: int, kind: str, grid: bool, sizes: list[int]) -> dict:
     import pickle
 
-    from halo.nn.maxvit import HaloPartitionAttention
+    from halo.nn.maxvit import DomainPartitionAttention
 
     # the layer itself (a converted model's entry takes dim -2 of its input for H; this block is channels-last)
-    ref, local, block = _block(kind, grid), _block(kind, grid), HaloPartitionAttention(_block(kind, grid))
+    ref, local, block = _block(kind, grid), _block(kind, grid), DomainPartitionAttention(_block(kind, grid))
     dim = 1 if kind == "cl" else 2
     lo, hi = offsets(sizes)[rank], offsets(sizes)[rank + 1]
     g = torch.Generator().manual_seed(3)
@@ -199,7 +199,7 @@ def _run_model(rank: int, world: int, nchw: bool, block_type: str = "M", convnex
 
     import halo
     from halo.nn import convert_to_domain_parallel, revert_domain_parallel
-    from halo.nn.maxvit import HaloPartitionAttention
+    from halo.nn.maxvit import DomainPartitionAttention
 
     grid = (2, 2) if block_type == "PM" else (3, 2)  # a 'PM' block's window and grid are one size (timm asserts)
     ref, model = (_model(nchw, block_type, grid=grid, convnext=convnext).train() for _ in range(2))
@@ -216,13 +216,13 @@ def _run_model(rank: int, world: int, nchw: bool, block_type: str = "M", convnex
     out = {"y": y.detach(), "want": ref(x).detach(), "g": halo.gather(xs.grad, -2), "want_g": xr.grad,
            "p": _grads(model), "want_p": {n: p.grad for n, p in ref.named_parameters()},
            "keys": list(model.state_dict()) == keys,
-           "layers": sum(isinstance(m, HaloPartitionAttention) for m in model.modules())}
+           "layers": sum(isinstance(m, DomainPartitionAttention) for m in model.modules())}
     if world == 2 and block_type == "M":  # a whole converted classifier (global pool hooks, head dropout) pickles
         twin = pickle.loads(pickle.dumps(model))
         with torch.no_grad():
             out["pickled"] = torch.equal(twin(xs.detach()), model(xs.detach()))
     revert_domain_parallel(model)
-    out["halo"] = not any(isinstance(m, HaloPartitionAttention) for m in model.modules())
+    out["halo"] = not any(isinstance(m, DomainPartitionAttention) for m in model.modules())
     return out
 
 

@@ -123,7 +123,7 @@ def _layer_ranks(rank, world, shape):
     import torch.distributed as dist
 
     from halo.dist.mesh import DomainMesh
-    from halo.nn import HaloConv2d, HaloMaxPool2d, HaloUpsample, convert_to_domain_parallel
+    from halo.nn import DomainConv2d, DomainMaxPool2d, DomainUpsample, convert_to_domain_parallel
 
     mesh = DomainMesh(shape, periodic=(False, True))
     out = {}
@@ -154,10 +154,10 @@ def _layer_ranks(rank, world, shape):
         for k, dil in ((3, 1), (5, 1), (3, 2)):
             conv = nn.Conv2d(3, 4, k, padding=dil * (k // 2), dilation=dil, padding_mode="circular").double()
             compare(f"{boundary} k{k} d{dil}", lambda t, c=conv, b=boundary: _pole_reference(t, c, b),
-                    HaloConv2d(conv, boundary=boundary, mesh=mesh), full, list(conv.parameters()))
+                    DomainConv2d(conv, boundary=boundary, mesh=mesh), full, list(conv.parameters()))
     pool = nn.MaxPool2d((3, 2), (2, 3), (1, 1), return_indices=True, ceil_mode=True)
     yr, ir = pool(full)
-    y, i = HaloMaxPool2d(pool, mesh=mesh)(_block(full, mesh))
+    y, i = DomainMaxPool2d(pool, mesh=mesh)(_block(full, mesh))
     out["maxpool indices"] = float(torch.equal(y, _block(yr, mesh)) and torch.equal(i, _block(ir, mesh))) - 1.0
     for layer in (nn.PixelShuffle(2), nn.PixelUnshuffle(2)):  # 21 x 26 -> 42 x 52; 20 x 26 -> 10 x 13
         src = full if isinstance(layer, nn.PixelShuffle) else full[..., :20, :].contiguous()
@@ -168,7 +168,7 @@ def _layer_ranks(rank, world, shape):
                dict(scale_factor=2, mode="bilinear", align_corners=True), dict(size=(30, 29), mode="bicubic"),
                dict(size=(9, 12), mode="area")):
         up = nn.Upsample(**kw)
-        compare(f"upsample {kw}", up, HaloUpsample(up, mesh=mesh), full)
+        compare(f"upsample {kw}", up, DomainUpsample(up, mesh=mesh), full)
     return out
 
 
@@ -401,7 +401,7 @@ def _global_ranks(rank, world, shape):
     import torch.distributed as dist
 
     import halo
-    from halo.nn import HaloAdaptiveMaxPool2d, convert_to_domain_parallel
+    from halo.nn import DomainAdaptiveMaxPool2d, convert_to_domain_parallel
 
     mesh = halo.DomainMesh(shape)
     torch.manual_seed(0)
@@ -426,7 +426,7 @@ def _global_ranks(rank, world, shape):
     t[:, 1] = 3.0
     pool = nn.AdaptiveMaxPool2d(1, return_indices=True)
     vr, ir = pool(t)
-    v, i = HaloAdaptiveMaxPool2d(pool, mesh=mesh)(_block(t, mesh))
+    v, i = DomainAdaptiveMaxPool2d(pool, mesh=mesh)(_block(t, mesh))
     ties = torch.equal(v, vr) and torch.equal(i, ir)
     try:
         convert_to_domain_parallel(nn.Sequential(nn.Conv2d(3, 3, 3), nn.AdaptiveAvgPool2d(2)), mesh=mesh)(
@@ -473,7 +473,7 @@ def _pad_ranks(rank, world, shape):
     import torch.distributed as dist
 
     import halo
-    from halo.nn import HaloPad2d, convert_to_domain_parallel
+    from halo.nn import DomainPad2d, convert_to_domain_parallel
 
     mesh = halo.DomainMesh(shape)
     full = torch.randn(2, 3, 21, 26, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
@@ -484,7 +484,7 @@ def _pad_ranks(rank, world, shape):
         g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
         (yr * g).sum().backward()
         x = _block(full, mesh).clone().requires_grad_(True)
-        y = HaloPad2d(pad, mesh=mesh)(x)
+        y = DomainPad2d(pad, mesh=mesh)(x)
         want = _block(yr.detach(), mesh)
         (y * _block(g, mesh)).sum().backward()
         errs[repr(pad)] = max(float((y - want).abs().max()) if y.shape == want.shape else float("inf"),
@@ -525,7 +525,7 @@ def _conv_same_ranks(rank, world, shape):
     from timm.layers import Conv2dSame
 
     from halo.dist.mesh import DomainMesh
-    from halo.nn import HaloConv2dSame, convert_to_domain_parallel
+    from halo.nn import DomainConv2dSame, convert_to_domain_parallel
 
     mesh = DomainMesh(shape, periodic=(False, True))
     out = {}
@@ -534,7 +534,7 @@ def _conv_same_ranks(rank, world, shape):
                               Conv2dSame(4, 4, (5, 3), stride=(3, 2), groups=4, bias=False))):
         conv = conv.double()
         model = convert_to_domain_parallel(nn.Sequential(conv), mesh=mesh)
-        assert isinstance(model[0], HaloConv2dSame), type(model[0])
+        assert isinstance(model[0], DomainConv2dSame), type(model[0])
         xf = full.clone().requires_grad_(True)
         yr = conv(xf)
         g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)

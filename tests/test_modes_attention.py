@@ -4,7 +4,7 @@
 ``AttnNet``, which holds the layer kinds that file lacks: a shifted Swin window-attention block (``halo.nn.window``),
 NATTEN neighbourhood attention with dilation and a relative position bias (``halo.nn.neighborhood``), CrossFormer's
 short- and long-distance attention (``halo.nn.longrange``: the long one regroups rows across ranks),
-``nn.MultiheadAttention`` over all tokens (ring attention: ``halo.nn.attention_layers``), a 3-d conv (``HaloConv3d``)
+``nn.MultiheadAttention`` over all tokens (ring attention: ``halo.nn.attention_layers``), a 3-d conv (``DomainConv3d``)
 and halo's dropout. The Swin, NATTEN and CrossFormer layers are the structural copies the layer tests use
 (``test_swin``, ``test_neighborhood``, ``test_longrange``: timm's, NATTEN's and CREDIT's names and attributes,
 recognised by the converter). The converted model is wrapped in ``halo.shard`` (granularity 8 = patch 2 x window 4:

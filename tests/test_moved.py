@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from halo._moved import MOVED
 
@@ -49,3 +50,34 @@ def test_the_old_forms_of_import_work_in_a_fresh_interpreter():
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_layers_have_one_prefix_and_the_old_names_resolve():
+    """halo.nn's layers are ``Domain*`` (the ``Halo*`` half renamed); each old name, from ``halo.nn``, is the same
+    class with a DeprecationWarning naming the new one, and, from its defining module, the same class (so pickles of
+    converted models made before the rename load)."""
+    import pickle
+
+    import halo.nn
+    from halo._moved import RENAMED
+
+    layers = [n for n in halo.nn.__all__ if isinstance(getattr(halo.nn, n), type)
+              and issubclass(getattr(halo.nn, n), torch.nn.Module)]
+    assert layers and not [n for n in layers if not n.startswith("Domain")], layers
+    assert not [n for n in halo.nn.__all__ if n.startswith("Halo")]
+    defined = {k: v for name, mod in list(sys.modules.items()) if name.startswith("halo.nn.")
+               for k, v in vars(mod).items() if k in RENAMED.values() and isinstance(v, type)}
+    assert set(defined) == set(RENAMED.values()), set(RENAMED.values()) - set(defined)
+    for old, new in RENAMED.items():
+        cls = defined[new]
+        if new in halo.nn.__all__:  # (the smp decoders and the base class were never halo.nn's names)
+            with pytest.warns(DeprecationWarning, match=f"halo.nn.{old} is now halo.nn.{new}"):
+                assert getattr(halo.nn, old) is cls
+        assert getattr(sys.modules[cls.__module__], old) is cls
+    with pytest.raises(AttributeError, match="HaloNoSuchLayer"):
+        halo.nn.HaloNoSuchLayer  # noqa: B018
+    conv = halo.nn.DomainConv2d(torch.nn.Conv2d(2, 3, 3, padding=1))
+    new_pickle = pickle.dumps(conv, protocol=0)  # (protocol 0 names a class as a line: "c<module>\n<name>\n")
+    assert b"\nDomainConv2d\n" in new_pickle
+    old_pickle = new_pickle.replace(b"\nDomainConv2d\n", b"\nHaloConv2d\n")  # as the last release wrote it
+    assert type(pickle.loads(old_pickle)) is halo.nn.DomainConv2d

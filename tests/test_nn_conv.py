@@ -1,4 +1,4 @@
-"""HaloConv2d / HaloConv3d / HaloConvTranspose2d on gloo ranks vs the unsharded layer in the same process.
+"""DomainConv2d / DomainConv3d / DomainConvTranspose2d on gloo ranks vs the unsharded layer in the same process.
 
 Every rank builds the same layer and full field from one seed, runs the halo layer on its H-shard and the plain
 layer on the whole field, and returns its errors and parameter gradients; the parent asserts (all ranks seen).
@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halo.nn.conv import HaloConv2d, HaloConv3d, HaloConvTranspose2d, conv_row_plan, conv_transpose_row_plan
+from halo.nn.conv import DomainConv2d, DomainConv3d, DomainConvTranspose2d, conv_row_plan, conv_transpose_row_plan
 from halo.testing import run_on_ranks
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 MODES = ["zeros", "reflect", "replicate", "circular"]
-BUILD = {"conv2d": (nn.Conv2d, HaloConv2d), "conv3d": (nn.Conv3d, HaloConv3d),
-         "convT2d": (nn.ConvTranspose2d, HaloConvTranspose2d)}
+BUILD = {"conv2d": (nn.Conv2d, DomainConv2d), "conv3d": (nn.Conv3d, DomainConv3d),
+         "convT2d": (nn.ConvTranspose2d, DomainConvTranspose2d)}
 
 
 @pytest.fixture(autouse=True)
@@ -372,9 +372,9 @@ def test_wrapping_keeps_parameters_and_state_dict():
                           nn.Conv3d(2, 2, 3))
     before = model.state_dict()
     params = list(model.parameters())
-    model[0] = HaloConv2d(model[0], boundary="pole")
-    model[2] = HaloConvTranspose2d(model[2])
-    model[3] = HaloConv3d(model[3], overlap=False)
+    model[0] = DomainConv2d(model[0], boundary="pole")
+    model[2] = DomainConvTranspose2d(model[2])
+    model[3] = DomainConv3d(model[3], overlap=False)
     after = model.state_dict()
     assert list(before) == list(after) and all(before[k] is after[k] or torch.equal(before[k], after[k])
                                                for k in before)
@@ -384,13 +384,13 @@ def test_wrapping_keeps_parameters_and_state_dict():
     plain = model[0].to_conv()
     assert type(plain) is nn.Conv2d and plain.weight is model[0].weight
     # built like nn.Conv2d: fresh parameters, same keys
-    fresh = HaloConv2d(3, 4, (3, 5), stride=2, padding="valid", bias=False, group=None)
+    fresh = DomainConv2d(3, 4, (3, 5), stride=2, padding="valid", bias=False, group=None)
     assert list(fresh.state_dict()) == ["weight"] and fresh.kernel_size == (3, 5)
     # a deep copy (EMA) shares the process group, which cannot be copied
     class Uncopyable:
         def __deepcopy__(self, memo):
             raise RuntimeError("process groups cannot be copied")
-    wrapped = HaloConv2d(nn.Conv2d(2, 2, 3), group=Uncopyable())
+    wrapped = DomainConv2d(nn.Conv2d(2, 2, 3), group=Uncopyable())
     twin = copy.deepcopy(wrapped)
     assert twin.group is wrapped.group and twin.weight is not wrapped.weight
     assert torch.equal(twin.weight, wrapped.weight)
@@ -398,26 +398,26 @@ def test_wrapping_keeps_parameters_and_state_dict():
 
 def test_errors_name_expected_and_got():
     with pytest.raises(TypeError, match="Conv2d, got Conv3d"):
-        HaloConv2d(nn.Conv3d(2, 2, 3))
+        DomainConv2d(nn.Conv3d(2, 2, 3))
     with pytest.raises(TypeError, match="ConvTranspose2d, got Conv2d"):
-        HaloConvTranspose2d(nn.Conv2d(2, 2, 3))
+        DomainConvTranspose2d(nn.Conv2d(2, 2, 3))
     with pytest.raises(TypeError, match="only group="):
-        HaloConv2d(nn.Conv2d(2, 2, 3), 5)
+        DomainConv2d(nn.Conv2d(2, 2, 3), 5)
 
     class Custom(nn.Conv2d):
         def forward(self, x):
             return super().forward(x) * 2
 
     with pytest.raises(TypeError, match="overrides forward"):
-        HaloConv2d(Custom(2, 2, 3))
+        DomainConv2d(Custom(2, 2, 3))
     with pytest.raises(ValueError, match="unknown boundary"):
-        HaloConv2d(nn.Conv2d(2, 2, 3), boundary="mirror")
+        DomainConv2d(nn.Conv2d(2, 2, 3), boundary="mirror")
     with pytest.raises(ValueError, match="boundary must be None or 'zeros'"):
-        HaloConvTranspose2d(nn.ConvTranspose2d(2, 2, 3), boundary="circular")
-    layer = HaloConv2d(nn.Conv2d(2, 2, 3))
+        DomainConvTranspose2d(nn.ConvTranspose2d(2, 2, 3), boundary="circular")
+    layer = DomainConv2d(nn.Conv2d(2, 2, 3))
     with pytest.raises(ValueError, match="expected a 4-d .* got 5-d"):
         layer(torch.randn(1, 2, 3, 5, 5))
     with pytest.raises(ValueError, match="expected 2 input channels .* got 3"):
         layer(torch.randn(1, 3, 5, 5))
     with pytest.raises(ValueError, match="expected a 5-d"):
-        HaloConv3d(nn.Conv3d(2, 2, 3))(torch.randn(2, 5, 5))
+        DomainConv3d(nn.Conv3d(2, 2, 3))(torch.randn(2, 5, 5))

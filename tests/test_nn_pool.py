@@ -210,7 +210,7 @@ def test_pool_sweep_one_process():
 
 def test_module_surface():
     """Same repr and (empty) state_dict as the wrapped module; clear errors for what is not supported."""
-    from halo.nn.pool import HaloAvgPool2d, HaloMaxPool2d, halo_pool
+    from halo.nn.pool import DomainAvgPool2d, DomainMaxPool2d, halo_pool
 
     for ref in (nn.MaxPool2d(3, 2, 1, ceil_mode=True), nn.AvgPool2d(3, 2, 1, count_include_pad=False),
                 nn.AdaptiveAvgPool2d((5, 7)), nn.AdaptiveMaxPool2d(4, return_indices=True)):
@@ -221,10 +221,10 @@ def test_module_surface():
         if not isinstance(want, tuple):
             got, want = (got,), (want,)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    with pytest.raises(TypeError, match="HaloAdaptiveAvgPool2d"):
-        HaloMaxPool2d(nn.AdaptiveAvgPool2d(3))
+    with pytest.raises(TypeError, match="DomainAdaptiveAvgPool2d"):
+        DomainMaxPool2d(nn.AdaptiveAvgPool2d(3))
     with pytest.raises(TypeError, match="nn.AvgPool2d"):
-        HaloAvgPool2d(nn.MaxPool2d(3))
+        DomainAvgPool2d(nn.MaxPool2d(3))
     with pytest.raises(NotImplementedError, match="FractionalMaxPool2d"):
         halo_pool(nn.FractionalMaxPool2d(2, output_size=3))
-    assert type(halo_pool(nn.LPPool2d(2, 3))).__name__ == "HaloLPPool2d"
+    assert type(halo_pool(nn.LPPool2d(2, 3))).__name__ == "DomainLPPool2d"

@@ -1,4 +1,4 @@
-"""halo_interpolate / HaloUpsample on gloo ranks vs F.interpolate of the full field, forward and backward.
+"""halo_interpolate / DomainUpsample on gloo ranks vs F.interpolate of the full field, forward and backward.
 
 Tolerances (halo/nn/upsample.py says why):
 - forward bitwise for nearest, nearest-exact, area, and bilinear upsampling by a power of two without
@@ -50,14 +50,14 @@ def rel_err(a, b):
 
 
 def _call(kind, mode, align_corners, kwargs, group):
-    from halo.nn.upsample import HaloUpsample, halo_interpolate
+    from halo.nn.upsample import DomainUpsample, halo_interpolate
 
     if kind == "module":
         up = nn.Upsample(mode=mode, align_corners=align_corners, **kwargs)
-        return up, HaloUpsample(up, group=group)
+        return up, DomainUpsample(up, group=group)
     if kind == "bilinear2d":
         up = nn.UpsamplingBilinear2d(**kwargs)
-        return up, HaloUpsample(up, group=group)
+        return up, DomainUpsample(up, group=group)
     return (lambda t: F.interpolate(t, mode=mode, align_corners=align_corners, **kwargs),
             lambda t: halo_interpolate(t, mode=mode, align_corners=align_corners, group=group, **kwargs))
 
@@ -121,7 +121,7 @@ def test_interpolate_matches_unsharded(world, h):
 
 
 def test_upsample_modules_on_subgroups():
-    """HaloUpsample (and UpsamplingBilinear2d) with an explicit group; the second group lacks rank 0."""
+    """DomainUpsample (and UpsamplingBilinear2d) with an explicit group; the second group lacks rank 0."""
     cases = [("module", "nearest", None, {"scale_factor": 2}, H, W, 1),
              ("module", "bilinear", False, {"scale_factor": 2}, H, W, 2),
              ("module", "bilinear", False, {"scale_factor": 3}, H, W, 3),
@@ -202,16 +202,16 @@ def test_row_taps_agree_with_torch():
 
 
 def test_module_surface():
-    from halo.nn.upsample import HaloUpsample
+    from halo.nn.upsample import DomainUpsample
 
     for up in (nn.Upsample(scale_factor=2, mode="bilinear"), nn.UpsamplingNearest2d(size=(20, 8)),
                nn.Upsample(scale_factor=(3, 1.5), mode="bicubic", align_corners=True)):
-        layer = HaloUpsample(up)
+        layer = DomainUpsample(up)
         assert layer.extra_repr() == up.extra_repr() and layer.state_dict() == {}
         x = torch.randn(2, 3, 11, 9, dtype=torch.float64)
         assert torch.equal(layer(x), up(x))  # one process without torch.distributed: the plain op
     with pytest.raises(TypeError, match="nn.Upsample"):
-        HaloUpsample(nn.MaxPool2d(2))
+        DomainUpsample(nn.MaxPool2d(2))
 
 
 # -- a latitude x longitude mesh: one agreement per call, both axes' maps the global call's kernel's ------------
@@ -232,7 +232,7 @@ MESH_CASES = [  # (channels, channels_last, H, W, nn.Upsample arguments)
 def _mesh_cases(rank, world, shape, cases):
     os.environ["TRITON_INTERPRET"] = "0"
     from halo.dist.mesh import DomainMesh
-    from halo.nn import HaloUpsample
+    from halo.nn import DomainUpsample
     from halo.plan.partition import local_range
     from halo.testing import HostWorkCounter
 
@@ -249,7 +249,7 @@ def _mesh_cases(rank, world, shape, cases):
         if channels_last:
             full = full.contiguous(memory_format=torch.channels_last)
         up = nn.Upsample(**kw)
-        layer = HaloUpsample(up, mesh=mesh)
+        layer = DomainUpsample(up, mesh=mesh)
         xf = full.clone().requires_grad_(True)
         ref = up(xf)
         g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(100 + i), dtype=torch.float64)
@@ -272,7 +272,7 @@ def _mesh_cases(rank, world, shape, cases):
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 3)])
 def test_mesh_one_agreement_and_the_global_kernels_maps(shape):
-    """HaloUpsample on a latitude x longitude mesh (uneven blocks) plans both axes in one agreement per call (two
+    """DomainUpsample on a latitude x longitude mesh (uneven blocks) plans both axes in one agreement per call (two
     one-axis passes took two), and its nearest maps are those of the kernel the one-call 2-d op runs: bitwise where
     torch's two kernels round apart; linear modes and area within a few ulps, forward and backward, in float64."""
     results = run_on_ranks(_mesh_cases, shape[0] * shape[1], shape, MESH_CASES, timeout=300)

@@ -1,4 +1,4 @@
-"""``HaloPad3d`` (halo/nn/pad3d.py): torch's 3-d padding modules on H-shards of a (B, C, D, H, W) field vs the
+"""``DomainPad3d`` (halo/nn/pad3d.py): torch's 3-d padding modules on H-shards of a (B, C, D, H, W) field vs the
 unsharded module, float64, forward and backward, at odd sizes.
 
 - every class (zero, constant with a value, reflection, replication, circular), asymmetric paddings, a top padding
@@ -57,7 +57,7 @@ def _rows(t, world, rank):
 def _layer_ranks(rank, world):
     os.environ["TRITON_INTERPRET"] = "0"
     import halo
-    from halo.nn import HaloPad3d
+    from halo.nn import DomainPad3d
 
     halo.initialize_domain_parallel(world, world)
     out = []
@@ -68,7 +68,7 @@ def _layer_ranks(rank, world):
         g = _field(50 + i, tuple(want.shape))
         (want * g).sum().backward()
         x = _rows(full.detach(), world, rank).clone().requires_grad_(True)
-        layer = HaloPad3d(ref)
+        layer = DomainPad3d(ref)
         y = layer(x)
         (y * _rows(g, world, rank)).sum().backward()
         want_rows = _rows(want.detach(), world, rank)
@@ -152,8 +152,8 @@ def test_a_converted_model_with_3d_padding_equals_the_unsharded_model():
     # float64, each output row from the same input rows and weights: only the order of the convs' sums and of the
     # domain's gradient sum differs (a few ulps of the largest value)
     for rank, r in enumerate(run_on_ranks(_model_ranks, 3, timeout=300)):
-        assert r["kinds"]["pad"] == "HaloPad3d" and r["kinds"]["fill"] == "HaloPad3d", r["kinds"]
-        assert r["kinds"]["c2"] == "HaloConv3d", r["kinds"]
+        assert r["kinds"]["pad"] == "DomainPad3d" and r["kinds"]["fill"] == "DomainPad3d", r["kinds"]
+        assert r["kinds"]["c2"] == "DomainConv3d", r["kinds"]
         assert r["y"] <= 1e-12 and r["gx"] <= 1e-12 and r["gp"] <= 1e-12, (rank, r)
         assert r["keys"], rank
         assert r["reverted"]["pad"] == "ReflectionPad3d" and r["reverted"]["fill"] == "ConstantPad3d", r["reverted"]
@@ -162,7 +162,7 @@ def test_a_converted_model_with_3d_padding_equals_the_unsharded_model():
 def _mesh_ranks(rank, world):
     os.environ["TRITON_INTERPRET"] = "0"
     from halo.dist.mesh import DomainMesh
-    from halo.nn import HaloPad3d
+    from halo.nn import DomainPad3d
 
     mesh = DomainMesh((2, 2))
 
@@ -179,7 +179,7 @@ def _mesh_ranks(rank, world):
         g = _field(60 + i, tuple(want.shape))
         (want * g).sum().backward()
         x = block(full.detach()).clone().requires_grad_(True)
-        y = HaloPad3d(ref, mesh=mesh)(x)
+        y = DomainPad3d(ref, mesh=mesh)(x)
         (y * block(g)).sum().backward()
         out[f"{kind.__name__}{padding}"] = (torch.equal(y, block(want.detach())),  # as on 3 ranks: see there
                                             (x.grad - block(full.grad)).abs().max().item())
@@ -194,13 +194,13 @@ def test_every_3d_padding_on_a_latitude_x_longitude_mesh():
 def _bad_ranks(rank, world, what):
     os.environ["TRITON_INTERPRET"] = "0"
     import halo
-    from halo.nn import HaloPad3d
+    from halo.nn import DomainPad3d
 
     halo.initialize_domain_parallel(world, world)
     if what == "3d tensor":
-        layer, x = HaloPad3d(nn.ZeroPad3d(1)), _rows(_field(1, (2, H, W)), world, rank)
+        layer, x = DomainPad3d(nn.ZeroPad3d(1)), _rows(_field(1, (2, H, W)), world, rank)
     else:  # a reflection of 23 rows by 23: torch refuses it on the whole field
-        layer, x = HaloPad3d(nn.ReflectionPad3d((0, 0, 23, 0, 0, 0))), _rows(_field(1), world, rank)
+        layer, x = DomainPad3d(nn.ReflectionPad3d((0, 0, 23, 0, 0, 0))), _rows(_field(1), world, rank)
     layer(x)
 
 
@@ -227,7 +227,7 @@ def test_the_registry_has_it_with_no_other_edit():
 
     for kind in (nn.ZeroPad3d, nn.ConstantPad3d, nn.ReflectionPad3d, nn.ReplicationPad3d, nn.CircularPad3d):
         entry = entries()[kind]
-        assert entry.halo_class is halo.nn.HaloPad3d and entry.axes == 2 and entry.example is not None
+        assert entry.halo_class is halo.nn.DomainPad3d and entry.axes == 2 and entry.example is not None
         module, shape = entry.example(kind)
         assert type(module) is kind and shape[-2] % 2 == 1
-    assert exports()["HaloPad3d"] is halo.nn.HaloPad3d and "HaloPad3d" in halo.nn.__all__
+    assert exports()["DomainPad3d"] is halo.nn.DomainPad3d and "DomainPad3d" in halo.nn.__all__

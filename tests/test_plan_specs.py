@@ -96,7 +96,7 @@ def _sweep(rank, world, mode):
 
     import halo
     from halo.exchange import _registry as hx
-    from halo.nn import HaloConv2d, convert_to_domain_parallel
+    from halo.nn import DomainConv2d, convert_to_domain_parallel
 
     halo.set_timeout(30)  # a rank failing alone would leave its peers waiting: bounded
     hx.SPECS_CAP, hx.LIVE_CAP = CAPS
@@ -109,7 +109,7 @@ def _sweep(rank, world, mode):
         results += [_outcome(lambda h=h: _step(net, world, rank, h, 2)) for h in CHURN]
     elif mode == "layer":
         torch.manual_seed(0)
-        layer = HaloConv2d(nn.Conv2d(C, C, 3, padding=1).double())
+        layer = DomainConv2d(nn.Conv2d(C, C, 3, padding=1).double())
         for h in CHURN:
             layer(halo.shard(torch.randn(1, C, h, W, dtype=torch.float64)))
     elif rank == 0:  # exchanges on rank 0's own one-rank group: planned here only

@@ -2,7 +2,7 @@
 
 Reference: the full field with the rows across the pole (``pole``: rows 1, 2, ... mirrored; ``pole_centered``:
 rows 0, 1, ...) rolled by W/2, then W padded circularly, and ``F.conv2d`` with no padding (tests/test_mesh2d_layers'
-reference). Each rank runs a ``HaloConv2d(boundary=..., mesh=...)`` on its block at an odd H and even W (13 x 16
+reference). Each rank runs a ``DomainConv2d(boundary=..., mesh=...)`` on its block at an odd H and even W (13 x 16
 over 2 x 2, 3 x 2 and 2 x 3 ranks), float64: the output block, the input gradient block and the parameter gradients
 summed over the domain group, to rounding. Counted on every rank: the convs that took compute-then-patch
 (``halo.nn.conv.patch_conv_2d``), so a fall back to pad-then-conv fails the test, and the PoleExchanger starts that
@@ -49,7 +49,7 @@ def _pole_reference(x, conv, boundary):
 def _conv_case(mesh, case, seed, counts):
     import torch.distributed as dist
 
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
 
     k, dil, boundary, h, overlap, *cl = case
     fmt = torch.channels_last if cl else torch.contiguous_format
@@ -65,7 +65,7 @@ def _conv_case(mesh, case, seed, counts):
     conv.zero_grad(set_to_none=True)
     before = dict(counts)
     x = _block(full, mesh).clone(memory_format=fmt).requires_grad_(True)
-    y = HaloConv2d(conv, boundary=boundary, mesh=mesh, overlap=overlap)(x)
+    y = DomainConv2d(conv, boundary=boundary, mesh=mesh, overlap=overlap)(x)
     (y * _block(g, mesh)).sum().backward()
     assert y.is_contiguous(memory_format=fmt)
     pg = [p.grad.clone() for p in conv.parameters()]

@@ -1,6 +1,6 @@
 """3-d pools of ``(B, C, D, H, W)`` fields sharded along H (dim -2) vs torch's unsharded pool on the same data.
 
-``HaloMaxPool3d`` / ``HaloAvgPool3d`` use the 2-d pools' machinery along H (halo/nn/pool.py: exchange the rows the
+``DomainMaxPool3d`` / ``DomainAvgPool3d`` use the 2-d pools' machinery along H (halo/nn/pool.py: exchange the rows the
 kept windows read, run torch's op with the module's own arguments, drop the first outputs), so the forward is
 compared bitwise (outputs and the global flat indices ``d*H*W + h*W + w`` of ``return_indices``) and the input
 gradient at 1e-12 relative in float64 (a row read by windows of two ranks gets its partial gradients added by the
@@ -106,21 +106,21 @@ def test_pool3d_sweep_one_process():
 
 def test_module_surface():
     """Same repr and (empty) state_dict as the wrapped module; the plain op in one process; clear type errors."""
-    from halo.nn.pool import HaloAvgPool3d, HaloMaxPool3d, halo_pool
+    from halo.nn.pool import DomainAvgPool3d, DomainMaxPool3d, halo_pool
 
     for ref in (nn.MaxPool3d(3, 2, 1, ceil_mode=True, return_indices=True),
                 nn.AvgPool3d((1, 3, 2), 2, (0, 1, 1), count_include_pad=False, divisor_override=4)):
         layer = halo_pool(ref)
-        assert type(layer) in (HaloMaxPool3d, HaloAvgPool3d)
+        assert type(layer) in (DomainMaxPool3d, DomainAvgPool3d)
         assert layer.extra_repr() == ref.extra_repr() and layer.state_dict() == {}
         x = torch.randn(2, 3, 4, 11, 9, dtype=torch.float64)
         got, want = layer(x), ref(x)
         got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    with pytest.raises(TypeError, match="HaloMaxPool3d wraps an nn.MaxPool3d, got MaxPool2d"):
-        HaloMaxPool3d(nn.MaxPool2d(3))
-    with pytest.raises(TypeError, match="HaloAvgPool3d wraps an nn.AvgPool3d, got MaxPool3d"):
-        HaloAvgPool3d(nn.MaxPool3d(3))
+    with pytest.raises(TypeError, match="DomainMaxPool3d wraps an nn.MaxPool3d, got MaxPool2d"):
+        DomainMaxPool3d(nn.MaxPool2d(3))
+    with pytest.raises(TypeError, match="DomainAvgPool3d wraps an nn.AvgPool3d, got MaxPool3d"):
+        DomainAvgPool3d(nn.MaxPool3d(3))
     with pytest.raises(NotImplementedError, match="adaptive 3-d pools"):
         halo_pool(nn.AdaptiveAvgPool3d(2))
 
@@ -173,7 +173,8 @@ def _cases(rank, world):
         except ValueError as exc:
             errors[kind] = str(exc)
     mesh = halo.DomainMesh((1, world))
-    for cls, layer in ((halo.nn.pool.HaloMaxPool3d, nn.MaxPool3d(2)), (halo.nn.pool.HaloAvgPool3d, nn.AvgPool3d(2))):
+    for cls, layer in ((halo.nn.pool.DomainMaxPool3d, nn.MaxPool3d(2)),
+                       (halo.nn.pool.DomainAvgPool3d, nn.AvgPool3d(2))):
         try:
             cls(layer, mesh=mesh)
             errors[cls.__name__] = None
@@ -210,13 +211,13 @@ def test_pool3d_refusals_are_the_same_on_every_rank(world):
     for key in errors[0]:
         assert len({e[key] for e in errors}) == 1, (key, errors)
     e = errors[0]
-    assert "HaloMaxPool3d: the output has 1 rows along H (23 input rows, kernel 12, stride 12" in e["max"], e
+    assert "DomainMaxPool3d: the output has 1 rows along H (23 input rows, kernel 12, stride 12" in e["max"], e
     assert f"domain group has {world} ranks" in e["max"] and "use at most 1 ranks" in e["max"], e
     if world == 3:
-        assert "HaloAvgPool3d: the output has 2 rows along H" in e["avg"] and "use at most 2 ranks" in e["avg"], e
+        assert "DomainAvgPool3d: the output has 2 rows along H" in e["avg"] and "use at most 2 ranks" in e["avg"], e
     else:
         assert e["avg"] is None, e
-    for name in ("HaloMaxPool3d", "HaloAvgPool3d"):
+    for name in ("DomainMaxPool3d", "DomainAvgPool3d"):
         assert e[name] == (f"{name}: a latitude x longitude mesh is supported by the 2-d layers only; shard only "
                            f"latitude (a one-axis mesh) for 3-d pools"), e
 
@@ -282,7 +283,7 @@ def test_converted_3d_pools_and_functional_row_pools_are_exact(world):
     along H pass the guard (they act on each row on its own): forward, input and parameter gradients exact."""
     results = run_on_ranks(_converted, world, False, timeout=240)
     assert all("error" not in r for r in results), [r.get("error") for r in results]
-    assert {"HaloMaxPool3d", "HaloAvgPool3d", "HaloConv3d"} <= set(results[0]["types"]), results[0]["types"]
+    assert {"DomainMaxPool3d", "DomainAvgPool3d", "DomainConv3d"} <= set(results[0]["types"]), results[0]["types"]
     assert max(r["fwd"] for r in results) <= 1e-12
     assert max(r["grad"] for r in results) <= 1e-12
     for name, (_, want) in results[0]["params"].items():

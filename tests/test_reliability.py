@@ -454,10 +454,10 @@ def _long_run(rank, world, steps, conv_steps):
     rss["end"] = _rss_mb()
     out = {"same": True, "rss": rss, "digest": digest.hexdigest()}
     if conv_steps:
-        from halo.nn.conv import HaloConv2d
+        from halo.nn.conv import DomainConv2d
 
         torch.manual_seed(0)
-        conv = HaloConv2d(8, 8, 3, padding=1, group=group)
+        conv = DomainConv2d(8, 8, 3, padding=1, group=group)
         digest = hashlib.sha256()
         for step in range(conv_steps):
             if step == conv_steps // 10:
@@ -476,7 +476,7 @@ def test_long_run_no_growth_and_bitwise_deterministic():
     """500 exchanges (forward + backward) at a fixed shape, twice: the same bits every step and every run,
     RSS flat. Timing is benchmarks/long_run.py's job (not asserted on a shared machine)."""
     try:
-        import halo.nn.conv  # noqa: F401 - HaloConv2d is optional here
+        import halo.nn.conv  # noqa: F401 - DomainConv2d is optional here
         conv_steps = 50
     except ImportError:
         conv_steps = 0

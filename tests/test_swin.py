@@ -322,11 +322,11 @@ def test_swin_layers_refuse_a_latitude_x_longitude_mesh():
     mesh, and build the halo layer on latitude rows."""
     import types
 
-    from halo.nn.window import HaloPatchMerging, HaloSwinTransformerBlock, swin_adapter
+    from halo.nn.window import DomainPatchMerging, DomainSwinTransformerBlock, swin_adapter
 
     block = SwinTransformerBlock(8, (8, 8), num_heads=2, window_size=4, shift_size=2)
     merge = PatchMerging(8)
-    for layer, halo_class in ((block, HaloSwinTransformerBlock), (merge, HaloPatchMerging)):
+    for layer, halo_class in ((block, DomainSwinTransformerBlock), (merge, DomainPatchMerging)):
         convert = swin_adapter(layer)
         with pytest.raises(ValueError, match="shard latitude only"):
             convert(layer, types.SimpleNamespace(mesh=object(), group=None))
@@ -406,7 +406,7 @@ def _grads(module):
 
 def _block_worker(rank, world, cases):
     import halo
-    from halo.nn import HaloSwinTransformerBlock
+    from halo.nn import DomainSwinTransformerBlock
 
     halo.initialize_domain_parallel(world, world)
     out = []
@@ -415,7 +415,7 @@ def _block_worker(rank, world, cases):
         torch.manual_seed(0)
         ref = _randomize(SwinTransformerBlock(8, (h, w), num_heads=2, window_size=ws, shift_size=shift,
                                               mlp_ratio=2.0, **kwargs).double(), 1)
-        block = HaloSwinTransformerBlock(copy.deepcopy(ref))
+        block = DomainSwinTransformerBlock(copy.deepcopy(ref))
         gen = torch.Generator().manual_seed(2)
         full = torch.randn(2, h, w, 8, generator=gen, dtype=torch.float64)
         weights = torch.randn(2, h, w, 8, generator=gen, dtype=torch.float64)
@@ -514,8 +514,8 @@ def test_converted_small_swin_trains_like_unsharded(world, img, dynamic_mask):
     """40 image rows over 3 ranks with granularity 8 (patch 2 x window 4): 16, 16, 8 rows -> 8, 8, 4 tokens (2, 2, 1
     windows of 4) -> 4, 4, 2 rows after the merge (2, 2, 1 windows of 2)."""
     for r in run_on_ranks(_model_worker, world, img, dynamic_mask, 3, timeout=TIMEOUT):
-        assert r["types"] == ["HaloConv2d", "HaloPatchEmbed", "HaloPatchMerging", "HaloSwinTransformerBlock",
-                              "HaloWindowAttention"], r["types"]
+        assert r["types"] == ["DomainConv2d", "DomainPatchEmbed", "DomainPatchMerging", "DomainSwinTransformerBlock",
+                              "DomainWindowAttention"], r["types"]
         assert r["keys"]
         for e in r["errs"]:
             assert max(e["fwd"], e["gather"], e["dw"]) < 1e-12, r["errs"]
@@ -566,14 +566,14 @@ def test_errors_are_the_same_on_every_rank():
 
 def _shuffle_worker(rank, world):
     import halo
-    from halo.nn import HaloPixelShuffle, HaloPixelUnshuffle
+    from halo.nn import DomainPixelShuffle, DomainPixelUnshuffle
 
     halo.initialize_domain_parallel(world, world)
     gen = torch.Generator().manual_seed(5)
     full = torch.randn(2, 4, 20, 6, generator=gen, dtype=torch.float64)
     x = halo.shard(full, -2, granularity=4).requires_grad_(True)  # 8, 8, 4 rows
-    down = HaloPixelUnshuffle(nn.PixelUnshuffle(2))(x)  # 4, 4, 2
-    up = HaloPixelShuffle(nn.PixelShuffle(2))(down * 2)  # 8, 8, 4 again
+    down = DomainPixelUnshuffle(nn.PixelUnshuffle(2))(x)  # 4, 4, 2
+    up = DomainPixelShuffle(nn.PixelShuffle(2))(down * 2)  # 8, 8, 4 again
     xf = full.clone().requires_grad_(True)
     ref_down = F.pixel_unshuffle(xf, 2)
     ref_up = F.pixel_shuffle(ref_down * 2, 2)

@@ -68,9 +68,9 @@ def _data(name: str, h: int) -> tuple[torch.Tensor, torch.Tensor]:
 # -- the ranks -----------------------------------------------------------------------------------------------------
 
 def _run_block(rank: int, sizes: list[int], shift: int, dynamic: bool) -> dict:
-    from halo.nn.swinv2 import HaloSwinV2Block
+    from halo.nn.swinv2 import DomainSwinV2Block
 
-    block = HaloSwinV2Block(_block(shift, dynamic))
+    block = DomainSwinV2Block(_block(shift, dynamic))
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, 10, 8, 8, dtype=torch.float64, generator=g), torch.randn(2, 10, 8, 8, dtype=torch.float64,
                                                                                  generator=g)
@@ -86,7 +86,7 @@ def _run_model(rank: int, name: str, h: int, sizes: list[int]) -> dict:
 
     import halo
     from halo.nn import convert_to_domain_parallel, revert_domain_parallel
-    from halo.nn.swinv2 import HaloSwinV2Block
+    from halo.nn.swinv2 import DomainSwinV2Block
 
     model = _model(name, h)
     keys, kind = list(model.state_dict()), type(model)
@@ -99,7 +99,7 @@ def _run_model(rank: int, name: str, h: int, sizes: list[int]) -> dict:
         (y * w[..., lo:hi, :]).sum().backward()
     except ValueError as exc:
         return {"refused": str(exc)}
-    blocks = sum(isinstance(m, HaloSwinV2Block) for m in model.modules())
+    blocks = sum(isinstance(m, DomainSwinV2Block) for m in model.modules())
     twin = pickle.loads(pickle.dumps(model))  # a converted model pickles (torch.save) and computes the same
     with torch.no_grad():
         same = torch.equal(twin(xs.detach()), y.detach())

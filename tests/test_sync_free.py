@@ -266,13 +266,13 @@ def test_finish_check_reads_the_pending_check_at_once():
 
 def _standalone(rank, world, heights):
     import halo
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
     from halo.testing import HostWorkCounter
 
     halo.initialize_domain_parallel(world, world)
     torch.manual_seed(0)
     convs = [nn.Conv2d(C, 4, 3, padding=1).double(), nn.Conv2d(C, 4, 3, stride=2, padding=1).double()]
-    layers = [HaloConv2d(c) for c in convs]
+    layers = [DomainConv2d(c) for c in convs]
     results = []
     for i, h in enumerate(heights):
         full = _field(h, seed=i)
@@ -298,7 +298,7 @@ def _unsharded(h, seed, world):
 
 
 def test_standalone_layer_agrees_once_per_shape():
-    """Two HaloConv2d (3x3, and stride 2, whose output rows depend on every rank's extent) on plain shards, 16 calls
+    """Two DomainConv2d (3x3, and stride 2, whose output rows depend on every rank's extent) on plain shards, 16 calls
     at 45 rows, then 8 at 47 (24 + 23: every rank's shard changed): one agreement per layer at each new shape,
     none in the other calls; forward and backward exact against the unsharded convs in every call."""
     world = 2
@@ -328,12 +328,12 @@ def _extent_changes_on_some_ranks(rank, world):
     """45 rows (23 + 22), then 44 (22 + 22): rank 1's plain shard keeps its shape while the global extent changes.
     Rank 1 cannot tell; rank 0 agrees anew; neither may compute a silently wrong stride-2 conv."""
     import halo
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
 
     halo.initialize_domain_parallel(world, world)
     halo.set_timeout(4)
     torch.manual_seed(0)
-    layer = HaloConv2d(nn.Conv2d(C, 4, 3, stride=2, padding=1).double())
+    layer = DomainConv2d(nn.Conv2d(C, 4, 3, stride=2, padding=1).double())
     layer(_local(_field(45), world, rank))
     try:
         layer(_local(_field(44), world, rank))

@@ -158,11 +158,11 @@ def test_convert_keeps_state_and_refuses_global_layers():
     _trained(2, 2, *TRAINING)  # the 2-rank training launch runs the rules too
     for r in _RUNS["rules"]:
         conv = r["converted"]
-        assert conv["inc.0"] == "HaloConv2d" and conv["down.0"] == "HaloConv2d"
+        assert conv["inc.0"] == "DomainConv2d" and conv["down.0"] == "DomainConv2d"
         assert conv["out"] == "Conv2d", "a 1x1 stride-1 conv is pointwise: untouched"
         assert conv["inc.1"] == "DomainGroupNorm" and conv["down.1"] == "DomainBatchNorm2d"
-        assert conv["pool"] == "HaloMaxPool2d" and conv["up1"] == "HaloUpsample"
-        assert conv["up2"] == "HaloConvTranspose2d" and conv["avg"] == "HaloAvgPool2d"
+        assert conv["pool"] == "DomainMaxPool2d" and conv["up1"] == "DomainUpsample"
+        assert conv["up2"] == "DomainConvTranspose2d" and conv["avg"] == "DomainAvgPool2d"
         assert conv["inc.2"] == "SiLU"
         assert r["same_state"] and r["reverted"]
         assert "1 (TransformerEncoderLayer) mixes values across the whole sharded latitude dim" \

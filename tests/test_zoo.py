@@ -163,11 +163,11 @@ class WeatherBenchResNet(nn.Module):
 
 def _recipe():
     """README's recipe for a hand-written periodic padding: circular in W, then zeros in H, as halo layers."""
-    from halo.nn import HaloPad2d
+    from halo.nn import DomainPad2d
 
     return {PeriodicPadding2D: lambda m, ctx: nn.Sequential(
-        HaloPad2d(nn.CircularPad2d((m.pad, m.pad, 0, 0)), group=ctx.group),
-        HaloPad2d(nn.ZeroPad2d((0, 0, m.pad, m.pad)), group=ctx.group))}
+        DomainPad2d(nn.CircularPad2d((m.pad, m.pad, 0, 0)), group=ctx.group),
+        DomainPad2d(nn.ZeroPad2d((0, 0, m.pad, m.pad)), group=ctx.group))}
 
 
 BUILDS = {"smp": SmpUnet, "weatherbench": WeatherBenchResNet}

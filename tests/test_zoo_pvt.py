@@ -1,7 +1,7 @@
 """Spatial-reduction attention as users run it (issue 32 item 4): timm's ``PyramidVisionTransformerV2`` (its
 ``pvt_v2.Attention`` with ``sr_ratio`` > 1, fused and explicit softmax, and the ``linear=True`` variant's 7 x 7 pool)
 and segmentation_models_pytorch's MiT encoder (``mix_transformer.Attention``, explicit softmax) and ``Segformer``
-(whose decoder resizes to a quarter of the input's global rows: ``halo.nn.smp_layers.HaloSegformerDecoder``),
+(whose decoder resizes to a quarter of the input's global rows: ``halo.nn.smp_layers.DomainSegformerDecoder``),
 converted with ``halo.nn.convert_to_domain_parallel`` (the attention becomes ``halo.nn.DomainSRAttention``: queries
 from the rank's tokens, keys from the halo strided conv's share of the global reduced grid, the ring).
 
@@ -77,7 +77,7 @@ def _features(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 #: name -> (build, rows per world size, call). Token maps: PVT 53 rows -> 14 (sr 4: 3 reduced rows, 2 dropped),
 #: 7 (sr 2: 3, 1 dropped); 49 -> 13, 7; MiT 85 -> 22 (5), 11 (5); 69 -> 18 (4), 9 (4); mit_b0 (sr 8, 4, 2) 99 ->
 #: 25 (3), 13 (3), 7 (3); 77 -> 20 (2), 10 (2), 5 (2). Segformer's decoder resizes to a quarter of the input's rows
-#: (19 of 77: its output has 76), the global quarter on shards (halo.nn.smp_layers.HaloSegformerDecoder)
+#: (19 of 77: its output has 76), the global quarter on shards (halo.nn.smp_layers.DomainSegformerDecoder)
 CASES: dict[str, tuple[Callable[[], nn.Module], dict[int, int], Callable | None]] = {
     "timm.pvt_v2": (_pvt(), {2: 49, 3: 53}, None),
     "timm.pvt_v2(fused_attn off)": (_pvt(fused=False), {2: 49, 3: 53}, None),
@@ -346,14 +346,14 @@ def test_the_layer_keeps_the_checkpoint_and_refuses_attention_dropout_and_a_mesh
     tp.load()
     from timm.models.pvt_v2 import Attention
 
-    from halo.nn import DomainSRAttention, HaloConv2d
+    from halo.nn import DomainConv2d, DomainSRAttention
     from halo.nn.sr_attention import sr_attention_adapter
 
     torch.manual_seed(0)
     attn = Attention(8, num_heads=2, sr_ratio=2, attn_drop=0.1)
     layer = DomainSRAttention(attn)
     assert list(layer.state_dict()) == list(attn.state_dict())
-    assert isinstance(layer.sr, HaloConv2d) and layer.sr.weight is attn.sr.weight
+    assert isinstance(layer.sr, DomainConv2d) and layer.sr.weight is attn.sr.weight
     x = torch.randn(1, 4 * 6, 8)
     with pytest.raises(ValueError, match=r"attention dropout in training \(attn_drop=0.1\)"):
         layer(x, (4, 6))

@@ -79,7 +79,7 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "smp.DeepLabV3Plus": ("exact",),
     "smp.MAnet": ("matmul",),  # its PAB block is attention over all H x W tokens
     "smp.PSPNet": ("exact",),  # its whole (or sharded) pooled map resized to the global size (halo.guard.reroute)
-    "smp.PAN": ("exact",),  # its FPABlock resizes to fractions of the global rows (halo.nn.smp_layers.HaloFPABlock)
+    "smp.PAN": ("exact",),  # its FPABlock resizes to fractions of the global rows (halo.nn.smp_layers.DomainFPABlock)
     "smp.Linknet": ("exact",),
     # a ViT encoder with a class token (a token of the whole field, attending to every patch) and a position table
     # it resizes to the grid: refused by name (the hint it offers, followed, is refused too: test below)
@@ -101,7 +101,7 @@ VERDICTS: dict[str, tuple[str, ...]] = {
     "credit.unet": ("exact",),  # CREDIT's smp U-Net: its decoder resizes to global level sizes (halo.nn.smp_layers)
     "credit.swin": ("exact",),  # CREDIT's Swin V2 (halo.nn.swinv2): windows whole on each rank at 48 rows
     "credit.fuxi": ("exact",),  # FuXi: timm's SwinTransformerV2Block (halo.nn.swinv2)
-    "credit.swin(bias dropout)": ("HaloWindowAttentionV2 (WindowMultiHeadAttention): its dropout meta_mlp.drop1",),
+    "credit.swin(bias dropout)": ("DomainWindowAttentionV2 (WindowMultiHeadAttention): its dropout meta_mlp.drop1",),
     **{name: ("exact",) for name in tp.LAYERS},  # halo/nn/timm_layers.py
     # train mode, the head's dropout at 0.2: the unsharded model's mask on every rank (its reference draws as halo's
     # does in one process: tests/_modes.py's WholeFieldDropout; test_a_head_dropout_changes_the_logits)
@@ -393,7 +393,7 @@ def test_a_head_dropout_changes_the_logits(name, world):
 
 
 def test_same_padding_of_the_global_extent_is_timms():
-    """``HaloConv2dSame`` pads what timm's ``pad_same`` pads for the global extent (the extra row after)."""
+    """``DomainConv2dSame`` pads what timm's ``pad_same`` pads for the global extent (the extra row after)."""
     tp.load()
     from timm.layers.padding import pad_same_arg
 

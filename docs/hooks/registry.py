@@ -11,7 +11,7 @@ Markers a page may hold, each replaced at build time:
   each with the first sentence of its docstring.
 
 And the API reference's ``::: halo.nn`` block (a line of its own) becomes the package's docstring followed by one block
-per public name, at its definition (``::: halo.nn.pad3d.HaloPad3d``): ``halo.nn`` exports the registry's names at
+per public name, at its definition (``::: halo.nn.pad3d.DomainPad3d``): ``halo.nn`` exports the registry's names at
 import, which the reference's static reading of the source cannot see.
 
 A layer added with ``@converts`` (or a name marked ``@public``) appears at the next build, with no edit to any page.

@@ -52,8 +52,8 @@ What it handles (the models users have):
 - **Every parameter**: a reference parameter with a gradient that the converted model does not have under its
   name (a converter that wrapped a layer under another name: invariant 6 broken) is reported, not skipped.
 - **Layers halo computes in a layout of its own**: inside one of halo's own layers (a class of ``halo``, below the
-  model itself: CREDIT FuXi's ``HaloSwinV2Block``, whose attention holds a rank's windows of every sample as one
-  block, or its ``HaloCubeEmbedding``, whose LayerNorm sees a field, not token rows), an output that differs from
+  model itself: CREDIT FuXi's ``DomainSwinV2Block``, whose attention holds a rank's windows of every sample as one
+  block, or its ``DomainCubeEmbedding``, whose LayerNorm sees a field, not token rows), an output that differs from
   the reference's is left out (``report.inside``) when that layer's own output matches: the layer's output is what
   it computes, and a difference it makes shows there (and then everything inside it is reported too).
 
@@ -372,7 +372,7 @@ def check_equivalence(model: nn.Module | Callable[[], nn.Module], sample: torch.
 def in_own_layout(names: list[str], checks: list[Mismatch], kinds: dict[str, type]) -> set[int]:
     """The module-output comparisons (indices into ``names`` / ``checks``, one per compared output) that are
     intermediates of a halo layer in its own layout: a failed one of a module inside one of halo's own layers (a
-    class of ``halo``, below the model itself: ``HaloSwinV2Block``, ``HaloCubeEmbedding``, ...) whose every
+    class of ``halo``, below the model itself: ``DomainSwinV2Block``, ``DomainCubeEmbedding``, ...) whose every
     compared output matches. Such a layer computes its children in the layout it chooses (a rank's attention windows
     of every sample as one block, a cube embedding's tokens as a field), which does not assemble into the
     reference's tensor, and its own output is the truth of what it computes; a difference it makes shows at that

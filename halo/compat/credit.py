@@ -50,7 +50,7 @@ from torch import nn
 
 from .. import context
 from ..dist.mesh import DomainParallelManager, get_domain_parallel_manager, initialize_domain_parallel
-from ..nn import DomainGroupNorm, HaloConv2d, HaloConv3d, HaloConvTranspose2d, HaloConvTranspose3d
+from ..nn import DomainConv2d, DomainConv3d, DomainConvTranspose2d, DomainConvTranspose3d, DomainGroupNorm
 from ..nn.credit_padding import TensorPadding
 from ..nn.registry import is_pointwise_conv
 from ..plan.partition import split_offsets, split_sizes
@@ -158,10 +158,10 @@ def _credit_layer(halo_cls: type, name: str) -> type:
                                                  f"halo's ``{halo_cls.__name__}`` (exact on any split)."})
 
 
-DomainParallelConv2d = _credit_layer(HaloConv2d, "DomainParallelConv2d")
-DomainParallelConv3d = _credit_layer(HaloConv3d, "DomainParallelConv3d")
-DomainParallelConvTranspose2d = _credit_layer(HaloConvTranspose2d, "DomainParallelConvTranspose2d")
-DomainParallelConvTranspose3d = _credit_layer(HaloConvTranspose3d, "DomainParallelConvTranspose3d")
+DomainParallelConv2d = _credit_layer(DomainConv2d, "DomainParallelConv2d")
+DomainParallelConv3d = _credit_layer(DomainConv3d, "DomainParallelConv3d")
+DomainParallelConvTranspose2d = _credit_layer(DomainConvTranspose2d, "DomainParallelConvTranspose2d")
+DomainParallelConvTranspose3d = _credit_layer(DomainConvTranspose3d, "DomainParallelConvTranspose3d")
 
 
 class DomainParallelGroupNorm(DomainGroupNorm):

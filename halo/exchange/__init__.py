@@ -147,7 +147,7 @@ def exchange_halos(x: torch.Tensor, ex_id: int, halos: tuple[int, int], dim: int
     The ``halo::exchange_halos`` custom op (its adjoint ``halo::exchange_halos_adjoint`` sends the halo rows'
     gradients back and returns those of the rows this rank sent, which plain ops add onto ``x``'s gradient), ordered
     as every communicating op (:func:`order_after`). Eager layers use their own ``autograd.Function``
-    (``HaloConv2d``'s compute-then-patch posts before its conv and waits after it); this is the form a compiled
+    (``DomainConv2d``'s compute-then-patch posts before its conv and waits after it); this is the form a compiled
     graph holds.
     """
     order = order_token(x.device)

@@ -2,7 +2,7 @@
 
 Under ``torch.compile`` an exchange is opaque to dynamo: :func:`exchange_op` (its extended shape from the plan, in
 the input's memory format, as the fake kernel says) and :func:`exchange_adjoint_op`; compute-then-patch's halo rows
-alone (:func:`exchange_halos_op`, :func:`exchange_halos_adjoint_op`: a compiled ``HaloConv2d``'s; on a latitude x
+alone (:func:`exchange_halos_op`, :func:`exchange_halos_adjoint_op`: a compiled ``DomainConv2d``'s; on a latitude x
 longitude block both axes' and the corners at once, :func:`exchange_halos_2d_op` and its adjoint). Every
 communicating custom op of halo (here, the norms' and the reductions') is declared an ordered effect and reads the
 device's order token (:func:`order_communication`, :func:`order_token`, :func:`order_after`), so no compiler pass
@@ -170,7 +170,7 @@ exchange_op.register_autograd(_backward, setup_context=_setup)
 def exchange_halos_op(x: torch.Tensor, order: torch.Tensor, ex_id: int, dim: int, before: int,
                       after: int) -> torch.Tensor:
     """The halo rows of exchange ``ex_id`` alone, ``[before rows | after rows]`` along ``dim`` (zeros beyond the
-    domain for a zeros boundary): what compute-then-patch adds to a conv of the shard itself (``HaloConv2d``
+    domain for a zeros boundary): what compute-then-patch adds to a conv of the shard itself (``DomainConv2d``
     under ``torch.compile``). Sends only the rank's edge rows; no extended copy of the shard. Output: a fresh
     tensor in ``x``'s memory format (the receive buffer is pooled; a compiled graph may save the halos)."""
     ex = get_exchanger(ex_id)

@@ -162,7 +162,7 @@ def _pad(args, kwargs, x, h, a):
                 "taken "
                 f"from a shard's size differ by rank); to pad one tensor to another's size (a U-Net's skip) use "
                 f"halo.nn.pad_like(x, ref) (the same centred pad, from the global sizes); for a fixed pad use a "
-                f"padding module (nn.ZeroPad2d, converted to halo.nn.HaloPad2d)")
+                f"padding module (nn.ZeroPad2d, converted to halo.nn.DomainPad2d)")
     return None
 
 
@@ -180,7 +180,7 @@ def interpolate_rule(args, kwargs, x, h, a):
             return None
         return (f"resizes {a.name} from this rank's {rows} {a.unit} to {target} ({mode}; a size computed from a "
                 "shard); use "
-                f"nn.Upsample in the model (converted to halo.nn.HaloUpsample) or halo.nn.halo_interpolate")
+                f"nn.Upsample in the model (converted to halo.nn.DomainUpsample) or halo.nn.halo_interpolate")
     if scale is not None:
         scales = [scale] * (x.dim() - 2) if isinstance(scale, (int, float)) else list(scale)
         s = scales[h - 2] if h >= 2 and len(scales) > h - 2 else 1

@@ -16,3 +16,17 @@ for _module in layer_modules():
 
 globals().update(exports())
 __all__ = sorted(exports())  # noqa: PLE0605 - the registry's names (module docstring)
+
+
+def __getattr__(name: str) -> object:
+    """A layer's name before the one prefix (``HaloConv2d``: now ``DomainConv2d``), for one release, with a
+    ``DeprecationWarning`` naming the new one (:data:`halo._moved.RENAMED`)."""
+    import warnings
+
+    from .._moved import RENAMED
+
+    if name in RENAMED and RENAMED[name] in globals():
+        warnings.warn(f"halo.nn.{name} is now halo.nn.{RENAMED[name]} (halo.nn's layers have one prefix, Domain); "
+                      f"the old name goes in the next release", DeprecationWarning, stacklevel=2)
+        return globals()[RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,7 @@ from torch import nn
 from ..plan.plans import resolve
 from . import dropout, norm
 from .attention_layers import attention_adapter  # timm's and diffusers' Attention: ring attention
-from .base import HaloLayer
+from .base import DomainLayer
 from .credit_padding import CROSSFORMER_MODULES
 from .diffusers_layers import diffusers_adapter  # diffusers' Downsample2D (a pad of the global field), Timesteps
 from .longrange import DomainCrossFormerAttention
@@ -136,7 +136,7 @@ def _rows(cg: Any, extents: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
     return sum(sizes[:cg.index]), sum(sizes)
 
 
-class DomainGridEmbedding2D(HaloLayer, nn.Module):
+class DomainGridEmbedding2D(DomainLayer, nn.Module):
     """neuraloperator's ``GridEmbedding2D`` on an H-shard: the coordinate channels of the *global* grid's rows this
     rank holds. The original builds its grid from its input's shape, which on a shard is the shard's (each rank's
     coordinates would run 0..1 over its own rows: silently wrong, and invisible to the guard, which sees only the

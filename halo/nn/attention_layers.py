@@ -52,7 +52,7 @@ from torch import nn
 
 from ..context import place
 from ..plan.plans import Site, carry, resolve
-from .base import HaloLayer, adopt
+from .base import DomainLayer, adopt
 from .dropout import DomainDropout
 from .efficientformer import efficientformer_adapter
 from .norm import DomainGroupNorm
@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 
-class _RingLayer(HaloLayer, nn.Module):
+class _RingLayer(DomainLayer, nn.Module):
     """Shared by the layers here: the group, the sites of ring_sdpa's agreements (q, k/v, mask)."""
 
     def _ring_init(self, group: Any) -> None:

@@ -3,18 +3,18 @@
 A halo layer is a torch layer plus four things: the domain group it runs on (``group=``, held in a
 :class:`halo.dist.mesh.GroupRef` so a deep copy or a pickle does not copy a process group), its site in the planner's
 records (a :class:`halo.plan.plans.Site`), an optional latitude x longitude mesh (``mesh=``), and the torch module's
-state it adopted (its Parameters shared, so ``state_dict`` keys stay). :class:`HaloLayer` owns all four, and the
+state it adopted (its Parameters shared, so ``state_dict`` keys stay). :class:`DomainLayer` owns all four, and the
 three steps of a forward that every layer repeated:
 
-* :meth:`HaloLayer.axis_plans` — the plan of the call, *per axis*: one entry on latitude rows (the group), two on a
+* :meth:`DomainLayer.axis_plans` — the plan of the call, *per axis*: one entry on latitude rows (the group), two on a
   latitude x longitude mesh (H then W), learned in one agreement either way (:func:`halo.plan.plans.resolve` over the
   group, or over the mesh's domain group with both extents and the mesh coordinates). The layer writes one geometry
   function ``make(axis_group, sizes, dim, *per_axis[a], *extra)`` — which rows of ``dim`` this rank needs, given
   every rank's ``sizes`` along that axis — and never a ``*_2d`` twin of it: an axis of a mesh is a line of ranks
   like latitude rows are (its W line is periodic or not as the exchange's boundary says).
-* :meth:`HaloLayer.exchange_axes` — each axis's planned exchange in turn (rows, then columns: the corners are
+* :meth:`DomainLayer.exchange_axes` — each axis's planned exchange in turn (rows, then columns: the corners are
   right because the second exchange moves rows that already hold the first one's halo).
-* :meth:`HaloLayer.finish` — the output in the input's memory format (``like_format``) and carrying the input's
+* :meth:`DomainLayer.finish` — the output in the input's memory format (``like_format``) and carrying the input's
   epoch (``carry``): a layer that forgets ``carry`` makes the next call outside a model agree again (one host
   all-gather per call, silently), so it is the default path, not a line each layer must remember.
 
@@ -39,7 +39,7 @@ from ..dist.mesh import DomainMesh, group_attribute, mesh_2d, mesh_coords
 from ..exchange import exchange, like_format, pole_step
 from ..plan.plans import Site, carry, resolve
 
-__all__ = ["AxisPlan", "HaloLayer", "adopt", "mesh_layout", "mesh_of", "run_axes", "set_mesh"]
+__all__ = ["AxisPlan", "DomainLayer", "adopt", "mesh_layout", "mesh_of", "run_axes", "set_mesh"]
 
 
 def set_mesh(module: nn.Module, mesh: DomainMesh | None, name: str) -> None:
@@ -106,7 +106,7 @@ def _mesh_axes(cg: CommGroup, extents: tuple[tuple[int, ...], ...], groups: tupl
 
 def run_axes(x: torch.Tensor, op: str, make: Callable, extra: tuple = (), *, group: Any | None = None,
              mesh: DomainMesh | None = None, site: Site | None = None, per_axis: tuple = ()) -> tuple:
-    """The per-axis plans of a call on ``x`` (:meth:`HaloLayer.axis_plans`, for the functional forms that have no
+    """The per-axis plans of a call on ``x`` (:meth:`DomainLayer.axis_plans`, for the functional forms that have no
     module: ``halo_pad``, ``halo_interpolate``). ``mesh`` a two-axis mesh, or ``None`` for latitude rows of
     ``group``; ``per_axis[a]``: arguments of axis ``a`` alone (a padding's top/bottom, then left/right)."""
     h = x.dim() - 2
@@ -140,7 +140,7 @@ def adopt(self: nn.Module, module: nn.Module, base: type | None = None, name: st
 
     Copying the instance dictionary (each container shallowly, on its own, of its own type: hooks' dicts are
     OrderedDicts a handle refers to weakly) keeps parameter and buffer names, so ``state_dict`` keys stay identical
-    after ``model.layer = HaloConv2d(model.layer)``, and keeps hooks. With ``base``: ``module`` must be one, must not
+    after ``model.layer = DomainConv2d(model.layer)``, and keeps hooks. With ``base``: ``module`` must be one, must not
     override its ``forward`` (only the standard computation can be made halo-aware), must not be parametrized (wrap
     the plain layer, then parametrize the halo one) nor lazy and uninitialised.
     """
@@ -148,7 +148,7 @@ def adopt(self: nn.Module, module: nn.Module, base: type | None = None, name: st
     if base is not None:
         if not isinstance(module, base):
             raise TypeError(f"{name} wraps a torch.nn.{base.__name__}, got {type(module).__name__}")
-        if type(module).forward is not base.forward and not isinstance(module, HaloLayer):
+        if type(module).forward is not base.forward and not isinstance(module, DomainLayer):
             raise TypeError(f"{name}: {type(module).__name__} overrides forward(); only the standard "
                             f"nn.{base.__name__} computation can be made halo-aware")
         if parametrize.is_parametrized(module):
@@ -162,9 +162,9 @@ def adopt(self: nn.Module, module: nn.Module, base: type | None = None, name: st
         self.__dict__[key] = copy.copy(value) if isinstance(value, dict | set | list) else value
 
 
-class HaloLayer:
+class DomainLayer:
     """Mixin of every halo layer (module docstring): its group, site and mesh, its per-axis plans, its exchanges
-    and the end of its forward. Put it first among the bases: ``class HaloPixelShuffle(HaloLayer, nn.PixelShuffle)``
+    and the end of its forward. Put it first among the bases: ``class DomainPixelShuffle(DomainLayer, nn.PixelShuffle)``
     and call :meth:`halo_init` at the end of ``__init__`` (after the torch layer's own)."""
 
     group = group_attribute()
@@ -214,3 +214,8 @@ class HaloLayer:
     def finish(self, out: Any, x: torch.Tensor) -> Any:
         """The output in the input's memory format, carrying its epoch (:func:`finish`)."""
         return finish(out, x)
+
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloLayer = DomainLayer

@@ -3,9 +3,9 @@
 =========================  ==========================  =====================================================
 layer                      input (local shard)         H rows this rank needs (global "virtual" rows)
 =========================  ==========================  =====================================================
-``HaloConv2d``             ``(B, C, H_r, W)``          ``[o0*s - p_top, (o1-1)*s - p_top + d*(k-1) + 1)``
-``HaloConv3d``             ``(B, C, D, H_r, W)``       same on H; D and W are local
-``HaloConvTranspose2d``    ``(B, C, H_r, W)``          ``i`` with ``i*s - p + j*d in [o0, o1)`` for a ``j < k``
+``DomainConv2d``             ``(B, C, H_r, W)``          ``[o0*s - p_top, (o1-1)*s - p_top + d*(k-1) + 1)``
+``DomainConv3d``             ``(B, C, D, H_r, W)``       same on H; D and W are local
+``DomainConvTranspose2d``    ``(B, C, H_r, W)``          ``i`` with ``i*s - p + j*d in [o0, o1)`` for a ``j < k``
 =========================  ==========================  =====================================================
 
 ``[o0, o1)`` is this rank's part of the balanced split of the *output* extent ``M``, so every activation is the
@@ -32,7 +32,7 @@ Two ways to run the local conv (see docs/design.md):
     shard (a buffer the exchange reuses; the interior copied while the halo rows travel), conv with no H
     padding. One copy of the shard each way.
 
-On a latitude x longitude mesh the plan is per axis (:meth:`HaloLayer.axis_plans`: each axis's rows from its own
+On a latitude x longitude mesh the plan is per axis (:meth:`DomainLayer.axis_plans`: each axis's rows from its own
 kernel, stride, dilation and padding, one agreement for both): the same two ways, on both axes — compute-then-patch
 of the block (:mod:`halo.nn.patch2d`: the H and W exchanges behind the block's conv, the corners a second W hop),
 or pad-then-conv (H, then W of the H-extended block: corners right). Across a pole with W sharded the H exchange
@@ -72,14 +72,14 @@ from ..exchange import exchange_halos, exchange_halos_2d, exchanger_id, get_exch
 from ..kernels.reference import alloc_like as kernels_alloc_like
 from ..plan.geometry import conv_row_plan, conv_transpose_row_plan
 from ..plan.partition import check_boundary, split_sizes
-from .base import AxisPlan, HaloLayer, adopt
+from .base import AxisPlan, DomainLayer, adopt
 from .patch2d import corner_exchanger_id, patch_conv_2d
 from .registry import converts, pointwise_conv
 
 __all__ = [
-    "HaloConv2d",
-    "HaloConv3d",
-    "HaloConvTranspose2d",
+    "DomainConv2d",
+    "DomainConv3d",
+    "DomainConvTranspose2d",
     "conv_row_plan",
     "conv_transpose_row_plan",
     "PATCH_MIN_ELEMENTS",
@@ -143,7 +143,7 @@ def _crop_rows(y: torch.Tensor, t0: int, t1: int, dim: int = -2) -> torch.Tensor
 
 # -- wrapping an existing module ----------------------------------------------------------------------------
 
-class _HaloConvMixin(HaloLayer):
+class _HaloConvMixin(DomainLayer):
     """Shared construction, configuration and (deep)copy behaviour of the halo conv layers."""
 
     _base: type[nn.modules.conv._ConvNd]
@@ -228,7 +228,7 @@ class ConvPlan(AxisPlan):
 def _conv_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, kernel: int, stride: int, dilation: int,
                pad: tuple[int, int], boundary: str, tensor_dim: int, w_axis: bool, padding_mode: str,
                overlap: bool, name: str) -> ConvPlan:
-    """One sharded axis of a conv (the per-axis geometry of :meth:`HaloLayer.axis_plans`): the rows of
+    """One sharded axis of a conv (the per-axis geometry of :meth:`DomainLayer.axis_plans`): the rows of
     ``tensor_dim`` (of the batched input) this rank needs, from the axis's kernel, stride, dilation and padding."""
     if cg.size == 1 and boundary == _MODE_BOUNDARY[padding_mode]:
         return ConvPlan(True, dim=tensor_dim)  # one rank along the axis: the conv pads it itself
@@ -401,7 +401,7 @@ def _circular_pad(t: torch.Tensor, pads: Sequence[tuple[int, int]], skip: tuple[
 
 
 class _HaloConvNd(_HaloConvMixin):
-    """Forward of HaloConv2d / HaloConv3d: H (dim -2) exchanged, the other spatial dims padded locally."""
+    """Forward of DomainConv2d / DomainConv3d: H (dim -2) exchanged, the other spatial dims padded locally."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pads = tuple(_pads(self))
@@ -574,10 +574,10 @@ class _HaloConvNd(_HaloConvMixin):
 
 @converts(nn.Conv2d, axes=2, keep=pointwise_conv, takes=("group", "boundary", "mesh"), functional=(F.conv2d,),
           example=lambda kind: (kind(3, 4, 3, padding=1), (2, 3, 23, 7)))
-class HaloConv2d(_HaloConvNd, nn.Conv2d):
+class DomainConv2d(_HaloConvNd, nn.Conv2d):
     """``nn.Conv2d`` on an H-shard ``(B, C, H_r, W)``; equals the unsharded conv, forward and backward.
 
-    ``HaloConv2d(conv)`` shares ``conv``'s Parameters (state_dict keys unchanged); ``HaloConv2d(3, 8, 3,
+    ``DomainConv2d(conv)`` shares ``conv``'s Parameters (state_dict keys unchanged); ``DomainConv2d(3, 8, 3,
     padding=1, ...)`` builds a fresh one with ``nn.Conv2d``'s arguments. Keywords: ``group`` (the domain group;
     default the manager's), ``boundary`` (fills H beyond the domain; default from ``padding_mode``),
     ``overlap`` (compute-then-patch where it applies; ``None``: the measured default, by size: ``patch_pays``).
@@ -589,8 +589,8 @@ class HaloConv2d(_HaloConvNd, nn.Conv2d):
 
 @converts(nn.Conv3d, keep=pointwise_conv, takes=("group", "boundary"), functional=(F.conv3d,),
           example=lambda kind: (kind(2, 3, 3, padding=1), (2, 2, 3, 23, 7)))
-class HaloConv3d(_HaloConvNd, nn.Conv3d):
-    """``nn.Conv3d`` on ``(B, C, D, H_r, W)`` sharded on H (dim -2); D and W are local. As :class:`HaloConv2d`."""
+class DomainConv3d(_HaloConvNd, nn.Conv3d):
+    """``nn.Conv3d`` on ``(B, C, D, H_r, W)`` sharded on H (dim -2); D and W are local. As :class:`DomainConv2d`."""
 
     _base, _spatial = nn.Conv3d, 3
 
@@ -644,7 +644,7 @@ class _HaloConvTransposeNd(_HaloConvMixin):
 
 @converts(nn.ConvTranspose2d, axes=2, functional=(F.conv_transpose2d,),
           example=lambda kind: (kind(3, 2, 3, stride=2, padding=1), (2, 3, 23, 7)))
-class HaloConvTranspose2d(_HaloConvTransposeNd, nn.ConvTranspose2d):
+class DomainConvTranspose2d(_HaloConvTransposeNd, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` on an H-shard; equals the unsharded layer, forward and backward.
 
     Runs ``conv_transpose2d`` on the rows that reach this rank's output rows, with no H padding, and crops
@@ -658,8 +658,8 @@ class HaloConvTranspose2d(_HaloConvTransposeNd, nn.ConvTranspose2d):
 
 @converts(nn.ConvTranspose3d, functional=(F.conv_transpose3d,),
           example=lambda kind: (kind(2, 2, 3, stride=2, padding=1), (2, 2, 3, 23, 7)))
-class HaloConvTranspose3d(_HaloConvTransposeNd, nn.ConvTranspose3d):
-    """``nn.ConvTranspose3d`` on ``(B, C, D, H_r, W)`` sharded on H (dim -2): as :class:`HaloConvTranspose2d`
+class DomainConvTranspose3d(_HaloConvTransposeNd, nn.ConvTranspose3d):
+    """``nn.ConvTranspose3d`` on ``(B, C, D, H_r, W)`` sharded on H (dim -2): as :class:`DomainConvTranspose2d`
     (Pangu's patch recovery, 3-d U-Net decoders)."""
 
     _base, _spatial = nn.ConvTranspose3d, 3
@@ -691,7 +691,7 @@ def _output_padding(n: int, size: int | None, k: int, s: int, d: int, p: int, gi
 def _transpose_axis_plan(cg: CommGroup, sizes: tuple[int, ...], dim: int, k: int, s: int, d: int, p: int,
                          output_padding: int, spatial: int, tensor_dim: int, output_size: tuple[int, ...] | None,
                          nd: int, name: str) -> ConvTransposePlan:
-    """One sharded axis of a transposed conv (the per-axis geometry of :meth:`HaloLayer.axis_plans`)."""
+    """One sharded axis of a transposed conv (the per-axis geometry of :meth:`DomainLayer.axis_plans`)."""
     if output_size is not None and len(output_size) not in (nd, nd + 1, nd + 2):
         raise ValueError(f"{name}: output_size must have {nd} or {nd + 2} elements, got {len(output_size)}")
     if cg.size == 1:
@@ -715,3 +715,11 @@ def _transpose_axis(cg: CommGroup, sizes: tuple[int, ...], k: int, s: int, d: in
     length = (hi - lo - 1) * s + d * (k - 1) + 1
     fused = t0 >= 0 and t1 <= length  # else bias must also land on the zero-extended rows
     return ex, hi - lo, t0, t1, fused
+
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloConv2d = DomainConv2d
+HaloConv3d = DomainConv3d
+HaloConvTranspose2d = DomainConvTranspose2d
+HaloConvTranspose3d = DomainConvTranspose3d

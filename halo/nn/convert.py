@@ -349,7 +349,7 @@ def convert_to_domain_parallel(
             raise ValueError(
                 f"the model itself is a {_name(type(model))}, which halo replaces by a layer of its own, and a "
                 f"module cannot be replaced in place: convert a module that holds it (nn.Sequential(layer)) or "
-                f"build the halo layer directly (e.g. halo.nn.HaloConv2d(conv))")
+                f"build the halo layer directly (e.g. halo.nn.DomainConv2d(conv))")
     visit(model, "")
     if ctx.mesh is None:  # on a mesh W is sharded too: CREDIT's own pad() stays, and the guard refuses it
         swap_tensor_padding(model, domain_group)  # CREDIT CrossFormer's padding object (not a module)

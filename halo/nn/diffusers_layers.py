@@ -8,7 +8,7 @@ recognises, and why each is exact on an H-shard:
   then runs a stride-2 conv without padding. On a shard that pad would put a zero row after every rank's rows (the
   guard refuses it). :class:`DomainDownsample2D` keeps diffusers' state and children and pads the global field
   (:func:`halo.nn.halo_pad`: only the last rank's last row gets the zero row, and the output is the balanced split
-  of the padded field), then its ``conv`` (converted to a ``HaloConv2d``: the rows the stride-2 window reads across
+  of the padded field), then its ``conv`` (converted to a ``DomainConv2d``: the rows the stride-2 window reads across
   a rank's edge come by the halo exchange). Its optional channel norm (``norm_type="ln_norm"`` / ``"rms_norm"``,
   over channels per pixel; diffusers' ``RMSNorm`` over one trailing dim is kept, its mean over that dim watched by
   the guard) is pointwise. A ``Downsample2D`` with padding (or an average pool) holds nothing of its
@@ -58,7 +58,7 @@ def _diffusers(kind: type) -> bool:
 
 class DomainDownsample2D(nn.Module):
     """diffusers' ``Downsample2D`` with a conv and ``padding=0`` on an H-shard (module docstring): its norm, the
-    zero row and column of ``F.pad(x, (0, 1, 0, 1))`` added to the *global* field, then its conv (a ``HaloConv2d``
+    zero row and column of ``F.pad(x, (0, 1, 0, 1))`` added to the *global* field, then its conv (a ``DomainConv2d``
     once converted). The same children and state as diffusers' (``state_dict`` keys unchanged, ``conv`` and its
     alias ``Conv2d_0`` one module)."""
 

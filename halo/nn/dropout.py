@@ -23,7 +23,7 @@ from torch import nn
 from .. import random as hr
 from ..autocast import cast_as_torch
 from ..plan.plans import mark_whole, whole_source
-from .base import HaloLayer
+from .base import DomainLayer
 from .registry import converts, public
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-class _DomainRandom(HaloLayer):
+class _DomainRandom(DomainLayer):
     """Mixin: the layer base (the group, resolved at call time; the site of its plans; the mesh, whose blocks the
     draws of ``halo.random`` index globally), and the module path its errors name."""
 

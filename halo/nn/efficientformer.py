@@ -54,7 +54,7 @@ from torch import nn
 from ..dist.comm import comm_group
 from ..parallel.reduce import all_reduce
 from ..plan.plans import Site, carry, resolve
-from .base import HaloLayer, adopt
+from .base import DomainLayer, adopt
 from .registry import is_pointwise_conv, public
 from .ring import latitude_only, place_like, ring_sdpa
 
@@ -76,7 +76,7 @@ def _tokens(cg: Any, extents: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
 
 
 @public
-class DomainEfficientFormerAttention(HaloLayer, nn.Module):
+class DomainEfficientFormerAttention(DomainLayer, nn.Module):
     """timm's EfficientFormer ``Attention`` over a field's tokens ``(B, N_r, C)`` (this rank's contiguous share of
     the global row-major tokens) on an H-shard: the same attributes, ``state_dict`` and numbers as the unsharded
     layer, its position bias the ring's mask rows of this rank's queries (module docstring)."""
@@ -134,7 +134,7 @@ def _rows(cg: Any, extents: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
     return sum(sizes[:cg.index]), sum(sizes)
 
 
-class _V2Layer(HaloLayer, nn.Module):
+class _V2Layer(DomainLayer, nn.Module):
     """What both V2 attentions share: the adopted state, the sites, the grid checks and the bias rows."""
 
     _kind = ""
@@ -163,7 +163,7 @@ class _V2Layer(HaloLayer, nn.Module):
             return
         if comm_group(self.group).size > 1:
             torch_own = [f"{n} ({type(m).__name__})" for n, m in self.named_modules() if m is not self
-                         and not isinstance(m, HaloLayer) and isinstance(m, _ACROSS_ROWS)
+                         and not isinstance(m, DomainLayer) and isinstance(m, _ACROSS_ROWS)
                          and not (isinstance(m, nn.Conv2d) and is_pointwise_conv(m))]
             if torch_own:
                 raise ValueError(f"{self._name()}: its children {', '.join(torch_own)} are torch's own, which "

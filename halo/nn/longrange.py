@@ -53,7 +53,7 @@ from ..dist.comm import CommGroup, comm_group
 from ..dist.transport import post_rows, wait
 from ..plan.partition import offsets, split_sizes
 from ..plan.plans import carry, device_tensor, resolve
-from .base import HaloLayer, adopt
+from .base import DomainLayer, adopt
 from .registry import public
 
 __all__ = [
@@ -372,7 +372,7 @@ def _empty_unguarded(g: torch.Tensor) -> Any:
 
 
 @public
-class DomainCrossFormerAttention(HaloLayer, nn.Module):
+class DomainCrossFormerAttention(DomainLayer, nn.Module):
     """CREDIT's CrossFormer ``Attention`` (short or long distance) on an H-shard ``(B, dim, H_r, W)`` (module
     docstring): the same numbers, the same state_dict keys. Wraps an existing module (its Parameters and buffers
     are shared)."""

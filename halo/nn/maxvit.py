@@ -20,12 +20,12 @@ learned once per global shape (``halo.plan.plans.resolve``).
 ============================  ==================================================  =============================
 layer                         replaces (recognised by name and attributes)        split it needs / gives
 ============================  ==================================================  =============================
-``HaloPartitionAttention``    timm ``PartitionAttentionCl`` (channels-last,       any; output split = input
+``DomainPartitionAttention``    timm ``PartitionAttentionCl`` (channels-last,       any; output split = input
                               ``(B, H_r, W, C)``), ``PartitionAttention2d``       split (a rank may hold no
                               (``(B, C, H_r, W)``), 'block' or 'grid' ('M'        window: it attends to none)
                               blocks), ``ParallelPartitionAttention`` (both,
                               concatenated over channels: 'PM' blocks)
-``HaloPartitionedAttention``  its ``attn`` (``attn_block``, ``attn_grid``:        per window (no messages)
+``DomainPartitionedAttention``  its ``attn`` (``attn_block``, ``attn_grid``:        per window (no messages)
                               ``AttentionCl`` / ``Attention2d``, timm's forward
                               on windows)
 ============================  ==================================================  =============================
@@ -54,13 +54,13 @@ from ..context import place
 from ..dist.comm import CommGroup
 from ..plan.partition import offsets, split_sizes
 from ..plan.plans import Site, carry, resolve
-from .base import HaloLayer
+from .base import DomainLayer
 from .longrange import RegroupPlan, regroup, regroup_plan
 from .registry import public
 from .window import adopt_recognised, latitude_only
 
-__all__ = ["HaloPartitionAttention", "HaloPartitionedAttention", "PartitionPlan", "maxvit_adapter", "partition_plan",
-           "window_rows"]
+__all__ = ["DomainPartitionAttention", "DomainPartitionedAttention", "PartitionPlan", "maxvit_adapter",
+           "partition_plan", "window_rows"]
 
 
 # -- the regroup: planning (the move is halo.nn.longrange.regroup) ------------------------------------------------
@@ -182,7 +182,7 @@ class _unwatched:  # noqa: N801 - a context manager, named like one
 # -- modules --------------------------------------------------------------------------------------------------
 
 @public
-class HaloPartitionedAttention(HaloLayer, nn.Module):
+class DomainPartitionedAttention(DomainLayer, nn.Module):
     """timm's ``AttentionCl`` / ``Attention2d`` of a MaxViT block (same parameters and buffers, its relative
     position bias included), run by timm's own forward on windows: exact on any rank's windows, no messages. It is
     halo's own (the converter does not look inside: its 1x1 convs and linears act on windows, not on a field)."""
@@ -191,7 +191,7 @@ class HaloPartitionedAttention(HaloLayer, nn.Module):
     _halo_check = "self"
 
     def __init__(self, attn: nn.Module) -> None:
-        adopt_recognised(self, attn, "HaloPartitionedAttention", ("qkv", "proj", "num_heads", "dim_head"))
+        adopt_recognised(self, attn, "DomainPartitionedAttention", ("qkv", "proj", "num_heads", "dim_head"))
         self.__dict__["_halo_kind"] = type(attn)  # timm's class: its forward computes each window
         self.halo_init()
 
@@ -201,7 +201,7 @@ class HaloPartitionedAttention(HaloLayer, nn.Module):
                      if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
             if drops:
                 raise ValueError(
-                    f"HaloPartitionedAttention ({self._halo_kind.__name__}): its dropout {', '.join(drops)} draws "
+                    f"DomainPartitionedAttention ({self._halo_kind.__name__}): its dropout {', '.join(drops)} draws "
                     f"per window (or per position-bias table), which each rank would draw differently from the "
                     f"unsharded model; set p to 0 for domain-parallel training (or call .eval())")
         with _unwatched():  # windows, not fields: the guard does not look inside (_unwatched)
@@ -209,35 +209,35 @@ class HaloPartitionedAttention(HaloLayer, nn.Module):
 
 
 @public
-class HaloPartitionAttention(HaloLayer, nn.Module):
+class DomainPartitionAttention(DomainLayer, nn.Module):
     """timm's ``PartitionAttentionCl`` / ``PartitionAttention2d`` ('M' blocks) and ``ParallelPartitionAttention``
     ('PM' blocks: block and grid attention side by side, their outputs concatenated over channels) on an H-shard
     (module docstring): ``x + drop_path1(ls1(partition_attn(norm1(x))))`` then
     ``x + drop_path2(ls2(mlp(norm2(x))))`` as timm, where each partition attention regroups the rows into whole
     block or grid windows (:func:`halo.nn.longrange.regroup`), attends within them (``attn``, or ``attn_block`` and
-    ``attn_grid``: :class:`HaloPartitionedAttention` sharing timm's modules' parameters) and moves the rows home (the
+    ``attn_grid``: :class:`DomainPartitionedAttention` sharing timm's modules' parameters) and moves the rows home (the
     inverse regroup).
     Parameters, buffers and children are the block's."""
 
     def __init__(self, block: nn.Module, *, group: Any | None = None) -> None:
         self_attrs = ("partition_size", "norm1", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
         parallel = type(block).__name__ == "ParallelPartitionAttention"
-        adopt_recognised(self, block, "HaloPartitionAttention",
+        adopt_recognised(self, block, "DomainPartitionAttention",
                          self_attrs + (("attn_block", "attn_grid") if parallel else ("partition_block", "attn")))
         self._halo_cl = parallel or type(block).__name__.endswith("Cl")  # (B, H, W, C), else (B, C, H, W)
         #: (attention child, grid?) of each partition attention, in timm's order (its outputs are concatenated)
         self._halo_parts = (("attn_block", False), ("attn_grid", True)) if parallel \
             else (("attn", not block.partition_block),)
         for attn, _ in self._halo_parts:
-            if not isinstance(self._modules[attn], HaloPartitionedAttention):
-                self._modules[attn] = HaloPartitionedAttention(self._modules[attn])
+            if not isinstance(self._modules[attn], DomainPartitionedAttention):
+                self._modules[attn] = DomainPartitionedAttention(self._modules[attn])
         self.halo_init(group)
         self._halo_sites = tuple(Site() for _ in self._halo_parts)  # one plan each (grid and block differ)
         self._halo_path = type(block).__name__  # where it sits (the converter sets it): named in its errors
 
     def _attend(self, x: torch.Tensor, attn: nn.Module, grid: bool, site: Site) -> torch.Tensor:
         """One partition attention (block or grid windows) of the shard ``x``: the field's rows out."""
-        name = f"HaloPartitionAttention at {self._halo_path}"
+        name = f"DomainPartitionAttention at {self._halo_path}"
         cl = self._halo_cl
         size = tuple(int(s) for s in self.partition_size)
         dim = 1 if cl else 2
@@ -298,7 +298,7 @@ def maxvit_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] |
             and (parallel or hasattr(module, "partition_block")) \
             and len(tuple(getattr(module, "partition_size", ()))) == 2 \
             and all(hasattr(mods[a], b) for a in attns for b in ("qkv", "proj", "num_heads", "dim_head")):
-        return latitude_only(lambda m, g: HaloPartitionAttention(m, group=g), "MaxViT partition attention layers")
+        return latitude_only(lambda m, g: DomainPartitionAttention(m, group=g), "MaxViT partition attention layers")
     why = _REFUSED.get(kind.__name__)
     if why is None:
         return None
@@ -309,3 +309,9 @@ def maxvit_adapter(module: nn.Module) -> Callable[[nn.Module, Any], nn.Module] |
                          f"(halo.gather), or give custom_converters={{{kind.__name__}: fn}}")
 
     return refuse
+
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloPartitionedAttention = DomainPartitionedAttention
+HaloPartitionAttention = DomainPartitionAttention

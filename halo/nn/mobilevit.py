@@ -41,7 +41,7 @@ from ..context import place, trusted
 from ..dist.comm import CommGroup
 from ..plan.partition import offsets
 from ..plan.plans import Site, carry, resolve
-from .base import HaloLayer, adopt
+from .base import DomainLayer, adopt
 from .longrange import RegroupPlan, regroup, regroup_plan
 from .norm import DomainGroupNorm
 from .registry import public
@@ -79,7 +79,7 @@ def _patch_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], patch_h: in
 
 
 @public
-class DomainMobileVitBlock(HaloLayer, nn.Module):
+class DomainMobileVitBlock(DomainLayer, nn.Module):
     """timm's ``MobileVitBlock`` on an H-shard ``(B, C, H_r, W)`` (module docstring): the same numbers as the
     unsharded block, its tokens those of this rank's whole patch rows, its attention over all tokens."""
 
@@ -131,7 +131,7 @@ _ATTRS_V2 = ("conv_kxk", "conv_1x1", "transformer", "norm", "conv_proj", "patch_
 
 
 @public
-class DomainMobileVitV2Block(HaloLayer, nn.Module):
+class DomainMobileVitV2Block(DomainLayer, nn.Module):
     """timm's ``MobileVitV2Block`` on an H-shard ``(B, C, H_r, W)``: the unfold to ``(B, C, P, N_r)`` of this rank's
     whole patch rows (regrouped as :class:`DomainMobileVitBlock`'s), the patches' tokens at dim -1 for the guard.
     Its ``LinearTransformerBlock`` blocks are torch's and timm's own code on them, exact through the guard: their

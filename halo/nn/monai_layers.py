@@ -4,7 +4,7 @@ patches by the ring, the tokens back into a field.
 MONAI is not imported here: its classes are recognised by defining module, name and the attributes read.
 
 ``PatchEmbeddingBlock`` (``proj_type="conv"``) cuts the field into ``p x p`` patches with a conv of kernel and
-stride ``p`` (converted as a child: a ``HaloConv2d``, whose output is the balanced split of the global patch rows,
+stride ``p`` (converted as a child: a ``DomainConv2d``, whose output is the balanced split of the global patch rows,
 the rows a patch reads across a rank's edge coming by the halo exchange, so any split of the image rows works),
 flattens them row-major into tokens and adds ``position_embeddings`` (``(1, N, C)``, one per patch of the global
 grid). On a latitude split rank ``r`` holds the patch rows ``[off_r, off_r + R_r)``, so its tokens are the global
@@ -43,7 +43,7 @@ from torch import nn
 
 from ..context import place
 from ..plan.plans import Site, carry, resolve
-from .base import HaloLayer, adopt
+from .base import DomainLayer, adopt
 from .registry import public
 from .ring import latitude_only, place_like, ring_sdpa
 
@@ -61,8 +61,8 @@ def _tokens(cg: Any, extents: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
 
 
 @public
-class DomainPatchEmbeddingBlock(HaloLayer, nn.Module):
-    """MONAI's ``PatchEmbeddingBlock`` (``proj_type="conv"``) on an H-shard: its conv (a ``HaloConv2d`` once
+class DomainPatchEmbeddingBlock(DomainLayer, nn.Module):
+    """MONAI's ``PatchEmbeddingBlock`` (``proj_type="conv"``) on an H-shard: its conv (a ``DomainConv2d`` once
     converted), this rank's tokens, and the rows of the position table that belong to them (module docstring). The
     same attributes and ``state_dict`` as MONAI's."""
 
@@ -100,7 +100,7 @@ class DomainPatchEmbeddingBlock(HaloLayer, nn.Module):
 
 
 @public
-class DomainSABlock(HaloLayer, nn.Module):
+class DomainSABlock(DomainLayer, nn.Module):
     """MONAI's ``SABlock`` over this rank's tokens ``(B, N_r, C)``: its projections on them, the attention over
     every rank's keys by the ring (module docstring). The same attributes and ``state_dict`` as MONAI's."""
 

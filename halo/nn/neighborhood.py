@@ -49,7 +49,7 @@ from ..dist.comm import CommGroup
 from ..exchange import exchange, exchanger_id
 from ..plan.partition import offsets
 from ..plan.plans import Site, carry, device_tensor, resolve
-from .base import HaloLayer, adopt
+from .base import DomainLayer, adopt
 from .registry import public
 
 __all__ = [
@@ -253,7 +253,7 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
 
 
 @public
-class DomainNeighborhoodAttention2D(HaloLayer, nn.Module):
+class DomainNeighborhoodAttention2D(DomainLayer, nn.Module):
     """``natten.NeighborhoodAttention2D`` on an H-shard ``(B, H_r, W, C)`` (module docstring): same attributes
     (``qkv``, ``rpb``, ``proj``, ``attn_drop``, ``proj_drop``, ``num_heads``, ``head_dim``, ``scale``,
     ``kernel_size``, ``dilation``), so a NATTEN checkpoint loads, and the same numbers as NATTEN's unfused path.

@@ -26,7 +26,7 @@ autograd runs through ``var_mean``, the combine and the all-reduce's exact adjoi
 integers from every rank's extents, agreed on once per epoch (``halo.plan.plans``: the agreement also checks that B,
 C, W, dtype agree across ranks, so a mismatch raises on every rank) and made into a device tensor once. Over the
 data-parallel group of a batch norm the counts ride in the same all-reduce instead (batches may differ).
-The extents come as one plan per sharded axis (:meth:`halo.nn.base.HaloLayer.axis_plans`: H on latitude rows; H
+The extents come as one plan per sharded axis (:meth:`halo.nn.base.DomainLayer.axis_plans`: H on latitude rows; H
 and W on a latitude x longitude mesh, ``mesh=``), combined into every domain rank's block (:func:`_norm_plan`):
 statistics are over the whole domain either way, with no second code path, and ``DomainLayerNorm`` slices its
 global affine along every sharded axis.
@@ -61,7 +61,7 @@ from ..dist.transport import all_reduce as bounded_all_reduce
 from ..exchange import backward_order_token, order_after, order_communication, order_token
 from ..parallel.reduce import accumulation_dtype, all_reduce
 from ..plan.plans import device_tensor, shard_sizes
-from .base import AxisPlan, HaloLayer, adopt
+from .base import AxisPlan, DomainLayer, adopt
 from .registry import converts, public
 
 __all__ = ["DomainBatchNorm2d", "DomainBatchNormAct2d", "DomainGroupNorm", "DomainInstanceNorm2d", "DomainLayerNorm",
@@ -190,7 +190,7 @@ def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     return y
 
 
-def _plan(module: HaloLayer, x: torch.Tensor, op: str) -> NormPlan:
+def _plan(module: DomainLayer, x: torch.Tensor, op: str) -> NormPlan:
     """Every rank's extents along every sharded axis and the domain group, agreed on (or recalled: ``halo.plan.plans``)
     before any rank checks shapes locally (invariant 4). A tensor without a dim -2 is refused by the agreement
     itself, on every rank."""
@@ -411,7 +411,7 @@ class NormAxis(AxisPlan):
 
 
 def _norm_axis(cg: CommGroup, sizes: tuple[int, ...], dim: int, domain: Any) -> NormAxis:
-    """The norm's geometry along one axis (:meth:`halo.nn.base.HaloLayer.axis_plans`): nothing to exchange, only
+    """The norm's geometry along one axis (:meth:`halo.nn.base.DomainLayer.axis_plans`): nothing to exchange, only
     the extents and the domain group."""
     dom = comm_group(domain)
     return NormAxis(cg.size == 1, dim=dim, sizes=sizes, offset=sum(sizes[:cg.index]), gid=group_id(dom),
@@ -448,7 +448,7 @@ def _group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias:
 
 # -- adopting a torch module -----------------------------------------------------------------------------------
 
-def _adopt(self: HaloLayer, base: type, args: tuple, kwargs: dict) -> None:
+def _adopt(self: DomainLayer, base: type, args: tuple, kwargs: dict) -> None:
     """Become ``args[0]`` (an instance of ``base``), sharing its parameters and buffers; or build ``base(*args)``."""
     if args and isinstance(args[0], base):
         if len(args) > 1 or kwargs:
@@ -460,7 +460,7 @@ def _adopt(self: HaloLayer, base: type, args: tuple, kwargs: dict) -> None:
     adopt(self, src)  # every attribute of the source; containers copied (new dicts, same tensors)
 
 
-class _DomainNorm(HaloLayer):
+class _DomainNorm(DomainLayer):
     """Mixin: the layer base, with ``group`` the group of the whole domain (a mesh's domain group on a latitude x
     longitude mesh: the statistics are over every grid point), resolved at call time (a manager created after
     conversion is used)."""

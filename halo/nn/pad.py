@@ -26,10 +26,10 @@ from ..dist.comm import CommGroup
 from ..exchange import exchanger_id
 from ..plan.geometry import check_output_rows, pad_needs
 from ..plan.plans import Site, shard_sizes
-from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
+from .base import AxisPlan, DomainLayer, exchange_axes, finish, run_axes
 from .registry import converts, public
 
-__all__ = ["PADDING_MODULES", "HaloPad2d", "halo_pad", "pad_like"]
+__all__ = ["PADDING_MODULES", "DomainPad2d", "halo_pad", "pad_like"]
 
 #: torch's 2-d padding modules and the boundary that fills their H rows beyond the domain.
 PADDING_MODULES: dict[type, str] = {nn.ZeroPad2d: "zeros", nn.ConstantPad2d: "zeros", nn.ReflectionPad2d: "reflect",
@@ -77,20 +77,20 @@ def _example(kind: type) -> tuple[nn.Module, tuple[int, ...]]:
 
 
 @converts(*PADDING_MODULES, axes=2, example=_example)
-class HaloPad2d(HaloLayer, nn.Module):
-    """A torch 2-d padding module on an H-shard (module docstring); ``HaloPad2d(nn.ReflectionPad2d(2))``."""
+class DomainPad2d(DomainLayer, nn.Module):
+    """A torch 2-d padding module on an H-shard (module docstring); ``DomainPad2d(nn.ReflectionPad2d(2))``."""
 
     def __init__(self, pad: nn.Module, *, group: Any | None = None, mesh: Any | None = None) -> None:
         super().__init__()
         kind = type(pad)
         if kind not in PADDING_MODULES:
-            raise TypeError(f"HaloPad2d wraps one of {', '.join(k.__name__ for k in PADDING_MODULES)}, got "
+            raise TypeError(f"DomainPad2d wraps one of {', '.join(k.__name__ for k in PADDING_MODULES)}, got "
                             f"{kind.__name__}")
         self.value = float(getattr(pad, "value", 0.0))
         self.padding = tuple(int(p) for p in pad.padding)
         self.boundary = PADDING_MODULES[kind]
         self.kind = kind.__name__
-        self.halo_init(group, mesh, "HaloPad2d")
+        self.halo_init(group, mesh, "DomainPad2d")
 
     def extra_repr(self) -> str:
         value = f", value={self.value}" if self.value else ""
@@ -98,7 +98,7 @@ class HaloPad2d(HaloLayer, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _pad(x, self.padding, self.boundary, self.value, self.group, self.halo_mesh, self._halo_site,
-                    f"HaloPad2d({self.kind})")
+                    f"DomainPad2d({self.kind})")
 
 
 @public
@@ -159,3 +159,8 @@ def pad_like(x: torch.Tensor, ref: torch.Tensor, *, group: Any | None = None) ->
     h_ref = sum(shard_sizes(ref, -2, group, op="pad_like"))
     dy, dx = h_ref - h_x, int(ref.shape[-1]) - int(x.shape[-1])
     return halo_pad(x, (dx // 2, dx - dx // 2, dy // 2, dy - dy // 2), group=group, op="pad_like")
+
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloPad2d = DomainPad2d

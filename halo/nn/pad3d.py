@@ -23,11 +23,11 @@ from torch import nn
 
 from ..autocast import cast_as_torch
 from ..dist.comm import CommGroup
-from .base import HaloLayer
+from .base import DomainLayer
 from .pad import PadPlan, pad_plan
 from .registry import converts
 
-__all__ = ["PADDING_3D", "HaloPad3d"]
+__all__ = ["PADDING_3D", "DomainPad3d"]
 
 #: torch's 3-d padding modules and the boundary that fills their H rows beyond the domain.
 PADDING_3D: dict[type, str] = {nn.ZeroPad3d: "zeros", nn.ConstantPad3d: "zeros", nn.ReflectionPad3d: "reflect",
@@ -49,26 +49,27 @@ def _example(kind: type) -> tuple[nn.Module, tuple[int, ...]]:
 
 
 @converts(*PADDING_3D, axes=2, example=_example)
-class HaloPad3d(HaloLayer, nn.Module):
-    """A torch 3-d padding module on an H-shard (module docstring); ``HaloPad3d(nn.ReflectionPad3d(1))``."""
+class DomainPad3d(DomainLayer, nn.Module):
+    """A torch 3-d padding module on an H-shard (module docstring); ``DomainPad3d(nn.ReflectionPad3d(1))``."""
 
     def __init__(self, pad: nn.Module, *, group: Any | None = None, mesh: Any | None = None) -> None:
         super().__init__()
         kind = type(pad)
         if kind not in PADDING_3D:
-            raise TypeError(f"HaloPad3d wraps one of {', '.join(k.__name__ for k in PADDING_3D)}, got {kind.__name__}")
+            raise TypeError(f"DomainPad3d wraps one of {', '.join(k.__name__ for k in PADDING_3D)}, "
+                            f"got {kind.__name__}")
         self.value = float(getattr(pad, "value", 0.0))
         self.padding = tuple(int(p) for p in pad.padding)
         self.boundary = PADDING_3D[kind]
         self.kind = kind.__name__
-        self.halo_init(group, mesh, "HaloPad3d")
+        self.halo_init(group, mesh, "DomainPad3d")
 
     def extra_repr(self) -> str:
         value = f", value={self.value}" if self.value else ""
         return f"{self.kind}, padding={self.padding}{value}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        op = f"HaloPad3d({self.kind})"
+        op = f"DomainPad3d({self.kind})"
         left, right, top, bottom, front, back = self.padding
         x = cast_as_torch("pad", x)  # torch's dtype under autocast (halo.autocast)
         plans = self.axis_plans(x, op, _axis, (self.boundary, op), per_axis=((top, bottom), (left, right)))
@@ -90,3 +91,8 @@ class HaloPad3d(HaloLayer, nn.Module):
         if any(pads):
             out = F.pad(out, pads, value=self.value) if constant else F.pad(out, pads, mode=_MODE[self.boundary])
         return self.finish(out, x)
+
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloPad3d = DomainPad3d

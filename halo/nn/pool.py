@@ -23,7 +23,7 @@ and ``divisor_override`` included): the forward is bitwise equal. The backward i
 followed by the exchange adjoint; where windows of two ranks overlap, the two partial gradients of a row are
 added in a different order than on one device (float64: ~1e-16 relative).
 
-3-d pools (``HaloMaxPool3d``, ``HaloAvgPool3d``) of ``(B, C, D, H, W)`` fields sharded along H (dim -2, the middle
+3-d pools (``DomainMaxPool3d``, ``DomainAvgPool3d``) of ``(B, C, D, H, W)`` fields sharded along H (dim -2, the middle
 of the ``(D, H, W)`` triples) use the same plan along H; D and W are whole on every rank and pooled by torch's op as
 given. Max-pool indices are the global flat indices ``d*H*W + h*W + w``. ``F.avg_pool3d`` refuses an input with fewer
 rows than its kernel even where padding or ceil_mode give an output, so its rows are widened to a kernel
@@ -75,17 +75,17 @@ from ..exchange import exchanger_id, like_format
 from ..parallel.reduce import all_reduce
 from ..plan.geometry import adaptive_plan, adaptive_starts_ends, check_output_rows, widen_plan, window_plan
 from ..plan.plans import Site, mark_whole
-from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
+from .base import AxisPlan, DomainLayer, exchange_axes, finish, run_axes
 from .registry import converts, entries
 
 __all__ = [
-    "HaloAdaptiveAvgPool2d",
-    "HaloAdaptiveMaxPool2d",
-    "HaloAvgPool2d",
-    "HaloAvgPool3d",
-    "HaloLPPool2d",
-    "HaloMaxPool2d",
-    "HaloMaxPool3d",
+    "DomainAdaptiveAvgPool2d",
+    "DomainAdaptiveMaxPool2d",
+    "DomainAvgPool2d",
+    "DomainAvgPool3d",
+    "DomainLPPool2d",
+    "DomainMaxPool2d",
+    "DomainMaxPool3d",
     "adaptive_pool",
     "halo_adaptive_avg_pool2d",
     "halo_adaptive_max_pool2d",
@@ -158,7 +158,7 @@ def _window_pool_plan(cg: CommGroup, sizes: tuple[int, ...], dim: int, geometry:
     return PoolPlan(False, ex, hi - lo, dim, lo, crop, rows, n)
 
 
-def _window_plans(module: HaloLayer, x: torch.Tensor, op: str, kind: str, args: tuple, geometry: tuple,
+def _window_plans(module: DomainLayer, x: torch.Tensor, op: str, kind: str, args: tuple, geometry: tuple,
                   detail: str) -> tuple[PoolPlan, ...] | None:
     """The per-axis plans of a windowed pool (``geometry[a]``: ``(kernel, stride, padding, dilation)`` along axis
     ``a``), or ``None`` where every axis is whole (one rank: the torch op itself)."""
@@ -188,7 +188,7 @@ def _global_index(idx: torch.Tensor, plans: tuple[PoolPlan, ...], width: int) ->
 
 @converts(nn.MaxPool2d, axes=2, functional=(F.max_pool2d, torch.max_pool2d),
           example=lambda kind: (kind(3, 2, 1), (2, 3, 23, 7)))
-class HaloMaxPool2d(HaloLayer, nn.MaxPool2d):
+class DomainMaxPool2d(DomainLayer, nn.MaxPool2d):
     """``nn.MaxPool2d`` on an H-sharded field; output = the balanced split of the global output rows.
 
     Built from an existing ``nn.MaxPool2d`` (same arguments, same ``repr``, no state). Every argument torch
@@ -198,14 +198,14 @@ class HaloMaxPool2d(HaloLayer, nn.MaxPool2d):
 
     def __init__(self, pool: nn.MaxPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.MaxPool2d):
-            raise TypeError(f"HaloMaxPool2d wraps an nn.MaxPool2d, got {type(pool).__name__}"
+            raise TypeError(f"DomainMaxPool2d wraps an nn.MaxPool2d, got {type(pool).__name__}"
                             + _adaptive_hint(pool))
         super().__init__(pool.kernel_size, pool.stride, pool.padding, pool.dilation,
                          return_indices=pool.return_indices, ceil_mode=pool.ceil_mode)
         self.halo_init(group, mesh)
 
     def forward(self, x: torch.Tensor):
-        op = "HaloMaxPool2d"
+        op = "DomainMaxPool2d"
         x = cast_as_torch("max_pool2d", x)  # torch's dtype under autocast (halo.autocast)
         k, s, p, d = (_pair(a)[0] for a in (self.kernel_size, self.stride, self.padding, self.dilation))
         args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
@@ -226,7 +226,7 @@ class HaloMaxPool2d(HaloLayer, nn.MaxPool2d):
 
 
 @converts(nn.AvgPool2d, axes=2, functional=(F.avg_pool2d,), example=lambda kind: (kind(3, 2, 1), (2, 3, 23, 7)))
-class HaloAvgPool2d(HaloLayer, nn.AvgPool2d):
+class DomainAvgPool2d(DomainLayer, nn.AvgPool2d):
     """``nn.AvgPool2d`` on an H-sharded field; output = the balanced split of the global output rows.
 
     Every argument torch accepts is supported (padding, ceil_mode, count_include_pad, divisor_override): the
@@ -235,7 +235,7 @@ class HaloAvgPool2d(HaloLayer, nn.AvgPool2d):
 
     def __init__(self, pool: nn.AvgPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AvgPool2d):
-            raise TypeError(f"HaloAvgPool2d wraps an nn.AvgPool2d, got {type(pool).__name__}"
+            raise TypeError(f"DomainAvgPool2d wraps an nn.AvgPool2d, got {type(pool).__name__}"
                             + _adaptive_hint(pool))
         super().__init__(pool.kernel_size, pool.stride, pool.padding, ceil_mode=pool.ceil_mode,
                          count_include_pad=pool.count_include_pad, divisor_override=pool.divisor_override)
@@ -246,7 +246,7 @@ class HaloAvgPool2d(HaloLayer, nn.AvgPool2d):
                             self.count_include_pad, self.divisor_override)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        op = "HaloAvgPool2d"
+        op = "DomainAvgPool2d"
         x = cast_as_torch("avg_pool2d", x)  # torch's dtype under autocast (halo.autocast)
         k, s, p = (_pair(a)[0] for a in (self.kernel_size, self.stride, self.padding))
         args = (self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
@@ -262,7 +262,7 @@ class HaloAvgPool2d(HaloLayer, nn.AvgPool2d):
 
 # -- 3-d max / average pooling: (B, C, D, H, W) fields, H (dim -2) sharded ------------------------------------
 
-def _no_mesh_3d(module: HaloLayer, name: str) -> None:
+def _no_mesh_3d(module: DomainLayer, name: str) -> None:
     """3-d pools plan along H alone: a mesh that also shards W is refused when the layer is made."""
     if module.halo_axes > 1:
         raise ValueError(f"{name}: a latitude x longitude mesh is supported by the 2-d layers only; shard only "
@@ -283,7 +283,7 @@ def _global_index_3d(idx: torch.Tensor, plan: PoolPlan, width: int) -> torch.Ten
 
 @converts(nn.MaxPool3d, functional=(F.max_pool3d, torch.max_pool3d),
           example=lambda kind: (kind(3, 2, 1), (2, 2, 5, 23, 7)))
-class HaloMaxPool3d(HaloLayer, nn.MaxPool3d):
+class DomainMaxPool3d(DomainLayer, nn.MaxPool3d):
     """``nn.MaxPool3d`` on a ``(B, C, D, H, W)`` field sharded along H (dim -2); output = the balanced split of the
     global output rows.
 
@@ -295,14 +295,14 @@ class HaloMaxPool3d(HaloLayer, nn.MaxPool3d):
 
     def __init__(self, pool: nn.MaxPool3d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.MaxPool3d):
-            raise TypeError(f"HaloMaxPool3d wraps an nn.MaxPool3d, got {type(pool).__name__}")
+            raise TypeError(f"DomainMaxPool3d wraps an nn.MaxPool3d, got {type(pool).__name__}")
         super().__init__(pool.kernel_size, pool.stride, pool.padding, pool.dilation,
                          return_indices=pool.return_indices, ceil_mode=pool.ceil_mode)
         self.halo_init(group, mesh)
-        _no_mesh_3d(self, "HaloMaxPool3d")
+        _no_mesh_3d(self, "DomainMaxPool3d")
 
     def forward(self, x: torch.Tensor):
-        op = "HaloMaxPool3d"
+        op = "DomainMaxPool3d"
         x = cast_as_torch("max_pool3d", x)  # torch's dtype under autocast (halo.autocast)
         k, s, p, d = geometry = _h_geometry(self.kernel_size, self.stride, self.padding, self.dilation)
         args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
@@ -321,7 +321,7 @@ class HaloMaxPool3d(HaloLayer, nn.MaxPool3d):
 
 
 @converts(nn.AvgPool3d, functional=(F.avg_pool3d,), example=lambda kind: (kind(3, 2, 1), (2, 2, 5, 23, 7)))
-class HaloAvgPool3d(HaloLayer, nn.AvgPool3d):
+class DomainAvgPool3d(DomainLayer, nn.AvgPool3d):
     """``nn.AvgPool3d`` on a ``(B, C, D, H, W)`` field sharded along H (dim -2); output = the balanced split of the
     global output rows.
 
@@ -332,14 +332,14 @@ class HaloAvgPool3d(HaloLayer, nn.AvgPool3d):
 
     def __init__(self, pool: nn.AvgPool3d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AvgPool3d):
-            raise TypeError(f"HaloAvgPool3d wraps an nn.AvgPool3d, got {type(pool).__name__}")
+            raise TypeError(f"DomainAvgPool3d wraps an nn.AvgPool3d, got {type(pool).__name__}")
         super().__init__(pool.kernel_size, pool.stride, pool.padding, ceil_mode=pool.ceil_mode,
                          count_include_pad=pool.count_include_pad, divisor_override=pool.divisor_override)
         self.halo_init(group, mesh)
-        _no_mesh_3d(self, "HaloAvgPool3d")
+        _no_mesh_3d(self, "DomainAvgPool3d")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        op = "HaloAvgPool3d"
+        op = "DomainAvgPool3d"
         x = cast_as_torch("avg_pool3d", x)  # torch's dtype under autocast (halo.autocast)
         k, s, p, _ = geometry = _h_geometry(self.kernel_size, self.stride, self.padding)
         args = (self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
@@ -586,7 +586,7 @@ def _global_only(pool: nn.Module) -> bool:
     return pool.output_size in (1, (1, 1))
 
 
-class _AdaptivePool(HaloLayer):
+class _AdaptivePool(DomainLayer):
     """What the two adaptive pool modules share: the per-axis plans of a call and the one path of either
     decomposition (``_is_max``: which of torch's ops)."""
 
@@ -603,7 +603,7 @@ class _AdaptivePool(HaloLayer):
 
 @converts(nn.AdaptiveAvgPool2d, axes=2, mesh_ok=_global_only, functional=(F.adaptive_avg_pool2d,),
           example=lambda kind: (kind((5, 4)), (2, 3, 23, 7)))
-class HaloAdaptiveAvgPool2d(_AdaptivePool, nn.AdaptiveAvgPool2d):
+class DomainAdaptiveAvgPool2d(_AdaptivePool, nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` on an H-sharded field (windows depend on the global extent: computed from it).
 
     With fewer output rows than ranks (a global average, ``output_size=1``) the result is whole on every rank
@@ -612,21 +612,21 @@ class HaloAdaptiveAvgPool2d(_AdaptivePool, nn.AdaptiveAvgPool2d):
 
     def __init__(self, pool: nn.AdaptiveAvgPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AdaptiveAvgPool2d):
-            raise TypeError(f"HaloAdaptiveAvgPool2d wraps an nn.AdaptiveAvgPool2d, got {type(pool).__name__}")
+            raise TypeError(f"DomainAdaptiveAvgPool2d wraps an nn.AdaptiveAvgPool2d, got {type(pool).__name__}")
         super().__init__(pool.output_size)
         self.halo_init(group, mesh)
 
 
 @converts(nn.AdaptiveMaxPool2d, axes=2, mesh_ok=_global_only, functional=(F.adaptive_max_pool2d,),
           example=lambda kind: (kind((5, 4)), (2, 3, 23, 7)))
-class HaloAdaptiveMaxPool2d(_AdaptivePool, nn.AdaptiveMaxPool2d):
+class DomainAdaptiveMaxPool2d(_AdaptivePool, nn.AdaptiveMaxPool2d):
     """``nn.AdaptiveMaxPool2d`` on an H-sharded field; indices (``return_indices``) are global flat ``h*W + w``."""
 
     _is_max = True
 
     def __init__(self, pool: nn.AdaptiveMaxPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.AdaptiveMaxPool2d):
-            raise TypeError(f"HaloAdaptiveMaxPool2d wraps an nn.AdaptiveMaxPool2d, got {type(pool).__name__}")
+            raise TypeError(f"DomainAdaptiveMaxPool2d wraps an nn.AdaptiveMaxPool2d, got {type(pool).__name__}")
         super().__init__(pool.output_size, pool.return_indices)
         self.halo_init(group, mesh)
 
@@ -634,23 +634,23 @@ class HaloAdaptiveMaxPool2d(_AdaptivePool, nn.AdaptiveMaxPool2d):
 # -- conversion ---------------------------------------------------------------------------------------------
 
 @converts(nn.LPPool2d, axes=2, functional=(F.lp_pool2d,), example=lambda kind: (kind(2, 3, 2), (2, 3, 23, 7)))
-class HaloLPPool2d(nn.LPPool2d):
+class DomainLPPool2d(nn.LPPool2d):
     """``nn.LPPool2d`` on an H-sharded field (and on a latitude x longitude mesh), computed as torch computes it:
     ``(avg_pool2d(x ** p) * kh * kw) ** (1 / p)`` (a max pool of ``|x|`` for ``p = ±inf``), with the pool a
-    :class:`HaloAvgPool2d` (:class:`HaloMaxPool2d`) of the same kernel, stride and ceil_mode: the pointwise steps
+    :class:`DomainAvgPool2d` (:class:`DomainMaxPool2d`) of the same kernel, stride and ceil_mode: the pointwise steps
     before and after it act on each row, so the result is torch's, forward and backward, on any split."""
 
     def __init__(self, pool: nn.LPPool2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(pool, nn.LPPool2d):
-            raise TypeError(f"HaloLPPool2d wraps an nn.LPPool2d, got {type(pool).__name__}")
+            raise TypeError(f"DomainLPPool2d wraps an nn.LPPool2d, got {type(pool).__name__}")
         super().__init__(pool.norm_type, pool.kernel_size, pool.stride, pool.ceil_mode)
         p = float(pool.norm_type)
         if abs(p) == math.inf:
             maxpool = nn.MaxPool2d(pool.kernel_size, pool.stride, 0, 1, ceil_mode=pool.ceil_mode)
-            inner: nn.Module = HaloMaxPool2d(maxpool, group=group, mesh=mesh)
+            inner: nn.Module = DomainMaxPool2d(maxpool, group=group, mesh=mesh)
         else:
             stride = pool.stride if pool.stride is not None else pool.kernel_size
-            inner = HaloAvgPool2d(nn.AvgPool2d(pool.kernel_size, stride, 0, ceil_mode=pool.ceil_mode),
+            inner = DomainAvgPool2d(nn.AvgPool2d(pool.kernel_size, stride, 0, ceil_mode=pool.ceil_mode),
                                   group=group, mesh=mesh)
         object.__setattr__(self, "_halo_inner", inner)  # not a child: the module tree (and state_dict) is torch's
 
@@ -698,3 +698,14 @@ def _adaptive_hint(pool: Any) -> str:
         return (f"; adaptive pools have windows that depend on the global size: use "
                 f"Halo{type(pool).__name__} (or halo_pool(module))")
     return ""
+
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloMaxPool2d = DomainMaxPool2d
+HaloAvgPool2d = DomainAvgPool2d
+HaloMaxPool3d = DomainMaxPool3d
+HaloAvgPool3d = DomainAvgPool3d
+HaloAdaptiveAvgPool2d = DomainAdaptiveAvgPool2d
+HaloAdaptiveMaxPool2d = DomainAdaptiveMaxPool2d
+HaloLPPool2d = DomainLPPool2d

@@ -3,7 +3,7 @@
 A halo layer registers itself with a class decorator beside its definition::
 
     @converts(nn.PixelShuffle, axes=2)
-    class HaloPixelShuffle(HaloLayer, nn.PixelShuffle):
+    class DomainPixelShuffle(DomainLayer, nn.PixelShuffle):
         ...
 
 and :func:`halo.nn.convert_to_domain_parallel` reads this table; nothing else lists halo's layers. What comes from
@@ -178,7 +178,7 @@ def exports() -> dict[str, Any]:
 
 
 def functional_twins() -> dict[Callable, type]:
-    """Torch function -> the halo class that is its exact form (``F.pixel_shuffle`` -> ``HaloPixelShuffle``), from
+    """Torch function -> the halo class that is its exact form (``F.pixel_shuffle`` -> ``DomainPixelShuffle``), from
     the ``functional=`` of :func:`converts`."""
     return {f: e.halo_class for e in _TABLE.values() for f in e.functional}
 
@@ -186,7 +186,7 @@ def functional_twins() -> dict[Callable, type]:
 def twin_hint(func: Callable) -> str | None:
     """What the guard says to do instead of ``func`` on a shard, or ``None`` (no registered twin): the torch modules
     that are converted to its exact form, e.g. ``"use nn.PixelShuffle in the model (converted exactly, to
-    halo.nn.HaloPixelShuffle)"``."""
+    halo.nn.DomainPixelShuffle)"``."""
     kinds = [k for k, e in _TABLE.items() if func in e.functional]
     if not kinds:
         return None

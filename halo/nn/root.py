@@ -59,8 +59,8 @@ def guard_whole(model: nn.Module, tails: list[nn.Module], domain_size: int) -> N
         if id(m) in tail_ids:
             handles.append(m.register_forward_pre_hook(_ExpectWhole(name)))
             handles.append(m.register_forward_hook(_pass_on))
-        elif "_halo_site" in m.__dict__ and not isinstance(m, (pool.HaloAdaptiveAvgPool2d,
-                                                                 pool.HaloAdaptiveMaxPool2d)) \
+        elif "_halo_site" in m.__dict__ and not isinstance(m, (pool.DomainAdaptiveAvgPool2d,
+                                                                 pool.DomainAdaptiveMaxPool2d)) \
                 and not getattr(m, "_halo_takes_whole", False):  # (DomainDropout: draws a whole tensor's mask)
             handles.append(m.register_forward_pre_hook(_RefuseWhole(name)))
         elif next(m.children(), None) is None and "_halo_site" not in m.__dict__:

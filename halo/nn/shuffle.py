@@ -23,10 +23,10 @@ from ..autocast import cast_as_torch
 from ..dist.comm import CommGroup
 from ..exchange import exchanger_id
 from ..plan.geometry import check_output_rows, shuffle_needs
-from .base import AxisPlan, HaloLayer
+from .base import AxisPlan, DomainLayer
 from .registry import converts
 
-__all__ = ["HaloPixelShuffle", "HaloPixelUnshuffle"]
+__all__ = ["DomainPixelShuffle", "DomainPixelUnshuffle"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _check_4d(x: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: expected a (B, C, H_local, W) shard, got shape {tuple(x.shape)}")
 
 
-def _run(module: HaloLayer, x: torch.Tensor, factor: int, up: bool, op: str) -> torch.Tensor:
+def _run(module: DomainLayer, x: torch.Tensor, factor: int, up: bool, op: str) -> torch.Tensor:
     """Fetch the input rows of this rank's output rows along each axis, shuffle, drop the rows before its own."""
     plans = module.axis_plans(x, op, _shuffle_plan, (factor, up, op))
     _check_4d(x, op)
@@ -74,7 +74,7 @@ def _run(module: HaloLayer, x: torch.Tensor, factor: int, up: bool, op: str) -> 
 
 @converts(nn.PixelShuffle, axes=2, functional=(F.pixel_shuffle, torch.pixel_shuffle),
           example=lambda kind: (kind(2), (2, 8, 23, 7)))
-class HaloPixelShuffle(HaloLayer, nn.PixelShuffle):
+class DomainPixelShuffle(DomainLayer, nn.PixelShuffle):
     """``nn.PixelShuffle`` on an H-shard (module docstring)."""
 
     def __init__(self, shuffle: nn.PixelShuffle, *, group: Any | None = None, mesh: Any | None = None) -> None:
@@ -82,12 +82,12 @@ class HaloPixelShuffle(HaloLayer, nn.PixelShuffle):
         self.halo_init(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _run(self, cast_as_torch("pixel_shuffle", x), self.upscale_factor, True, "HaloPixelShuffle")
+        return _run(self, cast_as_torch("pixel_shuffle", x), self.upscale_factor, True, "DomainPixelShuffle")
 
 
 @converts(nn.PixelUnshuffle, axes=2, functional=(F.pixel_unshuffle, torch.pixel_unshuffle),
           example=lambda kind: (kind(2), (2, 3, 22, 6)))  # 22 rows: a multiple of the factor, as torch needs
-class HaloPixelUnshuffle(HaloLayer, nn.PixelUnshuffle):
+class DomainPixelUnshuffle(DomainLayer, nn.PixelUnshuffle):
     """``nn.PixelUnshuffle`` on an H-shard (module docstring)."""
 
     def __init__(self, unshuffle: nn.PixelUnshuffle, *, group: Any | None = None, mesh: Any | None = None) -> None:
@@ -95,4 +95,10 @@ class HaloPixelUnshuffle(HaloLayer, nn.PixelUnshuffle):
         self.halo_init(group, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _run(self, cast_as_torch("pixel_unshuffle", x), self.downscale_factor, False, "HaloPixelUnshuffle")
+        return _run(self, cast_as_torch("pixel_unshuffle", x), self.downscale_factor, False, "DomainPixelUnshuffle")
+
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloPixelShuffle = DomainPixelShuffle
+HaloPixelUnshuffle = DomainPixelUnshuffle

@@ -6,20 +6,20 @@ smp's ``UnetDecoder.forward`` reads the *local* spatial shapes of the encoder's 
 the skip. On an unevenly split level that size is a shard's, not the field's: the guard refuses it. The sizes it
 means are global ones, which halo knows, so the two classes are computed exactly instead:
 
-- ``UnetDecoder`` → :class:`HaloUnetDecoder`: the same children and state; its forward passes every level's
+- ``UnetDecoder`` → :class:`DomainUnetDecoder`: the same children and state; its forward passes every level's
   *global* (height, width) (each feature's rows summed over the domain group, agreed once per shape).
-- ``UnetDecoderBlock`` → :class:`HaloUnetDecoderBlock`: the same children and state; it resizes with
+- ``UnetDecoderBlock`` → :class:`DomainUnetDecoderBlock`: the same children and state; it resizes with
   :func:`halo.nn.halo_interpolate` to the skip's global size (or the global size its decoder passed), so its output
   is the balanced split of that size and lines up row for row with the skip. A block called with a shard's size and
   no skip (outside a converted decoder) is refused: the global size is unknown there.
 
 smp's ``SegformerDecoder`` resizes every stage to ``[dim // 4 for dim in features[0].shape[2:]]``: a quarter of the
 *input's* rows, on a shard the rank's own (their sum is not the field's quarter unless every rank's rows divide by 4;
-the guard refuses the resize where they do not). :class:`HaloSegformerDecoder` (the same children and state) resizes
+the guard refuses the resize where they do not). :class:`DomainSegformerDecoder` (the same children and state) resizes
 with :func:`halo.nn.halo_interpolate` to a quarter of the input's global rows, so odd heights are exact as well.
 
 smp PAN's ``FPABlock`` resizes its pyramid to ``height // 4`` and ``height // 2`` of the *shard's* rows:
-:class:`HaloFPABlock` resizes to those fractions of the global rows (what the pools' outputs hold).
+:class:`DomainFPABlock` resizes to those fractions of the global rows (what the pools' outputs hold).
 
 smp's ``nn.LayerNorm`` subclasses over channels (UPerNet's ``LayerNorm2d``: permute, ``F.layer_norm``, permute
 back; MiT's ``LayerNorm``: flatten H x W into tokens, ``F.layer_norm``, back) have a forward of their own, which the
@@ -43,8 +43,8 @@ from ..dist.mesh import GroupRef
 from ..plan.plans import shard_sizes
 from .upsample import halo_interpolate
 
-__all__ = ["ChannelLayerNorm", "HaloFPABlock", "HaloSegformerDecoder", "HaloUnetDecoder", "HaloUnetDecoderBlock",
-           "smp_adapter"]
+__all__ = ["ChannelLayerNorm", "DomainFPABlock", "DomainSegformerDecoder", "DomainUnetDecoder",
+           "DomainUnetDecoderBlock", "smp_adapter"]
 
 _SMP_UNET = "segmentation_models_pytorch.decoders.unet.decoder"
 _SMP_SEGFORMER = "segmentation_models_pytorch.decoders.segformer.decoder"
@@ -65,7 +65,7 @@ def _global_hw(t: torch.Tensor, group: Any, op: str) -> tuple[GlobalExtent, Glob
 def _twin_as(cls: type, m: nn.Module, group: Any) -> nn.Module:
     """An instance of ``cls`` holding ``m``'s state and children (same Parameters and buffers; own containers), so
     ``state_dict`` keys are unchanged and ``revert_domain_parallel`` puts ``m`` back. Not a
-    :class:`halo.nn.base.HaloLayer`: the converter must still walk into its children (a layer of halo's own it
+    :class:`halo.nn.base.DomainLayer`: the converter must still walk into its children (a layer of halo's own it
     leaves as it is)."""
     t = object.__new__(cls)
     for key, value in m.__dict__.items():
@@ -75,7 +75,7 @@ def _twin_as(cls: type, m: nn.Module, group: Any) -> nn.Module:
     return t
 
 
-class HaloUnetDecoder(nn.Module):
+class DomainUnetDecoder(nn.Module):
     """smp's ``UnetDecoder`` on H-shards: its forward with global level sizes (module docstring)."""
 
     def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
@@ -91,7 +91,7 @@ class HaloUnetDecoder(nn.Module):
         return x
 
 
-class HaloUnetDecoderBlock(nn.Module):
+class DomainUnetDecoderBlock(nn.Module):
     """smp's ``UnetDecoderBlock`` on H-shards: resize to the global size, then its own layers (module docstring)."""
 
     def forward(self, feature_map: torch.Tensor, target_height: int, target_width: int,
@@ -116,7 +116,7 @@ class HaloUnetDecoderBlock(nn.Module):
         return self.attention2(feature_map)
 
 
-class HaloSegformerDecoder(nn.Module):
+class DomainSegformerDecoder(nn.Module):
     """smp's ``SegformerDecoder`` on H-shards: every stage resized to a quarter of the input's *global* size
     (module docstring), then its own fuse stage."""
 
@@ -132,7 +132,7 @@ class HaloSegformerDecoder(nn.Module):
         return self.fuse_stage(torch.cat(resized, dim=1))
 
 
-class HaloFPABlock(nn.Module):
+class DomainFPABlock(nn.Module):
     """smp PAN's ``FPABlock`` on H-shards: its pyramid (three max pools of the input, each level's conv) resized
     back to a quarter, a half and all of the input's *global* size (its own forward takes ``height // 4`` of the
     shard's rows, which the guard refuses), with :func:`halo.nn.halo_interpolate`; every level is the balanced
@@ -168,7 +168,7 @@ def _refuse_mesh(ctx: Any, what: str) -> None:
 
 class ChannelLayerNorm(nn.LayerNorm):
     """smp PAN's ``FPABlock`` resizes its pyramid to ``height // 4`` and ``height // 2`` of the *shard's* rows:
-:class:`HaloFPABlock` resizes to those fractions of the global rows (what the pools' outputs hold).
+:class:`DomainFPABlock` resizes to those fractions of the global rows (what the pools' outputs hold).
 
 smp's ``nn.LayerNorm`` subclasses over channels (UPerNet's ``LayerNorm2d``, MiT's ``LayerNorm``) on an H-shard:
     ``F.layer_norm`` over the channels of each grid point of a ``(B, C, H, W)`` field (computed channels-last, as
@@ -212,22 +212,30 @@ def smp_adapter(module: nn.Module) -> Any:
     if _is(module, "UnetDecoder", {"center", "blocks"}):
         def convert(m: nn.Module, ctx: Any) -> nn.Module:
             _refuse_mesh(ctx, "UnetDecoder")
-            return _twin_as(HaloUnetDecoder, m, ctx.group)
+            return _twin_as(DomainUnetDecoder, m, ctx.group)
         return convert
     if _is(module, "UnetDecoderBlock", {"conv1", "attention1", "conv2", "attention2"}, ("interpolation_mode",)):
         def convert_block(m: nn.Module, ctx: Any) -> nn.Module:
             _refuse_mesh(ctx, "UnetDecoderBlock")
-            return _twin_as(HaloUnetDecoderBlock, m, ctx.group)
+            return _twin_as(DomainUnetDecoderBlock, m, ctx.group)
         return convert_block
     if _is(module, "SegformerDecoder", {"mlp_stage", "fuse_stage"}, home=_SMP_SEGFORMER):
         def convert_segformer(m: nn.Module, ctx: Any) -> nn.Module:
             _refuse_mesh(ctx, "SegformerDecoder")
-            return _twin_as(HaloSegformerDecoder, m, ctx.group)
+            return _twin_as(DomainSegformerDecoder, m, ctx.group)
         return convert_segformer
     if _is(module, "FPABlock", {"branch1", "mid", "down1", "down2", "down3", "conv1", "conv2"},
            ("upscale_mode", "align_corners"), home=_SMP_PAN):
         def convert_fpa(m: nn.Module, ctx: Any) -> nn.Module:
             _refuse_mesh(ctx, "FPABlock")
-            return _twin_as(HaloFPABlock, m, ctx.group)
+            return _twin_as(DomainFPABlock, m, ctx.group)
         return convert_fpa
     return None
+
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloUnetDecoder = DomainUnetDecoder
+HaloUnetDecoderBlock = DomainUnetDecoderBlock
+HaloSegformerDecoder = DomainSegformerDecoder
+HaloFPABlock = DomainFPABlock

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..autocast import cast_as_torch
-from .base import HaloLayer
+from .base import DomainLayer
 from .registry import converts, public
 
 __all__ = ["DomainLogSoftmax", "DomainSoftmax", "domain_softmax"]
@@ -73,7 +73,7 @@ def _check(module: nn.Module, x: torch.Tensor) -> None:
 
 
 @converts(nn.Softmax, takes=(), example=lambda kind: (kind(dim=1), (2, 3, 23, 7)))  # over H: refused
-class DomainSoftmax(HaloLayer, nn.Softmax):
+class DomainSoftmax(DomainLayer, nn.Softmax):
     """``nn.Softmax`` on an H-shard (module docstring): the same numbers, or an error naming the module."""
 
     def __init__(self, softmax: nn.Softmax, path: str = "") -> None:
@@ -87,7 +87,7 @@ class DomainSoftmax(HaloLayer, nn.Softmax):
 
 
 @converts(nn.LogSoftmax, takes=(), example=lambda kind: (kind(dim=1), (2, 3, 23, 7)))
-class DomainLogSoftmax(HaloLayer, nn.LogSoftmax):
+class DomainLogSoftmax(DomainLayer, nn.LogSoftmax):
     """``nn.LogSoftmax`` on an H-shard (module docstring): the same numbers, or an error naming the module."""
 
     def __init__(self, softmax: nn.LogSoftmax, path: str = "") -> None:

@@ -42,7 +42,7 @@ from ..context import place, trusted
 from ..dist.comm import CommGroup
 from ..plan.partition import split_offsets
 from ..plan.plans import carry, resolve
-from .base import HaloLayer, adopt
+from .base import DomainLayer, adopt
 from .registry import public
 from .spectral import to_columns, to_rows
 
@@ -76,7 +76,7 @@ def _mode_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], rows: int, g
     return ModePlan(sum(sizes), offs[cg.index], offs[cg.index + 1])
 
 
-class _Spectral(HaloLayer, nn.Module):
+class _Spectral(DomainLayer, nn.Module):
     """Common part: adopt the module's state, agree on the call's plan."""
 
     #: the converter leaves the children alone: they are this layer's own (neuralop's weight is a tltorch module,

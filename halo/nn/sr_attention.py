@@ -10,7 +10,7 @@ conv of kernel = stride = ``sr_ratio`` (then a LayerNorm over channels), or, in 
 On a shard, rank ``r`` holds the rows ``[off_r, off_r + H_r)`` of the field and so its tokens. Here:
 
 * ``q``: this rank's tokens (pointwise in the tokens);
-* the reduced grid: ``sr`` is :class:`halo.nn.HaloConv2d` (the pool :class:`halo.nn.HaloAdaptiveAvgPool2d`) on this
+* the reduced grid: ``sr`` is :class:`halo.nn.DomainConv2d` (the pool :class:`halo.nn.DomainAdaptiveAvgPool2d`) on this
   rank's token map ``(B, C, H_r, W)``: each rank gets its balanced share of the *global* reduced rows, computed from
   the global rows they read (a halo where a window straddles two ranks). Where ``H`` is not a multiple of
   ``sr_ratio`` the unsharded conv drops the last ``H % sr_ratio`` rows; so does the halo conv, since it plans from
@@ -29,7 +29,7 @@ rank would draw its own weights); on a latitude x longitude mesh the layer is re
 attention over all tokens (:mod:`halo.nn.attention_layers`).
 
 The rest of those models is exact by halo's ordinary layers and the guard: the overlapping patch embeddings
-(strided convs with padding: ``HaloConv2d``), the depthwise 3x3 conv of the MLP over tokens reshaped to the shard's
+(strided convs with padding: ``DomainConv2d``), the depthwise 3x3 conv of the MLP over tokens reshaped to the shard's
 ``(B, C, H_r, W)``, LayerNorms over channels, ``DropPath``.
 """
 
@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from ..plan.plans import Site, carry
-from .base import HaloLayer, adopt
-from .conv import HaloConv2d
+from .base import DomainLayer, adopt
+from .conv import DomainConv2d
 from .dropout import DomainDropout
 from .pool import halo_pool
 from .registry import is_pointwise_conv, public
@@ -57,7 +57,7 @@ _ATTRS = ("num_heads", "q", "kv", "proj", "attn_drop", "proj_drop", "sr", "norm"
 
 
 @public
-class DomainSRAttention(HaloLayer, nn.Module):
+class DomainSRAttention(DomainLayer, nn.Module):
     """timm's PVT-v2 ``Attention`` or smp's MiT ``Attention`` (spatial-reduction attention) over a field's tokens
     ``(B, H_r * W, C)`` on an H-shard: the same attributes and numbers as the unsharded layer (module docstring).
     Called as the original: ``(x, feat_size)`` (timm) or ``(x, height, width)`` (smp), with this rank's ``H_r``."""
@@ -71,10 +71,10 @@ class DomainSRAttention(HaloLayer, nn.Module):
                             f"{type(attn).__module__}.{type(attn).__name__} lacks {missing}")
         adopt(self, attn, name=name)
         self.__dict__["_sr_kind"] = f"{type(attn).__module__}.{type(attn).__name__}"
-        if getattr(self, "pool", None) is not None and not isinstance(self.pool, HaloLayer):
+        if getattr(self, "pool", None) is not None and not isinstance(self.pool, DomainLayer):
             self.pool = halo_pool(self.pool, group=group)  # the global grid's 7 x 7 (timm's linear variant)
         if type(self.sr) is nn.Conv2d and not is_pointwise_conv(self.sr):
-            self.sr = HaloConv2d(self.sr, group=group)  # the reduced rows of the global grid, this rank's share
+            self.sr = DomainConv2d(self.sr, group=group)  # the reduced rows of the global grid, this rank's share
         for slot in ("attn_drop", "proj_drop"):
             if type(getattr(self, slot)) is nn.Dropout:
                 setattr(self, slot, DomainDropout(getattr(self, slot), group=group))

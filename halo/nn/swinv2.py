@@ -16,7 +16,7 @@ both blocks (V2 adds its refusals' hints, CREDIT's blocks do not pad).
 ===============================  =====================================================  ============================
 layer                            replaces (recognised by name and attributes)           what it needs / refuses
 ===============================  =====================================================  ============================
-``HaloSwinV2Block``              timm ``SwinTransformerV2Block``; CREDIT                every rank's shard made of
+``DomainSwinV2Block``              timm ``SwinTransformerV2Block``; CREDIT                every rank's shard made of
                                  ``SwinTransformerV2CrBlock`` (post-norm blocks)        whole windows along H (the
                                                                                         last may end in a partial
                                                                                         window, timm only), else a
@@ -24,12 +24,12 @@ layer                            replaces (recognised by name and attributes)   
                                                                                         naming the block, the window,
                                                                                         the rows per rank and the
                                                                                         world sizes / H that fit
-``HaloWindowAttentionV2``        timm ``WindowAttention``, CREDIT                       per window; dropout in it
+``DomainWindowAttentionV2``        timm ``WindowAttention``, CREDIT                       per window; dropout in it
                                  ``WindowMultiHeadAttention(NoPos)``                    (``p > 0``, training) refused
-``HaloCreditPatchEmbed``         CREDIT swin ``PatchEmbed`` (H checked globally)        ``HaloConv2d``
-``HaloCubeEmbedding``            FuXi ``CubeEmbedding`` (its reshape to the global      ``HaloConv3d``
+``DomainCreditPatchEmbed``         CREDIT swin ``PatchEmbed`` (H checked globally)        ``DomainConv2d``
+``DomainCubeEmbedding``            FuXi ``CubeEmbedding`` (its reshape to the global      ``DomainConv3d``
                                  patch grid checked globally)
-``HaloUTransformer``             FuXi ``UTransformer``: the pad to a window multiple    pad / crop are
+``DomainUTransformer``             FuXi ``UTransformer``: the pad to a window multiple    pad / crop are
                                  and the crop after the Swin stage in global rows       :func:`halo.nn.halo_pad`
 CREDIT ``SwinTransformerV2Cr``,  the models themselves: their ``forward`` reshapes to   a shard-aware forward
 FuXi ``Fuxi``                    the *global* grid; converted in place (the class       (``revert_domain_parallel``
@@ -62,7 +62,7 @@ from ..dist.comm import CommGroup
 from ..dist.mesh import GroupRef
 from ..plan.partition import offsets, split_sizes
 from ..plan.plans import Site, carry, resolve, shard_sizes
-from .base import HaloLayer
+from .base import DomainLayer
 from .longrange import RegroupPlan, regroup, regroup_plan
 from .registry import public
 from .window import (
@@ -76,11 +76,11 @@ from .window import (
 )
 
 __all__ = [
-    "HaloCreditPatchEmbed",
-    "HaloCubeEmbedding",
-    "HaloSwinV2Block",
-    "HaloUTransformer",
-    "HaloWindowAttentionV2",
+    "DomainCreditPatchEmbed",
+    "DomainCubeEmbedding",
+    "DomainSwinV2Block",
+    "DomainUTransformer",
+    "DomainWindowAttentionV2",
     "swinv2_adapter",
     "unswap_models",
 ]
@@ -110,7 +110,7 @@ def _drops(module: nn.Module) -> list[str]:
 
 
 @public
-class HaloWindowAttentionV2(HaloLayer, nn.Module):
+class DomainWindowAttentionV2(DomainLayer, nn.Module):
     """timm's V2 ``WindowAttention`` or CREDIT's ``WindowMultiHeadAttention`` / ``...NoPos`` (same parameters and
     buffers), run by its own class's ``forward`` on this rank's windows: windows are independent, and the position
     bias depends on the window only. Windows are not fields, so halo's guard does not watch inside. Dropout inside
@@ -118,7 +118,7 @@ class HaloWindowAttentionV2(HaloLayer, nn.Module):
     draw differently from the unsharded model: with ``p > 0`` in training it is refused."""
 
     def __init__(self, attn: nn.Module) -> None:
-        adopt_recognised(self, attn, "HaloWindowAttentionV2", ("qkv", "proj", "logit_scale", "num_heads"))
+        adopt_recognised(self, attn, "DomainWindowAttentionV2", ("qkv", "proj", "logit_scale", "num_heads"))
         self._halo_kind = type(attn)
         self.halo_init()
 
@@ -139,7 +139,7 @@ class HaloWindowAttentionV2(HaloLayer, nn.Module):
             drops = _drops(self)
             if drops:
                 raise ValueError(
-                    f"HaloWindowAttentionV2 ({self._halo_kind.__name__}): its dropout {', '.join(drops)} draws per "
+                    f"DomainWindowAttentionV2 ({self._halo_kind.__name__}): its dropout {', '.join(drops)} draws per "
                     f"window (or per position-bias table), which each rank would draw differently from the "
                     f"unsharded model; set p to 0 for domain-parallel training (or call .eval())")
         with _unwatched():
@@ -185,19 +185,19 @@ def _v2_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], window: int, s
 
 
 @public
-class HaloSwinV2Block(HaloLayer, nn.Module):
+class DomainSwinV2Block(DomainLayer, nn.Module):
     """timm's ``SwinTransformerV2Block`` or CREDIT's ``SwinTransformerV2CrBlock`` on an H-shard ``(B, H_r, W, C)``
     made of whole windows (module docstring). Post-norm, as both: ``x + drop_path1(norm1(attn(x)))`` then
     ``x + drop_path2(norm2(mlp(x)))`` (then CREDIT's ``norm3``). The attention rolls the shard by ``-shift`` across
     ranks, pads the last rank's partial window (timm; CREDIT does not pad), attends within this rank's windows with
     the mask rows of those windows, and rolls back. Parameters, buffers and children are the block's (``attn``
-    becomes a :class:`HaloWindowAttentionV2` sharing its parameters)."""
+    becomes a :class:`DomainWindowAttentionV2` sharing its parameters)."""
 
     def __init__(self, block: nn.Module, *, group: Any | None = None) -> None:
-        adopt_recognised(self, block, "HaloSwinV2Block",
+        adopt_recognised(self, block, "DomainSwinV2Block",
                          ("norm1", "attn", "norm2", "mlp", "window_size", "shift_size", "drop_path1", "drop_path2"))
-        if not isinstance(self._modules["attn"], HaloWindowAttentionV2):
-            self._modules["attn"] = HaloWindowAttentionV2(self._modules["attn"])
+        if not isinstance(self._modules["attn"], DomainWindowAttentionV2):
+            self._modules["attn"] = DomainWindowAttentionV2(self._modules["attn"])
         self._halo_credit = type(block).__name__ == "SwinTransformerV2CrBlock"  # no padding, feat_size, norm3
         self._halo_path = type(block).__name__  # the converter sets the block's path
         self.halo_init(group)
@@ -209,7 +209,7 @@ class HaloSwinV2Block(HaloLayer, nn.Module):
             return block_window_mask(
                 plan, height, width, tuple(self.window_size), tuple(self.shift_size), getattr(self, "attn_mask", None),
                 dynamic=not self._halo_credit and bool(getattr(self, "dynamic_mask", False)), dtype=xp.dtype,
-                device=xp.device, what=lambda: f"HaloSwinV2Block at {self._halo_path}: the block's attn_mask (built "
+                device=xp.device, what=lambda: f"DomainSwinV2Block at {self._halo_path}: the block's attn_mask (built "
                                                f"for {size} {tuple(getattr(self, size))})")
 
         # timm pads to a window multiple (the global H's: the last rank's rows); CREDIT's blocks do not pad
@@ -217,7 +217,7 @@ class HaloSwinV2Block(HaloLayer, nn.Module):
                                         pads=not self._halo_credit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        name = "HaloSwinV2Block"
+        name = "DomainSwinV2Block"
         plan = resolve(x, self.group, name, _v2_plan,
                        (int(self.window_size[0]), int(self.shift_size[0]), not self._halo_credit, self._halo_path,
                         name), site=self._halo_site, spec=(1,))
@@ -250,21 +250,21 @@ def _global_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...]) -> _Global
 
 
 @public
-class HaloCreditPatchEmbed(HaloLayer, nn.Module):
+class DomainCreditPatchEmbed(DomainLayer, nn.Module):
     """CREDIT Swin's ``PatchEmbed`` (``proj`` conv of kernel = stride = patch, then ``norm`` over channels) on an
     H-shard ``(B, C, H_r, W)``: its check that the height is the model's ``img_size`` is made on the global H (the
-    shard's would always fail), and ``proj`` is a :class:`halo.nn.HaloConv2d`."""
+    shard's would always fail), and ``proj`` is a :class:`halo.nn.DomainConv2d`."""
 
     def __init__(self, embed: nn.Module, *, group: Any | None = None) -> None:
-        from .conv import HaloConv2d
+        from .conv import DomainConv2d
 
-        adopt_recognised(self, embed, "HaloCreditPatchEmbed", ("proj", "norm", "img_size", "patch_size"))
-        if not isinstance(self._modules["proj"], HaloConv2d):
-            self._modules["proj"] = HaloConv2d(self._modules["proj"], group=group)
+        adopt_recognised(self, embed, "DomainCreditPatchEmbed", ("proj", "norm", "img_size", "patch_size"))
+        if not isinstance(self._modules["proj"], DomainConv2d):
+            self._modules["proj"] = DomainConv2d(self._modules["proj"], group=group)
         self.halo_init(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        name = "HaloCreditPatchEmbed"
+        name = "DomainCreditPatchEmbed"
         rows = resolve(x, self.group, name, _global_plan, site=self._halo_site, spec=(-2,)).rows
         if rows != self.img_size[0]:
             raise ValueError(f"{name}: Input image height ({rows}, all ranks' rows) doesn't match model "
@@ -278,22 +278,22 @@ class HaloCreditPatchEmbed(HaloLayer, nn.Module):
 
 
 @public
-class HaloCubeEmbedding(HaloLayer, nn.Module):
+class DomainCubeEmbedding(DomainLayer, nn.Module):
     """FuXi's ``CubeEmbedding`` (a ``Conv3d`` of kernel = stride = patch over ``(T, H, W)``, then ``norm`` over the
-    embedding per token) on an H-shard ``(B, C, T, H_r, W)``: ``proj`` is a :class:`halo.nn.HaloConv3d`, the norm is
+    embedding per token) on an H-shard ``(B, C, T, H_r, W)``: ``proj`` is a :class:`halo.nn.DomainConv3d`, the norm is
     applied per token as FuXi's flatten / transpose does, and its reshape to the *global* patch grid
     (``patches_resolution``) becomes a check of the global extents (the unsharded reshape fails where they differ)."""
 
     def __init__(self, embed: nn.Module, *, group: Any | None = None) -> None:
-        from .conv import HaloConv3d
+        from .conv import DomainConv3d
 
-        adopt_recognised(self, embed, "HaloCubeEmbedding", ("proj", "norm", "embed_dim", "patches_resolution"))
-        if not isinstance(self._modules["proj"], HaloConv3d):
-            self._modules["proj"] = HaloConv3d(self._modules["proj"], group=group)
+        adopt_recognised(self, embed, "DomainCubeEmbedding", ("proj", "norm", "embed_dim", "patches_resolution"))
+        if not isinstance(self._modules["proj"], DomainConv3d):
+            self._modules["proj"] = DomainConv3d(self._modules["proj"], group=group)
         self.halo_init(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        name = "HaloCubeEmbedding"
+        name = "DomainCubeEmbedding"
         y = self.proj(x)
         rows = resolve(y, self.group, name, _global_plan, site=self._halo_site, spec=(-2,)).rows
         got = (int(y.shape[2]), rows, int(y.shape[4]))
@@ -307,14 +307,14 @@ class HaloCubeEmbedding(HaloLayer, nn.Module):
 
 
 @public
-class HaloUTransformer(HaloLayer, nn.Module):
+class DomainUTransformer(DomainLayer, nn.Module):
     """FuXi's ``UTransformer`` (down block, pad to a window multiple, Swin V2 stage, crop, concatenation with the
     shortcut, up block) on an H-shard: the pad (a converted ``ZeroPad2d``: the balanced split of the padded field)
     and the crop are in global rows (:func:`halo.nn.halo_pad` with the negative padding), where FuXi's
     ``x[:, :, top:pad_lat - bottom]`` would cut every shard. Its children are converted as usual."""
 
     def __init__(self, module: nn.Module, *, group: Any | None = None) -> None:
-        adopt_recognised(self, module, "HaloUTransformer", ("down", "pad", "layer", "up", "padding", "use_noise"))
+        adopt_recognised(self, module, "DomainUTransformer", ("down", "pad", "layer", "up", "padding", "use_noise"))
         self.halo_init(group)
         self._halo_crop_site = Site()
 
@@ -327,10 +327,10 @@ class HaloUTransformer(HaloLayer, nn.Module):
         x = self.pad(x)
         x = self.layer(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         x = halo_pad(x, (-left, -right, -top, -bottom), group=self.group, site=self._halo_crop_site,
-                     op="HaloUTransformer (crop)")
+                     op="DomainUTransformer (crop)")
         if self.use_noise:
             if noise is None:
-                raise ValueError("HaloUTransformer: FuXi's use_noise without a noise tensor draws torch.randn per "
+                raise ValueError("DomainUTransformer: FuXi's use_noise without a noise tensor draws torch.randn per "
                                  "rank (each rank its own); pass noise= (the same (B, noise_latent_dim) on every "
                                  "rank)")
             x = self.noise_inject(x, noise, forecast_step)
@@ -495,23 +495,32 @@ def swinv2_adapter(module: nn.Module) -> Any:
     blocks = {"norm1", "attn", "norm2", "mlp", "drop_path1", "drop_path2"}
     if kind == "SwinTransformerV2Block" and blocks <= set(mods) and _v2_attention(mods["attn"]) \
             and hasattr(mods["attn"], "cpb_mlp") and hasattr(module, "input_resolution"):
-        return _v2_only(lambda m, g: HaloSwinV2Block(m, group=g))
+        return _v2_only(lambda m, g: DomainSwinV2Block(m, group=g))
     if kind == "SwinTransformerV2CrBlock" and blocks | {"norm3"} <= set(mods) and _v2_attention(mods["attn"]) \
             and hasattr(module, "feat_size"):
-        return _v2_only(lambda m, g: HaloSwinV2Block(m, group=g))
+        return _v2_only(lambda m, g: DomainSwinV2Block(m, group=g))
     if not where.startswith("credit.models."):
         return None
     if where.startswith("credit.models.swin"):
         if kind == "PatchEmbed" and isinstance(mods.get("proj"), nn.Conv2d) and "norm" in mods \
                 and hasattr(module, "img_size"):
-            return _v2_only(lambda m, g: HaloCreditPatchEmbed(m, group=g))
+            return _v2_only(lambda m, g: DomainCreditPatchEmbed(m, group=g))
         if kind == "SwinTransformerV2Cr" and {"patch_embed", "stages", "head"} <= set(mods):
             return _v2_only(_model)
     if where.startswith("credit.models.fuxi"):
         if kind == "CubeEmbedding" and isinstance(mods.get("proj"), nn.Conv3d):
-            return _v2_only(lambda m, g: HaloCubeEmbedding(m, group=g))
+            return _v2_only(lambda m, g: DomainCubeEmbedding(m, group=g))
         if kind == "UTransformer" and {"down", "pad", "layer", "up"} <= set(mods):
-            return _v2_only(lambda m, g: HaloUTransformer(m, group=g))
+            return _v2_only(lambda m, g: DomainUTransformer(m, group=g))
         if kind == "Fuxi" and {"cube_embedding", "u_transformer", "fc"} <= set(mods):
             return _v2_only(_model)
     return None
+
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloWindowAttentionV2 = DomainWindowAttentionV2
+HaloSwinV2Block = DomainSwinV2Block
+HaloCreditPatchEmbed = DomainCreditPatchEmbed
+HaloCubeEmbedding = DomainCubeEmbedding
+HaloUTransformer = DomainUTransformer

@@ -16,17 +16,17 @@ and why each is exact on an H-shard:
   first call, which refuses any op on a field it does not know to be pointwise in latitude.
 - **composites kept, their children converted**: ``LayerNormAct2d``/``LayerNormAct`` (a channel norm, then its
   ``drop`` and ``act`` children) and ``ConvNeXtBlock`` with its layer-scale ``gamma`` (its depthwise 7x7 conv
-  becomes a ``HaloConv2d``; its own math — permutes, the channel MLP, ``x * gamma``, the residual — is pointwise).
+  becomes a ``DomainConv2d``; its own math — permutes, the channel MLP, ``x * gamma``, the residual — is pointwise).
 - **ConvNeXt V2's ``GlobalResponseNorm``**: its ``x.norm`` over H x W is a sum of squares over the domain:
   :class:`DomainGlobalResponseNorm` (an all-reduce of each rank's sums; NHWC and NCHW).
 - **group norms** (``GroupNorm``, ``GroupNorm1``, and ``GroupNorm1NoBias``: ``F.group_norm`` as ``nn.GroupNorm``):
   halo's ``DomainGroupNorm``;
   ``GroupNormAct``/``GroupNorm1Act``: the same, then its ``drop`` and ``act`` children (converted).
 - **TF "same" padding** (``Conv2dSame``): the padding depends only on the global extent, so
-  :class:`HaloConv2dSame` computes it from the global rows (agreed once per shape) and pads the global field
-  (``halo.nn.halo_pad``) before a ``HaloConv2d`` without padding; W is whole on every rank and padded locally.
+  :class:`DomainConv2dSame` computes it from the global rows (agreed once per shape) and pads the global field
+  (``halo.nn.halo_pad``) before a ``DomainConv2d`` without padding; W is whole on every rank and padded locally.
 - **BlurPool2d**: a fixed binomial depthwise conv with reflect padding: :class:`DomainBlurPool2d` runs it as a
-  ``HaloConv2d`` with reflect boundary (the filter stays a non-persistent buffer: the checkpoint is unchanged).
+  ``DomainConv2d`` with reflect boundary (the filter stays a non-persistent buffer: the checkpoint is unchanged).
 - **global pools and what computes on their result** (whole and the same on every rank, halo's global pools):
   ``SelectAdaptivePool2d`` (avg, max, avgmax, catavgmax; timm's fast pools too) and squeeze-excitation
   (``SqueezeExcite`` of timm's EfficientNet/MobileNet blocks, ``SEModule``): their means become halo's global pool;
@@ -57,17 +57,17 @@ from torch import nn
 from ..dist.mesh import group_attribute
 from ..parallel.reduce import accumulation_dtype, all_reduce
 from ..plan.plans import Site, mark_whole, resolve, whole_source
-from .base import AxisPlan, HaloLayer
-from .conv import HaloConv2d
+from .base import AxisPlan, DomainLayer
+from .conv import DomainConv2d
 from .maxvit import maxvit_adapter  # MaxViT's block and grid partition attention
 from .norm import DomainGroupNorm
 from .pad import halo_pad
-from .pool import HaloAdaptiveAvgPool2d, HaloAdaptiveMaxPool2d
+from .pool import DomainAdaptiveAvgPool2d, DomainAdaptiveMaxPool2d
 from .registry import public
 
 __all__ = ["DomainBlurPool2d", "DomainFlatten", "DomainGlobalResponseNorm", "DomainGroupNormAct",
            "DomainSelectAdaptivePool2d",
-           "DomainSqueezeExcite", "HaloConv2dSame", "WholeBatchNorm1d", "WholeDropout", "timm_adapter"]
+           "DomainSqueezeExcite", "DomainConv2dSame", "WholeBatchNorm1d", "WholeDropout", "timm_adapter"]
 
 _ORIGINAL = "_halo_original"  # as halo.nn.convert: the module a replacement stands for (the walk skips it)
 
@@ -186,19 +186,19 @@ def _plain_conv(conv: nn.Conv2d) -> nn.Conv2d:
 
 
 @public
-class HaloConv2dSame(HaloLayer, nn.Module):
+class DomainConv2dSame(DomainLayer, nn.Module):
     """timm's ``Conv2dSame`` (TF "same": ``pad_same`` of the input, then an unpadded conv) on an H-shard.
 
     The H padding follows from the global rows (every rank's extent, agreed once per shape), and is applied to the
-    global field (``halo_pad``: the output is the balanced split of the padded field) before a ``HaloConv2d`` without
+    global field (``halo_pad``: the output is the balanced split of the padded field) before a ``DomainConv2d`` without
     padding; the W padding follows from W (whole on every rank). State: the conv's ``weight`` and ``bias``.
     """
 
     def __init__(self, conv: nn.Conv2d, *, group: Any | None = None, mesh: Any | None = None) -> None:
         super().__init__()
         if not isinstance(conv, nn.Conv2d) or conv.padding not in (0, (0, 0)) or conv.padding_mode != "zeros":
-            raise TypeError(f"HaloConv2dSame wraps timm's Conv2dSame (an nn.Conv2d with padding 0), got {conv!r}")
-        inner = HaloConv2d(_plain_conv(conv), group=group, mesh=mesh)
+            raise TypeError(f"DomainConv2dSame wraps timm's Conv2dSame (an nn.Conv2d with padding 0), got {conv!r}")
+        inner = DomainConv2d(_plain_conv(conv), group=group, mesh=mesh)
         self.__dict__["_conv"] = inner  # not a child: its Parameters are this module's own (same state_dict keys)
         self._parameters["weight"] = conv.weight
         if conv.bias is not None:
@@ -214,13 +214,13 @@ class HaloConv2dSame(HaloLayer, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         geometry = tuple(zip(self.kernel_size, self.stride, self.dilation, strict=True))
-        plans = self.axis_plans(x, "HaloConv2dSame", _same_axis, per_axis=geometry)
+        plans = self.axis_plans(x, "DomainConv2dSame", _same_axis, per_axis=geometry)
         # Per axis (H, W) from its global extent; an axis not sharded (W on latitude rows) from the local one.
         pads = [(p.before, p.after) for p in plans] + [_same_pad(x.shape[-1], *geometry[1])] * (2 - len(plans))
         (top, bottom), (left, right) = pads
         if top or bottom or left or right:
             x = halo_pad(x, (left, right, top, bottom), "zeros", group=self.group, site=self._pad_site,
-                         op="HaloConv2dSame", mesh=self.halo_mesh)
+                         op="DomainConv2dSame", mesh=self.halo_mesh)
         conv = self._conv
         conv._parameters["weight"] = self.weight  # the module's own (after .to(), .double(), load_state_dict)
         conv._parameters["bias"] = self.bias
@@ -245,7 +245,7 @@ def _conv_same(m: nn.Module, ctx: Any) -> nn.Module:
         raise ValueError(f"{type(m).__module__}.{type(m).__name__} (TF 'same' padding) pads latitude with zeros; "
                          f"halo has no form of it with boundary={ctx.boundary!r}: give custom_converters="
                          f"{{Conv2dSame: fn}} or convert without boundary=")
-    return HaloConv2dSame(m, group=ctx.group, mesh=ctx.mesh)
+    return DomainConv2dSame(m, group=ctx.group, mesh=ctx.mesh)
 
 
 # -- group norms ----------------------------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def _norm_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 @public
-class DomainGlobalResponseNorm(HaloLayer, nn.Module):
+class DomainGlobalResponseNorm(DomainLayer, nn.Module):
     """timm's ``GlobalResponseNorm`` (ConvNeXt V2's GRN) on an H-shard, exactly.
 
     timm's ``x.norm(p=2, dim=(H, W))`` per sample and channel is the square root of a sum of squares over the whole
@@ -322,9 +322,9 @@ class DomainGlobalResponseNorm(HaloLayer, nn.Module):
 # -- BlurPool2d -----------------------------------------------------------------------------------------------------
 
 @public
-class DomainBlurPool2d(HaloLayer, nn.Module):
+class DomainBlurPool2d(DomainLayer, nn.Module):
     """timm's ``BlurPool2d`` (reflect padding, then a fixed depthwise binomial filter with a stride) on an H-shard:
-    a ``HaloConv2d`` with reflect boundary whose weight is the filter (not a Parameter: no gradient, and the
+    a ``DomainConv2d`` with reflect boundary whose weight is the filter (not a Parameter: no gradient, and the
     checkpoint is unchanged — ``filt`` stays a non-persistent buffer)."""
 
     def __init__(self, blur: nn.Module, *, group: Any | None = None) -> None:
@@ -346,7 +346,7 @@ class DomainBlurPool2d(HaloLayer, nn.Module):
             plain = nn.Conv2d(channels, channels, self.filt_size, self.stride, self.padding[0], groups=channels,
                               bias=False, padding_mode=self.pad_mode, device=self.filt.device, dtype=self.filt.dtype)
             plain.weight.requires_grad_(False)
-            conv = self._convs[key] = HaloConv2d(plain, group=self.group)
+            conv = self._convs[key] = DomainConv2d(plain, group=self.group)
         weight = self.filt.expand(channels, 1, self.filt_size, self.filt_size)
         conv._parameters["weight"].data = weight
         return conv
@@ -369,9 +369,9 @@ class _GlobalPool(nn.Module):
         super().__init__()
         self.mode, self.flat = mode, flatten
         if mode in ("avg", "avgmax", "catavgmax"):
-            self.avg = HaloAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d(1), group=group)
+            self.avg = DomainAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d(1), group=group)
         if mode in ("max", "avgmax", "catavgmax"):
-            self.max = HaloAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d(1), group=group)
+            self.max = DomainAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d(1), group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "avg":
@@ -680,3 +680,7 @@ def _channel_norm_act(m: nn.Module) -> bool:
     shape = getattr(m, "normalized_shape", ())
     return len(tuple(shape)) == 1 and {"drop", "act"} <= set(m._modules)
 
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloConv2dSame = DomainConv2dSame

@@ -64,10 +64,10 @@ from ..exchange import exchanger_id
 from ..plan.geometry import adaptive_plan, adaptive_starts_ends, check_output_rows
 from ..plan.partition import split_offsets
 from ..plan.plans import Site, device_tensor
-from .base import AxisPlan, HaloLayer, exchange_axes, finish, run_axes
+from .base import AxisPlan, DomainLayer, exchange_axes, finish, run_axes
 from .registry import converts, public
 
-__all__ = ["HaloUpsample", "halo_interpolate", "interpolate_2d", "kernel_scales", "row_taps"]
+__all__ = ["DomainUpsample", "halo_interpolate", "interpolate_2d", "kernel_scales", "row_taps"]
 
 SUPPORTED_MODES = ("nearest", "nearest-exact", "bilinear", "bicubic", "area")
 
@@ -488,7 +488,7 @@ def interpolate_2d(x: torch.Tensor, mesh: Any, size=None, scale_factor=None, mod
 @converts(nn.Upsample, axes=2, functional=(F.interpolate,),
           example=lambda kind: (kind(scale_factor=2, mode="bilinear"), (2, 3, 23, 7)),
           mesh_ok=lambda m: m.mode in ("nearest", "nearest-exact", "bilinear", "bicubic", "area"))
-class HaloUpsample(HaloLayer, nn.Upsample):
+class DomainUpsample(DomainLayer, nn.Upsample):
     """``nn.Upsample`` on an H-sharded field (same arguments and ``repr``; no state): see :func:`halo_interpolate`.
 
     On a latitude x longitude mesh the resize is one step per axis (H with W kept, then W with H kept), both planned
@@ -496,7 +496,7 @@ class HaloUpsample(HaloLayer, nn.Upsample):
 
     def __init__(self, up: nn.Upsample, *, group: Any | None = None, mesh: Any | None = None) -> None:
         if not isinstance(up, nn.Upsample):
-            raise TypeError(f"HaloUpsample wraps an nn.Upsample, got {type(up).__name__}")
+            raise TypeError(f"DomainUpsample wraps an nn.Upsample, got {type(up).__name__}")
         super().__init__(up.size, up.scale_factor, up.mode, up.align_corners, up.recompute_scale_factor)
         self.halo_init(group, mesh)
 
@@ -505,3 +505,6 @@ class HaloUpsample(HaloLayer, nn.Upsample):
                        False, self.group, self.halo_mesh, self._halo_site, "halo_interpolate")
 
 
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloUpsample = DomainUpsample

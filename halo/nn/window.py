@@ -11,17 +11,17 @@ W stays whole on each rank) and adopt its modules' parameters and buffers, so ``
 ===============================  ================================================  =============================
 layer                            replaces (recognised by name and attributes)      split it needs / gives
 ===============================  ================================================  =============================
-``HaloSwinTransformerBlock``     timm ``SwinTransformerBlock`` (recent: ``_attn``,  whole windows of
+``DomainSwinTransformerBlock``     timm ``SwinTransformerBlock`` (recent: ``_attn``,  whole windows of
                                  ``drop_path1/2``, ``always_partition``,           ``window_size[0]`` rows per
                                  ``dynamic_mask``)                                 rank (the last rank may end
                                                                                    in a partial window); output
                                                                                    split = input split
-``HaloWindowAttention``          timm ``WindowAttention`` inside a block           per window (no messages)
-``HaloPatchMerging``             timm ``PatchMerging`` (norm over ``4 * dim``,     any; shards of even offsets
+``DomainWindowAttention``          timm ``WindowAttention`` inside a block           per window (no messages)
+``DomainPatchMerging``             timm ``PatchMerging`` (norm over ``4 * dim``,     any; shards of even offsets
                                  then reduction)                                   give ``ceil(n / 2)`` rows
                                                                                    each (a block split stays
                                                                                    one), else the balanced split
-``HaloPatchEmbed``               timm ``PatchEmbed`` (``img_size`` checked on the  any (``HaloConv2d``; shards
+``DomainPatchEmbed``               timm ``PatchEmbed`` (``img_size`` checked on the  any (``DomainConv2d``; shards
                                  global H)                                         that are multiples of the
                                                                                    patch give ``n // patch``)
 ===============================  ================================================  =============================
@@ -54,14 +54,14 @@ from ..dist.comm import CommGroup
 from ..exchange import exchange, exchanger_id
 from ..plan.partition import offsets, split_offsets, split_sizes
 from ..plan.plans import carry, resolve
-from .base import HaloLayer, adopt
+from .base import DomainLayer, adopt
 from .registry import public
 
 __all__ = [
-    "HaloPatchEmbed",
-    "HaloPatchMerging",
-    "HaloSwinTransformerBlock",
-    "HaloWindowAttention",
+    "DomainPatchEmbed",
+    "DomainPatchMerging",
+    "DomainSwinTransformerBlock",
+    "DomainWindowAttention",
     "SwinPlan",
     "adopt_recognised",
     "block_window_mask",
@@ -193,7 +193,7 @@ def adopt_recognised(self: nn.Module, module: nn.Module, name: str, attrs: tuple
 
 
 @public
-class HaloWindowAttention(HaloLayer, nn.Module):
+class DomainWindowAttention(DomainLayer, nn.Module):
     """timm's ``WindowAttention`` (same parameters and buffers): multi-head self-attention within each window with
     the relative position bias, plus the shifted-window mask of this rank's windows. Windows are independent, so
     this is exact on any rank's windows; it is halo's own (the converter does not look inside it)."""
@@ -202,7 +202,7 @@ class HaloWindowAttention(HaloLayer, nn.Module):
     _halo_check = "self"
 
     def __init__(self, attn: nn.Module) -> None:
-        adopt_recognised(self, attn, "HaloWindowAttention",
+        adopt_recognised(self, attn, "DomainWindowAttention",
                          ("qkv", "proj", "relative_position_bias_table", "relative_position_index", "num_heads",
                           "scale", "window_area"))
         self.halo_init()
@@ -218,7 +218,7 @@ class HaloWindowAttention(HaloLayer, nn.Module):
                 p = getattr(getattr(self, drop, None), "p", 0.0)
                 if p:
                     raise ValueError(
-                        f"HaloWindowAttention: {drop} (p={p}) drops elements of windows, which each rank would draw "
+                        f"DomainWindowAttention: {drop} (p={p}) drops elements of windows, which each rank would draw "
                         f"differently from the unsharded model; set its p to 0 for domain-parallel training (or "
                         f"call .eval())")
         b_, n, _ = x.shape
@@ -358,22 +358,22 @@ def _example(h: int, window: int, parts: int) -> str:
 
 
 @public
-class HaloSwinTransformerBlock(HaloLayer, nn.Module):
+class DomainSwinTransformerBlock(DomainLayer, nn.Module):
     """timm's ``SwinTransformerBlock`` on an H-shard ``(B, H_r, W, C)`` made of whole windows (module docstring).
 
     ``x + drop_path1(attn(norm1(x)))`` then ``x + drop_path2(mlp(norm2(x)))`` as timm; the attention rolls the
     shard by ``-shift`` across ranks (:func:`halo_roll`'s exchange), pads the last rank's partial window, attends
     within this rank's windows with the mask rows of those windows (timm's ``attn_mask`` buffer, or the mask built
     from global rows when ``dynamic_mask``), and rolls back. Parameters, buffers and children are the block's
-    (``attn`` becomes a :class:`HaloWindowAttention` sharing its parameters).
+    (``attn`` becomes a :class:`DomainWindowAttention` sharing its parameters).
     """
 
     def __init__(self, block: nn.Module, *, group: Any | None = None) -> None:
-        adopt_recognised(self, block, "HaloSwinTransformerBlock",
+        adopt_recognised(self, block, "DomainSwinTransformerBlock",
                          ("norm1", "attn", "norm2", "mlp", "window_size", "shift_size", "drop_path1",
                           "drop_path2"))
-        if not isinstance(self._modules["attn"], HaloWindowAttention):
-            self._modules["attn"] = HaloWindowAttention(self._modules["attn"])
+        if not isinstance(self._modules["attn"], DomainWindowAttention):
+            self._modules["attn"] = DomainWindowAttention(self._modules["attn"])
         self.halo_init(group)
 
     def _attn(self, x: torch.Tensor, plan: SwinPlan) -> torch.Tensor:
@@ -381,13 +381,13 @@ class HaloSwinTransformerBlock(HaloLayer, nn.Module):
             return block_window_mask(
                 plan, height, width, tuple(self.window_size), tuple(self.shift_size), getattr(self, "attn_mask", None),
                 dynamic=bool(getattr(self, "dynamic_mask", False)), dtype=xp.dtype, device=xp.device,
-                what=lambda: f"HaloSwinTransformerBlock: the block's attn_mask (built for input_resolution "
+                what=lambda: f"DomainSwinTransformerBlock: the block's attn_mask (built for input_resolution "
                              f"{tuple(self.input_resolution)}; set_input_size, or dynamic_mask=True)")
 
         return shifted_window_attention(x, plan, tuple(self.window_size), tuple(self.shift_size), self.attn, mask)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        name = "HaloSwinTransformerBlock"
+        name = "DomainSwinTransformerBlock"
         plan = resolve(x, self.group, name, _swin_plan, (int(self.window_size[0]), int(self.shift_size[0]), name),
                        site=self._halo_site, spec=(1,))
         if x.dim() != 4:
@@ -433,20 +433,20 @@ def _merge_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], op: str) ->
 
 
 @public
-class HaloPatchMerging(HaloLayer, nn.Module):
+class DomainPatchMerging(DomainLayer, nn.Module):
     """timm's ``PatchMerging`` (2x2 neighbours concatenated, ``norm`` over ``4 * dim``, ``reduction``) on an H-shard
     ``(B, H_r, W, C)``: shards of even offsets (a block split) give ``ceil(H_r / 2)`` rows each, read from their own
     rows; any other split gives the balanced split of ``ceil(H / 2)`` (one exchange). Odd H: the zero row timm pads
     comes from the exchange's zero boundary."""
 
     def __init__(self, merge: nn.Module, *, group: Any | None = None) -> None:
-        adopt_recognised(self, merge, "HaloPatchMerging", ("norm", "reduction"))
+        adopt_recognised(self, merge, "DomainPatchMerging", ("norm", "reduction"))
         # timm's Swin V2 PatchMerging normalises after the reduction (over its output features)
         self._halo_post_norm = type(merge).__module__.endswith("swin_transformer_v2")
         self.halo_init(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        name = "HaloPatchMerging"
+        name = "DomainPatchMerging"
         plan = resolve(x, self.group, name, _merge_plan, (name,), site=self._halo_site, spec=(1,))
         if x.dim() != 4:
             raise ValueError(f"{name}: expected a channels-last (B, H_local, W, C) shard, got shape {tuple(x.shape)}")
@@ -479,23 +479,23 @@ def _embed_plan(cg: CommGroup, extents: tuple[tuple[int, ...], ...], img_size: A
 
 
 @public
-class HaloPatchEmbed(HaloLayer, nn.Module):
+class DomainPatchEmbed(DomainLayer, nn.Module):
     """timm's ``PatchEmbed`` (``proj`` conv of kernel = stride = patch, then the output format and ``norm``) on an
     H-shard ``(B, C, H_r, W)``: ``img_size`` is checked against the global H, ``dynamic_img_pad`` pads the last
-    rank, and ``proj`` is a :class:`halo.nn.HaloConv2d` (shards that are multiples of the patch give ``n // patch``
+    rank, and ``proj`` is a :class:`halo.nn.DomainConv2d` (shards that are multiples of the patch give ``n // patch``
     rows each, so a block split stays one)."""
 
     def __init__(self, embed: nn.Module, *, group: Any | None = None) -> None:
-        from .conv import HaloConv2d
+        from .conv import DomainConv2d
 
-        adopt_recognised(self, embed, "HaloPatchEmbed", ("proj", "norm", "patch_size", "flatten", "output_fmt"))
+        adopt_recognised(self, embed, "DomainPatchEmbed", ("proj", "norm", "patch_size", "flatten", "output_fmt"))
         proj = self._modules["proj"]
-        if not isinstance(proj, HaloConv2d):
-            self._modules["proj"] = HaloConv2d(proj, group=group)
+        if not isinstance(proj, DomainConv2d):
+            self._modules["proj"] = DomainConv2d(proj, group=group)
         self.halo_init(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        name = "HaloPatchEmbed"
+        name = "DomainPatchEmbed"
         img_size = getattr(self, "img_size", None)
         strict, dynamic = bool(getattr(self, "strict_img_size", False)), bool(getattr(self, "dynamic_img_pad", False))
         plan = resolve(x, self.group, name, _embed_plan,
@@ -547,14 +547,22 @@ def swin_adapter(module: nn.Module) -> Any:
     if kind == "SwinTransformerBlock" and {"norm1", "attn", "norm2", "mlp", "drop_path1", "drop_path2"} <= set(mods) \
             and hasattr(module, "window_size") and hasattr(module, "shift_size") \
             and hasattr(mods["attn"], "relative_position_bias_table") and not hasattr(mods["attn"], "logit_scale"):
-        return latitude_only(lambda m, g: HaloSwinTransformerBlock(m, group=g))
+        return latitude_only(lambda m, g: DomainSwinTransformerBlock(m, group=g))
     if kind == "PatchMerging" and {"norm", "reduction"} <= set(mods) and isinstance(mods["reduction"], nn.Linear) \
             and isinstance(mods["norm"], nn.LayerNorm):
         v2 = type(module).__module__.endswith("swin_transformer_v2")  # the reduction, then norm over its output
         features = mods["reduction"].out_features if v2 else mods["reduction"].in_features
         if tuple(mods["norm"].normalized_shape) == (features,):
-            return latitude_only(lambda m, g: HaloPatchMerging(m, group=g))  # v1: norm over 4*dim, then the reduction
+            return latitude_only(lambda m, g: DomainPatchMerging(m, group=g))  # v1: norm over 4*dim, then the reduction
     if kind == "PatchEmbed" and isinstance(mods.get("proj"), nn.Conv2d) and "norm" in mods \
             and all(hasattr(module, a) for a in ("patch_size", "flatten", "output_fmt")):
-        return latitude_only(lambda m, g: HaloPatchEmbed(m, group=g))
+        return latitude_only(lambda m, g: DomainPatchEmbed(m, group=g))
     return None
+
+
+# The names before halo.nn took one prefix (issue 31), kept for one release so that code and pickles that name
+# them still load (``halo.nn.HaloX`` warns: :data:`halo._moved.RENAMED`).
+HaloWindowAttention = DomainWindowAttention
+HaloSwinTransformerBlock = DomainSwinTransformerBlock
+HaloPatchMerging = DomainPatchMerging
+HaloPatchEmbed = DomainPatchEmbed

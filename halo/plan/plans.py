@@ -21,7 +21,7 @@ Which epoch a call belongs to: inside a converted model's forward, the model's (
 from the same input shapes); outside, the epoch of its input tensor when halo made that tensor (a ``shard`` output,
 a converted model's output, or the output of a halo layer applied to such a tensor); else none.
 
-A call without an epoch agrees every time, except a layer's (a call with a site, e.g. ``HaloConv2d(conv)`` applied
+A call without an epoch agrees every time, except a layer's (a call with a site, e.g. ``DomainConv2d(conv)`` applied
 to a plain shard outside a converted model): it agrees when its local shape or arguments differ from those of its
 site's last agreement, and reuses that plan otherwise (:func:`_standalone` says why one record per site is safe
 where one per local shape is not).

@@ -5,7 +5,7 @@
 =======================  =====================================  ===============================================
 ``bandwidth``            ``halo_bandwidth``                     halo_exchange vs raw send/recv of packed buffers
                                                                 (the wire), naive slice + cat, a shard copy
-``conv``                 ``conv_overhead``                      HaloConv2d fwd + bwd vs nn.Conv2d, same local shape
+``conv``                 ``conv_overhead``                      DomainConv2d fwd + bwd vs nn.Conv2d, same local shape
 ``scaling``              ``scaling``                            the demo model's step on 1..N ranks
 ``pack``                 ``pack_kernels``                       pack/unpack kernels vs torch reference vs copy
 ``mesh``                 ``mesh2d``                             the demo step on P ranks as latitude rows vs as a

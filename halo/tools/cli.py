@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     check.add_argument("--timeout", type=float, default=600.0)
 
-    bench = sub.add_parser("bench", help="halo bandwidth, HaloConv2d overhead, scaling, pack kernels",
+    bench = sub.add_parser("bench", help="halo bandwidth, DomainConv2d overhead, scaling, pack kernels",
                            description="Run the benchmarks; each prints a table, appends CSV rows to --out "
                                        "and draws a PNG.")
     bench.add_argument("--quick", action="store_true", help="few sizes and repetitions (tens of seconds)")

@@ -5,7 +5,7 @@ which is cheaper than on every rank and leaves rank 0 a core to itself while the
 
     field (1, C, H, W) on a global lat-lon grid  ──  every rank builds it from the seed, keeps its rows
     DemoNet: conv3x3 ─ GroupNorm ─ conv3x3 stride 2 ─ conv3x3 ─ GroupNorm ─ ConvTranspose2d ─ (+skip) ─ conv3x3
-        sharded:   convert_to_domain_parallel(net, boundary="pole")  (HaloConv2d, DomainGroupNorm, ...)
+        sharded:   convert_to_domain_parallel(net, boundary="pole")  (DomainConv2d, DomainGroupNorm, ...)
         unsharded: the same torch modules; convs pad latitude across the pole by hand (PolePadConv)
     loss = latitude-weighted MSE against the field advected 5 degrees east; backward; gradient sync
     compare output, input gradient, parameter gradients; time steps; count halo bytes; draw a PNG
@@ -91,7 +91,7 @@ def pole_pad(x: torch.Tensor, before: int, after: int, boundary: str) -> torch.T
 
 
 class PolePadConv(nn.Module):
-    """The unsharded twin of ``HaloConv2d(conv, boundary=pole)``: latitude padded across the poles, then
+    """The unsharded twin of ``DomainConv2d(conv, boundary=pole)``: latitude padded across the poles, then
     longitude by the conv's own ``padding_mode`` (circular here; corners wrap), then ``F.conv2d`` unpadded."""
 
     def __init__(self, conv: nn.Conv2d, boundary: str) -> None:

@@ -1,4 +1,4 @@
-"""HaloConv2d forward + backward against nn.Conv2d on a tensor of the same local shape, in one run.
+"""DomainConv2d forward + backward against nn.Conv2d on a tensor of the same local shape, in one run.
 
 Every rank holds its part of a ``(1, C, H, W)`` activation split along H (721 x 1440 on GPU; on CPU 361 x 720
 by default, a weather-sized shard that a 1-thread rank convolves in ~0.1-1 s), and times, interleaved:
@@ -7,12 +7,12 @@ by default, a weather-sized shard that a 1-thread rank convolves in ~0.1-1 s), a
 impl        one call
 ==========  ==================================================================================
 plain       ``nn.Conv2d(C, C, 3, padding=1)`` on a local tensor ``(1, C, H_r, W)``: the floor
-halo        ``HaloConv2d(conv)`` in a converted model, as users get it by default: the model's entry agrees
+halo        ``DomainConv2d(conv)`` in a converted model, as users get it by default: the model's entry agrees
             on its input shapes (one small host all-gather), the layer recalls its plan and computes then
             patches (the conv of the shard while the halo rows travel, then their taps added to the boundary
             rows; the halo gradients added into the conv's own input gradient: no copy either way)
 halo-grid   the same converted with a declared ``grid=`` (no agreement at all)
-pad         ``HaloConv2d(conv, overlap=False)`` in a converted model: pad-then-conv (the exchange writes the
+pad         ``DomainConv2d(conv, overlap=False)`` in a converted model: pad-then-conv (the exchange writes the
             extended shard into a buffer it reuses: one copy of the shard each way)
 ==========  ==================================================================================
 
@@ -69,7 +69,7 @@ def conv_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     import halo
     from halo.launch import rank_device
     from halo.nn import convert_to_domain_parallel
-    from halo.nn.conv import HaloConv2d
+    from halo.nn.conv import DomainConv2d
     from halo.plan.partition import split_sizes
 
     device = rank_device(cfg["backend"])
@@ -90,7 +90,7 @@ def conv_rank(rank: int, world: int, cfg: dict) -> list[dict]:
         layers = {"plain": conv,
                   "halo": convert_to_domain_parallel(nn.Sequential(conv), manager),
                   "halo-grid": convert_to_domain_parallel(nn.Sequential(conv), manager, grid=(h, w)),
-                  "pad": convert_to_domain_parallel(nn.Sequential(HaloConv2d(conv, group=group, overlap=False)),
+                  "pad": convert_to_domain_parallel(nn.Sequential(DomainConv2d(conv, group=group, overlap=False)),
                                                     manager)}
         torch.manual_seed(1 + rank)  # each rank its own share (the entry refuses one field held whole by every rank)
         x = torch.randn(1, c, rows_local, w, device=device, dtype=dtype, requires_grad=True)
@@ -138,7 +138,7 @@ def run(opts: dict, *, grid: tuple[int, int] | None = None, channels: Sequence[i
     ms = {impl: [(int(r["channels"]), float(r["time_ms"])) for r in rows if r["impl"] == impl] for impl in IMPLS}
     first = rows[0]
     plot_panels(Path(opts["out"]) / "conv_overhead.png", [
-        {"title": "HaloConv2d fwd+bwd / nn.Conv2d (same local shape)", "xlabel": "channels", "ylabel": "ratio",
+        {"title": "DomainConv2d fwd+bwd / nn.Conv2d (same local shape)", "xlabel": "channels", "ylabel": "ratio",
          "series": series, "hline": 1.05},
         {"title": "time per fwd+bwd (max over ranks, median)", "xlabel": "channels", "ylabel": "ms",
          "series": ms}], f"3x3 conv on {first['grid']} over {first['world']} ranks, {first['device']}, "

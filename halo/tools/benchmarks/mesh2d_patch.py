@@ -9,7 +9,7 @@ impl            one call on ``P = ph * pw`` ranks
 ==============  =================================================================================================
 plain rows      ``nn.Conv2d`` (zero padding) on a local tensor of a row slab's shape ``(1, C, H/P, W)``: the floor
 plain block     the same on a local tensor of a block's shape ``(1, C, H/ph, W/pw)``
-rows patch      ``HaloConv2d`` on latitude rows: the 1-D compute-then-patch (W padded locally)
+rows patch      ``DomainConv2d`` on latitude rows: the 1-D compute-then-patch (W padded locally)
 blocks pad      ``exchange_2d`` (H, then W of the H-extended block: corners right) then the conv unpadded
 blocks patch    ``halo.nn.patch2d.patch_conv_2d``: both exchanges behind the conv, strips added after
 ==============  =================================================================================================
@@ -44,7 +44,7 @@ def _impls(cfg, w_mode):
     from halo import initialize_domain_parallel
     from halo.dist.mesh import DomainMesh
     from halo.exchange import exchange_2d, plan_exchange_2d
-    from halo.nn import HaloConv2d
+    from halo.nn import DomainConv2d
     from halo.nn.patch2d import patch_conv_2d, plan_patch_2d
     from halo.plan.partition import offsets, split_sizes
 
@@ -54,7 +54,7 @@ def _impls(cfg, w_mode):
     conv = nn.Conv2d(c, c, 3, padding=1, padding_mode=w_mode)
     weight, bias = conv.weight, conv.bias
     manager = initialize_domain_parallel(world, world)
-    rows_layer = HaloConv2d(conv, group=manager.domain_group, boundary="zeros")
+    rows_layer = DomainConv2d(conv, group=manager.domain_group, boundary="zeros")
     mesh = DomainMesh((ph, pw), periodic=(False, w_mode == "circular"))
     groups = (mesh.axis_group(0), mesh.axis_group(1))
     sizes = (split_sizes(h, ph), split_sizes(w, pw))
