@@ -242,7 +242,7 @@ def test_module_lists_dicts_and_none_slots_are_containers():
     y = ref(x)
     y.sum().backward()
     for kind, got, grad in run_on_ranks(_containers, 2, timeout=60):
-        assert kind == "HaloConv2dHaloConv2d"
+        assert kind == "DomainConv2dDomainConv2d"
         assert torch.allclose(got, y.detach(), rtol=0, atol=1e-12)
         assert torch.allclose(grad, x.grad, rtol=0, atol=1e-12)
 

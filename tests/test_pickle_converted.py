@@ -194,7 +194,7 @@ def test_converted_models_pickle_and_copy_exactly() -> None:
         for name in ("classifier", "head", "resnet", "crossformer"):
             assert all(r[name]["same"].values()), (name, r[name]["same"])
             assert all(r[name]["close"]), (name, r[name]["close"])
-        assert r["refusal"] is not None and r["refusal"].startswith("proj (Halo") \
+        assert r["refusal"] is not None and r["refusal"].startswith("proj (Domain") \
             and "global pool" in r["refusal"], r["refusal"]
         original, loaded = r["provenance"]
         assert original is not None and "no halo domain reduction" in original, original

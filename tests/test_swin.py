@@ -477,7 +477,7 @@ def _model_worker(rank, world, img, dynamic_mask, steps):
     torch.manual_seed(0)
     ref = _randomize(SmallSwin(img, dynamic_mask=dynamic_mask).double(), 3)
     model = convert_to_domain_parallel(copy.deepcopy(ref), manager)
-    types = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Halo")})
+    types = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Domain")})
     keys = list(model.state_dict()) == list(ref.state_dict())
     # SGD with momentum: linear in the gradients, so the steps stay exact. (Adam divides each entry by its own
     # running RMS, which turns the 1e-17 round-off of gradient entries that are ~0 into ~1e-8 differences.)
@@ -514,8 +514,8 @@ def test_converted_small_swin_trains_like_unsharded(world, img, dynamic_mask):
     """40 image rows over 3 ranks with granularity 8 (patch 2 x window 4): 16, 16, 8 rows -> 8, 8, 4 tokens (2, 2, 1
     windows of 4) -> 4, 4, 2 rows after the merge (2, 2, 1 windows of 2)."""
     for r in run_on_ranks(_model_worker, world, img, dynamic_mask, 3, timeout=TIMEOUT):
-        assert r["types"] == ["DomainConv2d", "DomainPatchEmbed", "DomainPatchMerging", "DomainSwinTransformerBlock",
-                              "DomainWindowAttention"], r["types"]
+        assert r["types"] == ["DomainConv2d", "DomainDropout", "DomainPatchEmbed", "DomainPatchMerging",
+                              "DomainSwinTransformerBlock", "DomainWindowAttention"], r["types"]
         assert r["keys"]
         for e in r["errs"]:
             assert max(e["fwd"], e["gather"], e["dw"]) < 1e-12, r["errs"]

@@ -696,7 +696,7 @@ def halo_pool(pool: nn.Module, *, group: Any | None = None) -> nn.Module:
 def _adaptive_hint(pool: Any) -> str:
     if isinstance(pool, (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)):
         return (f"; adaptive pools have windows that depend on the global size: use "
-                f"Halo{type(pool).__name__} (or halo_pool(module))")
+                f"Domain{type(pool).__name__} (or halo_pool(module))")
     return ""
 
 
