@@ -437,7 +437,10 @@ def test_checkpointing_inside_a_compiled_region_posts_one_order(backend: str) ->
         assert res[0][name]["forward"] == res[1][name]["forward"], name
         assert res[0][name]["backward"] == res[1][name]["backward"], name
     for r in res:
-        assert r["compiled"]["forward"] == r["eager"]["forward"], (r["compiled"]["forward"], r["eager"]["forward"])
+        # The first compiled call runs the forward once eagerly under the guard (plans.guarded_eager_call), then
+        # compiled: the eager order twice. A later compiled call posts it once.
+        assert r["compiled"]["forward"] == 2 * r["eager"]["forward"], (r["compiled"]["forward"], r["eager"]["forward"])
+        assert r["again"]["forward"] == r["eager"]["forward"], (r["again"]["forward"], r["eager"]["forward"])
         assert r["again"]["backward"] == r["compiled"]["backward"]
         # Compiled: the communicating ops' outputs are saved (the three adjoints, the GroupNorm's and the loss's
         # backward reductions; no forward exchange again). Eager: the checkpoint re-runs the forward's messages

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..plan.plans import TensorMap
+from ..plan.plans import TensorMap, guarded_eager_call
 
 __all__ = ["IN_PLACE", "Marks", "flows_message", "in_hook", "op_name", "refusal_message", "torch_module_call", "where"]
 
@@ -41,6 +41,7 @@ def flows_message(message: str) -> str:
 
 
 _MODULE_PY = os.path.join(_TORCH_DIR, "nn", "modules", "module.py")
+_EAGER_CALL = guarded_eager_call.__code__  # (a compiled first call run eagerly: in_hook)
 _MODULES_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 
 
@@ -55,9 +56,13 @@ IN_PLACE = frozenset(("__setitem__", "__iadd__", "__isub__", "__imul__", "__itru
 
 def in_hook(frame: Any) -> bool:
     """Whether ``frame`` runs (at any depth) inside a module's forward hook or pre-hook: a frame that
-    ``Module._call_impl`` called which is not the module's forward."""
+    ``Module._call_impl`` called which is not the module's forward. A forward that
+    :func:`halo.plan.plans.guarded_eager_call` runs (from the model's pre-hook, for a compiled first call) is the
+    model's call, not a hook's: the walk ends there."""
     f = frame
     while f is not None:
+        if f.f_code is _EAGER_CALL:
+            return False
         back = f.f_back
         if back is not None and back.f_code.co_filename == _MODULE_PY and f.f_code.co_filename != _MODULE_PY \
                 and back.f_code.co_name in ("_call_impl", "inner"):  # hooks run in _call_impl's inner()

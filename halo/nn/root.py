@@ -178,9 +178,12 @@ class RootMethod:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
-        fn = getattr(type(model), self.name).__get__(model)
+        # The class's function called with the model (not ``func.__get__(model)``: dynamo resolves that bound
+        # method to the model's attribute, which is this object: a recursion without end under torch.compile).
+        func = getattr(type(model), self.name)
+        fn = functools.partial(func, model)
         if torch.compiler.is_compiling() or plans.state().depth:
-            return fn(*args, **kwargs)
+            return func(model, *args, **kwargs)
         enter_root(model, args, kwargs, method=self.name)
         out = None
         try:

@@ -99,6 +99,7 @@ __all__ = [
     "epoch_of",
     "exit_root",
     "field_epoch",
+    "guarded_eager_call",
     "guarded_epochs",
     "hold",
     "mark_whole",
@@ -704,15 +705,19 @@ _MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
 
 def _called_by_dynamo() -> bool:
     """Whether this model's call comes from a ``torch.compile``-d module or function: dynamo's frames above the
-    module call that runs this hook (the ones below it are the hook's own ``dynamo.disable`` wrapper)."""
+    module call that runs this hook (the ones below it are the hook's own ``dynamo.disable`` wrapper). A frame of
+    ``dynamo.disable`` itself does not count: ``torch.utils.checkpoint`` (``torch._disable_dynamo``) runs eagerly."""
     f = sys._getframe(1)
     while f is not None and _MODULE_PY not in f.f_code.co_filename:
         f = f.f_back
     while f is not None:
-        if _DYNAMO_DIR in f.f_code.co_filename:
+        if _DYNAMO_DIR in f.f_code.co_filename and not f.f_code.co_qualname.startswith(_DISABLED):
             return True
         f = f.f_back
     return False
+
+
+_DISABLED = ("DisableContext.", "_disable_dynamo.")  # (dynamo's eager wrappers: qualnames of torch 2.11 to 2.14)
 
 
 def _check_entry(table: np.ndarray, cg: CommGroup, op: str) -> None:
@@ -820,10 +825,13 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any, method: str | No
     if not first:
         guarded.move_to_end(epoch)  # least recently called dropped first (the same calls on every rank)
     if first and st.guard_on and cg.size > 1 and _called_by_dynamo():
-        _warn_unguarded(module, epoch)
+        if method is None:
+            guarded_eager_call(module, args, kwargs, config, cg, epoch)
+        else:
+            _warn_unguarded(module, epoch)
     elif first and st.guard_on and not _called_by_dynamo():
         # The first call of this epoch: watch the ops its forward calls itself (``halo.guard``). Not for a compiled
-        # model (the graph would be traced under the guard and recompiled without it): check it eagerly first.
+        # model (the graph would be traced under the guard): that one is run eagerly above, before dynamo traces.
         factory = config.guard  # the root's config gives the guard (halo.nn.root, above it): nothing injected
         names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
         st.guard = factory(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
@@ -839,6 +847,41 @@ def guarded_epochs(module: torch.nn.Module) -> collections.OrderedDict:
     if not isinstance(guarded, collections.OrderedDict):  # (a set, in a model pickled before they were bounded)
         guarded = module.__dict__["_halo_guarded"] = collections.OrderedDict.fromkeys(guarded or (), ())
     return guarded
+
+
+def guarded_eager_call(module: torch.nn.Module, args: Any, kwargs: Any, config: Any, cg: CommGroup,
+                       epoch: int) -> None:
+    """The first call of an epoch under ``torch.compile`` (a compiled first call, or a compiled call at new shapes,
+    in eval mode or without grad after eager training calls): the guard watches eager code only, and an unguarded
+    epoch runs its functional ops per shard (a resize to the global size, a mean over H: silently different). So the
+    forward runs here once, eagerly, under the guard, in this dynamo-disabled hook before dynamo traces it: its
+    refusals are raised on every rank alike and the ops it computes exactly get their sites
+    (:mod:`halo.guard.reroute`), as at an eager first call. Its outputs are dropped; the model's buffers (BatchNorm's
+    running statistics), torch's random states and the epoch's call counter are put back, so the compiled call that
+    follows computes what it would have (each rank alike: every rank of the group is at the same first call). The
+    guard takes this function's frame for the model's call (``halo.guard._ops.in_hook``): the hook that runs it is
+    not the model's code."""
+    st = _state()
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
+    guard = st.guard = config.guard(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
+    calls = st.calls
+    out = None
+    guard.__enter__()
+    try:
+        out = module.forward(*args, **kwargs)
+    finally:
+        guard.__exit__(None, None, None)
+        st.guard, st.calls = None, calls
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    guard.finish(out, module)  # (the epoch guarded, with its sites)
 
 
 def _warn_unguarded(module: torch.nn.Module, epoch: int) -> None:
