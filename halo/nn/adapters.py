@@ -47,12 +47,18 @@ def adapter(module: nn.Module) -> Converter | None:
     kind = type(module)
     if kind.__name__ == "BatchNormAct2d" and isinstance(module, nn.BatchNorm2d) \
             and {"drop", "act"} <= set(module._modules):  # timm.layers.BatchNormAct2d: batch norm, drop, act
-        return lambda m, ctx: norm.DomainBatchNormAct2d(m, group=ctx.group, dp_group=ctx.dp_group, mesh=ctx.mesh)
+        made = _checked(module, lambda m, ctx: norm.DomainBatchNormAct2d(m, group=ctx.group, dp_group=ctx.dp_group,
+                                                                         mesh=ctx.mesh),
+                        (2, module.num_features, 4, 5), "timm's BatchNormAct2d")
+        if made is not None:
+            return made
     stateless = not module._parameters and not module._buffers and not module._modules
-    if stateless and kind.__name__ == "DropPath" and hasattr(module, "drop_prob"):  # timm's and its copies
-        return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group, mesh=ctx.mesh)
-    if stateless and kind.__name__ == "StochasticDepth" and hasattr(module, "p") and hasattr(module, "mode"):
-        return lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group, mesh=ctx.mesh)  # torchvision.ops
+    if stateless and (kind.__name__ == "DropPath" and hasattr(module, "drop_prob")  # timm's and its copies
+                      or kind.__name__ == "StochasticDepth" and hasattr(module, "p") and hasattr(module, "mode")):
+        made = _checked(module, lambda m, ctx: dropout.DomainDropPath.adopt(m, group=ctx.group, mesh=ctx.mesh),
+                        (2, 3, 4, 5), f"timm's or torchvision's {kind.__name__}")  # (torchvision.ops.StochasticDepth)
+        if made is not None:
+            return made
     if kind.__name__.startswith("NeighborhoodAttention") and kind.__module__.split(".")[0] == "natten":
         return _natten(module)
     if kind.__name__ == "NeighborhoodAttention2D" and all(  # a copy of NATTEN < 0.20's class (with its rpb)
@@ -68,10 +74,78 @@ def adapter(module: nn.Module) -> Converter | None:
     made = spectral_adapter(module)  # spectral transforms (halo.nn.spectral_layers): by distributed transposes
     if made is not None:
         return made
-    return (swinv2_adapter(module) or swin_adapter(module) or mobilevit_adapter(module) or timm_adapter(module)
+    made = swinv2_adapter(module)
+    if made is not None:
+        return made
+    made = swin_adapter(module)
+    if made is not None and kind.__name__ in ("PatchMerging", "PatchEmbed"):  # names many repositories use
+        made = _checked(module, made, _swin_probe(module), f"timm's {kind.__name__}")
+    if made is not None:
+        return made
+    return (mobilevit_adapter(module) or timm_adapter(module)
             or smp_adapter(module)
             or diffusers_adapter(module) or monai_adapter(module) or sr_attention_adapter(module)
             or attention_adapter(module))  # attention over all tokens (halo.nn.attention_layers): ring attention
+
+
+#: the packages whose classes halo's by-name recognisers were written from (and are tested on)
+_HOMES = ("timm", "torchvision")
+#: the context a probe converts in: this process alone (``halo.dist.comm.unsharded``)
+_ALONE = ConvertContext(group=None, dp_group=None, boundary=None)
+
+
+def _checked(module: nn.Module, make: Converter, shape: tuple[int, ...], what: str) -> Converter | None:
+    """``make`` for a layer recognised by name, if it is what its name says. A class of timm or torchvision is
+    taken as it is (halo's forms are tested on them). A class of that name defined elsewhere (a copy in a user's
+    repository, or another layer that shares the name) must compute what halo's form computes: both run in this
+    process on a random float64 input of ``shape``, in eval mode and, where the layer draws nothing, in train mode
+    (on copies: the model is untouched). If they differ or either fails, it is not taken for the real one
+    (``None``: its forward is then converted by the usual rules and watched by the guard) and halo says so: a
+    look-alike replaced by halo's form would compute halo's forward, not its own, silently."""
+    kind = type(module)
+    if kind.__module__.split(".")[0] in _HOMES:
+        return make
+    import copy
+    import warnings
+
+    from ..dist.comm import unsharded
+
+    modes = ("eval", "train") if not any(isinstance(m, nn.modules.dropout._DropoutNd) or
+                                         type(m).__name__ in ("DropPath", "StochasticDepth")
+                                         for m in module.modules()) else ("eval",)
+    why = None
+    try:
+        with torch.no_grad(), unsharded():
+            x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+            for mode in modes:
+                own = copy.deepcopy(module).double().train(mode == "train")
+                halo_form = make(copy.deepcopy(module), _ALONE).double().train(mode == "train")
+                a, b = own(x.clone()), halo_form(x.clone())
+                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                        and torch.allclose(a, b, rtol=1e-9, atol=1e-12)):
+                    why = f"its forward computes otherwise (in {mode} mode, on a random input of shape {shape})"
+                    break
+    except Exception as exc:  # noqa: BLE001 - any failure: not the real one
+        why = f"its forward or halo's form failed on a random input of shape {shape} ({type(exc).__name__}: {exc})"
+    if why is None:
+        return make
+    warnings.warn(f"halo: {kind.__module__}.{kind.__qualname__} has the name and attributes of {what}, but {why}; "
+                  f"halo does not convert it as {what} (it converts its children and watches its forward)",
+                  stacklevel=4)
+    return None
+
+
+def _swin_probe(module: nn.Module) -> tuple[int, ...]:
+    """A small input of a look-alike of timm's ``PatchMerging`` ((B, H, W, C), C a quarter of the reduction's
+    input) or ``PatchEmbed`` ((B, C, H, W): its declared size where it checks it, else two patches a side)."""
+    mods = module._modules
+    if type(module).__name__ == "PatchMerging":
+        return (2, 4, 4, mods["reduction"].in_features // 4)
+    proj = mods["proj"]
+    size = getattr(module, "img_size", None)
+    if size is None or not getattr(module, "strict_img_size", True):
+        size = tuple(2 * k for k in proj.kernel_size)
+    return (1, proj.in_channels, *size)
 
 
 def _crossformer_layer(module: nn.Module) -> Converter | None:
