@@ -171,3 +171,28 @@ def test_look_alikes_are_said_or_refused_and_nothing_silent(results):
     kinds = {name: results[0][name][0] for name in CASES}
     assert kinds["patch_merging_faithful"] == "ran", kinds
     assert sum(k == "ran" for n, k in kinds.items() if "faithful" not in n) >= 1, kinds
+
+
+def test_swin_blocks_copied_are_taken_and_a_changed_one_is_not():
+    """timm's Swin block as a copy (test_swin's transcription) is halo's; the same class with a forward of its own
+    is not (said), and neither is a copy whose probe fails."""
+    import warnings
+
+    from test_swin import SmallSwin
+
+    from halo.nn.adapters import adapter
+
+    blocks = [m for m in SmallSwin((32, 16)).modules() if type(m).__name__ == "SwinTransformerBlock"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert all(adapter(b) is not None for b in blocks)
+        assert not [w for w in caught if "name and attributes" in str(w.message)]
+
+        class SwinTransformerBlock(type(blocks[0])):
+            def forward(self, x):
+                return super().forward(x) * 1.5
+
+        blocks[0].__class__ = SwinTransformerBlock
+        assert adapter(blocks[0]) is None
+    said = [str(w.message) for w in caught if "name and attributes" in str(w.message)]
+    assert len(said) == 1 and "computes otherwise" in said[0] and "SwinTransformerBlock" in said[0], said

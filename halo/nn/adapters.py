@@ -63,7 +63,11 @@ def adapter(module: nn.Module) -> Converter | None:
         return _natten(module)
     if kind.__name__ == "NeighborhoodAttention2D" and all(  # a copy of NATTEN < 0.20's class (with its rpb)
             hasattr(module, a) for a in ("qkv", "proj", "rpb", "num_heads", "kernel_size", "dilation", "scale")):
-        return lambda m, ctx: DomainNeighborhoodAttention2D(m, group=ctx.group)
+        side = _int(module.kernel_size) * _int(module.dilation) + 1
+        made = _checked(module, lambda m, ctx: DomainNeighborhoodAttention2D(m, group=ctx.group),
+                        (1, side, side, module.qkv.in_features), "NATTEN's NeighborhoodAttention2D")
+        if made is not None:
+            return made
     if kind.__name__ == "GridEmbedding2D" and kind.__module__.split(".")[0] == "neuralop" \
             and hasattr(module, "grid_boundaries") and callable(getattr(kind, "grid", None)):
         return _grid_embedding
@@ -75,11 +79,15 @@ def adapter(module: nn.Module) -> Converter | None:
     if made is not None:
         return made
     made = swinv2_adapter(module)
+    if made is not None and kind.__name__ in ("SwinTransformerV2Block", "SwinTransformerV2CrBlock"):
+        made = _checked(module, made, _block_probe(module), f"timm's {kind.__name__}")
     if made is not None:
         return made
     made = swin_adapter(module)
     if made is not None and kind.__name__ in ("PatchMerging", "PatchEmbed"):  # names many repositories use
         made = _checked(module, made, _swin_probe(module), f"timm's {kind.__name__}")
+    elif made is not None and kind.__name__ == "SwinTransformerBlock":
+        made = _checked(module, made, _block_probe(module), f"timm's {kind.__name__}")
     if made is not None:
         return made
     return (mobilevit_adapter(module) or timm_adapter(module)
@@ -94,16 +102,18 @@ _HOMES = ("timm", "torchvision")
 _ALONE = ConvertContext(group=None, dp_group=None, boundary=None)
 
 
-def _checked(module: nn.Module, make: Converter, shape: tuple[int, ...], what: str) -> Converter | None:
+def _checked(module: nn.Module, make: Converter, shapes: tuple[int, ...] | list[tuple[int, ...]],
+             what: str) -> Converter | None:
     """``make`` for a layer recognised by name, if it is what its name says. A class of timm or torchvision is
-    taken as it is (halo's forms are tested on them). A class of that name defined elsewhere (a copy in a user's
-    repository, or another layer that shares the name) must compute what halo's form computes: both run in this
-    process on a random float64 input of ``shape``, in eval mode and, where the layer draws nothing, in train mode
-    (on copies: the model is untouched). If they differ or either fails, it is not taken for the real one
-    (``None``: its forward is then converted by the usual rules and watched by the guard) and halo says so: a
-    look-alike replaced by halo's form would compute halo's forward, not its own, silently."""
+    taken as it is (halo's forms are tested on them). A class of that name defined elsewhere (a copy in a user's or
+    another library's repository, or another layer that shares the name) must compute what halo's form computes:
+    both run in this process on a random float64 input (the first of ``shapes``, a shape or a list of layouts to
+    try, that the layer's own forward takes), in eval mode and, where the layer draws nothing, in train mode (on
+    copies: the model is untouched). If they differ or either fails, it is not taken for the real one (``None``:
+    its forward is then converted by the usual rules and watched by the guard, exact or refused) and halo says so:
+    a look-alike replaced by halo's form would compute halo's forward, not its own, silently."""
     kind = type(module)
-    if kind.__module__.split(".")[0] in _HOMES:
+    if kind.__module__.split(".")[0] in _HOMES or "_halo_swapped_from" in kind.__dict__:
         return make
     import copy
     import warnings
@@ -113,26 +123,45 @@ def _checked(module: nn.Module, make: Converter, shape: tuple[int, ...], what: s
     modes = ("eval", "train") if not any(isinstance(m, nn.modules.dropout._DropoutNd) or
                                          type(m).__name__ in ("DropPath", "StochasticDepth")
                                          for m in module.modules()) else ("eval",)
-    why = None
+    why, tried = None, [shapes] if isinstance(shapes, tuple) else list(shapes)
     try:
         with torch.no_grad(), unsharded():
-            x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
             for mode in modes:
-                own = copy.deepcopy(module).double().train(mode == "train")
-                halo_form = make(copy.deepcopy(module), _ALONE).double().train(mode == "train")
-                a, b = own(x.clone()), halo_form(x.clone())
-                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                        and torch.allclose(a, b, rtol=1e-9, atol=1e-12)):
-                    why = f"its forward computes otherwise (in {mode} mode, on a random input of shape {shape})"
+                for shape in tried:
+                    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+                    try:
+                        a = copy.deepcopy(module).double().train(mode == "train")(x.clone())
+                    except Exception:  # noqa: BLE001 - not this layout: the next
+                        if shape is tried[-1]:
+                            raise
+                        continue
+                    tried = [shape]  # (train mode: the layout eval mode took)
+                    b = make(copy.deepcopy(module), _ALONE).double().train(mode == "train")(x.clone())
+                    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                            and torch.allclose(a, b, rtol=1e-9, atol=1e-12)):
+                        why = f"its forward computes otherwise (in {mode} mode, on a random input of shape {shape})"
+                    break
+                if why is not None:
                     break
     except Exception as exc:  # noqa: BLE001 - any failure: not the real one
-        why = f"its forward or halo's form failed on a random input of shape {shape} ({type(exc).__name__}: {exc})"
+        why = f"its forward or halo's form failed on a random input ({type(exc).__name__}: {exc})"
     if why is None:
         return make
     warnings.warn(f"halo: {kind.__module__}.{kind.__qualname__} has the name and attributes of {what}, but {why}; "
                   f"halo does not convert it as {what} (it converts its children and watches its forward)",
                   stacklevel=4)
     return None
+
+
+def _int(v: Any) -> int:
+    return int(v[0]) if isinstance(v, tuple | list) else int(v)
+
+
+def _block_probe(module: nn.Module) -> list[tuple[int, ...]]:
+    """Inputs of a look-alike of a Swin block at its declared resolution, channels last or first."""
+    res = tuple(getattr(module, "input_resolution", None) or getattr(module, "feat_size", None) or (8, 8))
+    dim = module._modules["norm1"].normalized_shape[0]
+    return [(1, *res, dim), (1, dim, *res)]
 
 
 def _swin_probe(module: nn.Module) -> tuple[int, ...]:
