@@ -182,9 +182,12 @@ class RootMethod:
         # method to the model's attribute, which is this object: a recursion without end under torch.compile).
         func = getattr(type(model), self.name)
         fn = functools.partial(func, model)
-        if torch.compiler.is_compiling() or plans.state().depth:
+        if plans.state().depth:  # inside the model's call: the method as it is
             return func(model, *args, **kwargs)
-        enter_root(model, args, kwargs, method=self.name)
+        # Called from outside (compiled too: ``torch.compile(model.forward_features)``, traced with the epoch's
+        # entry and exit, which dynamo runs eagerly around the graph; a compiled first call is run once eagerly
+        # under the guard there, as a compiled model's is: halo.plan.plans.guarded_eager_call).
+        enter_root(model, args, kwargs, method=self.name, compiled=torch.compiler.is_compiling())
         out = None
         try:
             out = self.entry(fn, *args, **kwargs)

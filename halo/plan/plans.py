@@ -72,7 +72,6 @@ import hashlib
 import operator
 import os
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -775,11 +774,13 @@ def _watch_backward(module: torch.nn.Module, output: Any) -> None:
 
 
 @torch._dynamo.disable  # a hook: dynamo runs a disabled hook outside the graph even under fullgraph=True
-def enter_root(module: torch.nn.Module, args: Any, kwargs: Any, method: str | None = None) -> None:
+def enter_root(module: torch.nn.Module, args: Any, kwargs: Any, method: str | None = None,
+               compiled: bool = False) -> None:
     """Forward pre-hook of a converted model: start (or, inside another converted model, join) its step's epoch.
     ``method``: another entry of the model called from outside its forward (``halo.nn.root``: timm's
     ``forward_features``, ...), whose epoch is its own (a pure function of the inputs' and the method's name): its
-    first call is guarded, not taken for one of ``forward``'s calls on the same inputs."""
+    first call is guarded, not taken for one of ``forward``'s calls on the same inputs. ``compiled``: that method
+    called from a compiled function (``torch.compile(model.forward_features)``), which no module call shows."""
     st = _state()
     if st.depth:
         st.depth += 1
@@ -824,12 +825,14 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any, method: str | No
     first = epoch not in guarded or st.validation == "always"
     if not first:
         guarded.move_to_end(epoch)  # least recently called dropped first (the same calls on every rank)
-    if first and st.guard_on and cg.size > 1 and _called_by_dynamo():
-        if method is None:
-            guarded_eager_call(module, args, kwargs, config, cg, epoch)
-        else:
-            _warn_unguarded(module, epoch)
-    elif first and st.guard_on and not _called_by_dynamo():
+    dynamo = compiled or _called_by_dynamo()
+    if first and st.guard_on and cg.size > 1 and dynamo:
+        try:
+            guarded_eager_call(module, args, kwargs, config, cg, epoch, method)
+        except BaseException:  # (a refusal: no call is in progress, whether or not an exit hook runs after this)
+            st.epoch, st.depth, st.mesh_group = None, 0, None
+            raise
+    elif first and st.guard_on and not dynamo:
         # The first call of this epoch: watch the ops its forward calls itself (``halo.guard``). Not for a compiled
         # model (the graph would be traced under the guard): that one is run eagerly above, before dynamo traces.
         factory = config.guard  # the root's config gives the guard (halo.nn.root, above it): nothing injected
@@ -850,7 +853,7 @@ def guarded_epochs(module: torch.nn.Module) -> collections.OrderedDict:
 
 
 def guarded_eager_call(module: torch.nn.Module, args: Any, kwargs: Any, config: Any, cg: CommGroup,
-                       epoch: int) -> None:
+                       epoch: int, method: str | None = None) -> None:
     """The first call of an epoch under ``torch.compile`` (a compiled first call, or a compiled call at new shapes,
     in eval mode or without grad after eager training calls): the guard watches eager code only, and an unguarded
     epoch runs its functional ops per shard (a resize to the global size, a mean over H: silently different). So the
@@ -860,8 +863,13 @@ def guarded_eager_call(module: torch.nn.Module, args: Any, kwargs: Any, config: 
     running statistics), torch's random states and the epoch's call counter are put back, so the compiled call that
     follows computes what it would have (each rank alike: every rank of the group is at the same first call). The
     guard takes this function's frame for the model's call (``halo.guard._ops.in_hook``): the hook that runs it is
-    not the model's code."""
+    not the model's code. ``method``: a root method (``halo.nn.root.RootMethod``), run through its entry module,
+    where its sites are kept."""
     st = _state()
+    call = module.forward
+    if method is not None:
+        root_method = module.__dict__[method]
+        call = functools.partial(root_method.entry, functools.partial(getattr(type(module), method), module))
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -871,7 +879,7 @@ def guarded_eager_call(module: torch.nn.Module, args: Any, kwargs: Any, config: 
     out = None
     guard.__enter__()
     try:
-        out = module.forward(*args, **kwargs)
+        out = call(*args, **kwargs)
     finally:
         guard.__exit__(None, None, None)
         st.guard, st.calls = None, calls
@@ -882,23 +890,6 @@ def guarded_eager_call(module: torch.nn.Module, args: Any, kwargs: Any, config: 
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     guard.finish(out, module)  # (the epoch guarded, with its sites)
-
-
-def _warn_unguarded(module: torch.nn.Module, epoch: int) -> None:
-    """A compiled first call of an epoch: the guard cannot watch a traced forward, so say so (once per epoch)."""
-    warned = module.__dict__.get("_halo_unguarded")
-    if not isinstance(warned, collections.OrderedDict):
-        warned = module.__dict__["_halo_unguarded"] = collections.OrderedDict.fromkeys(warned or ())
-    if epoch in warned:
-        return
-    warned[epoch] = None
-    while len(warned) > _state().max_epochs:  # (a warning said again at worst)
-        warned.popitem(last=False)
-    warnings.warn(
-        f"halo: the first call of {type(module).__name__} for these input shapes ran under torch.compile, so halo's "
-        f"guard did not check the functional ops its forward calls (F.pad, F.interpolate, slicing or a mean over "
-        f"the sharded dim would run per shard, silently different from the unsharded model). Run one eager call "
-        f"at these shapes first (before compiling), or halo.check_equivalence(model, sample)", stacklevel=3)
 
 
 @torch._dynamo.disable  # a hook: dynamo runs a disabled hook outside the graph even under fullgraph=True
