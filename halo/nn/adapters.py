@@ -124,11 +124,13 @@ def _checked(module: nn.Module, make: Converter, shapes: tuple[int, ...] | list[
                                          type(m).__name__ in ("DropPath", "StochasticDepth")
                                          for m in module.modules()) else ("eval",)
     why, tried = None, [shapes] if isinstance(shapes, tuple) else list(shapes)
+    device = next(iter((*module.parameters(), *module.buffers())), torch.empty(0)).device  # (the layer's own)
     try:
         with torch.no_grad(), unsharded():
             for mode in modes:
                 for shape in tried:
                     x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+                    x = x.to(device)
                     try:
                         a = copy.deepcopy(module).double().train(mode == "train")(x.clone())
                     except Exception:  # noqa: BLE001 - not this layout: the next
