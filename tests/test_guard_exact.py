@@ -502,6 +502,15 @@ class Entries(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
+class RootMean(Two):
+    """A functional op in the root's own forward: its site is on the model itself, whose ``forward`` torch's Module
+    call reads before the hooks run (the first compiled call ran it without the site: 0.37-0.41 off)."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y * y.mean(2, keepdim=True)
+
+
 def _compiled_first(rank, world):
     """Compiled calls that start an epoch: the model's first call (compiled from the start), and, after eager
     training calls, an eval call without grad (a new epoch). Each against the unsharded model, with the warnings
@@ -517,7 +526,7 @@ def _compiled_first(rank, world):
     full, wts = _inputs(37, 0)
     mine = lambda t: t[..., offs[rank]:offs[rank + 1], :]  # noqa: E731
     out = {}
-    for kind in (Two, Entries):
+    for kind in (Two, Entries, RootMean):
         torch.manual_seed(0)
         ref = kind().double()
         xf = full.clone().requires_grad_(True)
@@ -562,7 +571,9 @@ def test_a_compiled_first_call_is_guarded_and_exact():
     guard, before dynamo traces it. Its exact ops then get their sites: a compiled call equals the unsharded model
     (forward, input gradient, BatchNorm-free buffers untouched by the extra run), and an op the guard refuses is
     refused on every rank alike. Before, the epoch ran unguarded (a warning only): smp's PSPNet and PAN were 0.3 to
-    0.6 off. timm's entries (``forward_features`` / ``forward_head``) compile too."""
+    0.6 off. timm's entries (``forward_features`` / ``forward_head``) compile too, and a functional op in the root's
+    own forward (``RootMean``: the call in progress had read the class's forward before the hook ran) is exact at
+    that first call too, forward and backward."""
     results = _results(2, "compiled_first")
     for r in results:
         for (kind, how), (said, errs) in ((k, v) for k, v in r.items() if k != "refused"):

@@ -876,6 +876,7 @@ def guarded_eager_call(module: torch.nn.Module, args: Any, kwargs: Any, config: 
     names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
     guard = st.guard = config.guard(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
     calls = st.calls
+    before = module.__dict__.get("forward")
     out = None
     guard.__enter__()
     try:
@@ -890,12 +891,37 @@ def guarded_eager_call(module: torch.nn.Module, args: Any, kwargs: Any, config: 
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     guard.finish(out, module)  # (the epoch guarded, with its sites)
+    if method is None and module.__dict__.get("forward") is not before:
+        # The model's own forward got sites (a functional op in its own code: a mean over H): torch's Module call
+        # read ``self.forward`` before this hook ran, so the call in progress runs the class's forward without
+        # them. Its exit hook (:func:`exit_root`) runs the forward again, rerouted, from this call's state, and
+        # returns that output in its place (its autograd graph with it): one more eager forward, once per epoch.
+        module.__dict__["_halo_rerun"] = (buffers, cpu_rng, cuda_rng, calls)
 
 
 @torch._dynamo.disable  # a hook: dynamo runs a disabled hook outside the graph even under fullgraph=True
-def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-    """Forward hook of a converted model (also on error): end its epoch; its outputs keep it (losses after it)."""
+def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    """Forward hook of a converted model (also on error): end its epoch; its outputs keep it (losses after it).
+    Returns the output of a compiled first call whose own forward was rerouted by its guarded run (see
+    :func:`guarded_eager_call`), run again with its sites, else ``None`` (the output as it is)."""
     st = _state()
+    rerun = module.__dict__.pop("_halo_rerun", None)
+    replaced = None
+    if rerun is not None and output is not None and st.depth == 1:
+        buffers, cpu_rng, cuda_rng, st.calls = rerun
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        try:
+            output = replaced = module.forward(*args, **(kwargs or {}))
+        except BaseException:
+            output = None  # (the epoch ends below, unfinished)
+            st.depth = 0
+            st.guard, st.epoch, st.mesh_group = None, None, None
+            raise
     st.depth = max(0, st.depth - 1)
     if st.depth == 0:
         guard, st.guard = st.guard, None
@@ -912,6 +938,7 @@ def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> N
             for t in pytree.tree_leaves(output):
                 if isinstance(t, torch.Tensor):
                     provenance[t] = epoch
+    return replaced
 
 
 # -- tensors a plan needs on a device ------------------------------------------------------------------------------
