@@ -123,27 +123,29 @@ def _checked(module: nn.Module, make: Converter, shapes: tuple[int, ...] | list[
     modes = ("eval", "train") if not any(isinstance(m, nn.modules.dropout._DropoutNd) or
                                          type(m).__name__ in ("DropPath", "StochasticDepth")
                                          for m in module.modules()) else ("eval",)
-    why, tried = None, [shapes] if isinstance(shapes, tuple) else list(shapes)
     device = next(iter((*module.parameters(), *module.buffers())), torch.empty(0)).device  # (the layer's own)
+
+    def run(m: nn.Module, x: torch.Tensor, mode: str) -> Any:
+        return m.double().train(mode == "train")(x.clone())
+
+    why = None
     try:
         with torch.no_grad(), unsharded():
-            for mode in modes:
-                for shape in tried:
-                    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-                    x = x.to(device)
-                    try:
-                        a = copy.deepcopy(module).double().train(mode == "train")(x.clone())
-                    except Exception:  # noqa: BLE001 - not this layout: the next
-                        if shape is tried[-1]:
-                            raise
-                        continue
-                    tried = [shape]  # (train mode: the layout eval mode took)
-                    b = make(copy.deepcopy(module), _ALONE).double().train(mode == "train")(x.clone())
-                    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                            and torch.allclose(a, b, rtol=1e-9, atol=1e-12)):
-                        why = f"its forward computes otherwise (in {mode} mode, on a random input of shape {shape})"
+            layouts = [shapes] if isinstance(shapes, tuple) else list(shapes)
+            for shape in layouts:  # the first layout the layer's own forward takes
+                x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
+                try:
+                    run(copy.deepcopy(module), x, "eval")
                     break
-                if why is not None:
+                except Exception:  # noqa: BLE001 - not this layout: the next (the last one's error is said)
+                    if shape is layouts[-1]:
+                        raise
+            for mode in modes:
+                a = run(copy.deepcopy(module), x, mode)
+                b = run(make(copy.deepcopy(module), _ALONE), x, mode)
+                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                        and torch.allclose(a, b, rtol=1e-9, atol=1e-12)):
+                    why = f"its forward computes otherwise (in {mode} mode, on a random input of shape {shape})"
                     break
     except Exception as exc:  # noqa: BLE001 - any failure: not the real one
         why = f"its forward or halo's form failed on a random input ({type(exc).__name__}: {exc})"

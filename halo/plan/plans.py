@@ -830,7 +830,7 @@ def enter_root(module: torch.nn.Module, args: Any, kwargs: Any, method: str | No
         try:
             guarded_eager_call(module, args, kwargs, config, cg, epoch, method)
         except BaseException:  # (a refusal: no call is in progress, whether or not an exit hook runs after this)
-            st.epoch, st.depth, st.mesh_group = None, 0, None
+            _abandon(st)
             raise
     elif first and st.guard_on and not dynamo:
         # The first call of this epoch: watch the ops its forward calls itself (``halo.guard``). Not for a compiled
@@ -852,6 +852,31 @@ def guarded_epochs(module: torch.nn.Module) -> collections.OrderedDict:
     return guarded
 
 
+class _Snapshot:
+    """What one more eager run of a forward must not change: the model's buffers (BatchNorm's running statistics),
+    torch's random states and the epoch's call counter, as they were at the call's start."""
+
+    def __init__(self, module: torch.nn.Module, calls: int) -> None:
+        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.calls = calls
+
+    def restore(self, st: _State) -> None:
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        st.calls = self.calls
+
+
+def _abandon(st: _State) -> None:
+    """A root call that raised in its hooks: no call is in progress any more (the next one starts afresh)."""
+    st.guard, st.epoch, st.depth, st.mesh_group = None, None, 0, None
+
+
 def guarded_eager_call(module: torch.nn.Module, args: Any, kwargs: Any, config: Any, cg: CommGroup,
                        epoch: int, method: str | None = None) -> None:
     """The first call of an epoch under ``torch.compile`` (a compiled first call, or a compiled call at new shapes,
@@ -870,12 +895,9 @@ def guarded_eager_call(module: torch.nn.Module, args: Any, kwargs: Any, config: 
     if method is not None:
         root_method = module.__dict__[method]
         call = functools.partial(root_method.entry, functools.partial(getattr(type(module), method), module))
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    snapshot = _Snapshot(module, st.calls)
     names = {id(m): n or "(the model)" for n, m in module.named_modules(remove_duplicate=False)}
     guard = st.guard = config.guard(names, cg, epoch, w_sharded=getattr(config, "w_sharded", False))
-    calls = st.calls
     before = module.__dict__.get("forward")
     out = None
     guard.__enter__()
@@ -883,20 +905,15 @@ def guarded_eager_call(module: torch.nn.Module, args: Any, kwargs: Any, config: 
         out = call(*args, **kwargs)
     finally:
         guard.__exit__(None, None, None)
-        st.guard, st.calls = None, calls
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        st.guard = None
+        snapshot.restore(st)
     guard.finish(out, module)  # (the epoch guarded, with its sites)
     if method is None and module.__dict__.get("forward") is not before:
         # The model's own forward got sites (a functional op in its own code: a mean over H): torch's Module call
         # read ``self.forward`` before this hook ran, so the call in progress runs the class's forward without
         # them. Its exit hook (:func:`exit_root`) runs the forward again, rerouted, from this call's state, and
         # returns that output in its place (its autograd graph with it): one more eager forward, once per epoch.
-        module.__dict__["_halo_rerun"] = (buffers, cpu_rng, cuda_rng, calls)
+        module.__dict__["_halo_rerun"] = snapshot
 
 
 @torch._dynamo.disable  # a hook: dynamo runs a disabled hook outside the graph even under fullgraph=True
@@ -908,19 +925,11 @@ def exit_root(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> A
     rerun = module.__dict__.pop("_halo_rerun", None)
     replaced = None
     if rerun is not None and output is not None and st.depth == 1:
-        buffers, cpu_rng, cuda_rng, st.calls = rerun
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        rerun.restore(st)
         try:
             output = replaced = module.forward(*args, **(kwargs or {}))
         except BaseException:
-            output = None  # (the epoch ends below, unfinished)
-            st.depth = 0
-            st.guard, st.epoch, st.mesh_group = None, None, None
+            _abandon(st)
             raise
     st.depth = max(0, st.depth - 1)
     if st.depth == 0:
